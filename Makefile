@@ -1,0 +1,51 @@
+# shoal's build. `make build` compiles llama.cpp through the pinned ollama module the
+# first time (10-15 minutes on 2 cores; Go's build cache makes later builds quick).
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+GO ?= go
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS := -X main.version=$(VERSION)
+# Packages that never link llama.cpp: tested under -race without compiling it.
+PURE_PKGS := . ./engine ./engine/sample ./kvcache ./scheduler ./cluster ./api ./models
+CGO_PKGS := ./engine/llama ./cmd/...
+CGO_ENV = eval "$$(bash scripts/cgo-env.sh)"
+STAMP_DIR := $(HOME)/.cache/shoal
+MODEL ?=
+BENCHTIME ?= 1x
+COUNT ?= 3
+
+.PHONY: all build test test-pure test-engine bench-engine run lint fmt clean
+
+all: build
+
+build:
+	@$(CGO_ENV); stamp="$(STAMP_DIR)/llama-built-$$(echo "$$CGO_CFLAGS $$CGO_CPPFLAGS $$($(GO) env GOVERSION)" | cksum | cut -d' ' -f1)"; \
+	if [ ! -f "$$stamp" ]; then echo "shoal: compiling llama.cpp for $${CGO_CFLAGS} (first build: about 10-15 minutes on 2 cores; later builds reuse Go's build cache)"; fi; \
+	$(GO) build -ldflags '$(LDFLAGS)' -o bin/shoal ./cmd/shoal; \
+	mkdir -p "$(STAMP_DIR)"; touch "$$stamp"
+	@echo "built bin/shoal"
+
+test: test-pure test-engine
+
+test-pure:
+	CGO_ENABLED=1 $(GO) test -race -count=1 $(PURE_PKGS)
+
+test-engine: build
+	@$(CGO_ENV); $(GO) test -count=1 -timeout 20m $(CGO_PKGS)
+
+# Raw decode/prefill ceiling of the engine (see docs/benchmarks.md).
+bench-engine: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'Benchmark(Decode|Prefill)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-engine.txt
+
+run: build
+	@bin/shoal version
+
+lint:
+	@test -z "$$(gofmt -l . | tee /dev/stderr)" || (echo "gofmt: files above need formatting" && exit 1)
+	@$(CGO_ENV); $(GO) vet ./...
+
+fmt:
+	gofmt -w .
+
+clean:
+	rm -rf bin lib

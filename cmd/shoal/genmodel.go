@@ -1,0 +1,43 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+
+	"github.com/shoal-ai/shoal/models"
+)
+
+func runGenModel(args []string, stdout, _ io.Writer) error {
+	fs := newFlags("gen-model", stdout)
+	names := slices.Sorted(func(yield func(string) bool) {
+		for k := range models.Presets {
+			if !yield(k) {
+				return
+			}
+		}
+	})
+	preset := fs.String("preset", "tiny", "model size: "+strings.Join(names, ", "))
+	out := fs.String("out", "", "output GGUF path (required)")
+	seed := fs.Uint64("seed", 0, "weight seed (0: the preset's)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	mk, ok := models.Presets[*preset]
+	if !ok {
+		return fmt.Errorf("unknown preset %q (want one of %s)", *preset, strings.Join(names, ", "))
+	}
+	if *out == "" {
+		return fmt.Errorf("--out is required")
+	}
+	spec := mk()
+	if *seed != 0 {
+		spec.Seed = *seed
+	}
+	if err := models.Generate(*out, spec); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "wrote %s: %s, %.1fM parameters\n", *out, spec.Name, float64(spec.Params())/1e6)
+	return nil
+}

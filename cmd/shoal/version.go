@@ -1,0 +1,44 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"runtime"
+
+	"github.com/shoal-ai/shoal/engine/llama"
+)
+
+// errHelp is returned by a command that printed its help on request.
+var errHelp = errors.New("help requested")
+
+// newFlags makes a FlagSet whose -h prints to stdout and stops the command quietly.
+func newFlags(name string, stdout io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("shoal "+name, flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	return fs
+}
+
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return errHelp
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments: %v", fs.Args())
+	}
+	return nil
+}
+
+func runVersion(args []string, stdout, _ io.Writer) error {
+	fs := newFlags("version", stdout)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "shoal %s\nllama.cpp %s\ncpu kernels: %s\ngo %s %s/%s\n",
+		version, llama.LlamaCommit(), llama.CPUFeatures(), runtime.Version(), runtime.GOOS, runtime.GOARCH)
+	return nil
+}

@@ -1,0 +1,192 @@
+// Package engine defines what shoal needs from an inference engine: a loaded model with
+// one context whose KV cells are shared by many sequences (Engine), its tokenizer
+// (Vocab), and the plain value types that cross the boundary. It has no cgo and imports
+// nothing of shoal's; engine/llama implements it over llama.cpp and engine/sim with a
+// time model, so the scheduler can be tested and benchmarked without either.
+package engine
+
+import (
+	"context"
+	"errors"
+)
+
+// Token is a vocabulary id.
+type Token int32
+
+// SeqID names a sequence in the engine's KV memory. Valid ids are 0..Capacity().MaxSeqs-1.
+type SeqID int32
+
+// Pos is a token position within a sequence.
+type Pos int32
+
+// Errors callers branch on. Implementations wrap them with the failing operation.
+var (
+	// ErrNoKVSpace means the batch did not fit into the free KV cells; nothing was decoded.
+	// The caller frees cells (evict, preempt) and retries.
+	ErrNoKVSpace = errors.New("no free KV cells for the batch")
+	// ErrAborted means Abort stopped the decode; KV state of the batch is undefined for
+	// the sequences in it, which should be removed.
+	ErrAborted = errors.New("decode aborted")
+	// ErrInvalidInput marks requests the engine rejects before touching any state: an
+	// out-of-range token or sequence id, a batch larger than the context, and the like.
+	ErrInvalidInput = errors.New("invalid input")
+	// ErrClosed is returned by every method after Close.
+	ErrClosed = errors.New("engine closed")
+	// ErrUnsupported marks an operation the model cannot do (embeddings from a model
+	// without pooling, prefix sharing on recurrent memory, ...).
+	ErrUnsupported = errors.New("unsupported by this model")
+)
+
+// ModelInfo is what the model file says about itself.
+type ModelInfo struct {
+	Name            string // general.name, else the file's base name
+	Architecture    string // general.architecture, e.g. "llama"
+	Description     string // llama.cpp's one-line description (type, size, quantisation)
+	Params          uint64
+	SizeBytes       uint64
+	TrainedContext  int
+	VocabSize       int
+	EmbeddingSize   int
+	Layers          int
+	HasChatTemplate bool
+	// Pooling is true for embedding models whose context pools one vector per sequence.
+	Pooling bool
+}
+
+// Capacity describes the context the engine was created with.
+type Capacity struct {
+	Cells       int  // KV cells in the pool (n_ctx); with Unified every sequence draws on all of them
+	CellsPerSeq int  // the most cells one sequence may use (n_ctx when unified, n_ctx/MaxSeqs otherwise)
+	MaxSeqs     int  // sequence ids 0..MaxSeqs-1
+	BatchTokens int  // the most tokens one Decode accepts (n_batch)
+	Unified     bool // one cell pool shared by all sequences
+	// PrefixSharing is true when SeqCopy of a partial range shares cells between
+	// sequences (plain attention KV in a unified pool). Recurrent, hybrid and
+	// sliding-window-only models report false and run without cross-request sharing.
+	PrefixSharing bool
+}
+
+// Batch is one forward pass: row i puts Tokens[i] at Pos[i] of sequence Seq[i], and
+// Output[i] asks for its logits (or embeddings). Rows of different sequences mix freely.
+// A Batch is plain data owned by the caller and may be reused after Decode returns.
+type Batch struct {
+	Tokens []Token
+	Pos    []Pos
+	Seq    []SeqID
+	Output []bool
+}
+
+// Add appends one row.
+func (b *Batch) Add(t Token, p Pos, s SeqID, output bool) {
+	b.Tokens = append(b.Tokens, t)
+	b.Pos = append(b.Pos, p)
+	b.Seq = append(b.Seq, s)
+	b.Output = append(b.Output, output)
+}
+
+// Len is the number of rows.
+func (b *Batch) Len() int { return len(b.Tokens) }
+
+// Reset empties the batch, keeping its memory.
+func (b *Batch) Reset() {
+	b.Tokens, b.Pos, b.Seq, b.Output = b.Tokens[:0], b.Pos[:0], b.Seq[:0], b.Output[:0]
+}
+
+// Engine is a loaded model with one inference context.
+//
+// Concurrency: an Engine is owned by one goroutine (the scheduler); none of its methods
+// may be called concurrently with another, except Abort, which any goroutine may call at
+// any time to make a running Decode return ErrAborted, and Vocab, whose result is safe
+// for concurrent use. Close must not race with a Decode: Abort, wait for the owner to
+// return, then Close. Close is safe to call twice.
+//
+// Memory: positions p0..p1 are half-open; p1 < 0 means "to the end".
+type Engine interface {
+	Info() ModelInfo
+	Capacity() Capacity
+	Vocab() Vocab
+
+	// Decode runs one forward pass. ctx is checked before the pass starts and aborts it
+	// when cancelled during the pass. On ErrNoKVSpace nothing was changed.
+	Decode(ctx context.Context, b *Batch) error
+	// Logits calls fn with the logits of output row i of the last Decode (i counts only
+	// rows with Output set, in batch order). The slice is a view of engine memory, valid
+	// only during fn: copy what must outlive it.
+	Logits(i int, fn func(logits []float32)) error
+	// Embeddings returns the pooled embedding of a sequence after a Decode on a pooling
+	// model (ErrUnsupported otherwise).
+	Embeddings(s SeqID) ([]float32, error)
+
+	// SeqRemove drops positions [p0, p1) of sequence s from memory; s < 0 means all.
+	SeqRemove(s SeqID, p0, p1 Pos) error
+	// SeqCopy makes positions [p0, p1) of src visible to dst as well. In a unified pool
+	// this shares cells (no copy); in split mode only whole-stream copies are allowed.
+	SeqCopy(src, dst SeqID, p0, p1 Pos) error
+	// SeqKeep removes every sequence except s.
+	SeqKeep(s SeqID) error
+	// SeqShift adds delta to the positions in [p0, p1) of s (context shift).
+	SeqShift(s SeqID, p0, p1, delta Pos) error
+	// SeqPosRange returns the smallest and largest position of s; ok is false when s is empty.
+	SeqPosRange(s SeqID) (min, max Pos, ok bool)
+	// ClearMemory empties the KV memory of all sequences.
+	ClearMemory() error
+
+	// NewGrammar compiles a GBNF grammar for constrained sampling.
+	NewGrammar(gbnf string) (Grammar, error)
+
+	// Abort makes a Decode in progress (or the next one) return ErrAborted. Any goroutine.
+	Abort()
+	Close() error
+}
+
+// Vocab is a model's tokenizer and chat template.
+//
+// Concurrency: all methods are safe for concurrent use; HTTP handlers tokenize while the
+// scheduler decodes.
+type Vocab interface {
+	Size() int
+	BOS() Token
+	EOS() Token
+	// IsEOG reports whether t ends generation (EOS, EOT and the like).
+	IsEOG(t Token) bool
+	// AddBOS reports whether the model expects BOS at the start of a prompt.
+	AddBOS() bool
+
+	// Tokenize splits text; addSpecial adds BOS (and EOS) as the model wants, and
+	// parseSpecial turns control-token text such as "<|im_start|>" into those tokens.
+	Tokenize(text string, addSpecial, parseSpecial bool) ([]Token, error)
+	// Piece is the raw bytes of one token (special tokens render as their text when
+	// special is true, as nothing otherwise). Bytes may be part of a UTF-8 rune.
+	Piece(t Token, special bool) ([]byte, error)
+	// Detokenize renders whole sequences; removeSpecial drops BOS/EOS, unparseSpecial
+	// renders control tokens as text.
+	Detokenize(tokens []Token, removeSpecial, unparseSpecial bool) (string, error)
+
+	// ApplyChatTemplate renders messages with the model's chat template (ChatML when it
+	// has none), ending with the assistant's turn opened when addAssistant is set.
+	ApplyChatTemplate(msgs []ChatMessage, addAssistant bool) (string, error)
+}
+
+// ChatMessage is one turn for ApplyChatTemplate.
+type ChatMessage struct {
+	Role    string
+	Content string
+}
+
+// Grammar constrains sampling to the strings of a GBNF grammar.
+//
+// Concurrency: not safe for concurrent use; each request owns its own Grammar.
+// Close is safe to call twice.
+type Grammar interface {
+	// Apply sets the logit of every candidate the grammar forbids next to -Inf.
+	Apply(cands []TokenLogit)
+	// Accept advances the grammar past t.
+	Accept(t Token)
+	Close() error
+}
+
+// TokenLogit is one candidate token and its logit.
+type TokenLogit struct {
+	Token Token
+	Logit float32
+}

@@ -1,0 +1,561 @@
+// Package llama implements engine.Engine over llama.cpp's C API (llama.h). It is the
+// only cgo in shoal.
+//
+// The llama.cpp library itself is compiled by the cgo packages of the pinned
+// github.com/ollama/ollama/llama module, which this package imports for the build,
+// for BackendInit (which loads GPU backend libraries from <exe>/../lib/ollama) and for
+// SchemaToGrammar. Its Go wrapper is not used for inference because it cannot create a
+// unified KV pool (kv_unified), abort a decode, free a context, detokenize or apply a
+// chat template; this package calls llama.h directly for all of that.
+//
+// Rules kept here: every C object has a Close that is safe twice; no view of C memory
+// outlives the call that produced it (Logits hands a view to a callback); every
+// llama.cpp failure becomes a Go error, and inputs that would make llama.cpp abort the
+// process (out-of-range ids, partial copies between streams) are rejected before the
+// call.
+package llama
+
+/*
+#cgo LDFLAGS: -lm
+#include <stdlib.h>
+#include <stdint.h>
+#include "llama.h"
+#include "ggml-cpu.h"
+#include "ggml-backend.h"
+
+extern bool shoalProgress(float progress, void *user_data);
+
+static bool shoal_progress_trampoline(float progress, void *user_data) {
+	return shoalProgress(progress, user_data);
+}
+
+static void shoal_set_progress(struct llama_model_params *p, void *user_data) {
+	p->progress_callback = shoal_progress_trampoline;
+	p->progress_callback_user_data = user_data;
+}
+
+// The abort flag lives in C memory and is polled by ggml between graph nodes without
+// calling into Go.
+static bool shoal_abort_poll(void *flag) {
+	return __atomic_load_n((int32_t *)flag, __ATOMIC_RELAXED) != 0;
+}
+static void shoal_abort_store(int32_t *flag, int32_t v) {
+	__atomic_store_n(flag, v, __ATOMIC_RELAXED);
+}
+static void shoal_set_abort(struct llama_context *ctx, int32_t *flag) {
+	llama_set_abort_callback(ctx, shoal_abort_poll, flag);
+}
+
+static void shoal_batch_set(struct llama_batch *b, int i, llama_token t, llama_pos p, llama_seq_id s, int8_t out) {
+	b->token[i] = t;
+	b->pos[i] = p;
+	b->n_seq_id[i] = 1;
+	b->seq_id[i][0] = s;
+	b->logits[i] = out;
+}
+*/
+import "C"
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/cgo"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	ollamallama "github.com/ollama/ollama/llama"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// FlashAttention modes accepted by Config.FlashAttention.
+const (
+	FlashAuto = "auto"
+	FlashOn   = "on"
+	FlashOff  = "off"
+)
+
+// Defaults, each chosen for a CPU node serving many short-to-medium requests.
+const (
+	// DefaultContextCells is the KV pool size in tokens, shared by all sequences.
+	DefaultContextCells = 8192
+	// DefaultMaxSeqs allows 64 concurrent sequences plus cached-prefix holders; the
+	// unified pool lets this go up to llama.cpp's limit (256) at no memory cost.
+	DefaultMaxSeqs = 128
+	// DefaultBatchTokens bounds one forward pass (n_batch); the scheduler's token budget
+	// must not exceed it.
+	DefaultBatchTokens = 2048
+	// DefaultMicroBatchTokens is the physical batch (n_ubatch) llama.cpp computes at once.
+	DefaultMicroBatchTokens = 512
+	// DefaultKVType keeps the cache in f16, llama.cpp's default and lossless for serving.
+	DefaultKVType = "f16"
+)
+
+// Config configures Open. Only cmd fills it from flags.
+type Config struct {
+	ModelPath string
+	// GPULayers is the number of layers to offload when a GPU backend library is loaded
+	// (-1: all). MainGPU and TensorSplit pass through to llama.cpp.
+	GPULayers   int
+	MainGPU     int
+	TensorSplit []float32
+	UseMmap     bool
+
+	ContextCells     int  // n_ctx
+	MaxSeqs          int  // n_seq_max, 1..256
+	BatchTokens      int  // n_batch
+	MicroBatchTokens int  // n_ubatch
+	Threads          int  // decode threads; 0 = runtime.NumCPU()
+	BatchThreads     int  // prompt threads; 0 = Threads
+	Unified          bool // kv_unified: one cell pool for all sequences
+	FlashAttention   string
+	KVType           string // f16, q8_0 or q4_0
+	// Embeddings creates a context that returns pooled embeddings (embedding models).
+	Embeddings bool
+
+	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
+	Progress func(float32)
+}
+
+// DefaultConfig returns a Config for path with every default filled in.
+func DefaultConfig(path string) Config {
+	return Config{
+		ModelPath:        path,
+		GPULayers:        -1,
+		UseMmap:          true,
+		ContextCells:     DefaultContextCells,
+		MaxSeqs:          DefaultMaxSeqs,
+		BatchTokens:      DefaultBatchTokens,
+		MicroBatchTokens: DefaultMicroBatchTokens,
+		Unified:          true,
+		FlashAttention:   FlashAuto,
+		KVType:           DefaultKVType,
+	}
+}
+
+// Validate rejects configurations llama.cpp would refuse or silently change.
+func (c Config) Validate() error {
+	maxSeq := int(C.llama_max_parallel_sequences())
+	switch {
+	case c.ModelPath == "":
+		return errors.New("model path is empty")
+	case c.ContextCells < 16:
+		return fmt.Errorf("context cells %d: need at least 16", c.ContextCells)
+	case c.MaxSeqs < 1 || c.MaxSeqs > maxSeq:
+		return fmt.Errorf("max sequences %d: must be 1..%d", c.MaxSeqs, maxSeq)
+	case !c.Unified && c.ContextCells/c.MaxSeqs < 16:
+		return fmt.Errorf("split KV: %d cells for %d sequences leaves fewer than 16 per sequence", c.ContextCells, c.MaxSeqs)
+	case c.BatchTokens < 1 || c.MicroBatchTokens < 1:
+		return errors.New("batch and micro-batch tokens must be positive")
+	case c.MicroBatchTokens > c.BatchTokens:
+		return fmt.Errorf("micro-batch %d exceeds batch %d", c.MicroBatchTokens, c.BatchTokens)
+	case c.Threads < 0 || c.BatchThreads < 0:
+		return errors.New("threads must not be negative")
+	}
+	if _, err := flashType(c.FlashAttention); err != nil {
+		return err
+	}
+	if _, err := kvType(c.KVType); err != nil {
+		return err
+	}
+	return nil
+}
+
+func flashType(s string) (C.enum_llama_flash_attn_type, error) {
+	switch s {
+	case FlashAuto:
+		return C.LLAMA_FLASH_ATTN_TYPE_AUTO, nil
+	case FlashOn:
+		return C.LLAMA_FLASH_ATTN_TYPE_ENABLED, nil
+	case FlashOff:
+		return C.LLAMA_FLASH_ATTN_TYPE_DISABLED, nil
+	}
+	return 0, fmt.Errorf("flash attention %q: want auto, on or off", s)
+}
+
+func kvType(s string) (C.enum_ggml_type, error) {
+	switch s {
+	case "f16":
+		return C.GGML_TYPE_F16, nil
+	case "q8_0":
+		return C.GGML_TYPE_Q8_0, nil
+	case "q4_0":
+		return C.GGML_TYPE_Q4_0, nil
+	}
+	return 0, fmt.Errorf("KV type %q: want f16, q8_0 or q4_0", s)
+}
+
+var backendOnce sync.Once
+
+// initBackend loads GPU backend libraries (if any are installed beside the binary) and
+// initialises llama.cpp, once per process.
+func initBackend() {
+	backendOnce.Do(ollamallama.BackendInit)
+}
+
+// Engine is a loaded model and one context. See engine.Engine for the concurrency rules.
+type Engine struct {
+	model *C.struct_llama_model
+	ctx   *C.struct_llama_context
+	mem   C.llama_memory_t
+	batch C.struct_llama_batch
+	abort *C.int32_t // C memory polled by ggml
+	vocab *Vocab
+
+	info   engine.ModelInfo
+	cap    engine.Capacity
+	closed atomic.Bool
+	mu     sync.Mutex // serialises Close with Abort
+}
+
+var _ engine.Engine = (*Engine)(nil)
+
+// Open loads the model and creates its context.
+func Open(cfg Config) (*Engine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("open engine: %w", err)
+	}
+	if err := checkModelFile(cfg.ModelPath); err != nil {
+		return nil, fmt.Errorf("open engine: %w", err)
+	}
+	initBackend()
+
+	mp := C.llama_model_default_params()
+	mp.n_gpu_layers = C.int32_t(cfg.GPULayers)
+	if cfg.GPULayers < 0 {
+		mp.n_gpu_layers = C.int32_t(999)
+	}
+	mp.main_gpu = C.int32_t(cfg.MainGPU)
+	mp.use_mmap = C.bool(cfg.UseMmap)
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	if len(cfg.TensorSplit) > 0 {
+		n := int(C.llama_max_devices())
+		if len(cfg.TensorSplit) > n {
+			return nil, fmt.Errorf("open engine: tensor split has %d entries, llama.cpp supports %d devices", len(cfg.TensorSplit), n)
+		}
+		split := (*C.float)(C.calloc(C.size_t(n), C.sizeof_float))
+		defer C.free(unsafe.Pointer(split))
+		s := unsafe.Slice(split, n)
+		for i, v := range cfg.TensorSplit {
+			s[i] = C.float(v)
+		}
+		mp.tensor_split = split
+	}
+	if cfg.Progress != nil {
+		h := cgo.NewHandle(cfg.Progress)
+		defer h.Delete()
+		hp := (*cgo.Handle)(C.malloc(C.size_t(unsafe.Sizeof(h))))
+		defer C.free(unsafe.Pointer(hp))
+		*hp = h
+		C.shoal_set_progress(&mp, unsafe.Pointer(hp))
+	}
+
+	cpath := C.CString(cfg.ModelPath)
+	defer C.free(unsafe.Pointer(cpath))
+	lastLlamaError()
+	model := C.llama_model_load_from_file(cpath, mp)
+	if model == nil {
+		return nil, fmt.Errorf("open engine: llama.cpp could not load %s: %s", cfg.ModelPath,
+			cmp.Or(lastLlamaError(), "not a GGUF model it supports, or truncated/corrupt"))
+	}
+
+	e := &Engine{model: model}
+	if err := e.newContext(cfg); err != nil {
+		C.llama_model_free(model)
+		return nil, fmt.Errorf("open engine: %w", err)
+	}
+	e.vocab = newVocab(model)
+	e.info = e.readInfo(cfg.ModelPath)
+	return e, nil
+}
+
+func (e *Engine) newContext(cfg Config) error {
+	cp := C.llama_context_default_params()
+	cp.n_ctx = C.uint32_t(cfg.ContextCells)
+	cp.n_batch = C.uint32_t(cfg.BatchTokens)
+	cp.n_ubatch = C.uint32_t(cfg.MicroBatchTokens)
+	cp.n_seq_max = C.uint32_t(cfg.MaxSeqs)
+	threads := cfg.Threads
+	if threads == 0 {
+		threads = runtime.NumCPU()
+	}
+	bthreads := cfg.BatchThreads
+	if bthreads == 0 {
+		bthreads = threads
+	}
+	cp.n_threads = C.int32_t(threads)
+	cp.n_threads_batch = C.int32_t(bthreads)
+	cp.kv_unified = C.bool(cfg.Unified)
+	cp.flash_attn_type, _ = flashType(cfg.FlashAttention)
+	kt, _ := kvType(cfg.KVType)
+	cp.type_k, cp.type_v = kt, kt
+	cp.embeddings = C.bool(cfg.Embeddings)
+	cp.no_perf = C.bool(true)
+	// Keep all of a sliding-window model's cells so that partial sequence copies stay valid.
+	cp.swa_full = C.bool(true)
+
+	e.abort = (*C.int32_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.int32_t(0)))))
+	lastLlamaError()
+	ctx := C.llama_init_from_model(e.model, cp)
+	if ctx == nil {
+		C.free(unsafe.Pointer(e.abort))
+		e.abort = nil
+		return fmt.Errorf("create context (n_ctx %d, n_seq_max %d, kv %s, flash %s): %s",
+			cfg.ContextCells, cfg.MaxSeqs, cfg.KVType, cfg.FlashAttention,
+			cmp.Or(lastLlamaError(), "llama.cpp refused it (a quantized V cache needs flash attention; memory may be short)"))
+	}
+	e.ctx = ctx
+	e.mem = C.llama_get_memory(ctx)
+	C.shoal_set_abort(ctx, e.abort)
+	e.batch = C.llama_batch_init(C.int32_t(cfg.BatchTokens), 0, 1)
+
+	recurrent := bool(C.llama_model_is_recurrent(e.model)) || bool(C.llama_model_is_hybrid(e.model))
+	swa := C.llama_model_n_swa(e.model) > 0
+	nctx := int(C.llama_n_ctx(ctx))
+	e.cap = engine.Capacity{
+		Cells:         nctx,
+		CellsPerSeq:   int(C.llama_n_ctx_seq(ctx)),
+		MaxSeqs:       int(C.llama_n_seq_max(ctx)),
+		BatchTokens:   int(C.llama_n_batch(ctx)),
+		Unified:       cfg.Unified,
+		PrefixSharing: cfg.Unified && !recurrent && !swa && e.mem != nil,
+	}
+	return nil
+}
+
+func checkModelFile(path string) error {
+	st, err := os.Stat(path)
+	if err != nil {
+		return fmt.Errorf("model file: %w", err)
+	}
+	if st.IsDir() {
+		return fmt.Errorf("model file %s is a directory", path)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return fmt.Errorf("model file: %w", err)
+	}
+	defer f.Close()
+	var magic [4]byte
+	if _, err := f.Read(magic[:]); err != nil || string(magic[:]) != "GGUF" {
+		return fmt.Errorf("model file %s is not a GGUF file (bad magic)", path)
+	}
+	return nil
+}
+
+func (e *Engine) readInfo(path string) engine.ModelInfo {
+	m := e.model
+	info := engine.ModelInfo{
+		Name:            metaString(m, "general.name"),
+		Architecture:    metaString(m, "general.architecture"),
+		Params:          uint64(C.llama_model_n_params(m)),
+		SizeBytes:       uint64(C.llama_model_size(m)),
+		TrainedContext:  int(C.llama_model_n_ctx_train(m)),
+		VocabSize:       e.vocab.Size(),
+		EmbeddingSize:   int(C.llama_model_n_embd(m)),
+		Layers:          int(C.llama_model_n_layer(m)),
+		HasChatTemplate: C.llama_model_chat_template(m, nil) != nil,
+		Pooling:         C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_NONE && C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_UNSPECIFIED,
+	}
+	var buf [256]C.char
+	if n := C.llama_model_desc(m, &buf[0], C.size_t(len(buf))); n > 0 {
+		info.Description = C.GoString(&buf[0])
+	}
+	if info.Name == "" {
+		info.Name = filepath.Base(path)
+	}
+	return info
+}
+
+func metaString(m *C.struct_llama_model, key string) string {
+	ck := C.CString(key)
+	defer C.free(unsafe.Pointer(ck))
+	n := C.llama_model_meta_val_str(m, ck, nil, 0)
+	if n < 0 {
+		return ""
+	}
+	buf := make([]byte, int(n)+1)
+	C.llama_model_meta_val_str(m, ck, (*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)))
+	return string(buf[:n])
+}
+
+//export shoalProgress
+func shoalProgress(progress C.float, userData unsafe.Pointer) C.bool {
+	h := *(*cgo.Handle)(userData)
+	h.Value().(func(float32))(float32(progress))
+	return true
+}
+
+// Info returns the model's metadata.
+func (e *Engine) Info() engine.ModelInfo { return e.info }
+
+// Capacity returns the context's limits.
+func (e *Engine) Capacity() engine.Capacity { return e.cap }
+
+// Vocab returns the tokenizer; it stays valid until Close.
+func (e *Engine) Vocab() engine.Vocab { return e.vocab }
+
+// Decode runs one forward pass over b. It is atomic: on any error the KV memory is as
+// it was before the call.
+func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
+	if e.closed.Load() {
+		return engine.ErrClosed
+	}
+	if err := e.checkBatch(b); err != nil {
+		return fmt.Errorf("decode: %w", err)
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("decode: %w", err)
+	}
+	n := b.Len()
+	for i := range n {
+		out := C.int8_t(0)
+		if b.Output[i] {
+			out = 1
+		}
+		C.shoal_batch_set(&e.batch, C.int(i), C.llama_token(b.Tokens[i]), C.llama_pos(b.Pos[i]), C.llama_seq_id(b.Seq[i]), out)
+	}
+	e.batch.n_tokens = C.int32_t(n)
+
+	// A cancelled ctx aborts the pass. If the watcher fired, wait until it has raised the
+	// flag so that lowering it below cannot be overtaken by a late store.
+	fired := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() { e.Abort(); close(fired) })
+	rc := C.llama_decode(e.ctx, e.batch)
+	aborted := !stop()
+	if aborted {
+		<-fired
+	}
+	C.shoal_abort_store(e.abort, 0)
+
+	switch {
+	case rc == 0:
+		return nil
+	case rc == 1:
+		return fmt.Errorf("decode %d tokens: %w", n, engine.ErrNoKVSpace)
+	}
+	e.undo(b)
+	switch {
+	case rc == 2 && aborted && ctx.Err() != nil:
+		return fmt.Errorf("decode: %w: %w", engine.ErrAborted, ctx.Err())
+	case rc == 2:
+		return fmt.Errorf("decode: %w", engine.ErrAborted)
+	case rc == -1:
+		return fmt.Errorf("decode: llama.cpp rejected the batch: %w", engine.ErrInvalidInput)
+	}
+	return fmt.Errorf("decode %d tokens: llama.cpp failed with status %d", n, int(rc))
+}
+
+// undo removes what a failed decode may have written for the sequences of b, so that
+// the memory is as before the call. llama.cpp already removes the failed micro-batch;
+// earlier micro-batches of the same call stay unless removed here.
+func (e *Engine) undo(b *engine.Batch) {
+	first := map[engine.SeqID]engine.Pos{}
+	for i, s := range b.Seq {
+		if p, ok := first[s]; !ok || b.Pos[i] < p {
+			first[s] = b.Pos[i]
+		}
+	}
+	for s, p := range first {
+		C.llama_memory_seq_rm(e.mem, C.llama_seq_id(s), C.llama_pos(p), -1)
+	}
+}
+
+func (e *Engine) checkBatch(b *engine.Batch) error {
+	n := b.Len()
+	switch {
+	case n == 0:
+		return fmt.Errorf("empty batch: %w", engine.ErrInvalidInput)
+	case n > e.cap.BatchTokens:
+		return fmt.Errorf("batch of %d tokens exceeds n_batch %d: %w", n, e.cap.BatchTokens, engine.ErrInvalidInput)
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
+		return fmt.Errorf("batch columns differ in length: %w", engine.ErrInvalidInput)
+	}
+	nv := engine.Token(e.vocab.Size())
+	for i := range n {
+		if t := b.Tokens[i]; t < 0 || t >= nv {
+			return fmt.Errorf("row %d: token %d outside vocabulary [0,%d): %w", i, t, nv, engine.ErrInvalidInput)
+		}
+		if s := b.Seq[i]; s < 0 || int(s) >= e.cap.MaxSeqs {
+			return fmt.Errorf("row %d: sequence %d outside [0,%d): %w", i, s, e.cap.MaxSeqs, engine.ErrInvalidInput)
+		}
+		if p := b.Pos[i]; p < 0 || int(p) >= e.cap.CellsPerSeq {
+			return fmt.Errorf("row %d: position %d outside the context of %d tokens per sequence: %w", i, p, e.cap.CellsPerSeq, engine.ErrInvalidInput)
+		}
+	}
+	return nil
+}
+
+// Logits calls fn with a view of the logits of batch row i of the last Decode (the row
+// must have had Output set). The view is valid only during fn.
+func (e *Engine) Logits(i int, fn func([]float32)) error {
+	if e.closed.Load() {
+		return engine.ErrClosed
+	}
+	if i < 0 || i >= int(e.batch.n_tokens) {
+		return fmt.Errorf("logits of row %d: outside the last batch of %d rows: %w", i, int(e.batch.n_tokens), engine.ErrInvalidInput)
+	}
+	p := C.llama_get_logits_ith(e.ctx, C.int32_t(i))
+	if p == nil {
+		return fmt.Errorf("logits of row %d: not an output row: %w", i, engine.ErrInvalidInput)
+	}
+	fn(unsafe.Slice((*float32)(unsafe.Pointer(p)), e.vocab.Size()))
+	return nil
+}
+
+// Embeddings returns the pooled embedding of sequence s.
+func (e *Engine) Embeddings(s engine.SeqID) ([]float32, error) {
+	if e.closed.Load() {
+		return nil, engine.ErrClosed
+	}
+	if !e.info.Pooling {
+		return nil, fmt.Errorf("embeddings: model has no pooling: %w", engine.ErrUnsupported)
+	}
+	if err := e.checkSeq(s); err != nil {
+		return nil, fmt.Errorf("embeddings: %w", err)
+	}
+	p := C.llama_get_embeddings_seq(e.ctx, C.llama_seq_id(s))
+	if p == nil {
+		return nil, fmt.Errorf("embeddings of sequence %d: none computed", s)
+	}
+	return append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(p)), e.info.EmbeddingSize)...), nil
+}
+
+// Abort makes a running (or the next) Decode return ErrAborted. Any goroutine.
+func (e *Engine) Abort() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.abort != nil {
+		C.shoal_abort_store(e.abort, 1)
+	}
+}
+
+// Close frees the context and the model. Safe to call twice; must not race a Decode.
+func (e *Engine) Close() error {
+	if e.closed.Swap(true) {
+		return nil
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.ctx != nil {
+		C.llama_batch_free(e.batch)
+		C.llama_free(e.ctx)
+		e.ctx = nil
+	}
+	if e.abort != nil {
+		C.free(unsafe.Pointer(e.abort))
+		e.abort = nil
+	}
+	if e.model != nil {
+		C.llama_model_free(e.model)
+		e.model = nil
+	}
+	return nil
+}

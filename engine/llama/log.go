@@ -1,0 +1,84 @@
+package llama
+
+/*
+#include "llama.h"
+#include "ggml.h"
+
+extern void shoalLog(int level, char *text, void *user_data);
+
+static void shoal_install_log(void) {
+	llama_log_set((ggml_log_callback)shoalLog, NULL);
+	ggml_log_set((ggml_log_callback)shoalLog, NULL);
+}
+*/
+import "C"
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
+// llama.cpp writes its log in fragments (a line may arrive in pieces, continuation
+// pieces carry GGML_LOG_LEVEL_CONT), so fragments are joined into lines here and each
+// line goes to the logger. Its INFO output is a per-load report, so it is logged at
+// Debug; warnings and errors keep their level.
+var (
+	logger    atomic.Pointer[slog.Logger]
+	logMu     sync.Mutex
+	logLine   strings.Builder
+	logLevel  slog.Level
+	lastError atomic.Value // string: llama.cpp's most recent error line, for error messages
+)
+
+func init() {
+	logger.Store(slog.Default())
+	C.shoal_install_log()
+}
+
+// SetLogger routes llama.cpp's and ggml's log to l (slog.Default() until called).
+func SetLogger(l *slog.Logger) { logger.Store(l) }
+
+//export shoalLog
+func shoalLog(level C.int, text *C.char, _ *C.void) {
+	s := C.GoString(text)
+	logMu.Lock()
+	defer logMu.Unlock()
+	if level != C.GGML_LOG_LEVEL_CONT {
+		logLevel = slogLevel(level)
+	}
+	logLine.WriteString(s)
+	if !strings.HasSuffix(s, "\n") {
+		return
+	}
+	line := strings.TrimSpace(logLine.String())
+	logLine.Reset()
+	if line == "" || strings.Trim(line, ".") == "" {
+		return
+	}
+	if logLevel >= slog.LevelError {
+		lastError.Store(line)
+	}
+	l := logger.Load()
+	if l.Enabled(context.Background(), logLevel) {
+		l.Log(context.Background(), logLevel, line, "src", "llama.cpp")
+	}
+}
+
+func slogLevel(level C.int) slog.Level {
+	switch level {
+	case C.GGML_LOG_LEVEL_ERROR:
+		return slog.LevelError
+	case C.GGML_LOG_LEVEL_WARN:
+		return slog.LevelWarn
+	}
+	return slog.LevelDebug
+}
+
+// lastLlamaError returns llama.cpp's most recent error line, or "" and clears it.
+func lastLlamaError() string {
+	s, _ := lastError.Swap("").(string)
+	return s
+}

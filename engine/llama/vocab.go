@@ -1,0 +1,161 @@
+package llama
+
+/*
+#include <stdlib.h>
+#include "llama.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// Vocab is the model's tokenizer. llama.cpp's vocabulary functions only read the
+// loaded model, so every method is safe for concurrent use.
+type Vocab struct {
+	model *C.struct_llama_model
+	v     *C.struct_llama_vocab
+	n     int
+	tmpl  *C.char // the model's chat template, or nil (then ChatML)
+}
+
+var _ engine.Vocab = (*Vocab)(nil)
+
+func newVocab(m *C.struct_llama_model) *Vocab {
+	v := C.llama_model_get_vocab(m)
+	return &Vocab{model: m, v: v, n: int(C.llama_vocab_n_tokens(v)), tmpl: C.llama_model_chat_template(m, nil)}
+}
+
+// Size is the number of tokens.
+func (v *Vocab) Size() int { return v.n }
+
+// BOS is the beginning-of-sequence token.
+func (v *Vocab) BOS() engine.Token { return engine.Token(C.llama_vocab_bos(v.v)) }
+
+// EOS is the end-of-sequence token.
+func (v *Vocab) EOS() engine.Token { return engine.Token(C.llama_vocab_eos(v.v)) }
+
+// IsEOG reports whether t ends generation.
+func (v *Vocab) IsEOG(t engine.Token) bool {
+	return v.valid(t) && bool(C.llama_vocab_is_eog(v.v, C.llama_token(t)))
+}
+
+// AddBOS reports whether prompts start with BOS.
+func (v *Vocab) AddBOS() bool { return bool(C.llama_vocab_get_add_bos(v.v)) }
+
+func (v *Vocab) valid(t engine.Token) bool { return t >= 0 && int(t) < v.n }
+
+// Tokenize splits text into tokens.
+func (v *Vocab) Tokenize(text string, addSpecial, parseSpecial bool) ([]engine.Token, error) {
+	ctext := C.CString(text)
+	defer C.free(unsafe.Pointer(ctext))
+	// One token per byte plus BOS/EOS is an upper bound for every llama.cpp tokenizer.
+	capacity := len(text) + 2
+	buf := make([]engine.Token, capacity)
+	n := C.llama_tokenize(v.v, ctext, C.int32_t(len(text)), (*C.llama_token)(unsafe.Pointer(&buf[0])), C.int32_t(capacity), C.bool(addSpecial), C.bool(parseSpecial))
+	if n < 0 {
+		if n == C.int32_t(-2147483648) {
+			return nil, fmt.Errorf("tokenize: text of %d bytes is too long", len(text))
+		}
+		// The bound above should hold; retry with the size llama.cpp asked for.
+		capacity = int(-n)
+		buf = make([]engine.Token, capacity)
+		n = C.llama_tokenize(v.v, ctext, C.int32_t(len(text)), (*C.llama_token)(unsafe.Pointer(&buf[0])), C.int32_t(capacity), C.bool(addSpecial), C.bool(parseSpecial))
+		if n < 0 {
+			return nil, fmt.Errorf("tokenize: llama.cpp failed (%d)", int(n))
+		}
+	}
+	return buf[:n], nil
+}
+
+// Piece returns the bytes of one token.
+func (v *Vocab) Piece(t engine.Token, special bool) ([]byte, error) {
+	if !v.valid(t) {
+		return nil, fmt.Errorf("piece of token %d: outside vocabulary [0,%d): %w", t, v.n, engine.ErrInvalidInput)
+	}
+	var small [64]byte
+	buf := small[:]
+	for range 2 {
+		n := C.llama_token_to_piece(v.v, C.llama_token(t), (*C.char)(unsafe.Pointer(&buf[0])), C.int32_t(len(buf)), 0, C.bool(special))
+		if n >= 0 {
+			return append([]byte(nil), buf[:n]...), nil
+		}
+		buf = make([]byte, int(-n))
+	}
+	return nil, fmt.Errorf("piece of token %d: llama.cpp failed", t)
+}
+
+// Detokenize renders whole token sequences.
+func (v *Vocab) Detokenize(tokens []engine.Token, removeSpecial, unparseSpecial bool) (string, error) {
+	for i, t := range tokens {
+		if !v.valid(t) {
+			return "", fmt.Errorf("detokenize: token %d at %d outside vocabulary [0,%d): %w", t, i, v.n, engine.ErrInvalidInput)
+		}
+	}
+	if len(tokens) == 0 {
+		return "", nil
+	}
+	size := len(tokens)*8 + 16
+	for range 2 {
+		buf := make([]byte, size)
+		n := C.llama_detokenize(v.v, (*C.llama_token)(unsafe.Pointer(&tokens[0])), C.int32_t(len(tokens)),
+			(*C.char)(unsafe.Pointer(&buf[0])), C.int32_t(size), C.bool(removeSpecial), C.bool(unparseSpecial))
+		if n >= 0 {
+			return string(buf[:n]), nil
+		}
+		size = int(-n)
+	}
+	return "", errors.New("detokenize: llama.cpp failed")
+}
+
+// chatMLTemplate is the fallback for models without a template: llama.cpp recognises
+// the name and renders ChatML, the format most chat-tuned open models use.
+const chatMLTemplate = "chatml"
+
+// ApplyChatTemplate renders messages with the model's template, or ChatML if it has none.
+// llama.cpp matches the template against its built-in formats; a template it does not
+// recognise is an error rather than a silent fallback.
+func (v *Vocab) ApplyChatTemplate(msgs []engine.ChatMessage, addAssistant bool) (string, error) {
+	tmpl := v.tmpl
+	if tmpl == nil {
+		tmpl = C.CString(chatMLTemplate)
+		defer C.free(unsafe.Pointer(tmpl))
+	}
+	n := len(msgs)
+	cmsgs := (*C.struct_llama_chat_message)(C.calloc(C.size_t(max(n, 1)), C.size_t(unsafe.Sizeof(C.struct_llama_chat_message{}))))
+	defer C.free(unsafe.Pointer(cmsgs))
+	view := unsafe.Slice(cmsgs, max(n, 1))
+	total := 0
+	for i, m := range msgs {
+		view[i].role = C.CString(m.Role)
+		view[i].content = C.CString(m.Content)
+		total += len(m.Role) + len(m.Content)
+	}
+	defer func() {
+		for i := range n {
+			C.free(unsafe.Pointer(view[i].role))
+			C.free(unsafe.Pointer(view[i].content))
+		}
+	}()
+	size := 2*total + 256
+	for range 2 {
+		buf := (*C.char)(C.malloc(C.size_t(size)))
+		r := C.llama_chat_apply_template(tmpl, cmsgs, C.size_t(n), C.bool(addAssistant), buf, C.int32_t(size))
+		if r < 0 {
+			C.free(unsafe.Pointer(buf))
+			return "", fmt.Errorf("apply chat template: llama.cpp does not support this model's template: %w", engine.ErrUnsupported)
+		}
+		if int(r) <= size {
+			s := C.GoStringN(buf, r)
+			C.free(unsafe.Pointer(buf))
+			return s, nil
+		}
+		C.free(unsafe.Pointer(buf))
+		size = int(r)
+	}
+	return "", errors.New("apply chat template: output size changed between calls")
+}

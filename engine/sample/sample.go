@@ -1,0 +1,438 @@
+// Package sample implements engine.Sampler in Go over a row of logits.
+//
+// Why Go and not llama.cpp's sampler chain: the scheduler samples many sequences per
+// step, each with its own parameters, seed and log-probability request. A Go sampler
+// per sequence needs no C object per request, makes determinism a property of our own
+// seeded generator (same seed and input, same output), reads the logits through the
+// engine's zero-copy view, and computes logprobs exactly as OpenAI's API defines them.
+// The one piece taken from llama.cpp is grammar matching (GBNF), behind
+// engine.Grammar, because re-implementing its grammar engine would be a large
+// duplicate of well-tested code.
+//
+// Order of operations: logit bias, repetition/frequency/presence penalties, grammar,
+// then greedy (temperature 0) or top-k, temperature, top-p and min-p before drawing.
+// Log-probabilities are those of the raw model distribution (log-softmax of the
+// unmodified logits), as vLLM reports them by default.
+package sample
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// Defaults for parameters a request leaves unset.
+const (
+	// DefaultRepeatLastN is how many recent tokens the penalties look at (llama.cpp's default).
+	DefaultRepeatLastN = 64
+	// MaxTopLogprobs bounds the alternatives returned per token (OpenAI allows 20).
+	MaxTopLogprobs = 20
+)
+
+// Params are one request's sampling parameters. The zero value is greedy decoding.
+type Params struct {
+	Temperature float32 // 0: greedy
+	TopK        int     // 0: off
+	TopP        float32 // 0 or 1: off
+	MinP        float32 // 0: off
+
+	RepeatPenalty    float32 // 1 or 0: off; llama.cpp's rule (divide positive logits, multiply negative)
+	FrequencyPenalty float32 // subtract count × this (OpenAI)
+	PresencePenalty  float32 // subtract this once a token appeared (OpenAI)
+	RepeatLastN      int     // window for the penalties; 0: DefaultRepeatLastN, -1: whole sequence
+
+	LogitBias map[engine.Token]float32 // added to the logit; -100 or less bans the token
+
+	Seed uint64 // seeds the generator; equal seeds give equal draws
+
+	Logprobs    bool // compute the chosen token's log-probability (costs a pass over the vocabulary)
+	TopLogprobs int  // alternatives to return per token, 0..MaxTopLogprobs; implies Logprobs
+}
+
+// Validate rejects out-of-range parameters.
+func (p Params) Validate() error {
+	switch {
+	case p.Temperature < 0 || isNaN(p.Temperature):
+		return fmt.Errorf("temperature %v must be >= 0", p.Temperature)
+	case p.TopK < 0:
+		return fmt.Errorf("top_k %d must be >= 0", p.TopK)
+	case p.TopP < 0 || p.TopP > 1 || isNaN(p.TopP):
+		return fmt.Errorf("top_p %v must be in [0, 1]", p.TopP)
+	case p.MinP < 0 || p.MinP > 1 || isNaN(p.MinP):
+		return fmt.Errorf("min_p %v must be in [0, 1]", p.MinP)
+	case p.RepeatPenalty < 0 || isNaN(p.RepeatPenalty):
+		return fmt.Errorf("repetition_penalty %v must be >= 0", p.RepeatPenalty)
+	case p.FrequencyPenalty < -2 || p.FrequencyPenalty > 2 || isNaN(p.FrequencyPenalty):
+		return fmt.Errorf("frequency_penalty %v must be in [-2, 2]", p.FrequencyPenalty)
+	case p.PresencePenalty < -2 || p.PresencePenalty > 2 || isNaN(p.PresencePenalty):
+		return fmt.Errorf("presence_penalty %v must be in [-2, 2]", p.PresencePenalty)
+	case p.RepeatLastN < -1:
+		return fmt.Errorf("repeat_last_n %d must be >= -1", p.RepeatLastN)
+	case p.TopLogprobs < 0 || p.TopLogprobs > MaxTopLogprobs:
+		return fmt.Errorf("top_logprobs %d must be in [0, %d]", p.TopLogprobs, MaxTopLogprobs)
+	}
+	for t, b := range p.LogitBias {
+		if t < 0 || isNaN(b) || b < -100 || b > 100 {
+			return fmt.Errorf("logit_bias %d: %v must be in [-100, 100] for a token id >= 0", t, b)
+		}
+	}
+	return nil
+}
+
+func isNaN(f float32) bool { return f != f }
+
+func (p Params) greedy() bool { return p.Temperature <= 0 }
+
+func (p Params) penalised() bool {
+	return (p.RepeatPenalty != 0 && p.RepeatPenalty != 1) || p.FrequencyPenalty != 0 || p.PresencePenalty != 0
+}
+
+// ErrNoCandidates means the grammar, bias or penalties ruled out every token.
+var ErrNoCandidates = errors.New("sampling: no allowed token")
+
+// Sampler is the Go engine.Sampler. See the package doc for the order of operations.
+type Sampler struct {
+	p       Params
+	grammar engine.Grammar // may be nil; owned (closed) by the sampler
+	rng     *rand.Rand
+
+	history []engine.Token       // recent tokens for the penalties (ring of RepeatLastN)
+	counts  map[engine.Token]int // occurrences within history
+	cands   []engine.TokenLogit  // scratch, reused across steps
+}
+
+var _ engine.Sampler = (*Sampler)(nil)
+
+// New returns a sampler for p. grammar, if not nil, is owned by the sampler from now on.
+func New(p Params, grammar engine.Grammar) (*Sampler, error) {
+	if err := p.Validate(); err != nil {
+		if grammar != nil {
+			_ = grammar.Close()
+		}
+		return nil, fmt.Errorf("sampler: %w", err)
+	}
+	if p.RepeatLastN == 0 {
+		p.RepeatLastN = DefaultRepeatLastN
+	}
+	return &Sampler{
+		p:       p,
+		grammar: grammar,
+		rng:     rand.New(rand.NewPCG(p.Seed, p.Seed^0x9E3779B97F4A7C15)),
+		counts:  map[engine.Token]int{},
+	}, nil
+}
+
+// Accept records t for the penalties and advances the grammar past generated tokens.
+func (s *Sampler) Accept(t engine.Token, generated bool) {
+	if generated && s.grammar != nil {
+		s.grammar.Accept(t)
+	}
+	if !s.p.penalised() {
+		return
+	}
+	s.history = append(s.history, t)
+	s.counts[t]++
+	if n := s.p.RepeatLastN; n > 0 && len(s.history) > n {
+		old := s.history[0]
+		s.history = s.history[1:]
+		if s.counts[old]--; s.counts[old] == 0 {
+			delete(s.counts, old)
+		}
+	}
+}
+
+// Close releases the grammar.
+func (s *Sampler) Close() error {
+	if s.grammar != nil {
+		err := s.grammar.Close()
+		s.grammar = nil
+		return err
+	}
+	return nil
+}
+
+// Sample picks the next token from logits.
+func (s *Sampler) Sample(logits []float32) (engine.Sampled, error) {
+	if len(logits) == 0 {
+		return engine.Sampled{}, fmt.Errorf("sample: empty logits: %w", engine.ErrInvalidInput)
+	}
+	var tok engine.Token
+	var err error
+	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 {
+		tok = argmax(logits)
+		if s.grammar != nil && !s.allowed(tok, logits[tok]) {
+			tok, err = s.sampleAll(logits)
+		}
+	} else {
+		tok, err = s.sampleAll(logits)
+	}
+	if err != nil {
+		return engine.Sampled{}, err
+	}
+	out := engine.Sampled{Token: tok}
+	if s.p.Logprobs || s.p.TopLogprobs > 0 {
+		lse := logSumExp(logits)
+		out.Logprob = logits[tok] - lse
+		if s.p.TopLogprobs > 0 {
+			out.Top = topLogprobs(logits, s.p.TopLogprobs, lse)
+		}
+	}
+	return out, nil
+}
+
+// allowed checks one token against the grammar: the common case of the model already
+// choosing a valid token avoids running the grammar over the whole vocabulary.
+func (s *Sampler) allowed(t engine.Token, logit float32) bool {
+	one := []engine.TokenLogit{{Token: t, Logit: logit}}
+	s.grammar.Apply(one)
+	return !math.IsInf(float64(one[0].Logit), -1)
+}
+
+// sampleAll runs the full pipeline over every token.
+func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
+	c := s.cands[:0]
+	for i, l := range logits {
+		c = append(c, engine.TokenLogit{Token: engine.Token(i), Logit: l})
+	}
+	s.cands = c
+	for t, b := range s.p.LogitBias {
+		if int(t) < len(c) {
+			if b <= -100 {
+				c[t].Logit = float32(math.Inf(-1))
+			} else {
+				c[t].Logit += b
+			}
+		}
+	}
+	if s.p.penalised() {
+		for t, n := range s.counts {
+			if int(t) >= len(c) {
+				continue
+			}
+			l := c[t].Logit
+			if rp := s.p.RepeatPenalty; rp != 0 && rp != 1 {
+				if l > 0 {
+					l /= rp
+				} else {
+					l *= rp
+				}
+			}
+			l -= float32(n)*s.p.FrequencyPenalty + s.p.PresencePenalty
+			c[t].Logit = l
+		}
+	}
+	if !s.p.greedy() {
+		// Draw first and check only the drawn token against the grammar, as llama.cpp's
+		// common sampler does; fall back to masking the whole vocabulary when it fails.
+		if t, ok := s.draw(c); ok && (s.grammar == nil || s.allowed(t, logits[t])) {
+			return t, nil
+		}
+	}
+	if s.grammar != nil {
+		for i := range c {
+			c[i].Token = engine.Token(i)
+		}
+		s.grammar.Apply(c)
+	}
+	if s.p.greedy() {
+		best := -1
+		for i := range c {
+			if !math.IsInf(float64(c[i].Logit), -1) && (best < 0 || c[i].Logit > c[best].Logit) {
+				best = i
+			}
+		}
+		if best < 0 {
+			return 0, ErrNoCandidates
+		}
+		return c[best].Token, nil
+	}
+	if t, ok := s.draw(c); ok {
+		return t, nil
+	}
+	return 0, ErrNoCandidates
+}
+
+// draw applies top-k, temperature, min-p and top-p to c (reordering it) and draws.
+// Only top-p needs an order; it sorts the few hundred most likely candidates, and the
+// whole vocabulary only when those do not reach the requested mass.
+func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
+	n := 0
+	for _, x := range c {
+		if !math.IsInf(float64(x.Logit), -1) && !isNaN(x.Logit) {
+			c[n] = x
+			n++
+		}
+	}
+	if n == 0 {
+		return 0, false
+	}
+	c = c[:n]
+	if k := s.p.TopK; k > 0 && k < n {
+		selectTop(c, k)
+		c = c[:k]
+	}
+	maxL := c[0].Logit
+	for _, x := range c {
+		maxL = max(maxL, x.Logit)
+	}
+	temp := float64(s.p.Temperature)
+	// Reuse Logit as the unnormalised probability from here on.
+	var sum float64
+	for i := range c {
+		p := math.Exp((float64(c[i].Logit) - float64(maxL)) / temp)
+		c[i].Logit = float32(p)
+		sum += p
+	}
+	if s.p.MinP > 0 { // the most likely token has p = 1 here
+		m := 0
+		for _, x := range c {
+			if x.Logit >= s.p.MinP {
+				c[m] = x
+				m++
+			}
+		}
+		c = c[:m]
+		sum = 0
+		for _, x := range c {
+			sum += float64(x.Logit)
+		}
+	}
+	if tp := float64(s.p.TopP); tp > 0 && tp < 1 {
+		c, sum = topP(c, tp*sum)
+	}
+	r := s.rng.Float64() * sum
+	for _, x := range c {
+		r -= float64(x.Logit)
+		if r < 0 {
+			return x.Token, true
+		}
+	}
+	return c[len(c)-1].Token, true
+}
+
+// topPHead is how many candidates top-p sorts before falling back to all of them.
+const topPHead = 256
+
+// topP keeps the most likely candidates (Logit holding probabilities) whose mass
+// reaches target, returning them and their mass.
+func topP(c []engine.TokenLogit, target float64) ([]engine.TokenLogit, float64) {
+	head := len(c)
+	if head > topPHead {
+		head = topPHead
+		selectTop(c, head)
+	}
+	for {
+		slices.SortFunc(c[:head], better)
+		var acc float64
+		for i, x := range c[:head] {
+			acc += float64(x.Logit)
+			if acc >= target {
+				return c[:i+1], acc
+			}
+		}
+		if head == len(c) {
+			return c, acc
+		}
+		head = len(c)
+	}
+}
+
+// better orders by descending logit, then ascending id, so every order is deterministic.
+func better(a, b engine.TokenLogit) int {
+	return cmp.Or(cmp.Compare(b.Logit, a.Logit), cmp.Compare(a.Token, b.Token))
+}
+
+// selectTop moves the k best candidates (by better) to c[:k], in no particular order:
+// quickselect with a median-of-three pivot, deterministic for equal input.
+func selectTop(c []engine.TokenLogit, k int) {
+	lo, hi := 0, len(c)-1
+	for lo < hi {
+		mid := lo + (hi-lo)/2
+		if better(c[mid], c[lo]) < 0 {
+			c[mid], c[lo] = c[lo], c[mid]
+		}
+		if better(c[hi], c[lo]) < 0 {
+			c[hi], c[lo] = c[lo], c[hi]
+		}
+		if better(c[hi], c[mid]) < 0 {
+			c[hi], c[mid] = c[mid], c[hi]
+		}
+		pivot := c[mid]
+		i, j := lo, hi
+		for i <= j {
+			for better(c[i], pivot) < 0 {
+				i++
+			}
+			for better(pivot, c[j]) < 0 {
+				j--
+			}
+			if i <= j {
+				c[i], c[j] = c[j], c[i]
+				i++
+				j--
+			}
+		}
+		switch {
+		case k-1 <= j:
+			hi = j
+		case k-1 >= i:
+			lo = i
+		default:
+			return
+		}
+	}
+}
+
+func argmax(l []float32) engine.Token {
+	best := 0
+	for i, x := range l {
+		if x > l[best] {
+			best = i
+		}
+	}
+	return engine.Token(best)
+}
+
+func logSumExp(l []float32) float32 {
+	m := l[0]
+	for _, x := range l {
+		if x > m {
+			m = x
+		}
+	}
+	var s float64
+	for _, x := range l {
+		s += math.Exp(float64(x - m))
+	}
+	return m + float32(math.Log(s))
+}
+
+// topLogprobs returns the n most likely tokens of the raw distribution.
+func topLogprobs(l []float32, n int, lse float32) []engine.TokenProb {
+	n = min(n, len(l))
+	top := make([]engine.TokenProb, 0, n+1)
+	for i, x := range l {
+		if len(top) == n && x <= top[n-1].Logprob {
+			continue
+		}
+		tp := engine.TokenProb{Token: engine.Token(i), Logprob: x}
+		j, _ := slices.BinarySearchFunc(top, tp, func(a, b engine.TokenProb) int { return cmp.Compare(b.Logprob, a.Logprob) })
+		// equal logits keep the lower id first
+		for j < len(top) && top[j].Logprob == x {
+			j++
+		}
+		top = slices.Insert(top, j, tp)
+		if len(top) > n {
+			top = top[:n]
+		}
+	}
+	for i := range top {
+		top[i].Logprob -= lse
+	}
+	return top
+}

@@ -1,0 +1,240 @@
+package sample
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+func randomLogits(seed uint64, n int) []float32 {
+	r := rand.New(rand.NewPCG(seed, 1))
+	l := make([]float32, n)
+	for i := range l {
+		l[i] = float32(r.NormFloat64() * 3)
+	}
+	return l
+}
+
+func mustNew(t *testing.T, p Params, g engine.Grammar) *Sampler {
+	t.Helper()
+	s, err := New(p, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestGreedyPicksArgmax(t *testing.T) {
+	l := randomLogits(1, 5000)
+	want := argmax(l)
+	for _, p := range []Params{{}, {TopK: 1, Temperature: 1}, {Temperature: 0, TopP: 0.5}} {
+		got, err := mustNew(t, p, nil).Sample(l)
+		if err != nil || got.Token != want {
+			t.Fatalf("%+v: got %v %v, want %d", p, got.Token, err, want)
+		}
+	}
+}
+
+func TestSeedDeterminism(t *testing.T) {
+	l := randomLogits(2, 4000)
+	p := Params{Temperature: 1.2, TopP: 0.95, TopK: 100, MinP: 0.01, Seed: 42}
+	draw := func(seed uint64) []engine.Token {
+		p.Seed = seed
+		s := mustNew(t, p, nil)
+		var out []engine.Token
+		for range 50 {
+			x, err := s.Sample(l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, x.Token)
+		}
+		return out
+	}
+	a, b, c := draw(42), draw(42), draw(43)
+	same := func(x, y []engine.Token) bool {
+		for i := range x {
+			if x[i] != y[i] {
+				return false
+			}
+		}
+		return true
+	}
+	if !same(a, b) {
+		t.Fatal("same seed gave different draws")
+	}
+	if same(a, c) {
+		t.Fatal("different seeds gave identical 50 draws")
+	}
+}
+
+func TestTopKAndTopPRestrictSupport(t *testing.T) {
+	l := []float32{5, 4, 3, 2, 1, 0}
+	seen := map[engine.Token]bool{}
+	s := mustNew(t, Params{Temperature: 5, TopK: 2, Seed: 1}, nil)
+	for range 500 {
+		x, _ := s.Sample(l)
+		seen[x.Token] = true
+	}
+	if len(seen) != 2 || !seen[0] || !seen[1] {
+		t.Fatalf("top_k=2 drew %v", seen)
+	}
+	// With a flat distribution, top_p=0.5 over 6 tokens keeps the 3 most likely.
+	flat := []float32{3, 2.999, 2.998, 2.997, 2.996, 2.995}
+	seen = map[engine.Token]bool{}
+	s = mustNew(t, Params{Temperature: 1, TopP: 0.5, Seed: 2}, nil)
+	for range 500 {
+		x, _ := s.Sample(flat)
+		seen[x.Token] = true
+	}
+	if len(seen) != 3 || seen[3] || seen[4] || seen[5] {
+		t.Fatalf("top_p=0.5 drew %v", seen)
+	}
+	// min_p=0.5 keeps only tokens at least half as likely as the best.
+	seen = map[engine.Token]bool{}
+	s = mustNew(t, Params{Temperature: 1, MinP: 0.5, Seed: 3}, nil)
+	for range 500 {
+		x, _ := s.Sample([]float32{0, float32(math.Log(0.6)), float32(math.Log(0.4)), -5})
+		seen[x.Token] = true
+	}
+	if len(seen) != 2 || !seen[0] || !seen[1] {
+		t.Fatalf("min_p=0.5 drew %v", seen)
+	}
+}
+
+func TestLogitBiasAndPenalties(t *testing.T) {
+	l := []float32{1, 3, 2}
+	x, _ := mustNew(t, Params{LogitBias: map[engine.Token]float32{1: -100}}, nil).Sample(l)
+	if x.Token != 2 {
+		t.Fatalf("banned token: got %d", x.Token)
+	}
+	x, _ = mustNew(t, Params{LogitBias: map[engine.Token]float32{0: 5}}, nil).Sample(l)
+	if x.Token != 0 {
+		t.Fatalf("bias +5: got %d", x.Token)
+	}
+	s := mustNew(t, Params{PresencePenalty: 1.5}, nil)
+	s.Accept(1, true)
+	if x, _ = s.Sample(l); x.Token != 2 {
+		t.Fatalf("presence penalty: got %d", x.Token)
+	}
+	s = mustNew(t, Params{RepeatPenalty: 4, RepeatLastN: 1}, nil)
+	s.Accept(1, true)
+	if x, _ = s.Sample(l); x.Token != 2 {
+		t.Fatalf("repeat penalty: got %d", x.Token)
+	}
+	s.Accept(2, true) // window of 1: token 1 leaves it
+	if x, _ = s.Sample(l); x.Token != 1 {
+		t.Fatalf("repeat window: got %d", x.Token)
+	}
+	s = mustNew(t, Params{FrequencyPenalty: 0.6}, nil)
+	s.Accept(1, true)
+	s.Accept(1, true)
+	if x, _ = s.Sample(l); x.Token != 2 {
+		t.Fatalf("frequency penalty: got %d", x.Token)
+	}
+}
+
+func TestLogprobs(t *testing.T) {
+	l := randomLogits(3, 1000)
+	x, err := mustNew(t, Params{TopLogprobs: 5}, nil).Sample(l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(x.Top) != 5 || x.Top[0].Token != x.Token || x.Top[0].Logprob != x.Logprob {
+		t.Fatalf("top logprobs %+v for %+v", x.Top, x)
+	}
+	for i := 1; i < 5; i++ {
+		if x.Top[i].Logprob > x.Top[i-1].Logprob {
+			t.Fatal("top logprobs not descending")
+		}
+	}
+	var sum float64
+	lse := logSumExp(l)
+	for _, v := range l {
+		sum += math.Exp(float64(v - lse))
+	}
+	if math.Abs(sum-1) > 1e-3 {
+		t.Fatalf("probabilities sum to %v", sum)
+	}
+}
+
+// evenGrammar allows only even token ids.
+type evenGrammar struct{ accepted []engine.Token }
+
+func (g *evenGrammar) Apply(c []engine.TokenLogit) {
+	for i := range c {
+		if c[i].Token%2 != 0 {
+			c[i].Logit = float32(math.Inf(-1))
+		}
+	}
+}
+func (g *evenGrammar) Accept(t engine.Token) { g.accepted = append(g.accepted, t) }
+func (g *evenGrammar) Close() error          { return nil }
+
+func TestGrammarConstrains(t *testing.T) {
+	for _, p := range []Params{{}, {Temperature: 1, Seed: 9}} {
+		g := &evenGrammar{}
+		s := mustNew(t, p, g)
+		for i := range 100 {
+			x, err := s.Sample(randomLogits(uint64(i), 101))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if x.Token%2 != 0 {
+				t.Fatalf("%+v: grammar allowed odd token %d", p, x.Token)
+			}
+			s.Accept(x.Token, true)
+		}
+		if len(g.accepted) != 100 {
+			t.Fatalf("grammar saw %d accepts", len(g.accepted))
+		}
+	}
+}
+
+func TestValidate(t *testing.T) {
+	bad := []Params{{Temperature: -1}, {TopP: 1.5}, {MinP: -0.1}, {TopK: -1}, {FrequencyPenalty: 3},
+		{TopLogprobs: 21}, {LogitBias: map[engine.Token]float32{1: 101}}, {Temperature: float32(math.NaN())}}
+	for _, p := range bad {
+		if _, err := New(p, nil); err == nil {
+			t.Errorf("%+v: want error", p)
+		}
+	}
+}
+
+func TestSelectTop(t *testing.T) {
+	for seed := range uint64(20) {
+		l := randomLogits(seed, 300)
+		c := make([]engine.TokenLogit, len(l))
+		for i, v := range l {
+			c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: v}
+		}
+		k := int(seed*13)%299 + 1
+		selectTop(c, k)
+		minTop := float32(math.Inf(1))
+		for _, x := range c[:k] {
+			minTop = min(minTop, x.Logit)
+		}
+		for _, x := range c[k:] {
+			if x.Logit > minTop {
+				t.Fatalf("seed %d k %d: %v outside top beats %v", seed, k, x.Logit, minTop)
+			}
+		}
+	}
+}
+
+func BenchmarkSample(b *testing.B) {
+	l := randomLogits(1, 32000)
+	for _, c := range []struct {
+		name string
+		p    Params
+	}{{"greedy", Params{}}, {"topk40", Params{Temperature: 0.8, TopK: 40}}, {"topp0.9", Params{Temperature: 0.8, TopP: 0.9}}} {
+		b.Run(c.name, func(b *testing.B) {
+			s, _ := New(c.p, nil)
+			for b.Loop() {
+				_, _ = s.Sample(l)
+			}
+		})
+	}
+}

@@ -1,0 +1,292 @@
+package models
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io"
+	"math"
+	"math/rand/v2"
+	"os"
+	"strings"
+
+	"github.com/ollama/ollama/fs/ggml"
+	"github.com/x448/float16"
+)
+
+// Spec describes a generated llama-architecture test model. The weights are seeded random
+// numbers, so the model writes nonsense, but it is a real GGUF that llama.cpp loads,
+// tokenizes any text with (byte fallback) and decodes with realistic compute per token.
+type Spec struct {
+	Name       string
+	Seed       uint64
+	Vocab      int // total tokens, including the 3 specials, 2 chat markers and 256 bytes
+	Embd       int
+	Layers     int
+	Heads      int
+	HeadsKV    int
+	FFN        int
+	ContextLen int
+	// F16 stores the matrices as float16 (norms stay float32), halving the file size.
+	F16 bool
+}
+
+// Tiny is a ~0.23M-parameter model for unit tests: it loads in milliseconds.
+func Tiny() Spec {
+	return Spec{Name: "shoal-tiny", Seed: 1, Vocab: 1024, Embd: 64, Layers: 2, Heads: 4, HeadsKV: 2, FFN: 192, ContextLen: 4096}
+}
+
+// Small is a ~5M-parameter model for tests that need a few layers of real work.
+func Small() Spec {
+	return Spec{Name: "shoal-small", Seed: 2, Vocab: 4096, Embd: 256, Layers: 4, Heads: 8, HeadsKV: 4, FFN: 704, ContextLen: 4096}
+}
+
+// Bench100M is a ~110M-parameter model (768 dims, 12 layers, 16k vocabulary: GPT-2
+// small's shape with a llama block) in f16, for benchmarks that need realistic compute
+// per token.
+func Bench100M() Spec {
+	return Spec{Name: "shoal-100m", Seed: 3, Vocab: 16384, Embd: 768, Layers: 12, Heads: 12, HeadsKV: 12, FFN: 2048, ContextLen: 8192, F16: true}
+}
+
+// Presets maps the names accepted by `shoal gen-model --preset`.
+var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M}
+
+// ChatTemplate is the Jinja template written into generated models: ChatML, which
+// llama.cpp's built-in template matcher recognises by its markers.
+const ChatTemplate = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+
+// Token ids fixed by the generated vocabulary.
+const (
+	TokenUnknown = 0
+	TokenBOS     = 1
+	TokenEOS     = 2
+	TokenIMStart = 3
+	TokenIMEnd   = 4
+	firstByte    = 5
+)
+
+// GGUF tensor kinds (ggml_type).
+const (
+	kindF32 = 0
+	kindF16 = 1
+)
+
+// SentencePiece token types as stored in tokenizer.ggml.token_type.
+const (
+	tokenNormal  = 1
+	tokenUnknown = 2
+	tokenControl = 3
+	tokenByte    = 6
+)
+
+// Validate rejects specs that llama.cpp would refuse or that make no sense.
+func (s Spec) Validate() error {
+	switch {
+	case s.Vocab < firstByte+256+64:
+		return fmt.Errorf("vocab %d: need at least %d tokens", s.Vocab, firstByte+256+64)
+	case s.Embd <= 0 || s.Layers <= 0 || s.Heads <= 0 || s.HeadsKV <= 0 || s.FFN <= 0 || s.ContextLen <= 0:
+		return errors.New("embd, layers, heads, heads_kv, ffn and context length must be positive")
+	case s.Embd%s.Heads != 0:
+		return fmt.Errorf("embd %d is not a multiple of heads %d", s.Embd, s.Heads)
+	case s.Heads%s.HeadsKV != 0:
+		return fmt.Errorf("heads %d is not a multiple of heads_kv %d", s.Heads, s.HeadsKV)
+	case (s.Embd/s.Heads)%2 != 0:
+		return fmt.Errorf("head size %d must be even for RoPE", s.Embd/s.Heads)
+	}
+	return nil
+}
+
+// Params is the number of weights the spec produces.
+func (s Spec) Params() int64 {
+	e, v, f := int64(s.Embd), int64(s.Vocab), int64(s.FFN)
+	kv := e / int64(s.Heads) * int64(s.HeadsKV)
+	layer := 2*e + e*e*2 + 2*e*kv + 3*e*f
+	return 2*e*v + e + int64(s.Layers)*layer
+}
+
+// Generate writes the model described by spec to path.
+func Generate(path string, spec Spec) (err error) {
+	if err := spec.Validate(); err != nil {
+		return fmt.Errorf("generate %s: %w", path, err)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("generate model: %w", err)
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil && cerr != nil {
+			err = fmt.Errorf("generate %s: %w", path, cerr)
+		}
+	}()
+	tokens, scores, types := vocabulary(spec.Vocab)
+	fileType := uint32(0)
+	if spec.F16 {
+		fileType = 1
+	}
+	headDim := spec.Embd / spec.Heads
+	kv := ggml.KV{
+		"general.architecture":                   "llama",
+		"general.name":                           spec.Name,
+		"general.file_type":                      fileType,
+		"general.alignment":                      uint32(32),
+		"llama.context_length":                   uint32(spec.ContextLen),
+		"llama.embedding_length":                 uint32(spec.Embd),
+		"llama.block_count":                      uint32(spec.Layers),
+		"llama.feed_forward_length":              uint32(spec.FFN),
+		"llama.attention.head_count":             uint32(spec.Heads),
+		"llama.attention.head_count_kv":          uint32(spec.HeadsKV),
+		"llama.rope.dimension_count":             uint32(headDim),
+		"llama.rope.freq_base":                   float32(10000),
+		"llama.attention.layer_norm_rms_epsilon": float32(1e-5),
+		"llama.vocab_size":                       uint32(spec.Vocab),
+		"tokenizer.ggml.model":                   "llama",
+		"tokenizer.ggml.tokens":                  tokens,
+		"tokenizer.ggml.scores":                  scores,
+		"tokenizer.ggml.token_type":              types,
+		"tokenizer.ggml.bos_token_id":            uint32(TokenBOS),
+		"tokenizer.ggml.eos_token_id":            uint32(TokenEOS),
+		"tokenizer.ggml.unknown_token_id":        uint32(TokenUnknown),
+		"tokenizer.ggml.eot_token_id":            uint32(TokenIMEnd),
+		"tokenizer.ggml.add_bos_token":           true,
+		"tokenizer.ggml.add_eos_token":           false,
+		"tokenizer.chat_template":                ChatTemplate,
+	}
+
+	e, v, ff := uint64(spec.Embd), uint64(spec.Vocab), uint64(spec.FFN)
+	ekv := uint64(headDim * spec.HeadsKV)
+	var ts []*ggml.Tensor
+	add := func(name string, scale float32, matrix bool, shape ...uint64) {
+		kind := uint32(kindF32)
+		if matrix && spec.F16 {
+			kind = kindF16
+		}
+		ts = append(ts, &ggml.Tensor{Name: name, Kind: kind, Shape: shape,
+			WriterTo: &randomTensor{seed: tensorSeed(spec.Seed, name), n: product(shape), scale: scale, kind: kind}})
+	}
+	norm := func(name string) { add(name, 0, false, e) }
+	std := func(fanIn uint64) float32 { return float32(1 / math.Sqrt(float64(fanIn))) }
+
+	add("token_embd.weight", 1, true, e, v)
+	norm("output_norm.weight")
+	// A larger output scale than 1/sqrt(fan-in) makes next-token distributions peaked, so
+	// greedy choices are far from ties and batched == sequential comparisons are robust.
+	add("output.weight", 4*std(e), true, e, v)
+	for i := range spec.Layers {
+		p := fmt.Sprintf("blk.%d.", i)
+		norm(p + "attn_norm.weight")
+		add(p+"attn_q.weight", std(e), true, e, e)
+		add(p+"attn_k.weight", std(e), true, e, ekv)
+		add(p+"attn_v.weight", std(e), true, e, ekv)
+		add(p+"attn_output.weight", std(e), true, e, e)
+		norm(p + "ffn_norm.weight")
+		add(p+"ffn_gate.weight", std(e), true, e, ff)
+		add(p+"ffn_up.weight", std(e), true, e, ff)
+		add(p+"ffn_down.weight", std(ff), true, ff, e)
+	}
+	if err := ggml.WriteGGUF(f, kv, ts); err != nil {
+		return fmt.Errorf("generate %s: write gguf: %w", path, err)
+	}
+	return nil
+}
+
+// vocabulary builds a SentencePiece-style vocabulary: specials, ChatML markers, the 256
+// byte-fallback tokens, single characters, then a prefix-closed set of letter strings
+// (with and without the word-start marker) so that the SPM merge procedure reaches every
+// piece. Longer pieces score higher, so merges prefer them.
+func vocabulary(n int) ([]string, []float32, []int32) {
+	tokens := []string{"<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"}
+	types := []int32{tokenUnknown, tokenControl, tokenControl, tokenControl, tokenControl}
+	for b := range 256 {
+		tokens = append(tokens, fmt.Sprintf("<0x%02X>", b))
+		types = append(types, tokenByte)
+	}
+	seen := map[string]bool{}
+	push := func(s string) {
+		if len(tokens) < n && !seen[s] {
+			seen[s] = true
+			tokens = append(tokens, s)
+			types = append(types, tokenNormal)
+		}
+	}
+	const letters = "etaoinshrdlucmfwypvbgkjqxz"
+	for _, c := range "▁" + letters + strings.ToUpper(letters) + ".,!?'\"-:;()0123456789\n" {
+		push(string(c))
+	}
+	// Breadth-first over strings of common letters: every prefix is pushed before its
+	// extensions, which keeps the set prefix-closed.
+	level := []string{""}
+	for len(tokens) < n {
+		var next []string
+		for _, p := range level {
+			for _, c := range letters {
+				next = append(next, p+string(c))
+			}
+		}
+		for _, s := range next {
+			push("▁" + s)
+			push(s)
+		}
+		level = next
+	}
+	scores := make([]float32, len(tokens))
+	for i, t := range tokens {
+		if types[i] == tokenNormal {
+			scores[i] = float32(len([]rune(t))) - float32(i)/float32(n)
+		}
+	}
+	return tokens, scores, types
+}
+
+func tensorSeed(seed uint64, name string) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(name))
+	return h.Sum64() ^ seed
+}
+
+func product(shape []uint64) uint64 {
+	n := uint64(1)
+	for _, d := range shape {
+		n *= d
+	}
+	return n
+}
+
+// randomTensor writes n normally distributed values times scale (ones where scale is 0)
+// from its own seeded generator, so tensors can be written concurrently and identically.
+type randomTensor struct {
+	seed  uint64
+	n     uint64
+	scale float32
+	kind  uint32
+}
+
+func (t *randomTensor) WriteTo(w io.Writer) (int64, error) {
+	rng := rand.New(rand.NewPCG(t.seed, 0x5348_4f41_4c)) // "SHOAL"
+	size := 4
+	if t.kind == kindF16 {
+		size = 2
+	}
+	buf := make([]byte, 0, 64<<10)
+	var written int64
+	for i := uint64(0); i < t.n; i++ {
+		x := float32(1)
+		if t.scale != 0 {
+			x = float32(rng.NormFloat64()) * t.scale
+		}
+		if t.kind == kindF16 {
+			buf = binary.LittleEndian.AppendUint16(buf, float16.Fromfloat32(x).Bits())
+		} else {
+			buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(x))
+		}
+		if len(buf)+size > cap(buf) || i == t.n-1 {
+			n, err := w.Write(buf)
+			written += int64(n)
+			if err != nil {
+				return written, err
+			}
+			buf = buf[:0]
+		}
+	}
+	return written, nil
+}
