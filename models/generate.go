@@ -147,7 +147,6 @@ func Generate(path string, spec Spec) (err error) {
 		"tokenizer.ggml.bos_token_id":            uint32(TokenBOS),
 		"tokenizer.ggml.eos_token_id":            uint32(TokenEOS),
 		"tokenizer.ggml.unknown_token_id":        uint32(TokenUnknown),
-		"tokenizer.ggml.eot_token_id":            uint32(TokenIMEnd),
 		"tokenizer.ggml.add_bos_token":           true,
 		"tokenizer.ggml.add_eos_token":           false,
 		"tokenizer.chat_template":                ChatTemplate,
