@@ -1,6 +1,23 @@
-// Package scheduler will own the continuous-batching loop: one goroutine that owns
-// the engine, the kvcache pool and every sequence, admits waiting requests within a
-// token budget, builds one batch per step (a decode row per running sequence plus
-// chunked prefill), samples, applies stop conditions, detokenizes and streams events
-// to requests without ever blocking on a slow reader. It imports engine and kvcache.
+// Package scheduler is shoal's continuous-batching loop.
+//
+// One goroutine (Run) owns the engine, the kvcache pool and every sequence. HTTP
+// handlers call Submit, which validates the request, puts it in a bounded inbox and
+// returns a Stream; they never touch engine state. Each step the loop
+//
+//  1. takes new requests into the waiting queue (higher priority first, FIFO within
+//     a priority) and drops cancelled or expired ones, waiting or running, freeing
+//     their KV blocks at once;
+//  2. builds one batch within the token budget: a decode row for every running
+//     sequence, then chunks of pending prefills, then newly admitted requests (which
+//     take their cached prefix first and must fit prompt + max_tokens in free and
+//     evictable KV blocks);
+//  3. decodes, samples each output row with that request's parameters, applies stop
+//     conditions, detokenizes incrementally and appends events to each Stream, which
+//     buffers without limit so a slow reader never blocks the loop;
+//  4. when KV blocks run out, preempts the lowest-priority, most recent sequence by
+//     recompute: its blocks go back to the cache and it waits to resume, usually from
+//     its own cached prefix;
+//  5. publishes an immutable Load snapshot (atomic pointer) for metrics and gossip.
+//
+// It imports engine, engine/sample and kvcache.
 package scheduler

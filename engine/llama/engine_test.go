@@ -3,6 +3,7 @@ package llama
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math"
 	"os"
 	"path/filepath"
@@ -28,6 +29,9 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	modelDir = dir
+	// llama.cpp warns about the generated vocabulary's unused special ids; keep test
+	// output to errors.
+	SetLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})))
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)

@@ -1,0 +1,588 @@
+package kvcache
+
+import (
+	"container/list"
+	"errors"
+	"fmt"
+	"slices"
+	"sync/atomic"
+)
+
+// SeqID is an engine sequence id (llama_seq_id).
+type SeqID = int32
+
+// DefaultBlockTokens is vLLM's and llama.cpp-server's granularity: small enough that
+// little of a prompt is lost to a partial block, large enough to keep the index small.
+const DefaultBlockTokens = 16
+
+// Errors callers branch on.
+var (
+	// ErrNoSpace: not enough free or evictable blocks; nothing was changed.
+	ErrNoSpace = errors.New("kvcache: no free KV blocks")
+	// ErrNoSeq: every sequence id is running or holds referenced blocks.
+	ErrNoSeq = errors.New("kvcache: no free sequence id")
+)
+
+// Config sizes a Pool.
+type Config struct {
+	Cells       int    // the engine's KV cells (its unified pool)
+	BlockTokens int    // positions per block
+	MaxSeqs     int    // the engine's sequence ids, 0..MaxSeqs-1
+	Seed        uint64 // hash seed; equal on every node of a cluster
+	Model       string // model identity mixed into every hash
+	// Caching keeps finished sequences' full blocks for reuse. Off, every block is
+	// private and freed when its sequence ends.
+	Caching bool
+}
+
+// DefaultConfig returns a Config with caching on and 16-token blocks; Cells and
+// MaxSeqs come from the engine.
+func DefaultConfig() Config {
+	return Config{BlockTokens: DefaultBlockTokens, Caching: true}
+}
+
+// Validate rejects impossible sizes.
+func (c Config) Validate() error {
+	switch {
+	case c.BlockTokens < 1:
+		return fmt.Errorf("kvcache: block tokens %d must be positive", c.BlockTokens)
+	case c.Cells < c.BlockTokens:
+		return fmt.Errorf("kvcache: %d cells hold no block of %d tokens", c.Cells, c.BlockTokens)
+	case c.MaxSeqs < 1:
+		return fmt.Errorf("kvcache: max sequences %d must be positive", c.MaxSeqs)
+	}
+	return nil
+}
+
+// OpKind says what an Op does to the engine's memory.
+type OpKind uint8
+
+const (
+	// OpRemove removes positions [P0, P1) of Seq (P1 < 0: to the end).
+	OpRemove OpKind = iota
+	// OpCopy makes positions [P0, P1) of Src visible to Seq (a cell share).
+	OpCopy
+)
+
+// Op is one engine memory operation the caller must apply, in order.
+type Op struct {
+	Kind   OpKind
+	Seq    SeqID
+	Src    SeqID // OpCopy only
+	P0, P1 int32
+}
+
+func (o Op) String() string {
+	if o.Kind == OpCopy {
+		return fmt.Sprintf("copy %d->%d [%d,%d)", o.Src, o.Seq, o.P0, o.P1)
+	}
+	return fmt.Sprintf("remove %d [%d,%d)", o.Seq, o.P0, o.P1)
+}
+
+type blockState uint8
+
+const (
+	stateFree    blockState = iota
+	statePrivate            // used by exactly one running sequence, not in the index
+	stateIndexed            // in the index: shareable, cached when unreferenced
+)
+
+type block struct {
+	id       int32
+	state    blockState
+	hash     Hash
+	index    int32  // position of the block in its chain: positions [index*B, (index+1)*B)
+	parent   *block // indexed parent (nil for the first block)
+	children int32  // indexed blocks whose parent this is
+	holder   SeqID  // indexed: the sequence that physically keeps it
+	ref      int32  // running sequences using it
+	lru      *list.Element
+}
+
+// Seq is a running sequence's view of its blocks. It belongs to the Pool's owner.
+type Seq struct {
+	ID     SeqID
+	blocks []*block // covering positions [0, Len)
+	len    int
+	tail   []int32 // tokens of the last, partial block
+	parent Hash    // hash of the last full block
+	cached int
+}
+
+// Len is the number of positions accounted to the sequence.
+func (s *Seq) Len() int { return s.len }
+
+// Cached is the number of prompt tokens taken from the cache when it started.
+func (s *Seq) Cached() int { return s.cached }
+
+// Stats are the pool's counters and occupancy.
+type Stats struct {
+	Blocks      int    // total
+	Free        int    // never used or evicted
+	Used        int    // referenced by running sequences
+	Cached      int    // resident, unreferenced, evictable
+	Queries     uint64 // prompt tokens looked up
+	HitTokens   uint64 // of which found in the cache
+	Evictions   uint64 // blocks evicted
+	Holders     int    // sequence ids kept only to hold cached blocks
+	Running     int    // sequence ids of running sequences
+	BlockTokens int
+	Generation  uint64 // of the resident set; changes whenever Summary would
+}
+
+// Summary is the set of resident block hashes, for gossip.
+type Summary struct {
+	Generation uint64
+	Hashes     []Hash // sorted
+}
+
+// Pool is the block allocator. See the package doc for the concurrency rule.
+type Pool struct {
+	cfg     Config
+	hasher  Hasher
+	blocks  []block
+	free    []int32 // free block ids (stack)
+	index   map[Hash]*block
+	lru     *list.List // indexed blocks with ref 0, least recently used first
+	seqs    []seqState
+	holders map[SeqID]int // indexed blocks held per sequence id
+	running int
+
+	queries, hits, evictions uint64
+	generation               uint64
+
+	stats   atomic.Pointer[Stats]
+	summary atomic.Pointer[Summary]
+	pubGen  uint64
+}
+
+type seqState uint8
+
+const (
+	seqFree seqState = iota
+	seqRunning
+	seqHolder
+)
+
+// New returns an empty pool.
+func New(cfg Config) (*Pool, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	n := cfg.Cells / cfg.BlockTokens
+	p := &Pool{
+		cfg:     cfg,
+		hasher:  NewHasher(cfg.Seed, cfg.Model),
+		blocks:  make([]block, n),
+		free:    make([]int32, 0, n),
+		index:   map[Hash]*block{},
+		lru:     list.New(),
+		seqs:    make([]seqState, cfg.MaxSeqs),
+		holders: map[SeqID]int{},
+	}
+	for i := n - 1; i >= 0; i-- {
+		p.blocks[i].id = int32(i)
+		p.free = append(p.free, int32(i))
+	}
+	p.generation = 1
+	p.Publish()
+	return p, nil
+}
+
+// Hasher returns the pool's hasher, for callers that hash prompts the same way.
+func (p *Pool) Hasher() Hasher { return p.hasher }
+
+// BlockTokens is the block size.
+func (p *Pool) BlockTokens() int { return p.cfg.BlockTokens }
+
+// TotalBlocks is the pool size in blocks.
+func (p *Pool) TotalBlocks() int { return len(p.blocks) }
+
+// FreeBlocks counts blocks available without eviction.
+func (p *Pool) FreeBlocks() int { return len(p.free) }
+
+// EvictableBlocks counts unreferenced cached blocks.
+func (p *Pool) EvictableBlocks() int { return p.lru.Len() }
+
+func (p *Pool) blocksFor(tokens int) int {
+	return (tokens + p.cfg.BlockTokens - 1) / p.cfg.BlockTokens
+}
+
+// match returns the indexed blocks of the longest cached prefix of tokens, leaving at
+// least one token to compute (its logits start generation).
+func (p *Pool) match(tokens []int32) []*block {
+	if !p.cfg.Caching || len(tokens) == 0 {
+		return nil
+	}
+	B := p.cfg.BlockTokens
+	limit := (len(tokens) - 1) / B
+	var out []*block
+	var parent Hash
+	for i := range limit {
+		h := p.hasher.Block(parent, tokens[i*B:(i+1)*B])
+		b, ok := p.index[h]
+		if !ok {
+			break
+		}
+		out = append(out, b)
+		parent = h
+	}
+	return out
+}
+
+// CachedPrefix returns how many leading tokens of prompt are cached, without counting
+// a query.
+func (p *Pool) CachedPrefix(prompt []int32) int {
+	return len(p.match(prompt)) * p.cfg.BlockTokens
+}
+
+// Fits reports whether a sequence with this prompt and up to maxNew generated tokens
+// fits into free and evictable blocks, counting its cached prefix as already resident.
+func (p *Pool) Fits(prompt []int32, maxNew int) bool {
+	m := p.match(prompt)
+	reusable := 0
+	for _, b := range m {
+		if b.ref == 0 {
+			reusable++ // resident and evictable now, but would be referenced
+		}
+	}
+	need := p.blocksFor(len(prompt)+maxNew) - len(m)
+	return need <= len(p.free)+p.lru.Len()-reusable
+}
+
+// Start begins a sequence for prompt: it takes a sequence id and the longest cached
+// prefix. The returned ops (copies from holders, and removals for any eviction needed
+// to free a sequence id) must be applied before the sequence's first decode. The rest
+// of the prompt is accounted by Grow as it is computed.
+func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
+	var ops []Op
+	id, ops, err := p.takeSeqID(ops)
+	if err != nil {
+		return nil, nil, err
+	}
+	s := &Seq{ID: id}
+	p.queries += uint64(len(prompt))
+	m := p.match(prompt)
+	for i, b := range m {
+		p.ref(b)
+		s.blocks = append(s.blocks, b)
+		// One copy per run of blocks with the same holder.
+		p0, p1 := int32(i*p.cfg.BlockTokens), int32((i+1)*p.cfg.BlockTokens)
+		if n := len(ops); n > 0 && ops[n-1].Kind == OpCopy && ops[n-1].Src == b.holder && ops[n-1].P1 == p0 && ops[n-1].Seq == id {
+			ops[n-1].P1 = p1
+		} else {
+			ops = append(ops, Op{Kind: OpCopy, Src: b.holder, Seq: id, P0: p0, P1: p1})
+		}
+	}
+	s.len = len(m) * p.cfg.BlockTokens
+	s.cached = s.len
+	if len(m) > 0 {
+		s.parent = m[len(m)-1].hash
+	}
+	p.hits += uint64(s.cached)
+	p.seqs[id] = seqRunning
+	p.running++
+	return s, ops, nil
+}
+
+// takeSeqID finds a free sequence id, evicting the least recently used holder whose
+// blocks are all unreferenced when none is free.
+func (p *Pool) takeSeqID(ops []Op) (SeqID, []Op, error) {
+	for i, st := range p.seqs {
+		if st == seqFree {
+			return SeqID(i), ops, nil
+		}
+	}
+	// Oldest unreferenced block first: its holder is the least recently used one.
+	for e := p.lru.Front(); e != nil; e = e.Next() {
+		h := e.Value.(*block).holder
+		if p.seqs[h] != seqHolder || !p.holderEvictable(h) {
+			continue
+		}
+		ops = p.evictHolder(h, ops)
+		return h, ops, nil
+	}
+	return 0, ops, ErrNoSeq
+}
+
+func (p *Pool) holderEvictable(h SeqID) bool {
+	for i := range p.blocks {
+		b := &p.blocks[i]
+		if b.state == stateIndexed && b.holder == h && b.ref > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// evictHolder evicts every block held by h together with their descendants (which
+// are unreferenced too: a sequence referencing a descendant references its ancestors).
+func (p *Pool) evictHolder(h SeqID, ops []Op) []Op {
+	doomed := map[*block]bool{}
+	for i := range p.blocks {
+		b := &p.blocks[i]
+		if b.state == stateIndexed && b.holder == h {
+			doomed[b] = true
+		}
+	}
+	// Add descendants; then evict deepest first so every eviction is of a leaf.
+	var victims []*block
+	for i := range p.blocks {
+		b := &p.blocks[i]
+		if b.state != stateIndexed {
+			continue
+		}
+		for a := b; a != nil; a = a.parent {
+			if doomed[a] {
+				victims = append(victims, b)
+				break
+			}
+		}
+	}
+	slices.SortFunc(victims, func(x, y *block) int { return int(y.index - x.index) })
+	for _, b := range victims {
+		ops = p.evict(b, ops)
+	}
+	return ops
+}
+
+// Grow accounts n more positions of s whose tokens are toks (len(toks) == n); full
+// blocks of tokens are hashed and indexed for sharing. It allocates blocks as needed,
+// evicting cached blocks (returned ops). On ErrNoSpace nothing changed.
+func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
+	need := p.blocksFor(s.len+len(toks)) - len(s.blocks)
+	if need > len(p.free)+p.lru.Len() {
+		return nil, ErrNoSpace
+	}
+	var ops []Op
+	B := p.cfg.BlockTokens
+	for _, t := range toks {
+		if s.len%B == 0 {
+			var b *block
+			var err error
+			if b, ops, err = p.alloc(ops); err != nil {
+				return ops, err
+			}
+			b.state, b.ref, b.index = statePrivate, 1, int32(len(s.blocks))
+			s.blocks = append(s.blocks, b)
+		}
+		s.tail = append(s.tail, t)
+		s.len++
+		if len(s.tail) == B {
+			p.seal(s)
+		}
+	}
+	return ops, nil
+}
+
+// seal hashes the full last block of s and indexes it unless an equal block is
+// already indexed (then it stays private to s).
+func (p *Pool) seal(s *Seq) {
+	b := s.blocks[len(s.blocks)-1]
+	h := p.hasher.Block(s.parent, s.tail)
+	s.parent = h
+	s.tail = s.tail[:0]
+	if !p.cfg.Caching {
+		return
+	}
+	if _, dup := p.index[h]; dup {
+		return
+	}
+	var parent *block
+	if n := len(s.blocks); n > 1 {
+		parent = s.blocks[n-2]
+		if parent.state != stateIndexed || parent.hash != p.chainParent(s, n-1) {
+			return // the chain is broken by a private duplicate: keep this one private
+		}
+	}
+	b.state, b.hash, b.holder, b.parent = stateIndexed, h, s.ID, parent
+	if parent != nil {
+		parent.children++
+	}
+	p.index[h] = b
+	p.holders[s.ID]++
+	p.generation++
+}
+
+// chainParent is the hash an indexed parent of block i of s must have. Blocks of s
+// are indexed only while the chain before them is, so the parent's own hash is it.
+func (p *Pool) chainParent(s *Seq, i int) Hash { return s.blocks[i-1].hash }
+
+// errNoLeaf cannot happen while the invariants hold: a non-empty LRU always has a
+// leaf, since the descendants of an unreferenced block are unreferenced too.
+var errNoLeaf = errors.New("kvcache: evictable blocks but no evictable leaf (invariant broken)")
+
+// alloc takes a free block, evicting the least recently used leaf if none is free.
+// The caller has checked that one is available.
+func (p *Pool) alloc(ops []Op) (*block, []Op, error) {
+	if len(p.free) == 0 {
+		var ok bool
+		if ops, ok = p.evictOne(ops); !ok {
+			return nil, ops, errNoLeaf
+		}
+	}
+	id := p.free[len(p.free)-1]
+	p.free = p.free[:len(p.free)-1]
+	return &p.blocks[id], ops, nil
+}
+
+func (p *Pool) evictOne(ops []Op) ([]Op, bool) {
+	for e := p.lru.Front(); e != nil; e = e.Next() {
+		if b := e.Value.(*block); b.children == 0 {
+			return p.evict(b, ops), true
+		}
+	}
+	return ops, false
+}
+
+// evict removes an unreferenced leaf from the index and trims it from its holder.
+func (p *Pool) evict(b *block, ops []Op) []Op {
+	B := int32(p.cfg.BlockTokens)
+	p.lru.Remove(b.lru)
+	b.lru = nil
+	delete(p.index, b.hash)
+	if b.parent != nil {
+		b.parent.children--
+	}
+	h := b.holder
+	ops = append(ops, Op{Kind: OpRemove, Seq: h, P0: b.index * B, P1: (b.index + 1) * B})
+	if p.holders[h]--; p.holders[h] == 0 {
+		delete(p.holders, h)
+		if p.seqs[h] == seqHolder {
+			p.seqs[h] = seqFree
+		}
+	}
+	*b = block{id: b.id}
+	p.free = append(p.free, b.id)
+	p.evictions++
+	p.generation++
+	return ops
+}
+
+func (p *Pool) ref(b *block) {
+	if b.ref == 0 && b.lru != nil {
+		p.lru.Remove(b.lru)
+		b.lru = nil
+	}
+	b.ref++
+}
+
+// Release ends s. Its indexed blocks stay cached (unreferenced blocks become
+// evictable, most recently used); private blocks are freed. The returned ops remove s
+// from every position it does not hold for the cache.
+func (p *Pool) Release(s *Seq) []Op {
+	var ops []Op
+	B := int32(p.cfg.BlockTokens)
+	drop := func(b *block) {
+		p0, p1 := b.index*B, (b.index+1)*B
+		if n := len(ops); n > 0 && ops[n-1].P0 == p1 {
+			ops[n-1].P0 = p0 // runs are walked backwards
+			return
+		}
+		ops = append(ops, Op{Kind: OpRemove, Seq: s.ID, P0: p0, P1: p1})
+	}
+	// Walk backwards so that deeper blocks enter the LRU first and leave it first.
+	for i := len(s.blocks) - 1; i >= 0; i-- {
+		b := s.blocks[i]
+		switch b.state {
+		case statePrivate:
+			drop(b)
+			*b = block{id: b.id}
+			p.free = append(p.free, b.id)
+		case stateIndexed:
+			if b.holder != s.ID {
+				drop(b)
+			}
+			if b.ref--; b.ref == 0 {
+				b.lru = p.lru.PushBack(b)
+			}
+		}
+	}
+	p.running--
+	if p.holders[s.ID] > 0 {
+		p.seqs[s.ID] = seqHolder
+	} else {
+		p.seqs[s.ID] = seqFree
+		ops = []Op{{Kind: OpRemove, Seq: s.ID, P0: 0, P1: -1}}
+	}
+	s.blocks, s.tail = nil, nil
+	return ops
+}
+
+// Fork starts a new sequence that shares everything s has so far (for n > 1). Its
+// indexed blocks are shared by reference; s's private blocks are physically shared by
+// the copy but reserved again for the fork, so either may end first.
+func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
+	private := 0
+	for _, b := range s.blocks {
+		if b.state == statePrivate {
+			private++
+		}
+	}
+	if private > len(p.free)+p.lru.Len() {
+		return nil, nil, ErrNoSpace
+	}
+	id, ops, err := p.takeSeqID(nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	if private > len(p.free)+p.lru.Len() { // taking the id may not free blocks, but check again
+		return nil, nil, ErrNoSpace
+	}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), parent: s.parent, cached: s.cached}
+	for _, b := range s.blocks {
+		if b.state == stateIndexed {
+			p.ref(b)
+			f.blocks = append(f.blocks, b)
+			continue
+		}
+		nb, nops, err := p.alloc(ops)
+		ops = nops
+		if err != nil {
+			return nil, ops, err
+		}
+		nb.state, nb.ref, nb.index = statePrivate, 1, b.index
+		f.blocks = append(f.blocks, nb)
+	}
+	ops = append(ops, Op{Kind: OpCopy, Src: s.ID, Seq: id, P0: 0, P1: -1})
+	p.seqs[id] = seqRunning
+	p.running++
+	return f, ops, nil
+}
+
+// Publish refreshes the snapshots read by Stats and Summary. The owner calls it once
+// per scheduling step; the summary is rebuilt only when the resident set changed.
+func (p *Pool) Publish() {
+	used, cached := 0, p.lru.Len()
+	for i := range p.blocks {
+		if b := &p.blocks[i]; b.state != stateFree && b.ref > 0 {
+			used++
+		}
+	}
+	holders := 0
+	for _, st := range p.seqs {
+		if st == seqHolder {
+			holders++
+		}
+	}
+	p.stats.Store(&Stats{
+		Blocks: len(p.blocks), Free: len(p.free), Used: used, Cached: cached,
+		Queries: p.queries, HitTokens: p.hits, Evictions: p.evictions,
+		Holders: holders, Running: p.running, BlockTokens: p.cfg.BlockTokens, Generation: p.generation,
+	})
+	if p.pubGen != p.generation {
+		hs := make([]Hash, 0, len(p.index))
+		for h := range p.index {
+			hs = append(hs, h)
+		}
+		slices.Sort(hs)
+		p.summary.Store(&Summary{Generation: p.generation, Hashes: hs})
+		p.pubGen = p.generation
+	}
+}
+
+// Stats returns the last published counters. Any goroutine.
+func (p *Pool) Stats() Stats { return *p.stats.Load() }
+
+// Summary returns the last published resident set. Any goroutine; do not modify.
+func (p *Pool) Summary() *Summary { return p.summary.Load() }

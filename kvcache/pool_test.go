@@ -1,0 +1,399 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+)
+
+// simCells models llama.cpp's unified cell pool: each cell holds one position for a
+// set of sequences. Applying the pool's ops to it checks that accounting and cells
+// never disagree.
+type simCells struct {
+	max   int
+	cells map[int]*simCell
+	next  int
+}
+
+type simCell struct {
+	pos  int32
+	seqs map[SeqID]bool
+}
+
+func newSim(max int) *simCells { return &simCells{max: max, cells: map[int]*simCell{}} }
+
+func (c *simCells) apply(t *testing.T, ops []Op) {
+	t.Helper()
+	for _, o := range ops {
+		p1 := o.P1
+		if p1 < 0 {
+			p1 = 1 << 30
+		}
+		for id, cell := range c.cells {
+			if cell.pos < o.P0 || cell.pos >= p1 {
+				continue
+			}
+			switch o.Kind {
+			case OpRemove:
+				delete(cell.seqs, o.Seq)
+				if len(cell.seqs) == 0 {
+					delete(c.cells, id)
+				}
+			case OpCopy:
+				if cell.seqs[o.Src] {
+					cell.seqs[o.Seq] = true
+				}
+			}
+		}
+	}
+}
+
+// decode writes positions [from, to) of s into new cells.
+func (c *simCells) decode(t *testing.T, s SeqID, from, to int) {
+	t.Helper()
+	for p := from; p < to; p++ {
+		c.cells[c.next] = &simCell{pos: int32(p), seqs: map[SeqID]bool{s: true}}
+		c.next++
+	}
+	if len(c.cells) > c.max {
+		t.Fatalf("engine over-committed: %d cells used of %d", len(c.cells), c.max)
+	}
+}
+
+func (c *simCells) positions(s SeqID) map[int32]int {
+	out := map[int32]int{}
+	for _, cell := range c.cells {
+		if cell.seqs[s] {
+			out[cell.pos]++
+		}
+	}
+	return out
+}
+
+type running struct {
+	seq    *Seq
+	tokens []int32
+}
+
+// checkInvariants verifies the pool's bookkeeping against itself and the sim.
+func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
+	t.Helper()
+	free, used, cached := len(p.free), 0, 0
+	refs := map[*block]int32{}
+	for _, r := range live {
+		for _, b := range r.seq.blocks {
+			refs[b]++
+		}
+	}
+	for i := range p.blocks {
+		b := &p.blocks[i]
+		if b.ref < 0 {
+			t.Fatalf("block %d: negative refcount %d", b.id, b.ref)
+		}
+		if b.ref != refs[b] {
+			t.Fatalf("block %d: refcount %d, referenced by %d sequences", b.id, b.ref, refs[b])
+		}
+		switch {
+		case b.state == stateFree:
+		case b.ref > 0:
+			used++
+		default:
+			cached++
+			if b.state != stateIndexed || b.lru == nil {
+				t.Fatalf("block %d: unreferenced but not cached (state %d)", b.id, b.state)
+			}
+		}
+	}
+	if free+used+cached != len(p.blocks) {
+		t.Fatalf("free %d + used %d + cached %d != total %d", free, used, cached, len(p.blocks))
+	}
+	if cached != p.lru.Len() {
+		t.Fatalf("cached %d but LRU holds %d", cached, p.lru.Len())
+	}
+	children := map[*block]int32{}
+	for h, b := range p.index {
+		if b.state != stateIndexed || b.hash != h {
+			t.Fatalf("index entry %x not resident (state %d)", h, b.state)
+		}
+		if b.holder < 0 || int(b.holder) >= p.cfg.MaxSeqs {
+			t.Fatalf("holder %d outside the engine's %d sequences", b.holder, p.cfg.MaxSeqs)
+		}
+		if p.seqs[b.holder] == seqFree {
+			t.Fatalf("block held by free sequence %d", b.holder)
+		}
+		if b.parent != nil {
+			children[b.parent]++
+			if b.parent.state != stateIndexed {
+				t.Fatalf("indexed block %d has a non-resident parent", b.id)
+			}
+		}
+		// The holder physically keeps every position of the block.
+		pos := sim.positions(b.holder)
+		for q := b.index * int32(p.cfg.BlockTokens); q < (b.index+1)*int32(p.cfg.BlockTokens); q++ {
+			if pos[q] != 1 {
+				t.Fatalf("holder %d lacks position %d of block %d", b.holder, q, b.id)
+			}
+		}
+	}
+	for _, b := range p.index {
+		if children[b] != b.children {
+			t.Fatalf("block %d: %d children counted, %d found", b.id, b.children, children[b])
+		}
+	}
+	// Every running sequence sees exactly positions [0, len) once each.
+	for _, r := range live {
+		pos := sim.positions(r.seq.ID)
+		if len(pos) != r.seq.len {
+			t.Fatalf("seq %d: engine holds %d positions, pool accounts %d", r.seq.ID, len(pos), r.seq.len)
+		}
+		for q, n := range pos {
+			if int(q) >= r.seq.len || n != 1 {
+				t.Fatalf("seq %d: position %d held %d times (len %d)", r.seq.ID, q, n, r.seq.len)
+			}
+		}
+	}
+	// Holders that are not running keep only the positions of their blocks.
+	for id, st := range p.seqs {
+		if st == seqHolder {
+			n := len(sim.positions(SeqID(id)))
+			if n != p.holders[SeqID(id)]*p.cfg.BlockTokens {
+				t.Fatalf("holder %d keeps %d positions for %d blocks", id, n, p.holders[SeqID(id)])
+			}
+		}
+	}
+}
+
+// drive runs a pseudo-random workload described by data and checks invariants.
+func drive(t *testing.T, data []byte, cfg Config) {
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim := newSim(cfg.Cells)
+	var live []*running
+	next := func() byte {
+		if len(data) == 0 {
+			return 0
+		}
+		b := data[0]
+		data = data[1:]
+		return b
+	}
+	prefixes := [4][]int32{}
+	for g := range prefixes {
+		for i := range 80 {
+			prefixes[g] = append(prefixes[g], int32(g*1000+i))
+		}
+	}
+	for step := 0; len(data) > 0 && step < 400; step++ {
+		switch op := next() % 5; op {
+		case 0, 1: // start a sequence: a shared prefix of some length plus a private suffix
+			g := next() % 4
+			pl := int(next()) % 80
+			sl := int(next())%24 + 1
+			prompt := append([]int32(nil), prefixes[g][:pl]...)
+			for i := range sl {
+				prompt = append(prompt, int32(10000+step*100+i))
+			}
+			maxNew := int(next() % 32)
+			if !p.Fits(prompt, maxNew) {
+				continue
+			}
+			s, ops, err := p.Start(prompt)
+			if errors.Is(err, ErrNoSeq) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			if s.Len()%cfg.BlockTokens != 0 || s.Len() >= len(prompt) && len(prompt) > 0 {
+				t.Fatalf("cached %d of %d", s.Len(), len(prompt))
+			}
+			from := s.Len()
+			ops, err = p.Grow(s, prompt[from:])
+			if errors.Is(err, ErrNoSpace) {
+				sim.apply(t, p.Release(s))
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			sim.decode(t, s.ID, from, s.Len())
+			live = append(live, &running{seq: s, tokens: prompt})
+		case 2: // generate tokens
+			if len(live) == 0 {
+				continue
+			}
+			r := live[int(next())%len(live)]
+			n := int(next())%20 + 1
+			var toks []int32
+			for i := range n {
+				toks = append(toks, int32(50000+i))
+			}
+			from := r.seq.Len()
+			ops, err := p.Grow(r.seq, toks)
+			if errors.Is(err, ErrNoSpace) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			sim.decode(t, r.seq.ID, from, r.seq.Len())
+		case 3: // finish
+			if len(live) == 0 {
+				continue
+			}
+			i := int(next()) % len(live)
+			sim.apply(t, p.Release(live[i].seq))
+			live = append(live[:i], live[i+1:]...)
+		case 4: // fork
+			if len(live) == 0 {
+				continue
+			}
+			r := live[int(next())%len(live)]
+			f, ops, err := p.Fork(r.seq)
+			if errors.Is(err, ErrNoSpace) || errors.Is(err, ErrNoSeq) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			live = append(live, &running{seq: f, tokens: r.tokens})
+		}
+		checkInvariants(t, p, sim, live)
+	}
+	for _, r := range live {
+		sim.apply(t, p.Release(r.seq))
+	}
+	checkInvariants(t, p, sim, nil)
+	p.Publish()
+	if st := p.Stats(); st.Used != 0 || st.Running != 0 || st.Free+st.Cached != st.Blocks {
+		t.Fatalf("after releasing everything: %+v", st)
+	}
+}
+
+func fuzzConfig(small bool) Config {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.Model = 512, 12, "m"
+	if small {
+		cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens = 96, 5, 8
+	}
+	return cfg
+}
+
+func FuzzPool(f *testing.F) {
+	f.Add([]byte{0, 1, 40, 3, 5, 2, 0, 7, 0, 1, 40, 3, 5, 3, 0, 0, 1, 40, 3, 5, 4, 0}, false)
+	f.Add([]byte("a fairly long seed that drives many starts and forks and releases"), true)
+	f.Fuzz(func(t *testing.T, data []byte, small bool) {
+		drive(t, data, fuzzConfig(small))
+	})
+}
+
+func TestPoolRandomWorkloads(t *testing.T) {
+	for seed := range 120 {
+		data := make([]byte, 600)
+		x := uint32(seed*2654435761 + 1)
+		for i := range data {
+			x ^= x << 13
+			x ^= x >> 17
+			x ^= x << 5
+			data[i] = byte(x)
+		}
+		t.Run(fmt.Sprint(seed), func(t *testing.T) { drive(t, data, fuzzConfig(seed%2 == 0)) })
+	}
+}
+
+func TestPrefixReuseAndEviction(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens = 64, 4, 4
+	p, _ := New(cfg)
+	sim := newSim(cfg.Cells)
+	prompt := make([]int32, 18) // 4 full blocks + 2
+	for i := range prompt {
+		prompt[i] = int32(i + 1)
+	}
+	run := func(prompt []int32) *Seq {
+		s, ops, err := p.Start(prompt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		from := s.Len()
+		ops, err = p.Grow(s, prompt[from:])
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		sim.decode(t, s.ID, from, s.Len())
+		return s
+	}
+	a := run(prompt)
+	if a.Cached() != 0 {
+		t.Fatalf("cold start cached %d", a.Cached())
+	}
+	sim.apply(t, p.Release(a))
+	b := run(prompt)
+	if b.Cached() != 16 {
+		t.Fatalf("warm start cached %d, want 16", b.Cached())
+	}
+	// A prompt of exactly 4 blocks reuses only 3: the last token is always computed.
+	if got := p.CachedPrefix(prompt[:16]); got != 12 {
+		t.Fatalf("cached prefix of a block-aligned prompt: %d, want 12", got)
+	}
+	sim.apply(t, p.Release(b))
+	p.Publish()
+	st := p.Stats()
+	if st.HitTokens != 16 || st.Queries != 36 || st.Cached != 4 {
+		t.Fatalf("stats %+v", st)
+	}
+	if len(p.Summary().Hashes) != 4 {
+		t.Fatalf("summary %+v", p.Summary())
+	}
+	// Fill the pool with other prompts: the cached chain is evicted leaf first.
+	other := make([]int32, 60)
+	for i := range other {
+		other[i] = int32(1000 + i)
+	}
+	c := run(other)
+	checkInvariants(t, p, sim, []*running{{seq: c}})
+	p.Publish()
+	st = p.Stats()
+	if st.Free != 0 || st.Used != 15 || st.Cached != 1 {
+		t.Fatalf("expected a full pool: %+v", st)
+	}
+	// 15 blocks needed, 12 free: the three deepest blocks of the chain went, its root stays.
+	if got := p.CachedPrefix(prompt); got != 4 || st.Evictions != 3 {
+		t.Fatalf("after evicting 3 leaves: prefix %d, evictions %d", got, st.Evictions)
+	}
+	if _, err := p.Grow(c, make([]int32, 8)); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("grow past capacity: %v", err)
+	}
+}
+
+func TestHashChain(t *testing.T) {
+	h := NewHasher(1, "m")
+	a := h.Chain([]int32{1, 2, 3, 4, 5, 6, 7, 8, 9}, 4)
+	b := h.Chain([]int32{1, 2, 3, 4, 5, 6, 7, 8}, 4)
+	if len(a) != 2 || a[0] != b[0] || a[1] != b[1] {
+		t.Fatal("equal prefixes hash differently")
+	}
+	c := h.Chain([]int32{0, 2, 3, 4, 5, 6, 7, 8}, 4)
+	if c[1] == a[1] {
+		t.Fatal("a different first block must change every later hash")
+	}
+	if NewHasher(2, "m").Chain([]int32{1, 2, 3, 4}, 4)[0] == a[0] || NewHasher(1, "n").Chain([]int32{1, 2, 3, 4}, 4)[0] == a[0] {
+		t.Fatal("seed and model must change hashes")
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	for _, c := range []Config{{}, {Cells: 8, BlockTokens: 16, MaxSeqs: 1}, {Cells: 64, BlockTokens: 16}} {
+		if _, err := New(c); err == nil {
+			t.Errorf("%+v: want error", c)
+		}
+	}
+}

@@ -1,0 +1,73 @@
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/shoal-ai/shoal/kvcache"
+)
+
+// Defaults for a CPU or single-GPU node.
+const (
+	// DefaultMaxBatchTokens is the token budget of one step: large enough for a decode
+	// row per running sequence plus a prefill chunk, small enough that a long prompt
+	// cannot stall everyone else's next token for long (chunked prefill).
+	DefaultMaxBatchTokens = 512
+	// DefaultMaxRunning bounds concurrently decoding sequences.
+	DefaultMaxRunning = 64
+	// DefaultMaxWaiting bounds the queue; beyond it Submit fails with ErrQueueFull
+	// (HTTP 429) instead of letting latency grow without bound.
+	DefaultMaxWaiting = 1024
+	// DefaultMaxTokens applies when a request leaves max_tokens unset.
+	DefaultMaxTokens = 256
+	// rateHalfLife smooths the token rates in the Load snapshot.
+	rateHalfLife = 2 * time.Second
+)
+
+// Config configures a Scheduler.
+type Config struct {
+	MaxBatchTokens   int
+	MaxRunning       int
+	MaxWaiting       int
+	DefaultMaxTokens int
+	// KV is the block pool's configuration; Cells and MaxSeqs are filled in from the
+	// engine by New when zero.
+	KV kvcache.Config
+}
+
+// DefaultConfig returns the defaults above with prefix caching on.
+func DefaultConfig() Config {
+	return Config{
+		MaxBatchTokens:   DefaultMaxBatchTokens,
+		MaxRunning:       DefaultMaxRunning,
+		MaxWaiting:       DefaultMaxWaiting,
+		DefaultMaxTokens: DefaultMaxTokens,
+		KV:               kvcache.DefaultConfig(),
+	}
+}
+
+// Validate rejects zero or negative limits.
+func (c Config) Validate() error {
+	switch {
+	case c.MaxBatchTokens < 1:
+		return fmt.Errorf("scheduler: max batch tokens %d must be positive", c.MaxBatchTokens)
+	case c.MaxRunning < 1:
+		return fmt.Errorf("scheduler: max running %d must be positive", c.MaxRunning)
+	case c.MaxWaiting < 1:
+		return fmt.Errorf("scheduler: max waiting %d must be positive", c.MaxWaiting)
+	case c.DefaultMaxTokens < 1:
+		return fmt.Errorf("scheduler: default max tokens %d must be positive", c.DefaultMaxTokens)
+	case c.MaxBatchTokens < c.MaxRunning:
+		return fmt.Errorf("scheduler: max batch tokens %d cannot hold a decode row for each of %d running sequences", c.MaxBatchTokens, c.MaxRunning)
+	}
+	return nil
+}
+
+// Errors Submit returns; the API maps them to HTTP status codes.
+var (
+	ErrQueueFull     = errors.New("scheduler: waiting queue is full")
+	ErrPromptTooLong = errors.New("scheduler: prompt does not fit the context")
+	ErrInvalid       = errors.New("scheduler: invalid request")
+	ErrClosed        = errors.New("scheduler: shut down")
+)

@@ -1,0 +1,229 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"hash/fnv"
+	"sync"
+	"time"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// fakeEngine is a deterministic engine.Engine: the next token of a sequence is a hash
+// of the tokens its KV memory holds at positions 0..pos, so any mistake in sharing,
+// eviction or preemption changes the output. It models llama.cpp's unified cells to
+// check that the scheduler never needs more cells than exist.
+type fakeEngine struct {
+	vocab   fakeVocab
+	cap     engine.Capacity
+	cells   []*fakeCell
+	logits  map[int][]float32 // output rows of the last decode
+	delay   time.Duration
+	eosAt   int // if > 0, EOS once a sequence reaches this length
+	mu      sync.Mutex
+	batches []fakeBatch
+	failing func(b *engine.Batch) error
+}
+
+type fakeCell struct {
+	pos  engine.Pos
+	tok  engine.Token
+	seqs map[engine.SeqID]bool
+}
+
+type fakeBatch struct {
+	rows    int
+	seqs    map[engine.SeqID]int
+	outputs int
+}
+
+func newFake(cells, seqs, batch int) *fakeEngine {
+	return &fakeEngine{
+		vocab: fakeVocab{n: 64},
+		cap:   engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixSharing: true},
+	}
+}
+
+func (f *fakeEngine) Info() engine.ModelInfo {
+	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n}
+}
+func (f *fakeEngine) Capacity() engine.Capacity                  { return f.cap }
+func (f *fakeEngine) Vocab() engine.Vocab                        { return f.vocab }
+func (f *fakeEngine) Abort()                                     {}
+func (f *fakeEngine) Close() error                               { return nil }
+func (f *fakeEngine) Embeddings(engine.SeqID) ([]float32, error) { return nil, engine.ErrUnsupported }
+func (f *fakeEngine) NewGrammar(string) (engine.Grammar, error)  { return nil, engine.ErrUnsupported }
+
+func (f *fakeEngine) Decode(ctx context.Context, b *engine.Batch) error {
+	if f.failing != nil {
+		if err := f.failing(b); err != nil {
+			return err
+		}
+	}
+	if b.Len() > f.cap.BatchTokens {
+		return fmt.Errorf("fake: batch %d > %d: %w", b.Len(), f.cap.BatchTokens, engine.ErrInvalidInput)
+	}
+	if len(f.cells)+b.Len() > f.cap.Cells {
+		return engine.ErrNoKVSpace
+	}
+	if f.delay > 0 {
+		select {
+		case <-time.After(f.delay):
+		case <-ctx.Done():
+			return engine.ErrAborted
+		}
+	}
+	fb := fakeBatch{rows: b.Len(), seqs: map[engine.SeqID]int{}}
+	for i := range b.Len() {
+		s, p := b.Seq[i], b.Pos[i]
+		if _, hi, ok := f.SeqPosRange(s); (ok && p != hi+1) || (!ok && p != 0) {
+			return fmt.Errorf("fake: seq %d position %d not consecutive: %w", s, p, engine.ErrInvalidInput)
+		}
+		f.cells = append(f.cells, &fakeCell{pos: p, tok: b.Tokens[i], seqs: map[engine.SeqID]bool{s: true}})
+		fb.seqs[s]++
+	}
+	f.logits = map[int][]float32{}
+	for i := range b.Len() {
+		if !b.Output[i] {
+			continue
+		}
+		fb.outputs++
+		f.logits[i] = f.next(b.Seq[i], b.Pos[i])
+	}
+	f.mu.Lock()
+	f.batches = append(f.batches, fb)
+	f.mu.Unlock()
+	return nil
+}
+
+// next computes logits from the tokens seq s holds at positions 0..pos.
+func (f *fakeEngine) next(s engine.SeqID, pos engine.Pos) []float32 {
+	toks := make([]engine.Token, pos+1)
+	seen := make([]bool, pos+1)
+	for _, c := range f.cells {
+		if c.seqs[s] && c.pos <= pos {
+			toks[c.pos], seen[c.pos] = c.tok, true
+		}
+	}
+	h := fnv.New32a()
+	for i, t := range toks {
+		if !seen[i] {
+			panic(fmt.Sprintf("fake: seq %d lacks position %d", s, i))
+		}
+		fmt.Fprint(h, t, ",")
+	}
+	l := make([]float32, f.vocab.n)
+	next := 3 + int(h.Sum32()%uint32(f.vocab.n-3))
+	if f.eosAt > 0 && int(pos)+2 >= f.eosAt {
+		next = 2
+	}
+	l[next] = 10
+	return l
+}
+
+func (f *fakeEngine) Logits(i int, fn func([]float32)) error {
+	l, ok := f.logits[i]
+	if !ok {
+		return fmt.Errorf("fake: row %d has no logits: %w", i, engine.ErrInvalidInput)
+	}
+	fn(l)
+	return nil
+}
+
+func (f *fakeEngine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
+	if p1 < 0 {
+		p1 = 1 << 30
+	}
+	kept := f.cells[:0]
+	for _, c := range f.cells {
+		if (s < 0 || c.seqs[s]) && c.pos >= p0 && c.pos < p1 {
+			if s < 0 {
+				continue
+			}
+			delete(c.seqs, s)
+			if len(c.seqs) == 0 {
+				continue
+			}
+		}
+		kept = append(kept, c)
+	}
+	f.cells = kept
+	return nil
+}
+
+func (f *fakeEngine) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
+	if p1 < 0 {
+		p1 = 1 << 30
+	}
+	for _, c := range f.cells {
+		if c.seqs[src] && c.pos >= p0 && c.pos < p1 {
+			c.seqs[dst] = true
+		}
+	}
+	return nil
+}
+
+func (f *fakeEngine) SeqKeep(s engine.SeqID) error { return engine.ErrUnsupported }
+func (f *fakeEngine) SeqShift(engine.SeqID, engine.Pos, engine.Pos, engine.Pos) error {
+	return engine.ErrUnsupported
+}
+
+func (f *fakeEngine) SeqPosRange(s engine.SeqID) (lo, hi engine.Pos, ok bool) {
+	for _, c := range f.cells {
+		if c.seqs[s] {
+			if !ok || c.pos < lo {
+				lo = c.pos
+			}
+			if !ok || c.pos > hi {
+				hi = c.pos
+			}
+			ok = true
+		}
+	}
+	return lo, hi, ok
+}
+
+func (f *fakeEngine) ClearMemory() error { f.cells = nil; return nil }
+
+func (f *fakeEngine) stepBatches() []fakeBatch {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]fakeBatch(nil), f.batches...)
+}
+
+// fakeVocab: token t >= 3 is the letter 'a'+(t-3)%26; 2 is EOS.
+type fakeVocab struct{ n int }
+
+func (v fakeVocab) Size() int                 { return v.n }
+func (v fakeVocab) BOS() engine.Token         { return 1 }
+func (v fakeVocab) EOS() engine.Token         { return 2 }
+func (v fakeVocab) IsEOG(t engine.Token) bool { return t == 2 }
+func (v fakeVocab) AddBOS() bool              { return true }
+func (v fakeVocab) Tokenize(s string, addSpecial, _ bool) ([]engine.Token, error) {
+	var out []engine.Token
+	if addSpecial {
+		out = append(out, 1)
+	}
+	for _, c := range []byte(s) {
+		out = append(out, engine.Token(3+int(c)%26))
+	}
+	return out, nil
+}
+func (v fakeVocab) Piece(t engine.Token, _ bool) ([]byte, error) {
+	if t < 3 {
+		return nil, nil
+	}
+	return []byte{byte('a' + (int(t)-3)%26)}, nil
+}
+func (v fakeVocab) Detokenize(ts []engine.Token, _, _ bool) (string, error) {
+	var b []byte
+	for _, t := range ts {
+		p, _ := v.Piece(t, false)
+		b = append(b, p...)
+	}
+	return string(b), nil
+}
+func (v fakeVocab) ApplyChatTemplate(m []engine.ChatMessage, _ bool) (string, error) {
+	return "", engine.ErrUnsupported
+}

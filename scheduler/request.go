@@ -1,0 +1,55 @@
+package scheduler
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/sample"
+)
+
+// MaxChoices bounds n.
+const MaxChoices = 16
+
+// Request is one generation request.
+type Request struct {
+	Prompt    []engine.Token
+	MaxTokens int // 0: the configured default; generation also stops when the context is full
+	Sampling  sample.Params
+	// Grammar is GBNF constraining the output; empty for none.
+	Grammar string
+	// Stop strings end a choice; the text before them is emitted, they are not.
+	Stop []string
+	// IgnoreEOS keeps generating past end-of-generation tokens (benchmarks).
+	IgnoreEOS bool
+	N         int // choices; 0 means 1
+	Priority  int // higher first
+	// Deadline, if set, cancels the request when reached, waiting or running.
+	Deadline time.Time
+}
+
+func (r *Request) validate(vocab int) error {
+	if len(r.Prompt) == 0 {
+		return fmt.Errorf("%w: empty prompt", ErrInvalid)
+	}
+	for i, t := range r.Prompt {
+		if t < 0 || int(t) >= vocab {
+			return fmt.Errorf("%w: prompt token %d at %d outside the vocabulary of %d", ErrInvalid, t, i, vocab)
+		}
+	}
+	if r.MaxTokens < 0 {
+		return fmt.Errorf("%w: max_tokens %d must not be negative", ErrInvalid, r.MaxTokens)
+	}
+	if r.N < 0 || r.N > MaxChoices {
+		return fmt.Errorf("%w: n %d must be in [1, %d]", ErrInvalid, r.N, MaxChoices)
+	}
+	for _, s := range r.Stop {
+		if s == "" {
+			return fmt.Errorf("%w: empty stop string", ErrInvalid)
+		}
+	}
+	if err := r.Sampling.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return nil
+}

@@ -1,0 +1,807 @@
+package scheduler
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/sample"
+	"github.com/shoal-ai/shoal/kvcache"
+)
+
+// Load is a snapshot of the scheduler's state, published after every step.
+type Load struct {
+	Waiting         int
+	Running         int
+	KVBlocksUsed    int
+	KVBlocksCached  int
+	KVBlocksTotal   int
+	KVBlockTokens   int
+	PrefillTokensPS float64 // smoothed prompt tokens computed per second
+	DecodeTokensPS  float64 // smoothed generated tokens per second
+	QueueWait       time.Duration
+	PrefixQueries   uint64 // prompt tokens looked up in the prefix cache
+	PrefixHits      uint64 // of which found
+	Steps           uint64
+	PromptTokens    uint64 // computed (not cached) prompt tokens, total
+	GeneratedTokens uint64
+	Preemptions     uint64
+	CacheGeneration uint64
+	UpdatedAt       time.Time
+}
+
+// Scheduler runs continuous batching over one engine. Submit and Load may be called
+// from any goroutine; Run is the single goroutine that owns the engine and the pool.
+type Scheduler struct {
+	cfg   Config
+	eng   engine.Engine
+	vocab engine.Vocab
+	pool  *kvcache.Pool
+	cap   engine.Capacity
+	log   *slog.Logger
+
+	mu      sync.Mutex
+	inbox   []*group
+	closed  bool
+	wake    chan struct{}
+	waiting atomic.Int64 // inbox + queue, for ErrQueueFull without locking the loop
+	load    atomic.Pointer[Load]
+
+	// owned by Run
+	queue      []*seq // waiting, ordered by (priority desc, arrival asc)
+	running    []*seq
+	arrival    uint64
+	batch      engine.Batch
+	rows       []*seq // rows[i]: the sequence whose output row i of the batch is, or nil
+	building   bool   // the batch is being built: rows may still be removed
+	decodeRows int    // rows of this step that decode a generated token
+	stats      Load
+}
+
+// group is one request and its n choices.
+type group struct {
+	req      *Request
+	ctx      context.Context
+	stream   *Stream
+	seqs     []*seq
+	open     int // choices not finished yet
+	usage    Usage
+	failed   bool
+	enqueued time.Time
+}
+
+// seq is one choice of a request.
+type seq struct {
+	g        *group
+	index    int
+	arrival  uint64
+	tokens   []engine.Token // prompt + generated: what a resume recomputes
+	prompt   int
+	kv       *kvcache.Seq
+	sampler  engine.Sampler
+	detok    engine.Detokenizer
+	held     string // text held back because it may start a stop string
+	gen      int
+	maxNew   int
+	forkFrom *seq // n > 1: fork from this sequence once its prompt is computed
+	running  bool
+	done     bool
+	// firstStart: the first admission sets the request's cached-token usage.
+	firstStart bool
+	// sampleRow is the batch row whose logits give this sequence's next token.
+	sampleRow int
+}
+
+func (s *seq) computed() int {
+	if s.kv == nil {
+		return 0
+	}
+	return s.kv.Len()
+}
+
+// New returns a scheduler over eng. Run must be started for requests to progress.
+func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	c := eng.Capacity()
+	if cfg.MaxBatchTokens > c.BatchTokens {
+		return nil, fmt.Errorf("scheduler: max batch tokens %d exceeds the engine's batch of %d", cfg.MaxBatchTokens, c.BatchTokens)
+	}
+	if cfg.KV.Cells == 0 {
+		cfg.KV.Cells = c.Cells
+	}
+	if cfg.KV.MaxSeqs == 0 {
+		cfg.KV.MaxSeqs = c.MaxSeqs
+	}
+	if cfg.MaxRunning > cfg.KV.MaxSeqs {
+		return nil, fmt.Errorf("scheduler: max running %d exceeds the engine's %d sequences", cfg.MaxRunning, cfg.KV.MaxSeqs)
+	}
+	if !c.PrefixSharing {
+		cfg.KV.Caching = false // no partial copies: every sequence computes its own prompt
+	}
+	if !c.Unified {
+		// One stream per sequence: the pool must not hand one sequence more cells than
+		// its stream has, nor count other streams' cells as its own.
+		cfg.KV.Cells = c.CellsPerSeq * c.MaxSeqs
+	}
+	pool, err := kvcache.New(cfg.KV)
+	if err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &Scheduler{cfg: cfg, eng: eng, vocab: eng.Vocab(), pool: pool, cap: c, log: log, wake: make(chan struct{}, 1)}
+	s.publish()
+	return s, nil
+}
+
+// Pool exposes the block pool's thread-safe views (Stats, Summary) for metrics and gossip.
+func (s *Scheduler) Pool() *kvcache.Pool { return s.pool }
+
+// Load returns the latest snapshot. Any goroutine.
+func (s *Scheduler) Load() Load { return *s.load.Load() }
+
+// MaxContext is the longest sequence (prompt + generated) one request may have.
+func (s *Scheduler) MaxContext() int {
+	return min(s.cap.CellsPerSeq, s.pool.TotalBlocks()*s.pool.BlockTokens())
+}
+
+// Submit queues req. The stream ends with EventDone or EventError; cancelling ctx
+// cancels the request within one step, waiting or running.
+func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
+	if err := req.validate(s.vocab.Size()); err != nil {
+		return nil, err
+	}
+	if n := len(req.Prompt); n >= s.MaxContext() {
+		return nil, fmt.Errorf("%w: %d prompt tokens, context holds %d", ErrPromptTooLong, n, s.MaxContext())
+	}
+	n := max(req.N, 1)
+	if s.waiting.Add(int64(n)) > int64(s.cfg.MaxWaiting) {
+		s.waiting.Add(-int64(n))
+		return nil, ErrQueueFull
+	}
+	g := &group{req: req, ctx: ctx, stream: newStream(), open: n, enqueued: time.Now()}
+	g.usage.PromptTokens = len(req.Prompt)
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		s.waiting.Add(-int64(n))
+		return nil, ErrClosed
+	}
+	s.inbox = append(s.inbox, g)
+	s.mu.Unlock()
+	s.signal()
+	return g.stream, nil
+}
+
+func (s *Scheduler) signal() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Run is the scheduling loop; it returns when ctx ends, after failing every request
+// still queued or running with ErrClosed. Call it once.
+func (s *Scheduler) Run(ctx context.Context) error {
+	defer s.shutdown()
+	for {
+		s.takeInbox()
+		if len(s.queue) == 0 && len(s.running) == 0 {
+			s.publish()
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-s.wake:
+			}
+			continue
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		s.step(ctx)
+	}
+}
+
+func (s *Scheduler) shutdown() {
+	s.mu.Lock()
+	s.closed = true
+	inbox := s.inbox
+	s.inbox = nil
+	s.mu.Unlock()
+	for _, g := range inbox {
+		s.waiting.Add(-int64(g.open))
+		g.stream.push(Event{Kind: EventError, Err: ErrClosed})
+	}
+	for _, q := range slices.Concat(s.queue, s.running) {
+		s.fail(q.g, ErrClosed)
+	}
+	s.queue, s.running = nil, nil
+	s.publish()
+}
+
+func (s *Scheduler) takeInbox() {
+	s.mu.Lock()
+	in := s.inbox
+	s.inbox = nil
+	s.mu.Unlock()
+	for _, g := range in {
+		n := max(g.req.N, 1)
+		maxNew := g.req.MaxTokens
+		if maxNew == 0 {
+			maxNew = s.cfg.DefaultMaxTokens
+		}
+		for i := range n {
+			s.arrival++
+			q := &seq{g: g, index: i, arrival: s.arrival, tokens: slices.Clone(g.req.Prompt), prompt: len(g.req.Prompt), maxNew: maxNew, firstStart: i == 0, sampleRow: -1}
+			g.seqs = append(g.seqs, q)
+			if i > 0 {
+				q.forkFrom = g.seqs[0]
+			}
+		}
+		// Choices after the first wait for the first's prompt and fork from it; only
+		// the first is queued.
+		s.enqueue(g.seqs[0])
+	}
+}
+
+func (s *Scheduler) enqueue(q *seq) {
+	i, _ := slices.BinarySearchFunc(s.queue, q, queueOrder)
+	s.queue = slices.Insert(s.queue, i, q)
+}
+
+func queueOrder(a, b *seq) int {
+	return cmp.Or(cmp.Compare(b.g.req.Priority, a.g.req.Priority), cmp.Compare(a.arrival, b.arrival))
+}
+
+// step runs one forward pass.
+func (s *Scheduler) step(ctx context.Context) {
+	s.dropCancelled()
+	s.batch.Reset()
+	s.rows = s.rows[:0]
+	s.decodeRows = 0
+	s.building = true
+	for _, q := range s.running {
+		q.sampleRow = -1
+	}
+
+	// 1. A decode row for every running sequence whose prompt is computed. Growing
+	// may preempt others (including ones already in the batch), so iterate a copy.
+	for _, q := range slices.Clone(s.running) {
+		if !q.running || q.computed() < len(q.tokens)-1 {
+			continue
+		}
+		if s.grow(q, q.tokens[len(q.tokens)-1:]) {
+			s.addRows(q, len(q.tokens)-1, len(q.tokens))
+			if q.gen > 0 {
+				s.decodeRows++
+			}
+		}
+	}
+	// 2. Chunks of prompts already running.
+	for _, q := range slices.Clone(s.running) {
+		if s.budget() == 0 {
+			break
+		}
+		if q.running && q.computed() < len(q.tokens)-1 {
+			s.prefill(q)
+		}
+	}
+	// 3. Admit waiting requests while budget, sequence slots and KV allow.
+	for s.budget() > 0 && len(s.queue) > 0 && len(s.running) < s.cfg.MaxRunning {
+		q := s.queue[0]
+		// Generation stops at max_tokens or when the context is full, whichever first.
+		need := min(q.maxNew-q.gen, s.MaxContext()-len(q.tokens))
+		if !s.pool.Fits(toInt32(q.tokens), need) {
+			if len(s.running) == 0 {
+				// Nothing running will free more: the request can never fit.
+				s.fail(q.g, fmt.Errorf("%w: %d tokens plus %d to generate exceed the KV pool", ErrPromptTooLong, len(q.tokens), need))
+				continue
+			}
+			break
+		}
+		kv, ops, err := s.pool.Start(toInt32(q.tokens))
+		if err != nil {
+			break // no sequence id: wait for one to finish
+		}
+		if err := s.apply(ops); err != nil {
+			s.pool.Release(kv)
+			s.building = false
+			s.failAll(fmt.Errorf("apply KV ops: %w", err))
+			return
+		}
+		s.queue = s.queue[1:]
+		s.waiting.Add(-1)
+		q.kv = kv
+		q.running = true
+		if q.gen == 0 && q.index == 0 && q.firstStart {
+			q.g.usage.CachedTokens = kv.Cached()
+			q.firstStart = false
+		}
+		s.running = append(s.running, q)
+		if q.computed() < len(q.tokens)-1 {
+			s.prefill(q)
+		} else if s.grow(q, q.tokens[len(q.tokens)-1:]) {
+			s.addRows(q, len(q.tokens)-1, len(q.tokens))
+		}
+	}
+	s.building = false
+	if s.batch.Len() == 0 {
+		if len(s.running) == 0 && len(s.queue) > 0 {
+			// Blocked on a sequence id with nothing running to free one: cannot
+			// happen while the pool's invariants hold; yield instead of spinning.
+			time.Sleep(time.Millisecond)
+		}
+		s.publish()
+		return
+	}
+	s.decode(ctx)
+	s.publish()
+}
+
+func (s *Scheduler) budget() int { return max(0, s.cfg.MaxBatchTokens-s.batch.Len()) }
+
+func (s *Scheduler) inBatch(q *seq) bool { return slices.Contains(s.rows, q) }
+
+// prefill adds as many of q's uncomputed tokens as the budget allows to the batch.
+func (s *Scheduler) prefill(q *seq) {
+	from := q.computed()
+	// Resumed sequences recompute everything but their last token, which is then the
+	// decode row (its logits produce the next token).
+	end := len(q.tokens)
+	if q.gen > 0 {
+		end = len(q.tokens) - 1
+	}
+	to := min(end, from+s.budget())
+	if to <= from {
+		return
+	}
+	if s.grow(q, q.tokens[from:to]) {
+		s.addRows(q, from, to)
+	}
+}
+
+// addRows puts tokens [from, to) of q into the batch; the last prompt token (or the
+// decode token) asks for logits.
+func (s *Scheduler) addRows(q *seq, from, to int) {
+	q.sampleRow = -1
+	for p := from; p < to; p++ {
+		out := p == len(q.tokens)-1
+		if out {
+			q.sampleRow = s.batch.Len()
+		}
+		s.batch.Add(q.tokens[p], engine.Pos(p), engine.SeqID(q.kv.ID), out)
+		s.rows = append(s.rows, nil)
+		if out {
+			s.rows[len(s.rows)-1] = q
+		}
+	}
+}
+
+// grow accounts toks for q, preempting other sequences when KV runs out. It returns
+// false if q itself was preempted (or could not grow).
+func (s *Scheduler) grow(q *seq, toks []engine.Token) bool {
+	for {
+		ops, err := s.pool.Grow(q.kv, toInt32(toks))
+		if err == nil {
+			if aerr := s.apply(ops); aerr != nil {
+				s.failAll(fmt.Errorf("apply KV ops: %w", aerr))
+				return false
+			}
+			return true
+		}
+		if !errors.Is(err, kvcache.ErrNoSpace) {
+			s.failAll(fmt.Errorf("kv grow: %w", err))
+			return false
+		}
+		victim := s.victim()
+		if victim == nil {
+			return false
+		}
+		s.preempt(victim)
+		if victim == q {
+			return false
+		}
+	}
+}
+
+// victim is the lowest-priority, most recently arrived running sequence.
+func (s *Scheduler) victim() *seq {
+	var v *seq
+	for _, q := range s.running {
+		if v == nil || q.g.req.Priority < v.g.req.Priority || (q.g.req.Priority == v.g.req.Priority && q.arrival > v.arrival) {
+			v = q
+		}
+	}
+	return v
+}
+
+// preempt drops q's KV (its blocks stay cached) and puts it back in the queue; it
+// resumes by recomputing its prompt and generated tokens.
+func (s *Scheduler) preempt(q *seq) {
+	s.removeFromBatch(q)
+	s.release(q)
+	s.removeFromRunning(q)
+	s.enqueue(q)
+	s.waiting.Add(1)
+	s.stats.Preemptions++
+	s.log.Debug("preempted", "seq", q.arrival, "tokens", len(q.tokens))
+}
+
+// removeFromBatch takes q's rows out of the batch being built.
+func (s *Scheduler) removeFromBatch(q *seq) {
+	if q.kv == nil || !s.building {
+		return // after the decode, row numbers must stay those of the decoded batch
+	}
+	id := engine.SeqID(q.kv.ID)
+	var nb engine.Batch
+	var nr []*seq
+	for i := range s.batch.Len() {
+		if s.batch.Seq[i] == id {
+			continue
+		}
+		if r := s.rows[i]; r != nil {
+			r.sampleRow = nb.Len()
+		}
+		nb.Add(s.batch.Tokens[i], s.batch.Pos[i], s.batch.Seq[i], s.batch.Output[i])
+		nr = append(nr, s.rows[i])
+	}
+	s.batch, s.rows = nb, nr
+	q.sampleRow = -1
+}
+
+func (s *Scheduler) release(q *seq) {
+	if q.kv == nil {
+		return
+	}
+	if err := s.apply(s.pool.Release(q.kv)); err != nil {
+		s.log.Error("release KV", "err", err)
+	}
+	q.kv = nil
+}
+
+func (s *Scheduler) apply(ops []kvcache.Op) error {
+	for _, o := range ops {
+		var err error
+		switch o.Kind {
+		case kvcache.OpRemove:
+			err = s.eng.SeqRemove(engine.SeqID(o.Seq), engine.Pos(o.P0), engine.Pos(o.P1))
+		case kvcache.OpCopy:
+			err = s.eng.SeqCopy(engine.SeqID(o.Src), engine.SeqID(o.Seq), engine.Pos(o.P0), engine.Pos(o.P1))
+		}
+		if err != nil {
+			return fmt.Errorf("%v: %w", o, err)
+		}
+	}
+	return nil
+}
+
+func (s *Scheduler) decode(ctx context.Context) {
+	start := time.Now()
+	err := s.eng.Decode(ctx, &s.batch)
+	if err != nil {
+		if errors.Is(err, engine.ErrNoKVSpace) {
+			// The engine could not place the batch although the pool had room
+			// (fragmentation): free room by preempting, and retry next step.
+			if v := s.victim(); v != nil {
+				s.undoBatch()
+				s.preempt(v)
+			}
+			return
+		}
+		// A failed pass fails the requests in it; the node keeps serving.
+		s.log.Error("decode failed", "tokens", s.batch.Len(), "err", err)
+		affected := map[*group]bool{}
+		for _, q := range s.running {
+			if slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
+				affected[q.g] = true
+			}
+		}
+		s.undoBatch()
+		for g := range affected {
+			s.fail(g, fmt.Errorf("decode: %w", err))
+		}
+		return
+	}
+	elapsed := time.Since(start)
+	decodeTokens := s.decodeRows
+	prefillTokens := s.batch.Len() - decodeTokens
+	s.stats.Steps++
+	s.stats.PromptTokens += uint64(prefillTokens)
+	s.rate(&s.stats.PrefillTokensPS, prefillTokens, elapsed)
+	s.rate(&s.stats.DecodeTokensPS, decodeTokens, elapsed)
+
+	// Fork pending choices from first choices whose prompt just completed, so they
+	// sample from the same logits row.
+	for _, q := range slices.Clone(s.rows) {
+		if q == nil || q.index != 0 || q.gen != 0 || len(q.g.seqs) == 1 {
+			continue
+		}
+		for _, c := range q.g.seqs[1:] {
+			if c.forkFrom == q && c.kv == nil && !c.done {
+				s.fork(q, c)
+			}
+		}
+	}
+	// Sequences with a row sample (forked choices use their first choice's row).
+	for _, q := range slices.Clone(s.running) {
+		if q.running && q.sampleRow >= 0 {
+			s.sampleAndEmit(q, q.sampleRow)
+		}
+	}
+}
+
+// undoBatch rolls the pool back for tokens accounted this step but not decoded, by
+// releasing the affected sequences' KV and requeueing them.
+func (s *Scheduler) undoBatch() {
+	seen := map[*seq]bool{}
+	for _, q := range s.running {
+		if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
+			seen[q] = true
+		}
+	}
+	for q := range seen {
+		s.release(q)
+		s.removeFromRunning(q)
+		s.enqueue(q)
+		s.waiting.Add(1)
+	}
+}
+
+// fork starts choice c as a copy of q, whose prompt has just been computed.
+func (s *Scheduler) fork(q, c *seq) {
+	kv, ops, err := s.pool.Fork(q.kv)
+	if err == nil {
+		err = s.apply(ops)
+	}
+	if err != nil {
+		// No room to fork now: the choice computes its own prompt later (it is
+		// already counted as waiting).
+		c.forkFrom = nil
+		s.enqueue(c)
+		return
+	}
+	c.kv = kv
+	c.running = true
+	c.sampleRow = q.sampleRow
+	s.running = append(s.running, c)
+	s.waiting.Add(-1)
+}
+
+func (s *Scheduler) rate(r *float64, n int, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	inst := float64(n) / d.Seconds()
+	w := 1 - math.Exp2(-d.Seconds()/rateHalfLife.Seconds())
+	*r += w * (inst - *r)
+}
+
+// sampleAndEmit samples q's next token from batch row row and publishes it.
+func (s *Scheduler) sampleAndEmit(q *seq, row int) {
+	g := q.g
+	if q.sampler == nil {
+		if err := s.newSampler(q); err != nil {
+			s.fail(g, err)
+			return
+		}
+	}
+	var out engine.Sampled
+	var serr error
+	if err := s.eng.Logits(row, func(l []float32) { out, serr = q.sampler.Sample(l) }); err != nil {
+		serr = err
+	}
+	if serr != nil {
+		s.fail(g, fmt.Errorf("sample: %w", serr))
+		return
+	}
+	tok := out.Token
+	q.sampler.Accept(tok, true)
+	q.gen++
+	s.stats.GeneratedTokens++
+	g.usage.CompletionTokens++
+
+	if !g.req.IgnoreEOS && s.vocab.IsEOG(tok) {
+		s.finish(q, FinishStop, "")
+		return
+	}
+	q.tokens = append(q.tokens, tok)
+	piece, err := s.vocab.Piece(tok, false)
+	if err != nil {
+		s.fail(g, fmt.Errorf("detokenize: %w", err))
+		return
+	}
+	text := q.held + q.detok.Add(piece)
+	q.held = ""
+	var stopped bool
+	text, q.held, stopped = matchStop(text, g.req.Stop)
+	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top}
+	g.stream.push(ev)
+	switch {
+	case stopped:
+		q.held = ""
+		s.finish(q, FinishStop, "")
+	case q.gen >= q.maxNew || len(q.tokens) >= s.MaxContext():
+		s.finish(q, FinishLength, q.held+q.detok.Flush())
+	}
+}
+
+func (s *Scheduler) newSampler(q *seq) error {
+	g := q.g
+	p := g.req.Sampling
+	p.Seed += uint64(q.index) // choices of one request draw differently but reproducibly
+	var gr engine.Grammar
+	if g.req.Grammar != "" {
+		var err error
+		if gr, err = s.eng.NewGrammar(g.req.Grammar); err != nil {
+			return fmt.Errorf("%w: grammar: %w", ErrInvalid, err)
+		}
+	}
+	sm, err := sample.New(p, gr)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	for _, t := range g.req.Prompt {
+		sm.Accept(t, false)
+	}
+	q.sampler = sm
+	return nil
+}
+
+// matchStop finds the earliest stop string in text. Without one, it splits text into
+// what can be emitted and the longest suffix that could still begin a stop string.
+func matchStop(text string, stops []string) (emit, held string, stopped bool) {
+	if len(stops) == 0 {
+		return text, "", false
+	}
+	first := -1
+	for _, st := range stops {
+		if i := strings.Index(text, st); i >= 0 && (first < 0 || i < first) {
+			first = i
+		}
+	}
+	if first >= 0 {
+		return text[:first], "", true
+	}
+	keep := 0
+	for _, st := range stops {
+		for k := min(len(st)-1, len(text)); k > keep; k-- {
+			if strings.HasSuffix(text, st[:k]) {
+				keep = k
+				break
+			}
+		}
+	}
+	return text[:len(text)-keep], text[len(text)-keep:], false
+}
+
+// finish ends choice q with reason; tail is text held back until now.
+func (s *Scheduler) finish(q *seq, reason FinishReason, tail string) {
+	if q.done {
+		return
+	}
+	q.done = true
+	s.removeFromRunning(q)
+	s.release(q)
+	if q.sampler != nil {
+		q.sampler.Close()
+	}
+	g := q.g
+	g.stream.push(Event{Kind: EventFinish, Index: q.index, Finish: reason, Text: tail})
+	g.open--
+	if g.open == 0 {
+		g.stream.push(Event{Kind: EventDone, Usage: g.usage})
+	}
+}
+
+func (s *Scheduler) removeFromRunning(q *seq) {
+	q.running = false
+	s.running = slices.DeleteFunc(s.running, func(x *seq) bool { return x == q })
+}
+
+// fail ends every choice of g with err.
+func (s *Scheduler) fail(g *group, err error) {
+	if g.failed {
+		return
+	}
+	g.failed = true
+	for _, q := range g.seqs {
+		if q.done {
+			continue
+		}
+		q.done = true
+		if i := slices.Index(s.queue, q); i >= 0 {
+			s.queue = slices.Delete(s.queue, i, i+1)
+			s.waiting.Add(-1)
+		} else if q.kv == nil && q.forkFrom != nil {
+			s.waiting.Add(-1) // a choice waiting for its fork
+		}
+		s.removeFromBatch(q)
+		s.removeFromRunning(q)
+		s.release(q)
+		if q.sampler != nil {
+			q.sampler.Close()
+		}
+	}
+	g.stream.push(Event{Kind: EventError, Err: err})
+}
+
+func (s *Scheduler) failAll(err error) {
+	for _, q := range slices.Concat(s.running, s.queue) {
+		s.fail(q.g, err)
+	}
+}
+
+// dropCancelled ends requests whose context or deadline has passed.
+func (s *Scheduler) dropCancelled() {
+	now := time.Now()
+	check := func(q *seq) {
+		g := q.g
+		if g.failed || q.done {
+			return
+		}
+		if err := g.ctx.Err(); err != nil {
+			s.cancel(g, err)
+		} else if !g.req.Deadline.IsZero() && now.After(g.req.Deadline) {
+			s.cancel(g, context.DeadlineExceeded)
+		}
+	}
+	for _, q := range slices.Concat(s.running, s.queue) {
+		check(q)
+	}
+}
+
+// cancel ends g's choices with FinishCancelled, freeing their KV now.
+func (s *Scheduler) cancel(g *group, cause error) {
+	for _, q := range g.seqs {
+		if q.done {
+			continue
+		}
+		if i := slices.Index(s.queue, q); i >= 0 {
+			s.queue = slices.Delete(s.queue, i, i+1)
+			s.waiting.Add(-1)
+		} else if q.kv == nil {
+			s.waiting.Add(-1) // waiting for its fork
+		}
+		s.finish(q, FinishCancelled, "")
+	}
+	s.log.Debug("request cancelled", "cause", cause)
+}
+
+func (s *Scheduler) publish() {
+	s.pool.Publish()
+	st := s.pool.Stats()
+	l := s.stats
+	l.Waiting = int(s.waiting.Load())
+	l.Running = len(s.running)
+	l.KVBlocksUsed, l.KVBlocksCached, l.KVBlocksTotal, l.KVBlockTokens = st.Used, st.Cached, st.Blocks, st.BlockTokens
+	l.PrefixQueries, l.PrefixHits, l.CacheGeneration = st.Queries, st.HitTokens, st.Generation
+	pending := 0
+	for _, q := range s.queue {
+		pending += len(q.tokens)
+	}
+	if l.PrefillTokensPS > 0 {
+		l.QueueWait = time.Duration(float64(pending) / l.PrefillTokensPS * float64(time.Second))
+	}
+	l.UpdatedAt = time.Now()
+	s.load.Store(&l)
+}
+
+func toInt32(t []engine.Token) []int32 {
+	out := make([]int32, len(t))
+	for i, x := range t {
+		out[i] = int32(x)
+	}
+	return out
+}

@@ -1,0 +1,493 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+type result struct {
+	text   []string // per choice
+	tokens [][]engine.Token
+	finish []FinishReason
+	usage  Usage
+	err    error
+}
+
+func collect(ctx context.Context, st *Stream, n int) result {
+	r := result{text: make([]string, n), tokens: make([][]engine.Token, n), finish: make([]FinishReason, n)}
+	for {
+		ev, ok := st.Next(ctx)
+		if !ok {
+			if r.err == nil && ctx.Err() != nil {
+				r.err = ctx.Err()
+			}
+			return r
+		}
+		switch ev.Kind {
+		case EventToken:
+			r.text[ev.Index] += ev.Text
+			r.tokens[ev.Index] = append(r.tokens[ev.Index], ev.Token)
+		case EventFinish:
+			r.text[ev.Index] += ev.Text
+			r.finish[ev.Index] = ev.Finish
+		case EventDone:
+			r.usage = ev.Usage
+		case EventError:
+			r.err = ev.Err
+		}
+	}
+}
+
+func startScheduler(t *testing.T, f *fakeEngine, mod func(*Config)) (*Scheduler, context.CancelFunc) {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens = 64
+	cfg.MaxRunning = 16
+	if mod != nil {
+		mod(&cfg)
+	}
+	s, err := New(cfg, f, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return s, cancel
+}
+
+func prompt(seed, n int) []engine.Token {
+	p := []engine.Token{1}
+	for i := range n - 1 {
+		p = append(p, engine.Token(3+(seed*7+i*3)%60))
+	}
+	return p
+}
+
+// solo runs each request alone on a fresh engine and scheduler: the reference output.
+func solo(t *testing.T, reqs []*Request) []result {
+	t.Helper()
+	var out []result
+	for _, r := range reqs {
+		f := newFake(4096, 32, 512)
+		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
+		st, err := s.Submit(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, collect(context.Background(), st, max(r.N, 1)))
+	}
+	return out
+}
+
+func runConcurrently(t *testing.T, s *Scheduler, reqs []*Request) []result {
+	t.Helper()
+	res := make([]result, len(reqs))
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		st, err := s.Submit(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() { res[i] = collect(context.Background(), st, max(r.N, 1)) })
+	}
+	wg.Wait()
+	return res
+}
+
+func mixedRequests(n int) []*Request {
+	var reqs []*Request
+	for i := range n {
+		reqs = append(reqs, &Request{Prompt: prompt(i, 5+i*13%90), MaxTokens: 3 + i*7%40})
+	}
+	return reqs
+}
+
+func TestConcurrentEqualsSolo(t *testing.T) {
+	reqs := mixedRequests(20)
+	want := solo(t, reqs)
+	f := newFake(4096, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	got := runConcurrently(t, s, reqs)
+	for i := range reqs {
+		if got[i].err != nil || !slices.Equal(got[i].tokens[0], want[i].tokens[0]) {
+			t.Fatalf("request %d: got %v %v, want %v", i, got[i].tokens, got[i].err, want[i].tokens)
+		}
+		if got[i].finish[0] != FinishLength || got[i].usage.CompletionTokens != reqs[i].MaxTokens {
+			t.Fatalf("request %d: finish %v usage %+v", i, got[i].finish, got[i].usage)
+		}
+	}
+	// Budget and decode rows: no batch exceeds 64 tokens, and while a sequence
+	// decodes it has a row in every batch.
+	for i, b := range f.stepBatches() {
+		if b.rows > 64 {
+			t.Fatalf("batch %d has %d rows, budget 64", i, b.rows)
+		}
+	}
+}
+
+func TestDecodeRowEveryStep(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens = 32; c.KV.Caching = false })
+	var reqs []*Request
+	for i := range 8 {
+		reqs = append(reqs, &Request{Prompt: prompt(i, 40), MaxTokens: 20})
+	}
+	runConcurrently(t, s, reqs)
+	// Each sequence id appears in a contiguous run of batches: once it starts it is
+	// never skipped until it finishes (ids are not reused: 8 of 64).
+	seen := map[engine.SeqID][]int{}
+	for i, b := range f.stepBatches() {
+		for id := range b.seqs {
+			seen[id] = append(seen[id], i)
+		}
+	}
+	if len(seen) != 8 {
+		t.Fatalf("%d sequence ids used", len(seen))
+	}
+	for id, steps := range seen {
+		for j := 1; j < len(steps); j++ {
+			if steps[j] != steps[j-1]+1 {
+				t.Fatalf("seq %d skipped between batch %d and %d", id, steps[j-1], steps[j])
+			}
+		}
+	}
+}
+
+func TestPrefixCacheHitGivesSameTokens(t *testing.T) {
+	base := prompt(3, 100)
+	reqs := []*Request{{Prompt: base, MaxTokens: 10}, {Prompt: append(slices.Clone(base[:90]), 5, 6, 7), MaxTokens: 10}}
+	want := solo(t, reqs)
+	f := newFake(4096, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	for i, r := range reqs {
+		got := runConcurrently(t, s, []*Request{r})[0]
+		if !slices.Equal(got.tokens[0], want[i].tokens[0]) {
+			t.Fatalf("request %d: %v want %v", i, got.tokens[0], want[i].tokens[0])
+		}
+		if i == 1 && got.usage.CachedTokens != 80 {
+			t.Fatalf("cached tokens %d, want 80", got.usage.CachedTokens)
+		}
+	}
+	if l := s.Load(); l.PrefixHits != 80 || l.PrefixQueries != 193 {
+		t.Fatalf("load %+v", l)
+	}
+}
+
+func TestPreemptionAndResume(t *testing.T) {
+	reqs := mixedRequests(12)
+	for _, r := range reqs {
+		r.MaxTokens = 60
+	}
+	want := solo(t, reqs)
+	// 512 cells cannot hold 12 sequences of up to ~150 tokens at once.
+	f := newFake(512, 64, 512)
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens = 128 })
+	got := runConcurrently(t, s, reqs)
+	for i := range reqs {
+		if got[i].err != nil || !slices.Equal(got[i].tokens[0], want[i].tokens[0]) {
+			t.Fatalf("request %d: %v (%v), want %v", i, got[i].tokens[0], got[i].err, want[i].tokens[0])
+		}
+	}
+	if s.Load().Preemptions == 0 {
+		t.Fatal("expected preemptions with a small pool")
+	}
+	t.Logf("preemptions: %d", s.Load().Preemptions)
+}
+
+func TestCancellationFreesBlocks(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	f.delay = time.Millisecond
+	s, _ := startScheduler(t, f, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	st, err := s.Submit(ctx, &Request{Prompt: prompt(1, 50), MaxTokens: 2000, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Wait for it to generate, then cancel.
+	for range 3 {
+		if _, ok := st.Next(context.Background()); !ok {
+			t.Fatal("stream ended early")
+		}
+	}
+	cancel()
+	r := collect(context.Background(), st, 1)
+	if r.finish[0] != FinishCancelled {
+		t.Fatalf("finish %v err %v", r.finish, r.err)
+	}
+	// Blocks are freed within a step of the cancellation.
+	deadline := time.Now().Add(2 * time.Second)
+	for s.Load().Running != 0 || s.Load().KVBlocksUsed != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("load after cancel: %+v", s.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func TestPriorityAndFIFO(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	f.delay = 200 * time.Microsecond
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxRunning = 1; c.MaxBatchTokens = 64 })
+	var mu sync.Mutex
+	var order []string
+	var wg sync.WaitGroup
+	submit := func(name string, prio int) {
+		st, err := s.Submit(context.Background(), &Request{Prompt: prompt(len(order), 10), MaxTokens: 5, Priority: prio})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() {
+			collect(context.Background(), st, 1)
+			mu.Lock()
+			order = append(order, name)
+			mu.Unlock()
+		})
+	}
+	// Hold the single slot while the others queue.
+	blocker, _ := s.Submit(context.Background(), &Request{Prompt: prompt(99, 10), MaxTokens: 30})
+	for s.Load().Running == 0 {
+		time.Sleep(100 * time.Microsecond)
+	}
+	submit("a", 0)
+	submit("b", 0)
+	submit("c", 0)
+	submit("urgent", 5)
+	for s.Load().Waiting < 4 {
+		time.Sleep(100 * time.Microsecond)
+	}
+	collect(context.Background(), blocker, 1)
+	wg.Wait()
+	if strings.Join(order, ",") != "urgent,a,b,c" {
+		t.Fatalf("completion order %v", order)
+	}
+}
+
+func TestStopStringsAcrossTokens(t *testing.T) {
+	// Find the reference text, then stop on a string spanning token boundaries.
+	ref := solo(t, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30}})[0]
+	text := ref.text[0]
+	stop := text[10:13]
+	want := text[:strings.Index(text, stop)]
+	f := newFake(4096, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	got := runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, Stop: []string{"zzzzzz", stop}}})[0]
+	if got.text[0] != want || got.finish[0] != FinishStop {
+		t.Fatalf("text %q finish %v, want %q", got.text[0], got.finish[0], want)
+	}
+}
+
+func TestMatchStop(t *testing.T) {
+	cases := []struct {
+		text, emit, held string
+		stopped          bool
+	}{
+		{"hello wor", "hello ", "wor", false},
+		{"hello world!", "hello ", "", true},
+		{"abc", "abc", "", false},
+		{"xx<|e", "xx", "<|e", false},
+	}
+	for _, c := range cases {
+		e, h, s := matchStop(c.text, []string{"world", "<|end|>"})
+		if e != c.emit || h != c.held || s != c.stopped {
+			t.Errorf("%q: got %q %q %v", c.text, e, h, s)
+		}
+	}
+}
+
+func TestEOSAndContextFull(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	f.eosAt = 30
+	s, _ := startScheduler(t, f, nil)
+	r := runConcurrently(t, s, []*Request{{Prompt: prompt(1, 20), MaxTokens: 100}})[0]
+	if r.finish[0] != FinishStop || r.usage.CompletionTokens != 10 {
+		t.Fatalf("EOS: finish %v usage %+v", r.finish, r.usage)
+	}
+	// Context of 64 cells: generation stops with "length" when it is full.
+	f2 := newFake(64, 8, 64)
+	s2, _ := startScheduler(t, f2, func(c *Config) { c.MaxRunning = 8; c.MaxBatchTokens = 64; c.KV.BlockTokens = 16 })
+	r = runConcurrently(t, s2, []*Request{{Prompt: prompt(1, 20), MaxTokens: 60, IgnoreEOS: true}})[0]
+	if r.err != nil || r.finish[0] != FinishLength || r.usage.CompletionTokens != 44 {
+		t.Fatalf("context full: %v %v %+v", r.err, r.finish, r.usage)
+	}
+	if _, err := s2.Submit(context.Background(), &Request{Prompt: prompt(1, 64)}); !errors.Is(err, ErrPromptTooLong) {
+		t.Fatalf("prompt filling the context: %v", err)
+	}
+}
+
+func TestNChoices(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	r := runConcurrently(t, s, []*Request{{Prompt: prompt(2, 30), MaxTokens: 8, N: 3}})[0]
+	if r.err != nil || r.usage.CompletionTokens != 24 || r.usage.PromptTokens != 30 {
+		t.Fatalf("n=3: %v %+v", r.err, r.usage)
+	}
+	for i := range 3 {
+		// Greedy on a deterministic engine: every choice is the same.
+		if !slices.Equal(r.tokens[i], r.tokens[0]) || len(r.tokens[i]) != 8 {
+			t.Fatalf("choice %d: %v vs %v", i, r.tokens[i], r.tokens[0])
+		}
+	}
+	// The prompt was computed once.
+	total := 0
+	for _, b := range f.stepBatches() {
+		total += b.rows
+	}
+	if total != 30+3*7 {
+		t.Fatalf("rows decoded %d, want %d", total, 30+3*7)
+	}
+}
+
+func TestSubmitErrors(t *testing.T) {
+	f := newFake(256, 8, 256)
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxWaiting = 2; c.MaxRunning = 4; c.MaxBatchTokens = 64 })
+	bad := []*Request{
+		{},
+		{Prompt: []engine.Token{99}},
+		{Prompt: []engine.Token{1}, MaxTokens: -1},
+		{Prompt: []engine.Token{1}, N: 17},
+		{Prompt: []engine.Token{1}, Stop: []string{""}},
+	}
+	for i, r := range bad {
+		if _, err := s.Submit(context.Background(), r); !errors.Is(err, ErrInvalid) {
+			t.Errorf("case %d: %v", i, err)
+		}
+	}
+	if _, err := s.Submit(context.Background(), &Request{Prompt: prompt(1, 300)}); !errors.Is(err, ErrPromptTooLong) {
+		t.Errorf("long prompt: %v", err)
+	}
+}
+
+func TestQueueFull(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	f.delay = 5 * time.Millisecond
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxWaiting = 2; c.MaxRunning = 1; c.MaxBatchTokens = 16 })
+	var errs []error
+	for range 6 {
+		_, err := s.Submit(context.Background(), &Request{Prompt: prompt(1, 10), MaxTokens: 50})
+		errs = append(errs, err)
+	}
+	full := 0
+	for _, err := range errs {
+		if errors.Is(err, ErrQueueFull) {
+			full++
+		}
+	}
+	if full < 3 {
+		t.Fatalf("%d of 6 rejected with a queue of 2: %v", full, errs)
+	}
+}
+
+func TestDeadline(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	f.delay = time.Millisecond
+	s, _ := startScheduler(t, f, nil)
+	st, _ := s.Submit(context.Background(), &Request{Prompt: prompt(1, 10), MaxTokens: 2000, IgnoreEOS: true, Deadline: time.Now().Add(20 * time.Millisecond)})
+	r := collect(context.Background(), st, 1)
+	if r.finish[0] != FinishCancelled {
+		t.Fatalf("deadline: %v %v", r.finish, r.err)
+	}
+}
+
+func TestDecodeFailureFailsOnlyItsRequests(t *testing.T) {
+	f := newFake(4096, 64, 512)
+	calls := 0
+	f.failing = func(b *engine.Batch) error {
+		calls++
+		if calls == 3 {
+			return errors.New("injected failure")
+		}
+		return nil
+	}
+	s, _ := startScheduler(t, f, nil)
+	r := runConcurrently(t, s, []*Request{{Prompt: prompt(1, 10), MaxTokens: 10}})[0]
+	if r.err == nil {
+		t.Fatal("want the decode error")
+	}
+	r = runConcurrently(t, s, []*Request{{Prompt: prompt(2, 10), MaxTokens: 10}})[0]
+	if r.err != nil || len(r.tokens[0]) != 10 {
+		t.Fatalf("node stopped serving: %v", r.err)
+	}
+	if l := s.Load(); l.KVBlocksUsed != 0 || l.Running != 0 {
+		t.Fatalf("leaked: %+v", l)
+	}
+}
+
+// TestNoGoroutineLeaks runs a scheduler inside a synctest bubble: the bubble only
+// ends when every goroutine it started has exited.
+func TestNoGoroutineLeaks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := newFake(1024, 32, 256)
+		f.delay = time.Millisecond
+		cfg := DefaultConfig()
+		cfg.MaxBatchTokens, cfg.MaxRunning = 64, 8
+		s, err := New(cfg, f, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); s.Run(ctx) }()
+		var wg sync.WaitGroup
+		for i := range 10 {
+			rctx, rcancel := context.WithCancel(context.Background())
+			st, err := s.Submit(rctx, &Request{Prompt: prompt(i, 20), MaxTokens: 20})
+			if err != nil {
+				t.Fatal(err)
+			}
+			wg.Go(func() {
+				defer rcancel()
+				if i%3 == 0 {
+					st.Next(context.Background())
+					rcancel()
+				}
+				collect(context.Background(), st, 1)
+			})
+		}
+		wg.Wait()
+		// Requests still queued at shutdown get an error, not a hang.
+		st, _ := s.Submit(context.Background(), &Request{Prompt: prompt(1, 20), MaxTokens: 1000, IgnoreEOS: true})
+		cancel()
+		<-done
+		if r := collect(context.Background(), st, 1); r.err == nil && r.finish[0] == "" {
+			t.Fatal("stream neither finished nor failed at shutdown")
+		}
+		if _, err := s.Submit(context.Background(), &Request{Prompt: prompt(1, 5)}); !errors.Is(err, ErrClosed) {
+			t.Fatalf("submit after shutdown: %v", err)
+		}
+	})
+}
+
+func TestManyRequestsKeepStateFlat(t *testing.T) {
+	f := newFake(2048, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	for round := range 20 {
+		var reqs []*Request
+		for i := range 10 {
+			reqs = append(reqs, &Request{Prompt: prompt(round*10+i, 30), MaxTokens: 5})
+		}
+		for i, r := range runConcurrently(t, s, reqs) {
+			if r.err != nil {
+				t.Fatalf("round %d req %d: %v", round, i, r.err)
+			}
+		}
+	}
+	l := s.Load()
+	if l.Running != 0 || l.Waiting != 0 || l.KVBlocksUsed != 0 {
+		t.Fatalf("after 200 requests: %+v", l)
+	}
+	if len(f.cells) > 2048 {
+		t.Fatalf("engine cells %d", len(f.cells))
+	}
+	_ = fmt.Sprint()
+}

@@ -1,0 +1,117 @@
+package scheduler
+
+import (
+	"context"
+	"sync"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// EventKind says what an Event carries.
+type EventKind uint8
+
+const (
+	// EventToken: one generated token of choice Index, with the text it completes
+	// (possibly empty while a UTF-8 rune or a possible stop string is held back).
+	EventToken EventKind = iota
+	// EventFinish: choice Index ended with Finish; Text is any text held back until now.
+	EventFinish
+	// EventDone: the last event of a stream that succeeded, with the usage of all choices.
+	EventDone
+	// EventError: the last event of a stream that failed; Err says why.
+	EventError
+)
+
+// FinishReason is why a choice ended, in OpenAI's words where they exist.
+type FinishReason string
+
+const (
+	FinishStop      FinishReason = "stop"      // end-of-generation token or a stop string
+	FinishLength    FinishReason = "length"    // max_tokens or the context is full
+	FinishCancelled FinishReason = "cancelled" // the request's context ended
+)
+
+// Usage counts tokens of a request.
+type Usage struct {
+	PromptTokens     int
+	CachedTokens     int // prompt tokens served from the prefix cache
+	CompletionTokens int
+}
+
+// Event is one item of a Stream.
+type Event struct {
+	Kind    EventKind
+	Index   int
+	Token   engine.Token
+	Text    string
+	Logprob float32            // when the request asked for logprobs
+	Top     []engine.TokenProb // top alternatives, when asked for
+	Finish  FinishReason
+	Usage   Usage
+	Err     error
+}
+
+// Stream delivers a request's events in order. The scheduler appends without ever
+// blocking; the buffer grows as needed (bounded by the request's max_tokens).
+//
+// Concurrency: one reader goroutine calls Next; the scheduler goroutine writes.
+type Stream struct {
+	mu     sync.Mutex
+	buf    []Event
+	closed bool
+	notify chan struct{} // capacity 1: "something changed"
+	done   chan struct{} // closed after the final event was appended
+}
+
+func newStream() *Stream {
+	return &Stream{notify: make(chan struct{}, 1), done: make(chan struct{})}
+}
+
+func (s *Stream) push(ev Event) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.buf = append(s.buf, ev)
+	final := ev.Kind == EventDone || ev.Kind == EventError
+	if final {
+		s.closed = true
+	}
+	s.mu.Unlock()
+	select {
+	case s.notify <- struct{}{}:
+	default:
+	}
+	if final {
+		close(s.done)
+	}
+}
+
+// Next returns the next event, waiting for one. ok is false when the stream has
+// ended and every event was read, or when ctx ended first.
+func (s *Stream) Next(ctx context.Context) (ev Event, ok bool) {
+	for {
+		s.mu.Lock()
+		if len(s.buf) > 0 {
+			ev = s.buf[0]
+			s.buf[0] = Event{}
+			s.buf = s.buf[1:]
+			s.mu.Unlock()
+			return ev, true
+		}
+		closed := s.closed
+		s.mu.Unlock()
+		if closed {
+			return Event{}, false
+		}
+		select {
+		case <-s.notify:
+		case <-ctx.Done():
+			return Event{}, false
+		}
+	}
+}
+
+// Done is closed once the final event (EventDone or EventError) has been queued.
+func (s *Stream) Done() <-chan struct{} { return s.done }
