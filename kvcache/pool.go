@@ -104,8 +104,9 @@ type Seq struct {
 	ID     SeqID
 	blocks []*block // covering positions [0, Len)
 	len    int
-	tail   []int32 // tokens of the last, partial block
-	parent Hash    // hash of the last full block
+	tail   []int32 // tokens of the blocks not sealed yet (from block index sealed on)
+	sealed int     // blocks hashed so far (Commit)
+	parent Hash    // hash of the last sealed block
 	cached int
 }
 
@@ -275,6 +276,7 @@ func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
 		}
 	}
 	s.len = len(m) * p.cfg.BlockTokens
+	s.sealed = len(m)
 	s.cached = s.len
 	if len(m) > 0 {
 		s.parent = m[len(m)-1].hash
@@ -346,9 +348,9 @@ func (p *Pool) evictHolder(h SeqID, ops []Op) []Op {
 	return ops
 }
 
-// Grow accounts n more positions of s whose tokens are toks (len(toks) == n); full
-// blocks of tokens are hashed and indexed for sharing. It allocates blocks as needed,
-// evicting cached blocks (returned ops). On ErrNoSpace nothing changed.
+// Grow accounts more positions of s whose tokens are toks. It allocates blocks as
+// needed, evicting cached blocks (returned ops). On ErrNoSpace nothing changed. The
+// new blocks become shareable only after Commit, once the engine has computed them.
 func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	need := p.blocksFor(s.len+len(toks)) - len(s.blocks)
 	if need > len(p.free)+p.lru.Len() {
@@ -368,20 +370,29 @@ func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
 		}
 		s.tail = append(s.tail, t)
 		s.len++
-		if len(s.tail) == B {
-			p.seal(s)
-		}
 	}
 	return ops, nil
 }
 
-// seal hashes the full last block of s and indexes it unless an equal block is
-// already indexed (then it stays private to s).
-func (p *Pool) seal(s *Seq) {
-	b := s.blocks[len(s.blocks)-1]
-	h := p.hasher.Block(s.parent, s.tail)
+// Commit marks every position of s accounted so far as computed by the engine: full
+// blocks among them are hashed and indexed, so other sequences may copy them. Call it
+// after each successful decode of s's tokens, never before (a copy of cells the engine
+// has not written yet would copy nothing).
+func (p *Pool) Commit(s *Seq) {
+	B := p.cfg.BlockTokens
+	for len(s.tail) >= B {
+		p.seal(s, s.blocks[s.sealed], s.tail[:B])
+		s.sealed++
+		s.tail = s.tail[B:]
+	}
+	s.tail = append(s.tail[:0:0], s.tail...)
+}
+
+// seal hashes full block b of s and indexes it unless an equal block is already
+// indexed (then it stays private to s).
+func (p *Pool) seal(s *Seq, b *block, toks []int32) {
+	h := p.hasher.Block(s.parent, toks)
 	s.parent = h
-	s.tail = s.tail[:0]
 	if !p.cfg.Caching {
 		return
 	}
@@ -389,9 +400,9 @@ func (p *Pool) seal(s *Seq) {
 		return
 	}
 	var parent *block
-	if n := len(s.blocks); n > 1 {
-		parent = s.blocks[n-2]
-		if parent.state != stateIndexed || parent.hash != p.chainParent(s, n-1) {
+	if b.index > 0 {
+		parent = s.blocks[b.index-1]
+		if parent.state != stateIndexed {
 			return // the chain is broken by a private duplicate: keep this one private
 		}
 	}
@@ -403,10 +414,6 @@ func (p *Pool) seal(s *Seq) {
 	p.holders[s.ID]++
 	p.generation++
 }
-
-// chainParent is the hash an indexed parent of block i of s must have. Blocks of s
-// are indexed only while the chain before them is, so the parent's own hash is it.
-func (p *Pool) chainParent(s *Seq, i int) Hash { return s.blocks[i-1].hash }
 
 // errNoLeaf cannot happen while the invariants hold: a non-empty LRU always has a
 // leaf, since the descendants of an unreferenced block are unreferenced too.
@@ -529,7 +536,7 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 	if private > len(p.free)+p.lru.Len() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), parent: s.parent, cached: s.cached}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached}
 	for _, b := range s.blocks {
 		if b.state == stateIndexed {
 			p.ref(b)

@@ -221,6 +221,7 @@ func drive(t *testing.T, data []byte, cfg Config) {
 			}
 			sim.apply(t, ops)
 			sim.decode(t, s.ID, from, s.Len())
+			p.Commit(s)
 			live = append(live, &running{seq: s, tokens: prompt})
 		case 2: // generate tokens
 			if len(live) == 0 {
@@ -242,6 +243,7 @@ func drive(t *testing.T, data []byte, cfg Config) {
 			}
 			sim.apply(t, ops)
 			sim.decode(t, r.seq.ID, from, r.seq.Len())
+			p.Commit(r.seq)
 		case 3: // finish
 			if len(live) == 0 {
 				continue
@@ -329,6 +331,7 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 		}
 		sim.apply(t, ops)
 		sim.decode(t, s.ID, from, s.Len())
+		p.Commit(s)
 		return s
 	}
 	a := run(prompt)

@@ -522,6 +522,12 @@ func (s *Scheduler) decode(ctx context.Context) {
 	s.rate(&s.stats.PrefillTokensPS, prefillTokens, elapsed)
 	s.rate(&s.stats.DecodeTokensPS, decodeTokens, elapsed)
 
+	// The batch's cells now exist: make its full blocks shareable.
+	for _, q := range s.running {
+		if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
+			s.pool.Commit(q.kv)
+		}
+	}
 	// Fork pending choices from first choices whose prompt just completed, so they
 	// sample from the same logits row.
 	for _, q := range slices.Clone(s.rows) {

@@ -1,0 +1,246 @@
+package llama
+
+// Integration tests of the scheduler over the real engine. They live here, not in
+// package scheduler, so that the scheduler's own tests never compile llama.cpp.
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/models"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+func startSched(t testing.TB, e *Engine, mod func(*scheduler.Config)) *scheduler.Scheduler {
+	t.Helper()
+	cfg := scheduler.DefaultConfig()
+	cfg.MaxBatchTokens = 256
+	cfg.MaxRunning = 32
+	if mod != nil {
+		mod(&cfg)
+	}
+	s, err := scheduler.New(cfg, e, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return s
+}
+
+type genResult struct {
+	tokens []engine.Token
+	text   string
+	cached int
+	err    error
+	finish scheduler.FinishReason
+}
+
+func generate(ctx context.Context, s *scheduler.Scheduler, r *scheduler.Request) genResult {
+	st, err := s.Submit(ctx, r)
+	if err != nil {
+		return genResult{err: err}
+	}
+	var g genResult
+	for {
+		ev, ok := st.Next(ctx)
+		if !ok {
+			return g
+		}
+		switch ev.Kind {
+		case scheduler.EventToken:
+			g.tokens = append(g.tokens, ev.Token)
+			g.text += ev.Text
+		case scheduler.EventFinish:
+			g.text += ev.Text
+			g.finish = ev.Finish
+		case scheduler.EventDone:
+			g.cached = ev.Usage.CachedTokens
+		case scheduler.EventError:
+			g.err = ev.Err
+		}
+	}
+}
+
+// mixedPrompts returns n prompts of varied lengths; some share long prefixes.
+func mixedPrompts(t testing.TB, e *Engine, n int) [][]engine.Token {
+	var out [][]engine.Token
+	for i := range n {
+		text := testPrompts[i%len(testPrompts)]
+		for range i % 5 {
+			text += " " + testPrompts[(i*3)%len(testPrompts)]
+		}
+		out = append(out, tokenize(t, e, text))
+	}
+	return out
+}
+
+// reference is a request's greedy output computed alone, with the margin between the
+// best and second-best logit at every step.
+type reference struct {
+	tokens  []engine.Token
+	margins []float32
+}
+
+func soloGreedy(t *testing.T, e *Engine, prompts [][]engine.Token, maxTokens []int) []reference {
+	t.Helper()
+	var out []reference
+	for i, p := range prompts {
+		if err := e.ClearMemory(); err != nil {
+			t.Fatal(err)
+		}
+		var r reference
+		var b engine.Batch
+		for j, tk := range p {
+			b.Add(tk, engine.Pos(j), 0, j == len(p)-1)
+		}
+		for step := range maxTokens[i] {
+			if err := e.Decode(context.Background(), &b); err != nil {
+				t.Fatal(err)
+			}
+			var best, second float32 = -1e30, -1e30
+			var tok engine.Token
+			e.Logits(b.Len()-1, func(l []float32) {
+				for k, x := range l {
+					if x > best {
+						best, second, tok = x, best, engine.Token(k)
+					} else if x > second {
+						second = x
+					}
+				}
+			})
+			r.tokens = append(r.tokens, tok)
+			r.margins = append(r.margins, best-second)
+			b.Reset()
+			b.Add(tok, engine.Pos(len(p)+step), 0, true)
+		}
+		out = append(out, r)
+	}
+	e.ClearMemory()
+	return out
+}
+
+// tieMargin is the logit gap below which two greedy choices are a numerical tie:
+// batches of different shapes take different kernel paths, whose float results
+// differ by ~1e-3, so a closer race may go either way (vLLM's tests compare outputs
+// the same way, accepting divergence only where the reference's choice was close).
+const tieMargin = 0.02
+
+// sameGreedy compares got with the reference up to the first divergence, which is
+// accepted only at a numerical tie. It returns whether a tie decided a divergence.
+func sameGreedy(t *testing.T, name string, got []engine.Token, want reference) bool {
+	t.Helper()
+	for i := range want.tokens {
+		if i >= len(got) {
+			t.Fatalf("%s: %d tokens, want %d", name, len(got), len(want.tokens))
+		}
+		if got[i] != want.tokens[i] {
+			if want.margins[i] < tieMargin {
+				return true
+			}
+			t.Fatalf("%s: token %d is %d, alone it is %d (margin %.3g)\ngot  %v\nwant %v", name, i, got[i], want.tokens[i], want.margins[i], got, want.tokens)
+		}
+	}
+	return false
+}
+
+func runAll(t *testing.T, s *scheduler.Scheduler, prompts [][]engine.Token, maxTokens []int) []genResult {
+	t.Helper()
+	res := make([]genResult, len(prompts))
+	var wg sync.WaitGroup
+	for i, p := range prompts {
+		wg.Go(func() {
+			res[i] = generate(context.Background(), s, &scheduler.Request{Prompt: p, MaxTokens: maxTokens[i], IgnoreEOS: true})
+		})
+	}
+	wg.Wait()
+	for i, r := range res {
+		if r.err != nil {
+			t.Fatalf("request %d: %v", i, r.err)
+		}
+	}
+	return res
+}
+
+func TestSchedulerConcurrentEqualsSolo(t *testing.T) {
+	e := openTest(t, models.Small(), func(c *Config) { c.ContextCells = 8192; c.MaxSeqs = 64; c.BatchTokens = 512 })
+	prompts := mixedPrompts(t, e, 32)
+	maxTokens := make([]int, len(prompts))
+	for i := range maxTokens {
+		maxTokens[i] = 4 + i*5%28
+	}
+	want := soloGreedy(t, e, prompts, maxTokens)
+	s := startSched(t, e, nil)
+	got := runAll(t, s, prompts, maxTokens)
+	ties := 0
+	for i := range prompts {
+		if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i]) {
+			ties++
+		}
+	}
+	if ties > 2 {
+		t.Fatalf("%d of %d requests diverged at numerical ties", ties, len(prompts))
+	}
+	t.Logf("%d of %d requests diverged at a numerical tie (margin < %g)", ties, len(prompts), tieMargin)
+	if l := s.Load(); l.PrefixHits == 0 {
+		t.Errorf("shared prefixes among the prompts gave no cache hits: %+v", l)
+	}
+}
+
+func TestSchedulerCachedPrefixEqualsUncached(t *testing.T) {
+	e := openTest(t, models.Small(), func(c *Config) { c.ContextCells = 4096; c.MaxSeqs = 32 })
+	base := tokenize(t, e, testPrompts[3]+" "+testPrompts[6]+" "+testPrompts[0])
+	prompts := [][]engine.Token{base, append(slices.Clone(base), tokenize(t, e, " and then")[1:]...)}
+	maxTokens := []int{12, 12}
+	for _, caching := range []bool{false, true} {
+		e.ClearMemory()
+		func() {
+			s := startSched(t, e, func(c *scheduler.Config) { c.KV.Caching = caching })
+			var results []genResult
+			for i, p := range prompts { // one after another: the second can reuse the first
+				results = append(results, runAll(t, s, [][]engine.Token{p}, maxTokens[i:i+1])[0])
+			}
+			want := soloGreedy(t, e, prompts, maxTokens)
+			for i := range prompts {
+				if sameGreedy(t, fmt.Sprintf("caching=%v request %d", caching, i), results[i].tokens, want[i]) {
+					t.Logf("caching=%v request %d diverged at a numerical tie", caching, i)
+				}
+			}
+			if caching && results[1].cached == 0 {
+				t.Fatalf("second request got no cached tokens")
+			}
+			if !caching && results[1].cached != 0 {
+				t.Fatalf("caching off but %d cached tokens", results[1].cached)
+			}
+			t.Logf("caching=%v: cached tokens of the second request %d of %d", caching, results[1].cached, len(prompts[1]))
+		}()
+	}
+}
+
+func TestSchedulerSmallPoolCompletesAll(t *testing.T) {
+	// 16 requests of up to ~150 tokens each in a pool of 768 cells: preemption and
+	// eviction must happen, and every output must still be exact.
+	e := openTest(t, models.Small(), func(c *Config) { c.ContextCells = 768; c.MaxSeqs = 32; c.BatchTokens = 256 })
+	prompts := mixedPrompts(t, e, 16)
+	maxTokens := make([]int, len(prompts))
+	for i := range maxTokens {
+		maxTokens[i] = 40
+	}
+	want := soloGreedy(t, e, prompts, maxTokens)
+	s := startSched(t, e, func(c *scheduler.Config) { c.MaxBatchTokens = 128; c.MaxRunning = 16 })
+	got := runAll(t, s, prompts, maxTokens)
+	for i := range prompts {
+		sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i])
+	}
+	l := s.Load()
+	t.Logf("preemptions %d, prefix hits %d of %d", l.Preemptions, l.PrefixHits, l.PrefixQueries)
+	if l.Preemptions == 0 {
+		t.Error("expected preemptions with a pool smaller than the requests")
+	}
+}
