@@ -61,7 +61,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/cgo"
@@ -221,7 +220,7 @@ func Open(cfg Config) (*Engine, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
-	if err := checkModelFile(cfg.ModelPath); err != nil {
+	if err := checkGGUF(cfg.ModelPath); err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
 	initBackend()
@@ -326,26 +325,6 @@ func (e *Engine) newContext(cfg Config) error {
 		BatchTokens:   int(C.llama_n_batch(ctx)),
 		Unified:       cfg.Unified,
 		PrefixSharing: cfg.Unified && !recurrent && !swa && e.mem != nil,
-	}
-	return nil
-}
-
-func checkModelFile(path string) error {
-	st, err := os.Stat(path)
-	if err != nil {
-		return fmt.Errorf("model file: %w", err)
-	}
-	if st.IsDir() {
-		return fmt.Errorf("model file %s is a directory", path)
-	}
-	f, err := os.Open(path)
-	if err != nil {
-		return fmt.Errorf("model file: %w", err)
-	}
-	defer f.Close()
-	var magic [4]byte
-	if _, err := f.Read(magic[:]); err != nil || string(magic[:]) != "GGUF" {
-		return fmt.Errorf("model file %s is not a GGUF file (bad magic)", path)
 	}
 	return nil
 }
