@@ -60,9 +60,13 @@ type Capacity struct {
 	MaxSeqs     int  // sequence ids 0..MaxSeqs-1
 	BatchTokens int  // the most tokens one Decode accepts (n_batch)
 	Unified     bool // one cell pool shared by all sequences
+	// PrefixReuse is true when a cached prefix of one sequence can serve another: the
+	// model's memory is a plain attention KV cache. Recurrent, hybrid and
+	// sliding-window models report false and run without cross-request reuse.
+	PrefixReuse bool
 	// PrefixSharing is true when SeqCopy of a partial range shares cells between
-	// sequences (plain attention KV in a unified pool). Recurrent, hybrid and
-	// sliding-window-only models report false and run without cross-request sharing.
+	// sequences (PrefixReuse in a unified pool). Without it a prefix is reused by
+	// copying a whole stream.
 	PrefixSharing bool
 }
 

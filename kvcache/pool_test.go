@@ -163,6 +163,12 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 	}
 }
 
+// engineSim is a model of llama.cpp's KV memory that the pool's ops are applied to.
+type engineSim interface {
+	apply(t *testing.T, ops []Op)
+	decode(t *testing.T, s SeqID, from, to int)
+}
+
 // drive runs a pseudo-random workload described by data and checks invariants.
 func drive(t *testing.T, data []byte, cfg Config) {
 	p, err := New(cfg)
@@ -170,6 +176,10 @@ func drive(t *testing.T, data []byte, cfg Config) {
 		t.Fatal(err)
 	}
 	sim := newSim(cfg.Cells)
+	driveWith(t, data, cfg, p, sim, func(live []*running) { checkInvariants(t, p, sim, live) })
+}
+
+func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim, check func([]*running)) {
 	var live []*running
 	next := func() byte {
 		if len(data) == 0 {
@@ -207,7 +217,7 @@ func drive(t *testing.T, data []byte, cfg Config) {
 				t.Fatal(err)
 			}
 			sim.apply(t, ops)
-			if s.Len()%cfg.BlockTokens != 0 || s.Len() >= len(prompt) && len(prompt) > 0 {
+			if s.Len()%cfg.BlockTokens != 0 || s.Len() >= len(prompt) {
 				t.Fatalf("cached %d of %d", s.Len(), len(prompt))
 			}
 			from := s.Len()
@@ -266,12 +276,12 @@ func drive(t *testing.T, data []byte, cfg Config) {
 			sim.apply(t, ops)
 			live = append(live, &running{seq: f, tokens: r.tokens})
 		}
-		checkInvariants(t, p, sim, live)
+		check(live)
 	}
 	for _, r := range live {
 		sim.apply(t, p.Release(r.seq))
 	}
-	checkInvariants(t, p, sim, nil)
+	check(nil)
 	p.Publish()
 	if st := p.Stats(); st.Used != 0 || st.Running != 0 || st.Free+st.Cached != st.Blocks {
 		t.Fatalf("after releasing everything: %+v", st)

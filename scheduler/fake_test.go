@@ -41,7 +41,7 @@ type fakeBatch struct {
 func newFake(cells, seqs, batch int) *fakeEngine {
 	return &fakeEngine{
 		vocab: fakeVocab{n: 64},
-		cap:   engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixSharing: true},
+		cap:   engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixReuse: true, PrefixSharing: true},
 	}
 }
 
@@ -66,6 +66,23 @@ func (f *fakeEngine) Decode(ctx context.Context, b *engine.Batch) error {
 	}
 	if len(f.cells)+b.Len() > f.cap.Cells {
 		return engine.ErrNoKVSpace
+	}
+	if !f.cap.Unified {
+		per := map[engine.SeqID]int{}
+		for _, s := range b.Seq {
+			per[s]++
+		}
+		for s, n := range per {
+			have := 0
+			for _, c := range f.cells {
+				if c.seqs[s] {
+					have++
+				}
+			}
+			if have+n > f.cap.CellsPerSeq {
+				return fmt.Errorf("fake: stream %d over capacity: %w", s, engine.ErrNoKVSpace)
+			}
+		}
 	}
 	if f.delay > 0 {
 		select {
@@ -152,7 +169,20 @@ func (f *fakeEngine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
 	return nil
 }
 
+// newSplitFake models one stream of perSeq cells per sequence (kv_unified=false).
+func newSplitFake(perSeq, seqs, batch int) *fakeEngine {
+	f := newFake(perSeq*seqs, seqs, batch)
+	f.cap.Unified, f.cap.PrefixSharing, f.cap.CellsPerSeq = false, false, perSeq
+	return f
+}
+
 func (f *fakeEngine) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
+	if !f.cap.Unified {
+		if p0 > 0 || p1 >= 0 {
+			return fmt.Errorf("fake: partial copy between streams: %w", engine.ErrUnsupported)
+		}
+		f.SeqRemove(dst, 0, -1) // a stream copy replaces the destination
+	}
 	if p1 < 0 {
 		p1 = 1 << 30
 	}

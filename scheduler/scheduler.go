@@ -45,7 +45,7 @@ type Scheduler struct {
 	cfg   Config
 	eng   engine.Engine
 	vocab engine.Vocab
-	pool  *kvcache.Pool
+	pool  kvcache.Allocator
 	cap   engine.Capacity
 	log   *slog.Logger
 
@@ -126,15 +126,17 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	if cfg.MaxRunning > cfg.KV.MaxSeqs {
 		return nil, fmt.Errorf("scheduler: max running %d exceeds the engine's %d sequences", cfg.MaxRunning, cfg.KV.MaxSeqs)
 	}
-	if !c.PrefixSharing {
-		cfg.KV.Caching = false // no partial copies: every sequence computes its own prompt
+	if !c.PrefixReuse {
+		cfg.KV.Caching = false // every sequence computes its own prompt
 	}
-	if !c.Unified {
-		// One stream per sequence: the pool must not hand one sequence more cells than
-		// its stream has, nor count other streams' cells as its own.
-		cfg.KV.Cells = c.CellsPerSeq * c.MaxSeqs
+	var pool kvcache.Allocator
+	var err error
+	if c.Unified {
+		pool, err = kvcache.New(cfg.KV)
+	} else {
+		// One stream per sequence: prefixes are reused by copying whole streams.
+		pool, err = kvcache.NewSplit(cfg.KV, c.CellsPerSeq)
 	}
-	pool, err := kvcache.New(cfg.KV)
 	if err != nil {
 		return nil, err
 	}
@@ -146,8 +148,9 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	return s, nil
 }
 
-// Pool exposes the block pool's thread-safe views (Stats, Summary) for metrics and gossip.
-func (s *Scheduler) Pool() *kvcache.Pool { return s.pool }
+// Pool exposes the block pool; only its thread-safe views (Stats, Summary) may be
+// used outside the scheduler, for metrics and gossip.
+func (s *Scheduler) Pool() kvcache.Allocator { return s.pool }
 
 // Load returns the latest snapshot. Any goroutine.
 func (s *Scheduler) Load() Load { return *s.load.Load() }

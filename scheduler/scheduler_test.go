@@ -136,14 +136,57 @@ func TestConcurrentEqualsSolo(t *testing.T) {
 	}
 }
 
+func TestSplitModeEqualsSolo(t *testing.T) {
+	reqs := mixedRequests(20)
+	// Shared prefixes: every other request repeats an earlier prompt with more text.
+	for i := 2; i < len(reqs); i += 2 {
+		reqs[i].Prompt = append(slices.Clone(reqs[i-2].Prompt), prompt(i, 20)...)
+	}
+	want := solo(t, reqs)
+	f := newSplitFake(256, 24, 512)
+	s, _ := startScheduler(t, f, nil)
+	var got []result
+	for i := 0; i < len(reqs); i += 5 { // waves, so that later ones find cached prefixes
+		got = append(got, runConcurrently(t, s, reqs[i:i+5])...)
+	}
+	for i := range reqs {
+		if got[i].err != nil || !slices.Equal(got[i].tokens[0], want[i].tokens[0]) {
+			t.Fatalf("request %d: got %v %v, want %v", i, got[i].tokens, got[i].err, want[i].tokens)
+		}
+	}
+	if l := s.Load(); l.PrefixHits == 0 {
+		t.Fatalf("no prefix reuse in split mode: %+v", l)
+	}
+	r := runConcurrently(t, s, []*Request{{Prompt: prompt(2, 30), MaxTokens: 8, N: 3}})[0]
+	if r.err != nil || r.usage.CompletionTokens != 24 {
+		t.Fatalf("n=3 in split mode: %v %+v", r.err, r.usage)
+	}
+}
+
 func TestDecodeRowEveryStep(t *testing.T) {
 	f := newFake(4096, 64, 512)
-	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens = 32; c.KV.Caching = false })
-	var reqs []*Request
-	for i := range 8 {
-		reqs = append(reqs, &Request{Prompt: prompt(i, 40), MaxTokens: 20})
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens, cfg.MaxRunning, cfg.KV.Caching = 32, 16, false
+	s, err := New(cfg, f, nil)
+	if err != nil {
+		t.Fatal(err)
 	}
-	runConcurrently(t, s, reqs)
+	// Queue all requests before the loop starts, so no sequence id is reused.
+	var streams []*Stream
+	for i := range 8 {
+		st, err := s.Submit(context.Background(), &Request{Prompt: prompt(i, 40), MaxTokens: 20})
+		if err != nil {
+			t.Fatal(err)
+		}
+		streams = append(streams, st)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	for _, st := range streams {
+		collect(context.Background(), st, 1)
+	}
 	// Each sequence id appears in a contiguous run of batches: once it starts it is
 	// never skipped until it finishes (ids are not reused: 8 of 64).
 	seen := map[engine.SeqID][]int{}

@@ -324,6 +324,7 @@ func (e *Engine) newContext(cfg Config) error {
 		MaxSeqs:       int(C.llama_n_seq_max(ctx)),
 		BatchTokens:   int(C.llama_n_batch(ctx)),
 		Unified:       cfg.Unified,
+		PrefixReuse:   !recurrent && !swa && e.mem != nil,
 		PrefixSharing: cfg.Unified && !recurrent && !swa && e.mem != nil,
 	}
 	return nil

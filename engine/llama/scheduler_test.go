@@ -169,7 +169,19 @@ func runAll(t *testing.T, s *scheduler.Scheduler, prompts [][]engine.Token, maxT
 }
 
 func TestSchedulerConcurrentEqualsSolo(t *testing.T) {
-	e := openTest(t, models.Small(), func(c *Config) { c.ContextCells = 8192; c.MaxSeqs = 64; c.BatchTokens = 512 })
+	for _, unified := range []bool{true, false} {
+		t.Run(fmt.Sprintf("unified=%v", unified), func(t *testing.T) { testConcurrent(t, unified) })
+	}
+}
+
+func testConcurrent(t *testing.T, unified bool) {
+	e := openTest(t, models.Small(), func(c *Config) {
+		c.ContextCells, c.MaxSeqs, c.BatchTokens, c.Unified = 8192, 64, 512, unified
+		if !unified {
+			c.ContextCells = 256 * 48 // 48 streams of 256 cells
+			c.MaxSeqs = 48
+		}
+	})
 	prompts := mixedPrompts(t, e, 32)
 	maxTokens := make([]int, len(prompts))
 	for i := range maxTokens {
@@ -194,14 +206,20 @@ func TestSchedulerConcurrentEqualsSolo(t *testing.T) {
 }
 
 func TestSchedulerCachedPrefixEqualsUncached(t *testing.T) {
-	e := openTest(t, models.Small(), func(c *Config) { c.ContextCells = 4096; c.MaxSeqs = 32 })
+	for _, unified := range []bool{true, false} {
+		t.Run(fmt.Sprintf("unified=%v", unified), func(t *testing.T) { testCachedPrefix(t, unified) })
+	}
+}
+
+func testCachedPrefix(t *testing.T, unified bool) {
+	e := openTest(t, models.Small(), func(c *Config) { c.ContextCells = 4096; c.MaxSeqs = 16; c.Unified = unified })
 	base := tokenize(t, e, testPrompts[3]+" "+testPrompts[6]+" "+testPrompts[0])
 	prompts := [][]engine.Token{base, append(slices.Clone(base), tokenize(t, e, " and then")[1:]...)}
 	maxTokens := []int{12, 12}
 	for _, caching := range []bool{false, true} {
 		e.ClearMemory()
 		func() {
-			s := startSched(t, e, func(c *scheduler.Config) { c.KV.Caching = caching })
+			s := startSched(t, e, func(c *scheduler.Config) { c.KV.Caching = caching; c.MaxRunning = 8 })
 			var results []genResult
 			for i, p := range prompts { // one after another: the second can reuse the first
 				results = append(results, runAll(t, s, [][]engine.Token{p}, maxTokens[i:i+1])[0])

@@ -1,0 +1,29 @@
+package kvcache
+
+// Allocator is what the scheduler needs from a KV accounting scheme. Pool accounts
+// one unified cell pool (blocks shared by partial copies); SplitPool accounts one
+// stream per sequence (a cached prefix reused by copying a whole stream and trimming).
+//
+// Concurrency: owned by one goroutine, except Stats and Summary (any goroutine).
+type Allocator interface {
+	BlockTokens() int
+	TotalBlocks() int
+	// Fits reports whether a sequence with this prompt and up to maxNew generated
+	// tokens can start now (counting its cached prefix as resident).
+	Fits(prompt []int32, maxNew int) bool
+	// CachedPrefix is how many leading tokens of prompt Start would reuse.
+	CachedPrefix(prompt []int32) int
+	Start(prompt []int32) (*Seq, []Op, error)
+	Grow(s *Seq, toks []int32) ([]Op, error)
+	Commit(s *Seq)
+	Release(s *Seq) []Op
+	Fork(s *Seq) (*Seq, []Op, error)
+	Publish()
+	Stats() Stats
+	Summary() *Summary
+}
+
+var (
+	_ Allocator = (*Pool)(nil)
+	_ Allocator = (*SplitPool)(nil)
+)

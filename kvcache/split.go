@@ -1,0 +1,322 @@
+package kvcache
+
+import (
+	"container/list"
+	"fmt"
+	"slices"
+	"sync/atomic"
+)
+
+// SplitPool accounts KV memory laid out as one stream of StreamTokens cells per
+// sequence id (llama.cpp with kv_unified=false). Attention then runs over each
+// sequence's own cells only, which is faster at large batches (docs/benchmarks.md),
+// but cells cannot be shared between streams: a cached prefix is reused by copying
+// the stream that holds it (a whole-stream copy, which llama.cpp performs on the
+// device) and trimming the copy, or by adopting an idle holder stream outright.
+//
+// A finished sequence's stream keeps its full blocks as a cache (a holder) until the
+// stream is needed; holders are recycled least recently used first.
+type SplitPool struct {
+	cfg       Config
+	hasher    Hasher
+	perStream int // blocks per stream
+	streams   []stream
+	index     map[Hash]map[SeqID]struct{} // block hash -> streams holding it
+	lru       *list.List                  // holder streams, least recently used first
+
+	queries, hits, evictions uint64
+	generation               uint64
+
+	stats   atomic.Pointer[Stats]
+	summary atomic.Pointer[Summary]
+	pubGen  uint64
+}
+
+type stream struct {
+	state seqState
+	chain []Hash // hashes of the stream's committed full blocks, from position 0
+	seq   *Seq   // running sequence
+	lru   *list.Element
+}
+
+// NewSplit returns a SplitPool of cfg.MaxSeqs streams of streamTokens cells each.
+func NewSplit(cfg Config, streamTokens int) (*SplitPool, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if streamTokens < cfg.BlockTokens {
+		return nil, fmt.Errorf("kvcache: stream of %d tokens holds no block of %d", streamTokens, cfg.BlockTokens)
+	}
+	p := &SplitPool{
+		cfg:        cfg,
+		hasher:     NewHasher(cfg.Seed, cfg.Model),
+		perStream:  streamTokens / cfg.BlockTokens,
+		streams:    make([]stream, cfg.MaxSeqs),
+		index:      map[Hash]map[SeqID]struct{}{},
+		lru:        list.New(),
+		generation: 1,
+	}
+	p.Publish()
+	return p, nil
+}
+
+// BlockTokens is the block size.
+func (p *SplitPool) BlockTokens() int { return p.cfg.BlockTokens }
+
+// TotalBlocks counts the blocks of all streams.
+func (p *SplitPool) TotalBlocks() int { return p.perStream * len(p.streams) }
+
+// StreamTokens is the capacity of one stream.
+func (p *SplitPool) StreamTokens() int { return p.perStream * p.cfg.BlockTokens }
+
+// match returns the number of leading blocks of prompt held by some stream (leaving
+// at least one token to compute) and the streams holding the deepest of them.
+func (p *SplitPool) match(prompt []int32) (int, map[SeqID]struct{}) {
+	if !p.cfg.Caching || len(prompt) == 0 {
+		return 0, nil
+	}
+	B := p.cfg.BlockTokens
+	var parent Hash
+	var holders map[SeqID]struct{}
+	n := 0
+	for i := range (len(prompt) - 1) / B {
+		h := p.hasher.Block(parent, prompt[i*B:(i+1)*B])
+		hs, ok := p.index[h]
+		if !ok {
+			break
+		}
+		parent, holders, n = h, hs, i+1
+	}
+	return n, holders
+}
+
+// CachedPrefix is how many leading tokens of prompt are cached.
+func (p *SplitPool) CachedPrefix(prompt []int32) int {
+	n, _ := p.match(prompt)
+	return n * p.cfg.BlockTokens
+}
+
+// Fits reports whether prompt + maxNew fits a stream and a stream can be had.
+func (p *SplitPool) Fits(prompt []int32, maxNew int) bool {
+	if len(prompt)+maxNew > p.StreamTokens() {
+		return false
+	}
+	for _, st := range p.streams {
+		if st.state != seqRunning {
+			return true
+		}
+	}
+	return false
+}
+
+// Start takes a stream for prompt with its longest cached prefix: a copy of a
+// stream holding it when a free stream exists (keeping that holder's cache), else
+// adopting an idle holder of it, else a free or recycled stream with nothing cached.
+func (p *SplitPool) Start(prompt []int32) (*Seq, []Op, error) {
+	p.queries += uint64(len(prompt))
+	n, holders := p.match(prompt)
+	B := int32(p.cfg.BlockTokens)
+	var ops []Op
+	id, free := p.freeStream()
+	var src SeqID = -1
+	if n > 0 {
+		// Deterministic choice: the lowest-numbered holder.
+		for h := range holders {
+			if src < 0 || h < src {
+				src = h
+			}
+		}
+	}
+	if a := p.adoptable(holders); n > 0 && !free && a >= 0 {
+		// No free stream: take over an idle holder of the prefix, trimmed to it.
+		id = a
+		p.untrack(id)
+		p.lru.Remove(p.streams[id].lru)
+		p.streams[id].lru = nil
+		p.streams[id].chain = p.streams[id].chain[:n]
+		ops = append(ops, Op{Kind: OpRemove, Seq: id, P0: int32(n) * B, P1: -1})
+	} else {
+		if !free {
+			e := p.lru.Front()
+			if e == nil {
+				return nil, nil, ErrNoSeq
+			}
+			id = e.Value.(SeqID)
+			ops = p.evict(id, ops) // not a holder of the prefix: those are all running
+		}
+		p.streams[id].chain = nil
+		if n > 0 {
+			ops = append(ops, Op{Kind: OpCopy, Src: src, Seq: id, P0: -1, P1: -1}, Op{Kind: OpRemove, Seq: id, P0: int32(n) * B, P1: -1})
+			p.streams[id].chain = slices.Clone(p.streams[src].chain[:n])
+		}
+	}
+	st := &p.streams[id]
+	for _, h := range st.chain {
+		p.track(h, id)
+	}
+	s := &Seq{ID: id, len: n * p.cfg.BlockTokens, sealed: n, cached: n * p.cfg.BlockTokens}
+	if n > 0 {
+		s.parent = st.chain[n-1]
+	}
+	st.state, st.seq = seqRunning, s
+	p.hits += uint64(s.cached)
+	return s, ops, nil
+}
+
+// freeStream returns a never-used or released stream, if any.
+func (p *SplitPool) freeStream() (SeqID, bool) {
+	for i, st := range p.streams {
+		if st.state == seqFree {
+			return SeqID(i), true
+		}
+	}
+	return 0, false
+}
+
+// adoptable returns an idle holder among hs, or -1.
+func (p *SplitPool) adoptable(hs map[SeqID]struct{}) SeqID {
+	best := SeqID(-1)
+	for h := range hs {
+		if p.streams[h].state == seqHolder && (best < 0 || h < best) {
+			best = h
+		}
+	}
+	return best
+}
+
+func (p *SplitPool) track(h Hash, id SeqID) {
+	m := p.index[h]
+	if m == nil {
+		m = map[SeqID]struct{}{}
+		p.index[h] = m
+		p.generation++
+	}
+	m[id] = struct{}{}
+}
+
+// untrack removes stream id from the index (its chain is about to change).
+func (p *SplitPool) untrack(id SeqID) {
+	for _, h := range p.streams[id].chain {
+		if m := p.index[h]; m != nil {
+			delete(m, id)
+			if len(m) == 0 {
+				delete(p.index, h)
+				p.generation++
+			}
+		}
+	}
+}
+
+// evict empties holder stream id.
+func (p *SplitPool) evict(id SeqID, ops []Op) []Op {
+	st := &p.streams[id]
+	p.untrack(id)
+	p.evictions += uint64(len(st.chain))
+	p.lru.Remove(st.lru)
+	*st = stream{}
+	return append(ops, Op{Kind: OpRemove, Seq: id, P0: 0, P1: -1})
+}
+
+// Grow accounts toks for s; a stream cannot grow past its capacity.
+func (p *SplitPool) Grow(s *Seq, toks []int32) ([]Op, error) {
+	if s.len+len(toks) > p.StreamTokens() {
+		return nil, ErrNoSpace
+	}
+	s.tail = append(s.tail, toks...)
+	s.len += len(toks)
+	return nil, nil
+}
+
+// Commit hashes and indexes s's computed full blocks.
+func (p *SplitPool) Commit(s *Seq) {
+	B := p.cfg.BlockTokens
+	st := &p.streams[s.ID]
+	for len(s.tail) >= B {
+		h := p.hasher.Block(s.parent, s.tail[:B])
+		s.parent = h
+		s.sealed++
+		s.tail = s.tail[B:]
+		st.chain = append(st.chain, h)
+		if p.cfg.Caching {
+			p.track(h, s.ID)
+		}
+	}
+	s.tail = append(s.tail[:0:0], s.tail...)
+}
+
+// Release ends s: its stream keeps its full blocks as a holder, or is freed.
+func (p *SplitPool) Release(s *Seq) []Op {
+	st := &p.streams[s.ID]
+	st.seq = nil
+	B := int32(p.cfg.BlockTokens)
+	if !p.cfg.Caching || len(st.chain) == 0 {
+		p.untrack(s.ID)
+		*st = stream{}
+		return []Op{{Kind: OpRemove, Seq: s.ID, P0: 0, P1: -1}}
+	}
+	st.state = seqHolder
+	st.lru = p.lru.PushBack(s.ID)
+	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(len(st.chain)) * B, P1: -1}}
+}
+
+// Fork copies s's stream to a new one.
+func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
+	var ops []Op
+	id, free := p.freeStream()
+	if !free {
+		e := p.lru.Front()
+		if e == nil {
+			return nil, nil, ErrNoSeq
+		}
+		id = e.Value.(SeqID)
+		ops = p.evict(id, ops)
+	}
+	ops = append(ops, Op{Kind: OpCopy, Src: s.ID, Seq: id, P0: -1, P1: -1})
+	st := &p.streams[id]
+	st.chain = slices.Clone(p.streams[s.ID].chain)
+	if p.cfg.Caching {
+		for _, h := range st.chain {
+			p.track(h, id)
+		}
+	}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached}
+	st.state, st.seq = seqRunning, f
+	return f, ops, nil
+}
+
+// Publish refreshes the snapshots read by Stats and Summary.
+func (p *SplitPool) Publish() {
+	used, cached, running, holders := 0, 0, 0, 0
+	B := p.cfg.BlockTokens
+	for _, st := range p.streams {
+		switch st.state {
+		case seqRunning:
+			running++
+			used += (st.seq.len + B - 1) / B
+		case seqHolder:
+			holders++
+			cached += len(st.chain)
+		}
+	}
+	total := p.TotalBlocks()
+	p.stats.Store(&Stats{
+		Blocks: total, Free: total - used - cached, Used: used, Cached: cached,
+		Queries: p.queries, HitTokens: p.hits, Evictions: p.evictions,
+		Holders: holders, Running: running, BlockTokens: B, Generation: p.generation,
+	})
+	if p.pubGen != p.generation {
+		hs := make([]Hash, 0, len(p.index))
+		for h := range p.index {
+			hs = append(hs, h)
+		}
+		slices.Sort(hs)
+		p.summary.Store(&Summary{Generation: p.generation, Hashes: hs})
+		p.pubGen = p.generation
+	}
+}
+
+// Stats returns the last published counters. Any goroutine.
+func (p *SplitPool) Stats() Stats { return *p.stats.Load() }
+
+// Summary returns the last published resident set. Any goroutine.
+func (p *SplitPool) Summary() *Summary { return p.summary.Load() }
