@@ -6,7 +6,7 @@ GO ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 # Packages that never link llama.cpp: tested under -race without compiling it.
-PURE_PKGS := . ./engine ./engine/sample ./kvcache ./scheduler ./cluster ./api ./models
+PURE_PKGS := . ./engine ./engine/sample ./engine/enginetest ./kvcache ./scheduler ./cluster ./api ./models
 CGO_PKGS := ./engine/llama ./cmd/...
 CGO_ENV = eval "$$(bash scripts/cgo-env.sh)"
 STAMP_DIR := $(HOME)/.cache/shoal
@@ -28,6 +28,7 @@ build:
 test: test-pure test-engine
 
 test-pure:
+	@bash scripts/test-deps.sh
 	CGO_ENABLED=1 $(GO) test -race -count=1 $(PURE_PKGS)
 
 test-engine: build
@@ -38,7 +39,13 @@ bench-engine: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'Benchmark(Decode|Prefill)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-engine.txt
 
 run: build
-	@bin/shoal version
+	@if [ -z "$(MODEL)" ]; then \
+		echo "make run needs a model: make run MODEL=path/to/model.gguf"; \
+		echo "No GGUF at hand? Generate a small test model (random weights, writes nonsense):"; \
+		echo "  bin/shoal gen-model --preset small --out /tmp/small.gguf && make run MODEL=/tmp/small.gguf"; \
+		exit 2; \
+	fi
+	bin/shoal serve --model "$(MODEL)" $(ARGS)
 
 lint:
 	@test -z "$$(gofmt -l . | tee /dev/stderr)" || (echo "gofmt: files above need formatting" && exit 1)

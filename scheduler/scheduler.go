@@ -330,6 +330,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		q.running = true
 		if q.gen == 0 && q.index == 0 && q.firstStart {
 			q.g.usage.CachedTokens = kv.Cached()
+			q.g.usage.QueueTime = time.Since(q.g.enqueued)
 			q.firstStart = false
 		}
 		s.running = append(s.running, q)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/enginetest"
 )
 
 type result struct {
@@ -47,7 +48,7 @@ func collect(ctx context.Context, st *Stream, n int) result {
 	}
 }
 
-func startScheduler(t *testing.T, f *fakeEngine, mod func(*Config)) (*Scheduler, context.CancelFunc) {
+func startScheduler(t *testing.T, f *enginetest.Fake, mod func(*Config)) (*Scheduler, context.CancelFunc) {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.MaxBatchTokens = 64
@@ -79,7 +80,7 @@ func solo(t *testing.T, reqs []*Request) []result {
 	t.Helper()
 	var out []result
 	for _, r := range reqs {
-		f := newFake(4096, 32, 512)
+		f := enginetest.New(4096, 32, 512)
 		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
 		st, err := s.Submit(context.Background(), r)
 		if err != nil {
@@ -116,7 +117,7 @@ func mixedRequests(n int) []*Request {
 func TestConcurrentEqualsSolo(t *testing.T) {
 	reqs := mixedRequests(20)
 	want := solo(t, reqs)
-	f := newFake(4096, 64, 512)
+	f := enginetest.New(4096, 64, 512)
 	s, _ := startScheduler(t, f, nil)
 	got := runConcurrently(t, s, reqs)
 	for i := range reqs {
@@ -129,9 +130,9 @@ func TestConcurrentEqualsSolo(t *testing.T) {
 	}
 	// Budget and decode rows: no batch exceeds 64 tokens, and while a sequence
 	// decodes it has a row in every batch.
-	for i, b := range f.stepBatches() {
-		if b.rows > 64 {
-			t.Fatalf("batch %d has %d rows, budget 64", i, b.rows)
+	for i, b := range f.Batches() {
+		if b.Rows > 64 {
+			t.Fatalf("batch %d has %d rows, budget 64", i, b.Rows)
 		}
 	}
 }
@@ -143,7 +144,7 @@ func TestSplitModeEqualsSolo(t *testing.T) {
 		reqs[i].Prompt = append(slices.Clone(reqs[i-2].Prompt), prompt(i, 20)...)
 	}
 	want := solo(t, reqs)
-	f := newSplitFake(256, 24, 512)
+	f := enginetest.NewSplit(256, 24, 512)
 	s, _ := startScheduler(t, f, nil)
 	var got []result
 	for i := 0; i < len(reqs); i += 5 { // waves, so that later ones find cached prefixes
@@ -164,7 +165,7 @@ func TestSplitModeEqualsSolo(t *testing.T) {
 }
 
 func TestDecodeRowEveryStep(t *testing.T) {
-	f := newFake(4096, 64, 512)
+	f := enginetest.New(4096, 64, 512)
 	cfg := DefaultConfig()
 	cfg.MaxBatchTokens, cfg.MaxRunning, cfg.KV.Caching = 32, 16, false
 	s, err := New(cfg, f, nil)
@@ -190,8 +191,8 @@ func TestDecodeRowEveryStep(t *testing.T) {
 	// Each sequence id appears in a contiguous run of batches: once it starts it is
 	// never skipped until it finishes (ids are not reused: 8 of 64).
 	seen := map[engine.SeqID][]int{}
-	for i, b := range f.stepBatches() {
-		for id := range b.seqs {
+	for i, b := range f.Batches() {
+		for id := range b.Seqs {
 			seen[id] = append(seen[id], i)
 		}
 	}
@@ -211,7 +212,7 @@ func TestPrefixCacheHitGivesSameTokens(t *testing.T) {
 	base := prompt(3, 100)
 	reqs := []*Request{{Prompt: base, MaxTokens: 10}, {Prompt: append(slices.Clone(base[:90]), 5, 6, 7), MaxTokens: 10}}
 	want := solo(t, reqs)
-	f := newFake(4096, 64, 512)
+	f := enginetest.New(4096, 64, 512)
 	s, _ := startScheduler(t, f, nil)
 	for i, r := range reqs {
 		got := runConcurrently(t, s, []*Request{r})[0]
@@ -234,7 +235,7 @@ func TestPreemptionAndResume(t *testing.T) {
 	}
 	want := solo(t, reqs)
 	// 512 cells cannot hold 12 sequences of up to ~150 tokens at once.
-	f := newFake(512, 64, 512)
+	f := enginetest.New(512, 64, 512)
 	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens = 128 })
 	got := runConcurrently(t, s, reqs)
 	for i := range reqs {
@@ -249,8 +250,8 @@ func TestPreemptionAndResume(t *testing.T) {
 }
 
 func TestCancellationFreesBlocks(t *testing.T) {
-	f := newFake(4096, 64, 512)
-	f.delay = time.Millisecond
+	f := enginetest.New(4096, 64, 512)
+	f.Delay = time.Millisecond
 	s, _ := startScheduler(t, f, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	st, err := s.Submit(ctx, &Request{Prompt: prompt(1, 50), MaxTokens: 2000, IgnoreEOS: true})
@@ -279,8 +280,8 @@ func TestCancellationFreesBlocks(t *testing.T) {
 }
 
 func TestPriorityAndFIFO(t *testing.T) {
-	f := newFake(4096, 64, 512)
-	f.delay = 200 * time.Microsecond
+	f := enginetest.New(4096, 64, 512)
+	f.Delay = 200 * time.Microsecond
 	s, _ := startScheduler(t, f, func(c *Config) { c.MaxRunning = 1; c.MaxBatchTokens = 64 })
 	var mu sync.Mutex
 	var order []string
@@ -322,7 +323,7 @@ func TestStopStringsAcrossTokens(t *testing.T) {
 	text := ref.text[0]
 	stop := text[10:13]
 	want := text[:strings.Index(text, stop)]
-	f := newFake(4096, 64, 512)
+	f := enginetest.New(4096, 64, 512)
 	s, _ := startScheduler(t, f, nil)
 	got := runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, Stop: []string{"zzzzzz", stop}}})[0]
 	if got.text[0] != want || got.finish[0] != FinishStop {
@@ -349,15 +350,15 @@ func TestMatchStop(t *testing.T) {
 }
 
 func TestEOSAndContextFull(t *testing.T) {
-	f := newFake(4096, 64, 512)
-	f.eosAt = 30
+	f := enginetest.New(4096, 64, 512)
+	f.EOSAt = 30
 	s, _ := startScheduler(t, f, nil)
 	r := runConcurrently(t, s, []*Request{{Prompt: prompt(1, 20), MaxTokens: 100}})[0]
 	if r.finish[0] != FinishStop || r.usage.CompletionTokens != 10 {
 		t.Fatalf("EOS: finish %v usage %+v", r.finish, r.usage)
 	}
 	// Context of 64 cells: generation stops with "length" when it is full.
-	f2 := newFake(64, 8, 64)
+	f2 := enginetest.New(64, 8, 64)
 	s2, _ := startScheduler(t, f2, func(c *Config) { c.MaxRunning = 8; c.MaxBatchTokens = 64; c.KV.BlockTokens = 16 })
 	r = runConcurrently(t, s2, []*Request{{Prompt: prompt(1, 20), MaxTokens: 60, IgnoreEOS: true}})[0]
 	if r.err != nil || r.finish[0] != FinishLength || r.usage.CompletionTokens != 44 {
@@ -369,7 +370,7 @@ func TestEOSAndContextFull(t *testing.T) {
 }
 
 func TestNChoices(t *testing.T) {
-	f := newFake(4096, 64, 512)
+	f := enginetest.New(4096, 64, 512)
 	s, _ := startScheduler(t, f, nil)
 	r := runConcurrently(t, s, []*Request{{Prompt: prompt(2, 30), MaxTokens: 8, N: 3}})[0]
 	if r.err != nil || r.usage.CompletionTokens != 24 || r.usage.PromptTokens != 30 {
@@ -383,8 +384,8 @@ func TestNChoices(t *testing.T) {
 	}
 	// The prompt was computed once.
 	total := 0
-	for _, b := range f.stepBatches() {
-		total += b.rows
+	for _, b := range f.Batches() {
+		total += b.Rows
 	}
 	if total != 30+3*7 {
 		t.Fatalf("rows decoded %d, want %d", total, 30+3*7)
@@ -392,7 +393,7 @@ func TestNChoices(t *testing.T) {
 }
 
 func TestSubmitErrors(t *testing.T) {
-	f := newFake(256, 8, 256)
+	f := enginetest.New(256, 8, 256)
 	s, _ := startScheduler(t, f, func(c *Config) { c.MaxWaiting = 2; c.MaxRunning = 4; c.MaxBatchTokens = 64 })
 	bad := []*Request{
 		{},
@@ -412,8 +413,8 @@ func TestSubmitErrors(t *testing.T) {
 }
 
 func TestQueueFull(t *testing.T) {
-	f := newFake(4096, 64, 512)
-	f.delay = 5 * time.Millisecond
+	f := enginetest.New(4096, 64, 512)
+	f.Delay = 5 * time.Millisecond
 	s, _ := startScheduler(t, f, func(c *Config) { c.MaxWaiting = 2; c.MaxRunning = 1; c.MaxBatchTokens = 16 })
 	var errs []error
 	for range 6 {
@@ -432,8 +433,8 @@ func TestQueueFull(t *testing.T) {
 }
 
 func TestDeadline(t *testing.T) {
-	f := newFake(4096, 64, 512)
-	f.delay = time.Millisecond
+	f := enginetest.New(4096, 64, 512)
+	f.Delay = time.Millisecond
 	s, _ := startScheduler(t, f, nil)
 	st, _ := s.Submit(context.Background(), &Request{Prompt: prompt(1, 10), MaxTokens: 2000, IgnoreEOS: true, Deadline: time.Now().Add(20 * time.Millisecond)})
 	r := collect(context.Background(), st, 1)
@@ -443,9 +444,9 @@ func TestDeadline(t *testing.T) {
 }
 
 func TestDecodeFailureFailsOnlyItsRequests(t *testing.T) {
-	f := newFake(4096, 64, 512)
+	f := enginetest.New(4096, 64, 512)
 	calls := 0
-	f.failing = func(b *engine.Batch) error {
+	f.Failing = func(b *engine.Batch) error {
 		calls++
 		if calls == 3 {
 			return errors.New("injected failure")
@@ -470,8 +471,8 @@ func TestDecodeFailureFailsOnlyItsRequests(t *testing.T) {
 // ends when every goroutine it started has exited.
 func TestNoGoroutineLeaks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		f := newFake(1024, 32, 256)
-		f.delay = time.Millisecond
+		f := enginetest.New(1024, 32, 256)
+		f.Delay = time.Millisecond
 		cfg := DefaultConfig()
 		cfg.MaxBatchTokens, cfg.MaxRunning = 64, 8
 		s, err := New(cfg, f, nil)
@@ -512,7 +513,7 @@ func TestNoGoroutineLeaks(t *testing.T) {
 }
 
 func TestManyRequestsKeepStateFlat(t *testing.T) {
-	f := newFake(2048, 64, 512)
+	f := enginetest.New(2048, 64, 512)
 	s, _ := startScheduler(t, f, nil)
 	for round := range 20 {
 		var reqs []*Request
@@ -529,8 +530,8 @@ func TestManyRequestsKeepStateFlat(t *testing.T) {
 	if l.Running != 0 || l.Waiting != 0 || l.KVBlocksUsed != 0 {
 		t.Fatalf("after 200 requests: %+v", l)
 	}
-	if len(f.cells) > 2048 {
-		t.Fatalf("engine cells %d", len(f.cells))
+	if f.CellsUsed() > 2048 {
+		t.Fatalf("engine cells %d", f.CellsUsed())
 	}
 	_ = fmt.Sprint()
 }

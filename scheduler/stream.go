@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"sync"
+	"time"
 
 	"github.com/shoal-ai/shoal/engine"
 )
@@ -36,6 +37,8 @@ type Usage struct {
 	PromptTokens     int
 	CachedTokens     int // prompt tokens served from the prefix cache
 	CompletionTokens int
+	// QueueTime is how long the request waited before it was first scheduled.
+	QueueTime time.Duration
 }
 
 // Event is one item of a Stream.

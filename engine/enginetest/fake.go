@@ -1,4 +1,6 @@
-package scheduler
+// Package enginetest provides a deterministic engine.Engine for tests of the packages
+// above the engine (scheduler, api, cluster) that must not compile llama.cpp.
+package enginetest
 
 import (
 	"context"
@@ -10,54 +12,55 @@ import (
 	"github.com/shoal-ai/shoal/engine"
 )
 
-// fakeEngine is a deterministic engine.Engine: the next token of a sequence is a hash
+// Fake is a deterministic engine.Engine: the next token of a sequence is a hash
 // of the tokens its KV memory holds at positions 0..pos, so any mistake in sharing,
 // eviction or preemption changes the output. It models llama.cpp's unified cells to
 // check that the scheduler never needs more cells than exist.
-type fakeEngine struct {
-	vocab   fakeVocab
+type Fake struct {
+	vocab   Vocab
 	cap     engine.Capacity
-	cells   []*fakeCell
+	cells   []*cell
 	logits  map[int][]float32 // output rows of the last decode
-	delay   time.Duration
-	eosAt   int // if > 0, EOS once a sequence reaches this length
+	Delay   time.Duration
+	EOSAt   int // if > 0, EOS once a sequence reaches this length
 	mu      sync.Mutex
-	batches []fakeBatch
-	failing func(b *engine.Batch) error
+	batches []BatchStats
+	Failing func(b *engine.Batch) error
 }
 
-type fakeCell struct {
+type cell struct {
 	pos  engine.Pos
 	tok  engine.Token
 	seqs map[engine.SeqID]bool
 }
 
-type fakeBatch struct {
-	rows    int
-	seqs    map[engine.SeqID]int
-	outputs int
+// BatchStats describes one decoded batch.
+type BatchStats struct {
+	Rows    int                  // tokens in the batch
+	Seqs    map[engine.SeqID]int // rows per sequence
+	Outputs int                  // rows that asked for logits
 }
 
-func newFake(cells, seqs, batch int) *fakeEngine {
-	return &fakeEngine{
-		vocab: fakeVocab{n: 64},
+func New(cells, seqs, batch int) *Fake {
+	return &Fake{
+		vocab: Vocab{n: 64},
 		cap:   engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixReuse: true, PrefixSharing: true},
 	}
 }
 
-func (f *fakeEngine) Info() engine.ModelInfo {
+func (f *Fake) Info() engine.ModelInfo {
 	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n}
 }
-func (f *fakeEngine) Capacity() engine.Capacity                  { return f.cap }
-func (f *fakeEngine) Vocab() engine.Vocab                        { return f.vocab }
-func (f *fakeEngine) Abort()                                     {}
-func (f *fakeEngine) Close() error                               { return nil }
-func (f *fakeEngine) Embeddings(engine.SeqID) ([]float32, error) { return nil, engine.ErrUnsupported }
-func (f *fakeEngine) NewGrammar(string) (engine.Grammar, error)  { return nil, engine.ErrUnsupported }
+func (f *Fake) Capacity() engine.Capacity                  { return f.cap }
+func (f *Fake) Vocab() engine.Vocab                        { return f.vocab }
+func (f *Fake) Abort()                                     {}
+func (f *Fake) Close() error                               { return nil }
+func (f *Fake) Embeddings(engine.SeqID) ([]float32, error) { return nil, engine.ErrUnsupported }
+func (f *Fake) NewGrammar(string) (engine.Grammar, error)  { return nil, engine.ErrUnsupported }
 
-func (f *fakeEngine) Decode(ctx context.Context, b *engine.Batch) error {
-	if f.failing != nil {
-		if err := f.failing(b); err != nil {
+func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
+	if f.Failing != nil {
+		if err := f.Failing(b); err != nil {
 			return err
 		}
 	}
@@ -84,28 +87,28 @@ func (f *fakeEngine) Decode(ctx context.Context, b *engine.Batch) error {
 			}
 		}
 	}
-	if f.delay > 0 {
+	if f.Delay > 0 {
 		select {
-		case <-time.After(f.delay):
+		case <-time.After(f.Delay):
 		case <-ctx.Done():
 			return engine.ErrAborted
 		}
 	}
-	fb := fakeBatch{rows: b.Len(), seqs: map[engine.SeqID]int{}}
+	fb := BatchStats{Rows: b.Len(), Seqs: map[engine.SeqID]int{}}
 	for i := range b.Len() {
 		s, p := b.Seq[i], b.Pos[i]
 		if _, hi, ok := f.SeqPosRange(s); (ok && p != hi+1) || (!ok && p != 0) {
 			return fmt.Errorf("fake: seq %d position %d not consecutive: %w", s, p, engine.ErrInvalidInput)
 		}
-		f.cells = append(f.cells, &fakeCell{pos: p, tok: b.Tokens[i], seqs: map[engine.SeqID]bool{s: true}})
-		fb.seqs[s]++
+		f.cells = append(f.cells, &cell{pos: p, tok: b.Tokens[i], seqs: map[engine.SeqID]bool{s: true}})
+		fb.Seqs[s]++
 	}
 	f.logits = map[int][]float32{}
 	for i := range b.Len() {
 		if !b.Output[i] {
 			continue
 		}
-		fb.outputs++
+		fb.Outputs++
 		f.logits[i] = f.next(b.Seq[i], b.Pos[i])
 	}
 	f.mu.Lock()
@@ -115,7 +118,7 @@ func (f *fakeEngine) Decode(ctx context.Context, b *engine.Batch) error {
 }
 
 // next computes logits from the tokens seq s holds at positions 0..pos.
-func (f *fakeEngine) next(s engine.SeqID, pos engine.Pos) []float32 {
+func (f *Fake) next(s engine.SeqID, pos engine.Pos) []float32 {
 	toks := make([]engine.Token, pos+1)
 	seen := make([]bool, pos+1)
 	for _, c := range f.cells {
@@ -132,14 +135,14 @@ func (f *fakeEngine) next(s engine.SeqID, pos engine.Pos) []float32 {
 	}
 	l := make([]float32, f.vocab.n)
 	next := 3 + int(h.Sum32()%uint32(f.vocab.n-3))
-	if f.eosAt > 0 && int(pos)+2 >= f.eosAt {
+	if f.EOSAt > 0 && int(pos)+2 >= f.EOSAt {
 		next = 2
 	}
 	l[next] = 10
 	return l
 }
 
-func (f *fakeEngine) Logits(i int, fn func([]float32)) error {
+func (f *Fake) Logits(i int, fn func([]float32)) error {
 	l, ok := f.logits[i]
 	if !ok {
 		return fmt.Errorf("fake: row %d has no logits: %w", i, engine.ErrInvalidInput)
@@ -148,7 +151,7 @@ func (f *fakeEngine) Logits(i int, fn func([]float32)) error {
 	return nil
 }
 
-func (f *fakeEngine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
+func (f *Fake) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
 	if p1 < 0 {
 		p1 = 1 << 30
 	}
@@ -169,14 +172,14 @@ func (f *fakeEngine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
 	return nil
 }
 
-// newSplitFake models one stream of perSeq cells per sequence (kv_unified=false).
-func newSplitFake(perSeq, seqs, batch int) *fakeEngine {
-	f := newFake(perSeq*seqs, seqs, batch)
+// NewSplit models one stream of perSeq cells per sequence (kv_unified=false).
+func NewSplit(perSeq, seqs, batch int) *Fake {
+	f := New(perSeq*seqs, seqs, batch)
 	f.cap.Unified, f.cap.PrefixSharing, f.cap.CellsPerSeq = false, false, perSeq
 	return f
 }
 
-func (f *fakeEngine) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
+func (f *Fake) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
 	if !f.cap.Unified {
 		if p0 > 0 || p1 >= 0 {
 			return fmt.Errorf("fake: partial copy between streams: %w", engine.ErrUnsupported)
@@ -194,12 +197,12 @@ func (f *fakeEngine) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
 	return nil
 }
 
-func (f *fakeEngine) SeqKeep(s engine.SeqID) error { return engine.ErrUnsupported }
-func (f *fakeEngine) SeqShift(engine.SeqID, engine.Pos, engine.Pos, engine.Pos) error {
+func (f *Fake) SeqKeep(s engine.SeqID) error { return engine.ErrUnsupported }
+func (f *Fake) SeqShift(engine.SeqID, engine.Pos, engine.Pos, engine.Pos) error {
 	return engine.ErrUnsupported
 }
 
-func (f *fakeEngine) SeqPosRange(s engine.SeqID) (lo, hi engine.Pos, ok bool) {
+func (f *Fake) SeqPosRange(s engine.SeqID) (lo, hi engine.Pos, ok bool) {
 	for _, c := range f.cells {
 		if c.seqs[s] {
 			if !ok || c.pos < lo {
@@ -214,23 +217,26 @@ func (f *fakeEngine) SeqPosRange(s engine.SeqID) (lo, hi engine.Pos, ok bool) {
 	return lo, hi, ok
 }
 
-func (f *fakeEngine) ClearMemory() error { f.cells = nil; return nil }
+func (f *Fake) ClearMemory() error { f.cells = nil; return nil }
 
-func (f *fakeEngine) stepBatches() []fakeBatch {
+// CellsUsed is the number of KV cells in use.
+func (f *Fake) CellsUsed() int { return len(f.cells) }
+
+func (f *Fake) Batches() []BatchStats {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return append([]fakeBatch(nil), f.batches...)
+	return append([]BatchStats(nil), f.batches...)
 }
 
-// fakeVocab: token t >= 3 is the letter 'a'+(t-3)%26; 2 is EOS.
-type fakeVocab struct{ n int }
+// Vocab: token t >= 3 is the letter 'a'+(t-3)%26; 2 is EOS.
+type Vocab struct{ n int }
 
-func (v fakeVocab) Size() int                 { return v.n }
-func (v fakeVocab) BOS() engine.Token         { return 1 }
-func (v fakeVocab) EOS() engine.Token         { return 2 }
-func (v fakeVocab) IsEOG(t engine.Token) bool { return t == 2 }
-func (v fakeVocab) AddBOS() bool              { return true }
-func (v fakeVocab) Tokenize(s string, addSpecial, _ bool) ([]engine.Token, error) {
+func (v Vocab) Size() int                 { return v.n }
+func (v Vocab) BOS() engine.Token         { return 1 }
+func (v Vocab) EOS() engine.Token         { return 2 }
+func (v Vocab) IsEOG(t engine.Token) bool { return t == 2 }
+func (v Vocab) AddBOS() bool              { return true }
+func (v Vocab) Tokenize(s string, addSpecial, _ bool) ([]engine.Token, error) {
 	var out []engine.Token
 	if addSpecial {
 		out = append(out, 1)
@@ -240,13 +246,13 @@ func (v fakeVocab) Tokenize(s string, addSpecial, _ bool) ([]engine.Token, error
 	}
 	return out, nil
 }
-func (v fakeVocab) Piece(t engine.Token, _ bool) ([]byte, error) {
+func (v Vocab) Piece(t engine.Token, _ bool) ([]byte, error) {
 	if t < 3 {
 		return nil, nil
 	}
 	return []byte{byte('a' + (int(t)-3)%26)}, nil
 }
-func (v fakeVocab) Detokenize(ts []engine.Token, _, _ bool) (string, error) {
+func (v Vocab) Detokenize(ts []engine.Token, _, _ bool) (string, error) {
 	var b []byte
 	for _, t := range ts {
 		p, _ := v.Piece(t, false)
@@ -254,6 +260,15 @@ func (v fakeVocab) Detokenize(ts []engine.Token, _, _ bool) (string, error) {
 	}
 	return string(b), nil
 }
-func (v fakeVocab) ApplyChatTemplate(m []engine.ChatMessage, _ bool) (string, error) {
-	return "", engine.ErrUnsupported
+
+// ApplyChatTemplate renders "role: content" lines, then "assistant:" when asked.
+func (v Vocab) ApplyChatTemplate(m []engine.ChatMessage, addAssistant bool) (string, error) {
+	var b []byte
+	for _, x := range m {
+		b = append(b, x.Role+": "+x.Content+"\n"...)
+	}
+	if addAssistant {
+		b = append(b, "assistant:"...)
+	}
+	return string(b), nil
 }

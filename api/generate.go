@@ -1,0 +1,552 @@
+package api
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/sample"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// decodeBody reads a JSON request body into v with OpenAI-style errors.
+func decodeBody(c *gin.Context, v any) error {
+	body, err := io.ReadAll(c.Request.Body)
+	if err != nil {
+		return err // MaxBytesError maps to 413
+	}
+	if len(body) == 0 {
+		return invalid("", "request body is empty; expected a JSON object")
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) {
+			return invalid(te.Field, "field %q: expected %s, got JSON %s", te.Field, te.Type, te.Value)
+		}
+		return invalid("", "invalid JSON body: %v", err)
+	}
+	return nil
+}
+
+// plan is a validated generation request ready for the scheduler.
+type plan struct {
+	prompts   [][]engine.Token
+	echo      []string // per prompt, when echo is set
+	req       scheduler.Request
+	n         int
+	stream    bool
+	usage     bool // stream_options.include_usage
+	logprobs  bool
+	top       int
+	model     string
+	chat      bool
+	completes bool // legacy completions logprobs format
+}
+
+// samplingPlan validates the shared fields into a scheduler.Request template.
+func (s *Server) samplingPlan(b *Backend, f *SamplingFields, maxTokens *int) (plan, error) {
+	var p plan
+	if err := s.checkModel(f.Model); err != nil {
+		return p, err
+	}
+	p.model = s.cfg.ModelName
+	p.stream = f.Stream
+	if f.StreamOptions != nil {
+		if !f.Stream {
+			return p, invalid("stream_options", "stream_options is only allowed with stream: true")
+		}
+		p.usage = f.StreamOptions.IncludeUsage
+	}
+	p.n = 1
+	if f.N != nil {
+		if *f.N < 1 || *f.N > scheduler.MaxChoices {
+			return p, invalid("n", "n must be between 1 and %d, got %d", scheduler.MaxChoices, *f.N)
+		}
+		p.n = *f.N
+	}
+	r := &p.req
+	r.N = p.n
+	if maxTokens != nil {
+		if *maxTokens < 1 {
+			return p, invalid("max_tokens", "max_tokens must be at least 1, got %d", *maxTokens)
+		}
+		if *maxTokens > s.cfg.MaxTokensCap {
+			return p, invalid("max_tokens", "max_tokens %d exceeds this server's cap of %d", *maxTokens, s.cfg.MaxTokensCap)
+		}
+		r.MaxTokens = *maxTokens
+	}
+	if len(f.Stop) > MaxStops {
+		return p, invalid("stop", "at most %d stop strings are allowed, got %d", MaxStops, len(f.Stop))
+	}
+	for _, st := range f.Stop {
+		if st == "" {
+			return p, invalid("stop", "stop strings must not be empty")
+		}
+	}
+	r.Stop = f.Stop
+	r.IgnoreEOS = f.IgnoreEOS
+	if f.Priority != nil {
+		r.Priority = *f.Priority
+	}
+	sp := sample.Params{Temperature: 1}
+	if f.Temperature != nil {
+		if *f.Temperature < 0 || *f.Temperature > 2 || math.IsNaN(*f.Temperature) {
+			return p, invalid("temperature", "temperature must be between 0 and 2, got %v", *f.Temperature)
+		}
+		sp.Temperature = float32(*f.Temperature)
+	}
+	if f.TopP != nil {
+		if *f.TopP <= 0 || *f.TopP > 1 || math.IsNaN(*f.TopP) {
+			return p, invalid("top_p", "top_p must be in (0, 1], got %v", *f.TopP)
+		}
+		sp.TopP = float32(*f.TopP)
+	}
+	if f.TopK != nil {
+		if *f.TopK < -1 {
+			return p, invalid("top_k", "top_k must be -1 (off), 0 (off) or positive, got %d", *f.TopK)
+		}
+		sp.TopK = max(*f.TopK, 0)
+	}
+	if f.MinP != nil {
+		sp.MinP = float32(*f.MinP)
+	}
+	if f.RepetitionPenalty != nil {
+		if *f.RepetitionPenalty <= 0 || *f.RepetitionPenalty > 10 {
+			return p, invalid("repetition_penalty", "repetition_penalty must be in (0, 10], got %v", *f.RepetitionPenalty)
+		}
+		sp.RepeatPenalty = float32(*f.RepetitionPenalty)
+	}
+	if f.PresencePenalty != nil {
+		sp.PresencePenalty = float32(*f.PresencePenalty)
+	}
+	if f.FrequencyPenalty != nil {
+		sp.FrequencyPenalty = float32(*f.FrequencyPenalty)
+	}
+	if f.Seed != nil {
+		sp.Seed = uint64(*f.Seed)
+	} else {
+		var buf [8]byte
+		_, _ = crand.Read(buf[:])
+		sp.Seed = binary.LittleEndian.Uint64(buf[:])
+	}
+	if len(f.LogitBias) > 0 {
+		sp.LogitBias = map[engine.Token]float32{}
+		for k, v := range f.LogitBias {
+			id, err := strconv.Atoi(k)
+			if err != nil || id < 0 || id >= b.Vocab.Size() {
+				return p, invalid("logit_bias", "logit_bias key %q is not a token id of this model (0..%d)", k, b.Vocab.Size()-1)
+			}
+			sp.LogitBias[engine.Token(id)] = float32(v)
+		}
+	}
+	r.Sampling = sp
+	if f.ResponseFormat != nil {
+		g, err := s.grammarFor(f.ResponseFormat)
+		if err != nil {
+			return p, err
+		}
+		r.Grammar = g
+	}
+	return p, nil
+}
+
+// jsonGrammar is GBNF for any JSON object (response_format json_object).
+const jsonGrammar = `root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws     ::= | " " | "\n" [ \t]{0,20}
+`
+
+func (s *Server) grammarFor(rf *ResponseFormat) (string, error) {
+	switch rf.Type {
+	case "", "text":
+		return "", nil
+	case "json_object":
+		return jsonGrammar, nil
+	case "json_schema":
+		if rf.JSONSchema == nil || len(rf.JSONSchema.Schema) == 0 {
+			return "", invalid("response_format", "response_format json_schema needs json_schema.schema")
+		}
+		if s.cfg.SchemaToGrammar == nil {
+			return "", invalid("response_format", "json_schema is not supported by this server")
+		}
+		g, err := s.cfg.SchemaToGrammar(rf.JSONSchema.Schema)
+		if err != nil {
+			return "", invalid("response_format", "json_schema: %v", err)
+		}
+		return g, nil
+	}
+	return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
+}
+
+func (s *Server) chat(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	var req ChatRequest
+	if err := decodeBody(c, &req); err != nil {
+		abort(c, err)
+		return
+	}
+	maxTokens := req.MaxTokens
+	if req.MaxCompletionTokens != nil {
+		maxTokens = req.MaxCompletionTokens
+	}
+	p, err := s.samplingPlan(b, &req.SamplingFields, maxTokens)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	p.chat = true
+	if len(req.Messages) == 0 {
+		abort(c, invalid("messages", "messages must not be empty"))
+		return
+	}
+	msgs := make([]engine.ChatMessage, len(req.Messages))
+	for i, m := range req.Messages {
+		switch m.Role {
+		case "system", "user", "assistant", "tool", "developer":
+		default:
+			abort(c, invalid(fmt.Sprintf("messages[%d].role", i), "unknown role %q: want system, developer, user, assistant or tool", m.Role))
+			return
+		}
+		role := m.Role
+		if role == "developer" {
+			role = "system"
+		}
+		msgs[i] = engine.ChatMessage{Role: role, Content: string(m.Content)}
+	}
+	text, err := b.Vocab.ApplyChatTemplate(msgs, true)
+	if err != nil {
+		abort(c, invalid("messages", "chat template: %v", err))
+		return
+	}
+	toks, err := b.Vocab.Tokenize(text, true, true)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	p.prompts = [][]engine.Token{toks}
+	if req.TopLogprobs != nil {
+		if *req.TopLogprobs < 0 || *req.TopLogprobs > sample.MaxTopLogprobs {
+			abort(c, invalid("top_logprobs", "top_logprobs must be between 0 and %d", sample.MaxTopLogprobs))
+			return
+		}
+		if !req.Logprobs {
+			abort(c, invalid("top_logprobs", "top_logprobs requires logprobs: true"))
+			return
+		}
+		p.top = *req.TopLogprobs
+	}
+	p.logprobs = req.Logprobs
+	s.run(c, b, &p)
+}
+
+func (s *Server) completions(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	var req CompletionRequest
+	if err := decodeBody(c, &req); err != nil {
+		abort(c, err)
+		return
+	}
+	p, err := s.samplingPlan(b, &req.SamplingFields, req.MaxTokens)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	if req.Prompt == nil || (len(req.Prompt.Texts) == 0 && len(req.Prompt.Tokens) == 0) {
+		abort(c, invalid("prompt", "prompt is required"))
+		return
+	}
+	if req.Suffix != nil && *req.Suffix != "" {
+		abort(c, invalid("suffix", "suffix is not supported"))
+		return
+	}
+	if req.Logprobs != nil {
+		if *req.Logprobs < 0 || *req.Logprobs > sample.MaxTopLogprobs {
+			abort(c, invalid("logprobs", "logprobs must be between 0 and %d", sample.MaxTopLogprobs))
+			return
+		}
+		p.logprobs, p.top, p.completes = true, *req.Logprobs, true
+	}
+	if n := len(req.Prompt.Texts) + len(req.Prompt.Tokens); n*p.n > scheduler.MaxChoices*4 {
+		abort(c, invalid("prompt", "%d prompts × n=%d choices is too many for one request", n, p.n))
+		return
+	}
+	for i, t := range req.Prompt.Texts {
+		toks, err := b.Vocab.Tokenize(t, true, true)
+		if err != nil {
+			abort(c, err)
+			return
+		}
+		if len(toks) == 0 {
+			abort(c, invalid("prompt", "prompt %d is empty", i))
+			return
+		}
+		p.prompts = append(p.prompts, toks)
+		p.echo = append(p.echo, t)
+	}
+	for i, ids := range req.Prompt.Tokens {
+		if len(ids) == 0 {
+			abort(c, invalid("prompt", "prompt %d is empty", i))
+			return
+		}
+		toks := make([]engine.Token, len(ids))
+		for j, id := range ids {
+			if id < 0 || id >= int64(b.Vocab.Size()) {
+				abort(c, invalid("prompt", "prompt %d token %d: id %d is outside the vocabulary (0..%d)", i, j, id, b.Vocab.Size()-1))
+				return
+			}
+			toks[j] = engine.Token(id)
+		}
+		text, err := b.Vocab.Detokenize(toks, false, false)
+		if err != nil {
+			abort(c, err)
+			return
+		}
+		p.prompts = append(p.prompts, toks)
+		p.echo = append(p.echo, text)
+	}
+	if !req.Echo {
+		p.echo = nil
+	}
+	s.run(c, b, &p)
+}
+
+// submitted is one prompt's stream and where its choices go.
+type submitted struct {
+	stream *scheduler.Stream
+	base   int // choice index of its first choice
+	start  time.Time
+}
+
+// run submits every prompt and answers, streamed or whole.
+func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
+	ctx := c.Request.Context()
+	maxCtx := b.Generator.MaxContext()
+	for i, toks := range p.prompts {
+		if len(toks) >= maxCtx {
+			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "messages",
+				Message: fmt.Sprintf("prompt %d has %d tokens; this model's context holds %d tokens (prompt plus output)", i, len(toks), maxCtx)})
+			return
+		}
+		if p.req.MaxTokens > 0 && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
+			// Like vLLM: the request can never be served in full.
+			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
+				Message: fmt.Sprintf("prompt %d has %d tokens and max_tokens is %d: together more than this model's context of %d tokens", i, len(toks), p.req.MaxTokens, maxCtx)})
+			return
+		}
+	}
+	var subs []submitted
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // a failed submit or a gone client cancels everything submitted
+	for i, toks := range p.prompts {
+		r := p.req
+		r.Prompt = toks
+		if r.MaxTokens == 0 {
+			r.MaxTokens = min(s.cfg.MaxTokensCap, maxCtx-len(toks))
+		}
+		r.Sampling.Logprobs = p.logprobs
+		r.Sampling.TopLogprobs = p.top
+		st, err := b.Generator.Submit(ctx, &r)
+		if err != nil {
+			s.metrics.rejected(err)
+			abort(c, err)
+			return
+		}
+		subs = append(subs, submitted{stream: st, base: i * p.n, start: time.Now()})
+	}
+	if p.stream {
+		s.streamResponse(c, b, p, subs)
+	} else {
+		s.wholeResponse(c, b, p, subs)
+	}
+}
+
+func randomID(prefix string) string {
+	var buf [12]byte
+	_, _ = crand.Read(buf[:])
+	return fmt.Sprintf("%s-%x", prefix, buf)
+}
+
+// choiceState accumulates one choice's output.
+type choiceState struct {
+	text     strings.Builder
+	finish   string
+	logprobs []TokenLogprob
+}
+
+func finishString(f scheduler.FinishReason) string {
+	if f == scheduler.FinishLength {
+		return "length"
+	}
+	return "stop"
+}
+
+func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	ctx := c.Request.Context()
+	total := len(p.prompts) * p.n
+	choices := make([]choiceState, total)
+	var usage Usage
+	for pi, sub := range subs {
+		if pi < len(p.echo) {
+			for j := range p.n {
+				choices[sub.base+j].text.WriteString(p.echo[pi])
+			}
+		}
+		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+			ch := &choices[sub.base+ev.Index]
+			switch ev.Kind {
+			case scheduler.EventToken:
+				ch.text.WriteString(ev.Text)
+				if p.logprobs {
+					ch.logprobs = append(ch.logprobs, tokenLogprob(b.Vocab, ev))
+				}
+			case scheduler.EventFinish:
+				ch.text.WriteString(ev.Text)
+				ch.finish = finishString(ev.Finish)
+			}
+		})
+		if err != nil {
+			abort(c, err)
+			return
+		}
+		addUsage(&usage, u)
+	}
+	created := s.now().Unix()
+	if p.chat {
+		resp := ChatResponse{ID: s.newID("chatcmpl"), Object: "chat.completion", Created: created, Model: p.model,
+			SystemFingerprint: fingerprint, Usage: usage}
+		for i := range choices {
+			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: choices[i].text.String()}, FinishReason: choices[i].finish}
+			if p.logprobs {
+				cc.Logprobs = &ChatLogprobs{Content: nonNil(choices[i].logprobs)}
+			}
+			resp.Choices = append(resp.Choices, cc)
+		}
+		c.JSON(http.StatusOK, resp)
+		return
+	}
+	resp := CompletionResponse{ID: s.newID("cmpl"), Object: "text_completion", Created: created, Model: p.model,
+		SystemFingerprint: fingerprint, Usage: &usage}
+	for i := range choices {
+		f := choices[i].finish
+		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f}
+		if p.logprobs {
+			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0)
+		}
+		resp.Choices = append(resp.Choices, cc)
+	}
+	c.JSON(http.StatusOK, resp)
+}
+
+// fingerprint identifies the serving stack in responses.
+const fingerprint = "shoal"
+
+func nonNil[T any](s []T) []T {
+	if s == nil {
+		return []T{}
+	}
+	return s
+}
+
+func addUsage(u *Usage, x scheduler.Usage) {
+	u.PromptTokens += x.PromptTokens
+	u.CompletionTokens += x.CompletionTokens
+	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	u.PromptTokensDetails.CachedTokens += x.CachedTokens
+}
+
+// drain reads a stream to its end, calling fn for token and finish events and
+// recording metrics. It returns the usage or the stream's error.
+func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, fn func(scheduler.Event)) (scheduler.Usage, error) {
+	var first, last time.Time
+	for {
+		ev, ok := sub.stream.Next(ctx)
+		if !ok {
+			if ctx.Err() != nil {
+				return scheduler.Usage{}, ctx.Err()
+			}
+			return scheduler.Usage{}, errors.New("stream ended without a result")
+		}
+		switch ev.Kind {
+		case scheduler.EventToken:
+			now := time.Now()
+			if first.IsZero() {
+				first = now
+				s.metrics.ttft.Observe(now.Sub(sub.start).Seconds())
+			} else {
+				s.metrics.itl.Observe(now.Sub(last).Seconds())
+			}
+			last = now
+			fn(ev)
+		case scheduler.EventFinish:
+			s.metrics.finished(ev.Finish)
+			fn(ev)
+		case scheduler.EventDone:
+			s.metrics.e2e.Observe(time.Since(sub.start).Seconds())
+			s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
+			return ev.Usage, nil
+		case scheduler.EventError:
+			return scheduler.Usage{}, ev.Err
+		}
+	}
+}
+
+func tokenLogprob(v engine.Vocab, ev scheduler.Event) TokenLogprob {
+	tl := TokenLogprob{Token: pieceString(v, ev.Token), Logprob: ev.Logprob, Bytes: pieceBytes(v, ev.Token), TopLogprobs: []TopLogprob{}}
+	for _, t := range ev.Top {
+		tl.TopLogprobs = append(tl.TopLogprobs, TopLogprob{Token: pieceString(v, t.Token), Logprob: t.Logprob, Bytes: pieceBytes(v, t.Token)})
+	}
+	return tl
+}
+
+func pieceBytes(v engine.Vocab, t engine.Token) []int {
+	p, _ := v.Piece(t, true)
+	out := make([]int, len(p))
+	for i, x := range p {
+		out[i] = int(x)
+	}
+	return out
+}
+
+func pieceString(v engine.Vocab, t engine.Token) string {
+	p, _ := v.Piece(t, true)
+	return strings.ToValidUTF8(string(p), "\uFFFD")
+}
+
+// legacyLogprobs converts chat-style logprobs to the completions format.
+func legacyLogprobs(ls []TokenLogprob, offset int) *CompletionLogprobs {
+	out := &CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []float32{}, TopLogprobs: []map[string]float32{}, TextOffset: []int{}}
+	for _, l := range ls {
+		out.Tokens = append(out.Tokens, l.Token)
+		out.TokenLogprobs = append(out.TokenLogprobs, l.Logprob)
+		top := map[string]float32{}
+		for _, t := range l.TopLogprobs {
+			top[t.Token] = t.Logprob
+		}
+		out.TopLogprobs = append(out.TopLogprobs, top)
+		out.TextOffset = append(out.TextOffset, offset)
+		offset += len(l.Token)
+	}
+	return out
+}

@@ -1,0 +1,106 @@
+package api
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// metrics exports vLLM-compatible metric names where the meaning matches, so that
+// dashboards and routers built for vLLM read a shoal node, and shoal_* for the rest.
+// Gauges and counters of the scheduler are read from its Load snapshot at scrape
+// time; latencies are observed by the handlers.
+type metrics struct {
+	ttft, itl, e2e, queue prometheus.Observer
+	success               *prometheus.CounterVec
+	rejects               *prometheus.CounterVec
+}
+
+// Latency buckets (seconds), the ones vLLM uses for these histograms.
+var (
+	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560}
+	itlBuckets  = []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80}
+	e2eBuckets  = []float64{0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680}
+)
+
+func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
+	labels := prometheus.Labels{"model_name": s.cfg.ModelName}
+	load := func(f func(scheduler.Load) float64) func() float64 {
+		return func() float64 {
+			if b := s.backend.Load(); b != nil {
+				return f(b.Generator.Load())
+			}
+			return 0
+		}
+	}
+	hist := func(name, help string, buckets []float64) prometheus.Histogram {
+		return prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, Buckets: buckets, ConstLabels: labels})
+	}
+	ttft := hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", ttftBuckets)
+	itl := hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens in seconds.", itlBuckets)
+	e2e := hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", e2eBuckets)
+	queue := hist("vllm:request_queue_time_seconds", "Time requests spent waiting before first scheduled, in seconds.", e2eBuckets)
+	m := &metrics{
+		ttft: ttft, itl: itl, e2e: e2e, queue: queue,
+		success: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:request_success_total",
+			Help: "Finished choices by finish reason.", ConstLabels: labels}, []string{"finished_reason"}),
+		rejects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shoal_requests_rejected_total",
+			Help: "Requests refused before scheduling, by reason.", ConstLabels: labels}, []string{"reason"}),
+	}
+	gauge := func(name, help string, f func(scheduler.Load) float64) prometheus.Collector {
+		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels}, load(f))
+	}
+	counter := func(name, help string, f func(scheduler.Load) float64) prometheus.Collector {
+		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels}, load(f))
+	}
+	cs := []prometheus.Collector{
+		ttft, itl, e2e, queue, m.success, m.rejects,
+		gauge("vllm:num_requests_running", "Sequences running on the engine.", func(l scheduler.Load) float64 { return float64(l.Running) }),
+		gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", func(l scheduler.Load) float64 { return float64(l.Waiting) }),
+		gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use by running sequences (1 = full).", func(l scheduler.Load) float64 {
+			if l.KVBlocksTotal == 0 {
+				return 0
+			}
+			return float64(l.KVBlocksUsed) / float64(l.KVBlocksTotal)
+		}),
+		counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", func(l scheduler.Load) float64 { return float64(l.PrefixQueries) }),
+		counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", func(l scheduler.Load) float64 { return float64(l.PrefixHits) }),
+		counter("vllm:prompt_tokens_total", "Prompt tokens computed (cache hits excluded).", func(l scheduler.Load) float64 { return float64(l.PromptTokens) }),
+		counter("vllm:generation_tokens_total", "Tokens generated.", func(l scheduler.Load) float64 { return float64(l.GeneratedTokens) }),
+		counter("shoal_preemptions_total", "Sequences preempted for KV space (resumed by recompute).", func(l scheduler.Load) float64 { return float64(l.Preemptions) }),
+		counter("shoal_scheduler_steps_total", "Forward passes run by the scheduler.", func(l scheduler.Load) float64 { return float64(l.Steps) }),
+		gauge("shoal_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse.", func(l scheduler.Load) float64 { return float64(l.KVBlocksCached) }),
+		gauge("shoal_kv_blocks_capacity", "KV blocks in the pool.", func(l scheduler.Load) float64 { return float64(l.KVBlocksTotal) }),
+		gauge("shoal_prefill_tokens_per_second", "Smoothed prompt tokens computed per second.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
+		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),
+		gauge("shoal_queue_wait_estimate_seconds", "Estimated wait before a new request is scheduled.", func(l scheduler.Load) float64 { return l.QueueWait.Seconds() }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "vllm:cache_config_info", Help: "Information of the KV cache configuration (value 1).",
+			ConstLabels: prometheus.Labels(s.cfg.CacheInfo)}, func() float64 { return 1 }),
+	}
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("api: register metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+func (m *metrics) finished(f scheduler.FinishReason) {
+	m.success.WithLabelValues(string(f)).Inc()
+}
+
+func (m *metrics) rejected(err error) {
+	reason := "invalid"
+	switch {
+	case errors.Is(err, scheduler.ErrQueueFull):
+		reason = "queue_full"
+	case errors.Is(err, scheduler.ErrPromptTooLong):
+		reason = "too_long"
+	case errors.Is(err, scheduler.ErrClosed):
+		reason = "draining"
+	}
+	m.rejects.WithLabelValues(reason).Inc()
+}

@@ -1,0 +1,242 @@
+package api
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/gin-gonic/gin"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// Defaults for the HTTP surface.
+const (
+	// DefaultMaxBodyBytes bounds request bodies (a long chat history fits easily).
+	DefaultMaxBodyBytes = 8 << 20
+	// DefaultMaxTokensCap rejects requests asking for more output than this.
+	DefaultMaxTokensCap = 8192
+	// MaxStops bounds the stop strings of one request.
+	MaxStops = 16
+)
+
+// Config configures the API. Only cmd fills it.
+type Config struct {
+	// ModelName is the id clients use in "model"; empty requests are accepted.
+	ModelName    string
+	APIKeys      []string
+	MaxBodyBytes int64
+	MaxTokensCap int
+	// SchemaToGrammar converts a JSON schema to GBNF (response_format json_schema).
+	SchemaToGrammar func(schema []byte) (string, error)
+	// CacheInfo labels vllm:cache_config_info (block_size, cache_dtype, ...).
+	CacheInfo map[string]string
+}
+
+// DefaultConfig returns the defaults with no API keys.
+func DefaultConfig() Config {
+	return Config{MaxBodyBytes: DefaultMaxBodyBytes, MaxTokensCap: DefaultMaxTokensCap}
+}
+
+// Validate rejects unusable settings.
+func (c Config) Validate() error {
+	switch {
+	case c.MaxBodyBytes < 1024:
+		return fmt.Errorf("api: max body bytes %d is too small", c.MaxBodyBytes)
+	case c.MaxTokensCap < 1:
+		return fmt.Errorf("api: max tokens cap %d must be positive", c.MaxTokensCap)
+	case c.ModelName == "":
+		return errors.New("api: model name is empty")
+	}
+	for _, k := range c.APIKeys {
+		if k == "" {
+			return errors.New("api: empty API key")
+		}
+	}
+	return nil
+}
+
+// Generator is what the API needs of the scheduler.
+//
+// Concurrency: all methods are safe for concurrent use.
+type Generator interface {
+	Submit(ctx context.Context, req *scheduler.Request) (*scheduler.Stream, error)
+	Load() scheduler.Load
+	MaxContext() int
+}
+
+// Backend is a loaded model: its scheduler, tokenizer and metadata.
+type Backend struct {
+	Generator Generator
+	Vocab     engine.Vocab
+	Info      engine.ModelInfo
+	KVType    string // for vllm:cache_config_info
+}
+
+// Server serves the API. SetBackend makes it ready; Drain stops new work.
+type Server struct {
+	cfg      Config
+	log      *slog.Logger
+	backend  atomic.Pointer[Backend]
+	draining atomic.Bool
+	metrics  *metrics
+	engine   *gin.Engine
+	started  time.Time
+	// now and newID are replaced by golden tests for stable output.
+	now   func() time.Time
+	newID func(prefix string) string
+}
+
+// New builds the server and registers its metrics on reg.
+func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	gin.SetMode(gin.ReleaseMode)
+	s := &Server{cfg: cfg, log: log, started: time.Now(), now: time.Now, newID: randomID}
+	m, err := newMetrics(reg, s)
+	if err != nil {
+		return nil, err
+	}
+	s.metrics = m
+	r := gin.New()
+	r.Use(gin.CustomRecoveryWithWriter(nil, func(c *gin.Context, rec any) {
+		s.log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
+		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
+	}))
+	r.Use(s.limitBody)
+	r.GET("/health", func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) })
+	r.GET("/ready", s.ready)
+	if g, ok := reg.(prometheus.Gatherer); ok {
+		r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(g, promhttp.HandlerOpts{})))
+	}
+	v1 := r.Group("/v1", s.auth)
+	v1.GET("/models", s.models)
+	v1.POST("/chat/completions", s.chat)
+	v1.POST("/completions", s.completions)
+	v1.POST("/embeddings", s.embeddings)
+	r.POST("/tokenize", s.auth, s.tokenize)
+	r.POST("/detokenize", s.auth, s.detokenize)
+	r.NoRoute(func(c *gin.Context) {
+		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
+			Message: fmt.Sprintf("no route %s %s", c.Request.Method, c.Request.URL.Path)})
+	})
+	r.HandleMethodNotAllowed = true
+	r.NoMethod(func(c *gin.Context) {
+		abort(c, &Error{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error",
+			Message: fmt.Sprintf("method %s not allowed on %s", c.Request.Method, c.Request.URL.Path)})
+	})
+	s.engine = r
+	return s, nil
+}
+
+// Handler is the server's http.Handler.
+func (s *Server) Handler() http.Handler { return s.engine }
+
+// SetBackend makes the server ready with a loaded model.
+func (s *Server) SetBackend(b *Backend) { s.backend.Store(b) }
+
+// Drain makes the server refuse new generation requests with 503.
+func (s *Server) Drain() { s.draining.Store(true) }
+
+func (s *Server) ready(c *gin.Context) {
+	switch {
+	case s.backend.Load() == nil:
+		abort(c, errNotReady)
+	case s.draining.Load():
+		abort(c, errDraining)
+	default:
+		c.JSON(http.StatusOK, gin.H{"status": "ready", "model": s.cfg.ModelName})
+	}
+}
+
+// readyBackend returns the backend or aborts with 503.
+func (s *Server) readyBackend(c *gin.Context) (*Backend, bool) {
+	b := s.backend.Load()
+	if b == nil {
+		abort(c, errNotReady)
+		return nil, false
+	}
+	if s.draining.Load() {
+		abort(c, errDraining)
+		return nil, false
+	}
+	return b, true
+}
+
+func (s *Server) limitBody(c *gin.Context) {
+	if c.Request.Body != nil {
+		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, s.cfg.MaxBodyBytes)
+	}
+	c.Next()
+}
+
+func (s *Server) auth(c *gin.Context) {
+	if len(s.cfg.APIKeys) == 0 {
+		c.Next()
+		return
+	}
+	h := c.GetHeader("Authorization")
+	key, ok := strings.CutPrefix(h, "Bearer ")
+	if ok {
+		for _, k := range s.cfg.APIKeys {
+			if subtle.ConstantTimeCompare([]byte(key), []byte(k)) == 1 {
+				c.Next()
+				return
+			}
+		}
+	}
+	abort(c, errUnauthorized)
+}
+
+// abort writes err in OpenAI's format and stops the handler chain.
+func abort(c *gin.Context, err error) {
+	e := toAPIError(err)
+	if e.RetryAfter > 0 {
+		c.Header("Retry-After", fmt.Sprint(e.RetryAfter))
+	}
+	c.AbortWithStatusJSON(e.Status, e.body())
+}
+
+func (s *Server) checkModel(model string) error {
+	if model != "" && model != s.cfg.ModelName {
+		return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
+			Message: fmt.Sprintf("the model %q does not exist; this server serves %q", model, s.cfg.ModelName)}
+	}
+	return nil
+}
+
+func (s *Server) models(c *gin.Context) {
+	b := s.backend.Load()
+	maxLen := 0
+	if b != nil {
+		maxLen = b.Generator.MaxContext()
+	}
+	c.JSON(http.StatusOK, ModelList{Object: "list", Data: []Model{{
+		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: maxLen,
+	}}})
+}
+
+func (s *Server) embeddings(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	msg := "this model does not produce embeddings (it has no pooling layer); serve an embedding model"
+	if b.Info.Pooling {
+		msg = "embeddings are not implemented yet for pooling models"
+	}
+	abort(c, invalid("model", "%s", msg))
+}

@@ -1,0 +1,185 @@
+package api
+
+import (
+	"encoding/json"
+	"net/http"
+	"sync"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// sseWriter writes server-sent events in OpenAI's format: "data: <json>\n\n", ending
+// with "data: [DONE]\n\n". Writes after the client left are dropped.
+type sseWriter struct {
+	c      *gin.Context
+	mu     sync.Mutex
+	failed bool
+}
+
+func (w *sseWriter) start() {
+	h := w.c.Writer.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("Connection", "keep-alive")
+	h.Set("X-Accel-Buffering", "no")
+	w.c.Status(http.StatusOK)
+	w.c.Writer.WriteHeaderNow()
+}
+
+func (w *sseWriter) data(v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return
+	}
+	w.raw(b)
+}
+
+func (w *sseWriter) raw(b []byte) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.failed {
+		return
+	}
+	buf := make([]byte, 0, len(b)+8)
+	buf = append(append(append(buf, "data: "...), b...), "\n\n"...)
+	if _, err := w.c.Writer.Write(buf); err != nil {
+		w.failed = true
+		return
+	}
+	w.c.Writer.Flush()
+}
+
+// streamResponse streams every choice of every prompt as chunks. Prompts are read
+// one after another; the scheduler buffers the others meanwhile.
+func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	ctx := c.Request.Context()
+	w := &sseWriter{c: c}
+	w.start()
+	id := s.newID("chatcmpl")
+	object := "chat.completion.chunk"
+	if !p.chat {
+		id, object = s.newID("cmpl"), "text_completion"
+	}
+	created := s.now().Unix()
+	var usage Usage
+	var nullUsage *Usage // OpenAI sends "usage": null on every chunk when include_usage is set
+	chunkUsage := func() *Usage {
+		if p.usage {
+			return nullUsage
+		}
+		return nil
+	}
+	send := func(index int, text *string, finish *string, lp *TokenLogprob, role string) {
+		if p.chat {
+			ch := ChatChunkChoice{Index: index, Delta: ChatDelta{Role: role, Content: text}, FinishReason: finish}
+			if lp != nil {
+				ch.Logprobs = &ChatLogprobs{Content: []TokenLogprob{*lp}}
+			}
+			w.data(chatChunkJSON{ChatChunk: ChatChunk{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
+				Choices: []ChatChunkChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+			return
+		}
+		t := ""
+		if text != nil {
+			t = *text
+		}
+		ch := CompletionChoice{Index: index, Text: t, FinishReason: finish}
+		if lp != nil {
+			ch.Logprobs = legacyLogprobs([]TokenLogprob{*lp}, 0)
+		}
+		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
+			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+	}
+	for pi, sub := range subs {
+		for j := range p.n {
+			idx := sub.base + j
+			switch {
+			case p.chat:
+				empty := ""
+				send(idx, &empty, nil, nil, "assistant")
+			case pi < len(p.echo):
+				e := p.echo[pi]
+				send(idx, &e, nil, nil, "")
+			}
+		}
+		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+			idx := sub.base + ev.Index
+			switch ev.Kind {
+			case scheduler.EventToken:
+				text := ev.Text
+				var lp *TokenLogprob
+				if p.logprobs {
+					l := tokenLogprob(b.Vocab, ev)
+					lp = &l
+				}
+				if text != "" || lp != nil {
+					send(idx, &text, nil, lp, "")
+				}
+			case scheduler.EventFinish:
+				if ev.Text != "" {
+					t := ev.Text
+					send(idx, &t, nil, nil, "")
+				}
+				f := finishString(ev.Finish)
+				send(idx, nil, &f, nil, "")
+			}
+		})
+		if err != nil {
+			if ctx.Err() != nil {
+				return // the client left; its requests were cancelled with ctx
+			}
+			// Headers are sent: report the error as an event, as OpenAI does.
+			w.data(toAPIError(err).body())
+			w.raw([]byte("[DONE]"))
+			return
+		}
+		addUsage(&usage, u)
+	}
+	if p.usage {
+		if p.chat {
+			w.data(ChatChunk{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
+				Choices: []ChatChunkChoice{}, Usage: &usage})
+		} else {
+			w.data(CompletionResponse{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
+				Choices: []CompletionChoice{}, Usage: &usage})
+		}
+	}
+	w.raw([]byte("[DONE]"))
+}
+
+// chatChunkJSON marshals a chunk with "usage": null when include_usage is set.
+type chatChunkJSON struct {
+	ChatChunk
+	includeUsage bool
+	usage        *Usage
+}
+
+func (c chatChunkJSON) MarshalJSON() ([]byte, error) {
+	if !c.includeUsage {
+		return json.Marshal(c.ChatChunk)
+	}
+	type withUsage struct {
+		ChatChunk
+		Usage *Usage `json:"usage"`
+	}
+	return json.Marshal(withUsage{ChatChunk: c.ChatChunk, Usage: c.usage})
+}
+
+type completionChunkJSON struct {
+	CompletionResponse
+	includeUsage bool
+	usage        *Usage
+}
+
+func (c completionChunkJSON) MarshalJSON() ([]byte, error) {
+	if !c.includeUsage {
+		return json.Marshal(c.CompletionResponse)
+	}
+	type withUsage struct {
+		CompletionResponse
+		Usage *Usage `json:"usage"`
+	}
+	return json.Marshal(withUsage{CompletionResponse: c.CompletionResponse, Usage: c.usage})
+}

@@ -1,0 +1,87 @@
+package api
+
+import (
+	"net/http"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+func (s *Server) tokenize(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	var req TokenizeRequest
+	if err := decodeBody(c, &req); err != nil {
+		abort(c, err)
+		return
+	}
+	if err := s.checkModel(req.Model); err != nil {
+		abort(c, err)
+		return
+	}
+	add := true
+	if req.AddSpecialTokens != nil {
+		add = *req.AddSpecialTokens
+	}
+	var text string
+	switch {
+	case req.Prompt != nil && len(req.Messages) == 0:
+		text = *req.Prompt
+	case req.Prompt == nil && len(req.Messages) > 0:
+		msgs := make([]engine.ChatMessage, len(req.Messages))
+		for i, m := range req.Messages {
+			msgs[i] = engine.ChatMessage{Role: m.Role, Content: string(m.Content)}
+		}
+		var err error
+		if text, err = b.Vocab.ApplyChatTemplate(msgs, true); err != nil {
+			abort(c, invalid("messages", "chat template: %v", err))
+			return
+		}
+	default:
+		abort(c, invalid("prompt", "give exactly one of prompt and messages"))
+		return
+	}
+	toks, err := b.Vocab.Tokenize(text, add, true)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	out := make([]int32, len(toks))
+	for i, t := range toks {
+		out[i] = int32(t)
+	}
+	c.JSON(http.StatusOK, TokenizeResponse{Count: len(out), MaxModelLen: b.Generator.MaxContext(), Tokens: out})
+}
+
+func (s *Server) detokenize(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	var req DetokenizeRequest
+	if err := decodeBody(c, &req); err != nil {
+		abort(c, err)
+		return
+	}
+	if err := s.checkModel(req.Model); err != nil {
+		abort(c, err)
+		return
+	}
+	toks := make([]engine.Token, len(req.Tokens))
+	for i, t := range req.Tokens {
+		if t < 0 || t >= int64(b.Vocab.Size()) {
+			abort(c, invalid("tokens", "token %d at %d is outside the vocabulary (0..%d)", t, i, b.Vocab.Size()-1))
+			return
+		}
+		toks[i] = engine.Token(t)
+	}
+	text, err := b.Vocab.Detokenize(toks, false, false)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	c.JSON(http.StatusOK, DetokenizeResponse{Prompt: text})
+}

@@ -1,0 +1,330 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+)
+
+// OpenAI wire types. Field names and shapes follow the OpenAI API reference;
+// extensions (top_k, min_p, repetition_penalty, priority, ignore_eos) are named as
+// vLLM names them.
+
+// StringOrList is OpenAI's `stop`: a string or a list of strings.
+type StringOrList []string
+
+func (s *StringOrList) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if bytes.Equal(b, []byte("null")) {
+		*s = nil
+		return nil
+	}
+	if len(b) > 0 && b[0] == '"' {
+		var one string
+		if err := json.Unmarshal(b, &one); err != nil {
+			return err
+		}
+		*s = []string{one}
+		return nil
+	}
+	var many []string
+	if err := json.Unmarshal(b, &many); err != nil {
+		return errors.New("must be a string or an array of strings")
+	}
+	*s = many
+	return nil
+}
+
+// Prompt is a completion prompt: a string, a list of strings, a list of token ids, or
+// a list of lists of token ids. Exactly one of Texts and Tokens is set.
+type Prompt struct {
+	Texts  []string
+	Tokens [][]int64
+}
+
+func (p *Prompt) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		p.Texts = []string{s}
+		return nil
+	}
+	var ss []string
+	if err := json.Unmarshal(b, &ss); err == nil {
+		p.Texts = ss
+		return nil
+	}
+	var ts []int64
+	if err := json.Unmarshal(b, &ts); err == nil {
+		p.Tokens = [][]int64{ts}
+		return nil
+	}
+	var tss [][]int64
+	if err := json.Unmarshal(b, &tss); err == nil {
+		p.Tokens = tss
+		return nil
+	}
+	return errors.New("must be a string, an array of strings, an array of token ids, or an array of such arrays")
+}
+
+// Content is a chat message's content: a string or an array of parts, of which only
+// text parts are supported.
+type Content string
+
+func (c *Content) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if bytes.Equal(b, []byte("null")) {
+		*c = ""
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		*c = Content(s)
+		return nil
+	}
+	var parts []struct {
+		Type string  `json:"type"`
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(b, &parts); err != nil {
+		return errors.New("must be a string or an array of content parts")
+	}
+	var buf bytes.Buffer
+	for i, p := range parts {
+		if p.Type != "text" || p.Text == nil {
+			return fmt.Errorf("content part %d: only parts of type \"text\" with a text field are supported", i)
+		}
+		buf.WriteString(*p.Text)
+	}
+	*c = Content(buf.String())
+	return nil
+}
+
+// Message is one chat message.
+type Message struct {
+	Role       string  `json:"role"`
+	Content    Content `json:"content"`
+	Name       string  `json:"name,omitempty"`
+	ToolCallID string  `json:"tool_call_id,omitempty"`
+}
+
+// StreamOptions is OpenAI's stream_options.
+type StreamOptions struct {
+	IncludeUsage bool `json:"include_usage"`
+}
+
+// ResponseFormat is OpenAI's response_format.
+type ResponseFormat struct {
+	Type       string `json:"type"`
+	JSONSchema *struct {
+		Name   string          `json:"name"`
+		Schema json.RawMessage `json:"schema"`
+		Strict *bool           `json:"strict"`
+	} `json:"json_schema"`
+}
+
+// SamplingFields are the parameters both endpoints share.
+type SamplingFields struct {
+	Model             string             `json:"model"`
+	MaxTokens         *int               `json:"max_tokens"`
+	Temperature       *float64           `json:"temperature"`
+	TopP              *float64           `json:"top_p"`
+	N                 *int               `json:"n"`
+	Stream            bool               `json:"stream"`
+	StreamOptions     *StreamOptions     `json:"stream_options"`
+	Stop              StringOrList       `json:"stop"`
+	Seed              *int64             `json:"seed"`
+	PresencePenalty   *float64           `json:"presence_penalty"`
+	FrequencyPenalty  *float64           `json:"frequency_penalty"`
+	LogitBias         map[string]float64 `json:"logit_bias"`
+	User              string             `json:"user"`
+	ResponseFormat    *ResponseFormat    `json:"response_format"`
+	TopK              *int               `json:"top_k"`
+	MinP              *float64           `json:"min_p"`
+	RepetitionPenalty *float64           `json:"repetition_penalty"`
+	Priority          *int               `json:"priority"`
+	IgnoreEOS         bool               `json:"ignore_eos"`
+}
+
+// ChatRequest is the body of POST /v1/chat/completions.
+type ChatRequest struct {
+	SamplingFields
+	Messages            []Message `json:"messages"`
+	MaxCompletionTokens *int      `json:"max_completion_tokens"`
+	Logprobs            bool      `json:"logprobs"`
+	TopLogprobs         *int      `json:"top_logprobs"`
+}
+
+// CompletionRequest is the body of POST /v1/completions.
+type CompletionRequest struct {
+	SamplingFields
+	Prompt   *Prompt `json:"prompt"`
+	Echo     bool    `json:"echo"`
+	Logprobs *int    `json:"logprobs"`
+	Suffix   *string `json:"suffix"`
+}
+
+// Usage is OpenAI's usage object.
+type Usage struct {
+	PromptTokens        int                 `json:"prompt_tokens"`
+	CompletionTokens    int                 `json:"completion_tokens"`
+	TotalTokens         int                 `json:"total_tokens"`
+	PromptTokensDetails PromptTokensDetails `json:"prompt_tokens_details"`
+}
+
+// PromptTokensDetails reports prefix-cache hits.
+type PromptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
+}
+
+// ChatMessageOut is an assistant message in a response.
+type ChatMessageOut struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// ChatDelta is a streamed chunk's delta.
+type ChatDelta struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+// TopLogprob is one alternative token.
+type TopLogprob struct {
+	Token   string  `json:"token"`
+	Logprob float32 `json:"logprob"`
+	Bytes   []int   `json:"bytes"`
+}
+
+// TokenLogprob is the chat logprobs entry of one token.
+type TokenLogprob struct {
+	Token       string       `json:"token"`
+	Logprob     float32      `json:"logprob"`
+	Bytes       []int        `json:"bytes"`
+	TopLogprobs []TopLogprob `json:"top_logprobs"`
+}
+
+// ChatLogprobs is a chat choice's logprobs.
+type ChatLogprobs struct {
+	Content []TokenLogprob `json:"content"`
+}
+
+// ChatChoice is one choice of a chat completion.
+type ChatChoice struct {
+	Index        int            `json:"index"`
+	Message      ChatMessageOut `json:"message"`
+	Logprobs     *ChatLogprobs  `json:"logprobs"`
+	FinishReason string         `json:"finish_reason"`
+}
+
+// ChatResponse is the body of a non-streamed chat completion.
+type ChatResponse struct {
+	ID                string       `json:"id"`
+	Object            string       `json:"object"`
+	Created           int64        `json:"created"`
+	Model             string       `json:"model"`
+	SystemFingerprint string       `json:"system_fingerprint"`
+	Choices           []ChatChoice `json:"choices"`
+	Usage             Usage        `json:"usage"`
+}
+
+// ChatChunkChoice is one choice of a streamed chunk.
+type ChatChunkChoice struct {
+	Index        int           `json:"index"`
+	Delta        ChatDelta     `json:"delta"`
+	Logprobs     *ChatLogprobs `json:"logprobs"`
+	FinishReason *string       `json:"finish_reason"`
+}
+
+// ChatChunk is one SSE event of a streamed chat completion.
+type ChatChunk struct {
+	ID                string            `json:"id"`
+	Object            string            `json:"object"`
+	Created           int64             `json:"created"`
+	Model             string            `json:"model"`
+	SystemFingerprint string            `json:"system_fingerprint"`
+	Choices           []ChatChunkChoice `json:"choices"`
+	Usage             *Usage            `json:"usage,omitempty"`
+}
+
+// CompletionLogprobs is the legacy completions logprobs object.
+type CompletionLogprobs struct {
+	Tokens        []string             `json:"tokens"`
+	TokenLogprobs []float32            `json:"token_logprobs"`
+	TopLogprobs   []map[string]float32 `json:"top_logprobs"`
+	TextOffset    []int                `json:"text_offset"`
+}
+
+// CompletionChoice is one choice of a completion (streamed or not).
+type CompletionChoice struct {
+	Index        int                 `json:"index"`
+	Text         string              `json:"text"`
+	Logprobs     *CompletionLogprobs `json:"logprobs"`
+	FinishReason *string             `json:"finish_reason"`
+}
+
+// CompletionResponse is the body of a completion and of each streamed chunk.
+type CompletionResponse struct {
+	ID                string             `json:"id"`
+	Object            string             `json:"object"`
+	Created           int64              `json:"created"`
+	Model             string             `json:"model"`
+	SystemFingerprint string             `json:"system_fingerprint"`
+	Choices           []CompletionChoice `json:"choices"`
+	Usage             *Usage             `json:"usage,omitempty"`
+}
+
+// Model is an entry of GET /v1/models.
+type Model struct {
+	ID          string `json:"id"`
+	Object      string `json:"object"`
+	Created     int64  `json:"created"`
+	OwnedBy     string `json:"owned_by"`
+	MaxModelLen int    `json:"max_model_len"`
+}
+
+// ModelList is the body of GET /v1/models.
+type ModelList struct {
+	Object string  `json:"object"`
+	Data   []Model `json:"data"`
+}
+
+// TokenizeRequest is the body of POST /tokenize (vLLM's shape).
+type TokenizeRequest struct {
+	Model            string    `json:"model"`
+	Prompt           *string   `json:"prompt"`
+	Messages         []Message `json:"messages"`
+	AddSpecialTokens *bool     `json:"add_special_tokens"`
+}
+
+// TokenizeResponse is the body of a /tokenize answer.
+type TokenizeResponse struct {
+	Count       int     `json:"count"`
+	MaxModelLen int     `json:"max_model_len"`
+	Tokens      []int32 `json:"tokens"`
+}
+
+// DetokenizeRequest is the body of POST /detokenize.
+type DetokenizeRequest struct {
+	Model  string  `json:"model"`
+	Tokens []int64 `json:"tokens"`
+}
+
+// DetokenizeResponse is the body of a /detokenize answer.
+type DetokenizeResponse struct {
+	Prompt string `json:"prompt"`
+}
+
+// ErrorBody is OpenAI's error envelope.
+type ErrorBody struct {
+	Error ErrorDetail `json:"error"`
+}
+
+// ErrorDetail is the error object.
+type ErrorDetail struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    *string `json:"code"`
+}

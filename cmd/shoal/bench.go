@@ -1,0 +1,416 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand"
+	"net/http"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/term"
+)
+
+// benchConfig is a load test against any OpenAI-compatible /v1/completions endpoint.
+type benchConfig struct {
+	url, apiKey, model, dataset, jsonOut string
+	numPrompts, inputLen, outputLen      int
+	groups, perGroup, prefixLen, qLen    int
+	zipf, rate                           float64
+	concurrency, vocabLo, vocabHi        int
+	seed                                 int64
+	timeout                              time.Duration
+}
+
+// benchRequest is one planned request: its prompt token ids and output length.
+type benchRequest struct {
+	prompt []int
+	out    int
+}
+
+// benchSample is what one request measured.
+type benchSample struct {
+	OK         bool
+	Status     int
+	TTFT       time.Duration
+	E2E        time.Duration
+	ITL        []time.Duration
+	OutTokens  int
+	Prompt     int
+	Cached     int
+	Err        string
+	RetryAfter bool
+}
+
+// BenchResult is the JSON summary of a run.
+type BenchResult struct {
+	Dataset          string  `json:"dataset"`
+	Requests         int     `json:"requests"`
+	Completed        int     `json:"completed"`
+	Errors           int     `json:"errors"`
+	Rejected429      int     `json:"rejected_429"`
+	Concurrency      int     `json:"concurrency"`
+	Rate             float64 `json:"rate"`
+	DurationS        float64 `json:"duration_s"`
+	RequestsPerS     float64 `json:"requests_per_s"`
+	OutputTokensPerS float64 `json:"output_tokens_per_s"`
+	TotalTokensPerS  float64 `json:"total_tokens_per_s"`
+	CachedShare      float64 `json:"cached_token_share"`
+	TTFTms           Pcts    `json:"ttft_ms"`
+	TPOTms           Pcts    `json:"tpot_ms"`
+	ITLms            Pcts    `json:"itl_ms"`
+	E2Ems            Pcts    `json:"e2e_ms"`
+}
+
+// Pcts are percentiles in milliseconds.
+type Pcts struct {
+	Mean float64 `json:"mean"`
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	P99  float64 `json:"p99"`
+}
+
+func runBench(args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("bench", stdout)
+	c := benchConfig{}
+	fs.StringVar(&c.url, "url", "http://127.0.0.1:8080/v1", "base URL of the OpenAI-compatible API")
+	fs.StringVar(&c.apiKey, "api-key", os.Getenv("SHOAL_API_KEY"), "bearer key (default $SHOAL_API_KEY)")
+	fs.StringVar(&c.model, "model", "", "model id to send (default: the first of /v1/models)")
+	fs.StringVar(&c.dataset, "dataset", "random", "random or shared-prefix")
+	fs.IntVar(&c.numPrompts, "num-prompts", 64, "requests (random dataset)")
+	fs.IntVar(&c.inputLen, "input-len", 128, "prompt tokens (random dataset)")
+	fs.IntVar(&c.outputLen, "output-len", 64, "output tokens per request (ignore_eos is set)")
+	fs.IntVar(&c.groups, "groups", 8, "shared-prefix: prefix groups")
+	fs.IntVar(&c.perGroup, "prompts-per-group", 8, "shared-prefix: requests per group")
+	fs.IntVar(&c.prefixLen, "prefix-len", 512, "shared-prefix: tokens of each group's prefix")
+	fs.IntVar(&c.qLen, "question-len", 32, "shared-prefix: tokens after the prefix")
+	fs.Float64Var(&c.zipf, "zipf", 0, "shared-prefix: Zipf exponent of group popularity (> 1; 0: uniform, every group equally often)")
+	fs.IntVar(&c.concurrency, "concurrency", 8, "requests in flight (closed loop); with --rate, the most in flight")
+	fs.Float64Var(&c.rate, "rate", 0, "Poisson arrival rate in requests/s (0: closed loop at --concurrency)")
+	fs.Int64Var(&c.seed, "seed", 1, "seed of the dataset and arrivals")
+	fs.IntVar(&c.vocabLo, "token-min", 100, "smallest random token id")
+	fs.IntVar(&c.vocabHi, "token-max", 500, "largest random token id (stay inside the model's vocabulary)")
+	fs.StringVar(&c.jsonOut, "json", "", "write the results as JSON to this file ('-': stdout)")
+	fs.DurationVar(&c.timeout, "timeout", 10*time.Minute, "per-request timeout")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	switch {
+	case c.concurrency < 1:
+		return errors.New("--concurrency must be at least 1")
+	case c.vocabHi <= c.vocabLo || c.vocabLo < 0:
+		return errors.New("--token-max must exceed --token-min >= 0")
+	case c.dataset == "shared-prefix" && c.zipf != 0 && c.zipf <= 1:
+		return errors.New("--zipf must be greater than 1 (or 0 for uniform)")
+	case c.outputLen < 1:
+		return errors.New("--output-len must be at least 1")
+	}
+	reqs, err := c.plan()
+	if err != nil {
+		return err
+	}
+	client := &http.Client{Timeout: c.timeout}
+	if c.model == "" {
+		if c.model, err = firstModel(client, c); err != nil {
+			return err
+		}
+	}
+	res := c.run(client, reqs, stderr)
+	printBench(stdout, res)
+	if c.jsonOut != "" {
+		b, _ := json.MarshalIndent(res, "", "  ")
+		if c.jsonOut == "-" {
+			fmt.Fprintln(stdout, string(b))
+		} else if err := os.WriteFile(c.jsonOut, append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// plan builds the request list from the dataset flags.
+func (c benchConfig) plan() ([]benchRequest, error) {
+	r := rand.New(rand.NewSource(c.seed))
+	tok := func() int { return c.vocabLo + r.Intn(c.vocabHi-c.vocabLo) }
+	var out []benchRequest
+	switch c.dataset {
+	case "random":
+		for range c.numPrompts {
+			p := make([]int, c.inputLen)
+			for i := range p {
+				p[i] = tok()
+			}
+			out = append(out, benchRequest{prompt: p, out: c.outputLen})
+		}
+	case "shared-prefix":
+		prefixes := make([][]int, c.groups)
+		for g := range prefixes {
+			for range c.prefixLen {
+				prefixes[g] = append(prefixes[g], tok())
+			}
+		}
+		n := c.groups * c.perGroup
+		var zipf *rand.Zipf
+		if c.zipf > 1 {
+			zipf = rand.NewZipf(r, c.zipf, 1, uint64(c.groups-1))
+		}
+		for i := range n {
+			g := i % c.groups
+			if zipf != nil {
+				g = int(zipf.Uint64())
+			}
+			p := slices.Clone(prefixes[g])
+			for range c.qLen {
+				p = append(p, tok())
+			}
+			out = append(out, benchRequest{prompt: p, out: c.outputLen})
+		}
+		if zipf == nil {
+			r.Shuffle(len(out), func(i, j int) { out[i], out[j] = out[j], out[i] })
+		}
+	default:
+		return nil, fmt.Errorf("--dataset %q: want random or shared-prefix", c.dataset)
+	}
+	return out, nil
+}
+
+func firstModel(client *http.Client, c benchConfig) (string, error) {
+	req, _ := http.NewRequest("GET", strings.TrimSuffix(c.url, "/")+"/models", nil)
+	if c.apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+c.apiKey)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return "", fmt.Errorf("list models: %w", err)
+	}
+	defer resp.Body.Close()
+	var ml struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&ml); err != nil || len(ml.Data) == 0 {
+		return "", fmt.Errorf("list models: status %d, no model", resp.StatusCode)
+	}
+	return ml.Data[0].ID, nil
+}
+
+// run sends every request, closed-loop or Poisson, and summarises.
+func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Writer) BenchResult {
+	samples := make([]benchSample, len(reqs))
+	var done int
+	var mu sync.Mutex
+	progress := newProgress(stderr, len(reqs))
+	finish := func(i int, s benchSample) {
+		mu.Lock()
+		samples[i] = s
+		done++
+		progress.update(done)
+		mu.Unlock()
+	}
+	start := time.Now()
+	sem := make(chan struct{}, c.concurrency)
+	var wg sync.WaitGroup
+	r := rand.New(rand.NewSource(c.seed + 1))
+	next := start
+	for i, q := range reqs {
+		if c.rate > 0 {
+			next = next.Add(time.Duration(r.ExpFloat64() / c.rate * float64(time.Second)))
+			time.Sleep(time.Until(next))
+		}
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			finish(i, c.one(client, q))
+		})
+	}
+	wg.Wait()
+	progress.end()
+	return summarise(c, samples, time.Since(start))
+}
+
+// one sends a streamed completion and measures it.
+func (c benchConfig) one(client *http.Client, q benchRequest) benchSample {
+	body, _ := json.Marshal(map[string]any{
+		"model": c.model, "prompt": q.prompt, "max_tokens": q.out, "temperature": 0, "ignore_eos": true,
+		"stream": true, "stream_options": map[string]bool{"include_usage": true},
+	})
+	req, _ := http.NewRequestWithContext(context.Background(), "POST", strings.TrimSuffix(c.url, "/")+"/completions", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if c.apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+c.apiKey)
+	}
+	s := benchSample{Prompt: len(q.prompt)}
+	t0 := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		s.Err = err.Error()
+		return s
+	}
+	defer resp.Body.Close()
+	s.Status = resp.StatusCode
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		s.Err = fmt.Sprintf("status %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))
+		return s
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<16), 1<<22)
+	var last time.Time
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if line == "[DONE]" {
+			s.OK = s.Err == ""
+			break
+		}
+		var chunk struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+			Usage *struct {
+				PromptTokens     int `json:"prompt_tokens"`
+				CompletionTokens int `json:"completion_tokens"`
+				Details          struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+			Error *struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(line), &chunk); err != nil {
+			s.Err = "bad chunk: " + err.Error()
+			continue
+		}
+		now := time.Now()
+		switch {
+		case chunk.Error != nil:
+			s.Err = chunk.Error.Message
+		case chunk.Usage != nil:
+			s.OutTokens, s.Cached, s.Prompt = chunk.Usage.CompletionTokens, chunk.Usage.Details.Cached, chunk.Usage.PromptTokens
+		case len(chunk.Choices) > 0 && chunk.Choices[0].Text != "":
+			if last.IsZero() {
+				s.TTFT = now.Sub(t0)
+			} else {
+				s.ITL = append(s.ITL, now.Sub(last))
+			}
+			last = now
+		}
+	}
+	s.E2E = time.Since(t0)
+	if err := sc.Err(); err != nil && s.Err == "" {
+		s.Err = err.Error()
+		s.OK = false
+	}
+	return s
+}
+
+func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResult {
+	res := BenchResult{Dataset: c.dataset, Requests: len(samples), Concurrency: c.concurrency, Rate: c.rate, DurationS: d.Seconds()}
+	var ttft, tpot, itl, e2e []float64
+	var out, prompt, cached int
+	for _, s := range samples {
+		switch {
+		case s.OK:
+			res.Completed++
+		case s.Status == http.StatusTooManyRequests:
+			res.Rejected429++
+		default:
+			res.Errors++
+		}
+		if !s.OK {
+			continue
+		}
+		out += s.OutTokens
+		prompt += s.Prompt
+		cached += s.Cached
+		ttft = append(ttft, ms(s.TTFT))
+		e2e = append(e2e, ms(s.E2E))
+		if s.OutTokens > 1 {
+			tpot = append(tpot, ms(s.E2E-s.TTFT)/float64(s.OutTokens-1))
+		}
+		for _, x := range s.ITL {
+			itl = append(itl, ms(x))
+		}
+	}
+	secs := d.Seconds()
+	res.RequestsPerS = float64(res.Completed) / secs
+	res.OutputTokensPerS = float64(out) / secs
+	res.TotalTokensPerS = float64(out+prompt) / secs
+	if prompt > 0 {
+		res.CachedShare = float64(cached) / float64(prompt)
+	}
+	res.TTFTms, res.TPOTms, res.ITLms, res.E2Ems = pcts(ttft), pcts(tpot), pcts(itl), pcts(e2e)
+	return res
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func pcts(xs []float64) Pcts {
+	if len(xs) == 0 {
+		return Pcts{}
+	}
+	sort.Float64s(xs)
+	at := func(p float64) float64 { // nearest-rank percentile
+		return xs[max(0, min(len(xs)-1, int(math.Ceil(p/100*float64(len(xs))))-1))]
+	}
+	var sum float64
+	for _, x := range xs {
+		sum += x
+	}
+	return Pcts{Mean: sum / float64(len(xs)), P50: at(50), P90: at(90), P99: at(99)}
+}
+
+func printBench(w io.Writer, r BenchResult) {
+	fmt.Fprintf(w, "dataset %s: %d requests, %d completed, %d errors, %d rejected (429) in %.1fs\n",
+		r.Dataset, r.Requests, r.Completed, r.Errors, r.Rejected429, r.DurationS)
+	fmt.Fprintf(w, "throughput: %.2f req/s, %.1f output tok/s, %.1f total tok/s; cached prompt tokens %.1f%%\n",
+		r.RequestsPerS, r.OutputTokensPerS, r.TotalTokensPerS, 100*r.CachedShare)
+	fmt.Fprintf(w, "%-6s %10s %10s %10s %10s\n", "ms", "mean", "p50", "p90", "p99")
+	for _, row := range []struct {
+		n string
+		p Pcts
+	}{{"TTFT", r.TTFTms}, {"TPOT", r.TPOTms}, {"ITL", r.ITLms}, {"E2E", r.E2Ems}} {
+		fmt.Fprintf(w, "%-6s %10.1f %10.1f %10.1f %10.1f\n", row.n, row.p.Mean, row.p.P50, row.p.P90, row.p.P99)
+	}
+}
+
+// progress draws a bar on a terminal and nothing otherwise.
+type progress struct {
+	w     io.Writer
+	total int
+	tty   bool
+}
+
+func newProgress(w io.Writer, total int) *progress {
+	f, ok := w.(*os.File)
+	return &progress{w: w, total: total, tty: ok && term.IsTerminal(int(f.Fd()))}
+}
+
+func (p *progress) update(done int) {
+	if !p.tty {
+		return
+	}
+	const width = 40
+	n := done * width / max(p.total, 1)
+	fmt.Fprintf(p.w, "\r[%s%s] %d/%d", strings.Repeat("=", n), strings.Repeat(" ", width-n), done, p.total)
+}
+
+func (p *progress) end() {
+	if p.tty {
+		fmt.Fprintln(p.w)
+	}
+}

@@ -1,0 +1,274 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/shoal-ai/shoal/api"
+	"github.com/shoal-ai/shoal/engine/llama"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// listFlag is a repeatable string flag.
+type listFlag []string
+
+func (l *listFlag) String() string { return strings.Join(*l, ",") }
+func (l *listFlag) Set(v string) error {
+	for _, x := range strings.Split(v, ",") {
+		if x = strings.TrimSpace(x); x != "" {
+			*l = append(*l, x)
+		}
+	}
+	return nil
+}
+
+// floatList parses "3,1" into []float32 (tensor split).
+func floatList(s string) ([]float32, error) {
+	if s == "" {
+		return nil, nil
+	}
+	var out []float32
+	for _, x := range strings.Split(s, ",") {
+		f, err := strconv.ParseFloat(strings.TrimSpace(x), 32)
+		if err != nil {
+			return nil, fmt.Errorf("tensor split %q: %w", s, err)
+		}
+		out = append(out, float32(f))
+	}
+	return out, nil
+}
+
+// envPrefix: every flag --some-flag can also be set as SHOAL_SOME_FLAG.
+const envPrefix = "SHOAL_"
+
+// applyEnv sets flags not given on the command line from the environment.
+func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if given[f.Name] || err != nil {
+			return
+		}
+		key := envPrefix + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
+		if v := getenv(key); v != "" {
+			if e := fs.Set(f.Name, v); e != nil {
+				err = fmt.Errorf("%s=%q: %w", key, v, e)
+			}
+		}
+	})
+	return err
+}
+
+type serveFlags struct {
+	model, addr, modelName, logLevel, flash, kvType, tensorSplit          string
+	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU   int
+	unified, mmap, caching                                                bool
+	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens int
+	maxTokensCap                                                          int
+	hashSeed                                                              uint64
+	maxBody                                                               int64
+	drainTimeout                                                          time.Duration
+	apiKeys                                                               listFlag
+}
+
+func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
+	fs := newFlags("serve", stdout)
+	f := &serveFlags{}
+	lc := llama.DefaultConfig("")
+	sc := scheduler.DefaultConfig()
+	ac := api.DefaultConfig()
+	fs.StringVar(&f.model, "model", "", "path to a GGUF model file (required)")
+	fs.StringVar(&f.addr, "addr", "127.0.0.1:8080", "HTTP listen address HOST:PORT")
+	fs.StringVar(&f.modelName, "model-name", "", "model id clients send as \"model\" (default: the file's base name without .gguf)")
+	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.IntVar(&f.ctx, "ctx-size", lc.ContextCells, "KV cells (tokens) in the pool; with --kv-unified=false, split evenly among --parallel streams")
+	fs.IntVar(&f.seqs, "parallel", lc.MaxSeqs, "engine sequence ids (running sequences plus cached-prefix holders), up to 256")
+	fs.IntVar(&f.batch, "batch-size", lc.BatchTokens, "largest forward pass in tokens (llama.cpp n_batch)")
+	fs.IntVar(&f.ubatch, "ubatch-size", lc.MicroBatchTokens, "physical micro-batch in tokens (llama.cpp n_ubatch)")
+	fs.IntVar(&f.threads, "threads", 0, "decode threads (0: all cores)")
+	fs.IntVar(&f.threadsBatch, "threads-batch", 0, "prompt-processing threads (0: same as --threads)")
+	fs.BoolVar(&f.unified, "kv-unified", lc.Unified, "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy)")
+	fs.StringVar(&f.flash, "flash-attn", lc.FlashAttention, "flash attention: auto, on or off")
+	fs.StringVar(&f.kvType, "kv-type", lc.KVType, "KV cache type: f16, q8_0 or q4_0 (quantized V needs flash attention)")
+	fs.IntVar(&f.gpuLayers, "n-gpu-layers", lc.GPULayers, "layers to offload when a GPU backend is installed (-1: all)")
+	fs.IntVar(&f.mainGPU, "main-gpu", 0, "GPU for the whole model when not splitting")
+	fs.StringVar(&f.tensorSplit, "tensor-split", "", "fraction of the model per GPU, e.g. 3,1")
+	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
+	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
+	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
+	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
+	fs.IntVar(&f.defaultMaxTokens, "default-max-tokens", sc.DefaultMaxTokens, "max_tokens when a request gives none (capped by the context)")
+	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this")
+	fs.IntVar(&f.blockTokens, "block-tokens", sc.KV.BlockTokens, "KV block size in tokens (prefix-cache granularity)")
+	fs.BoolVar(&f.caching, "prefix-caching", true, "reuse the KV cache of common prompt prefixes")
+	fs.Uint64Var(&f.hashSeed, "hash-seed", 0, "seed of the prefix block hashes (equal on every node of a cluster)")
+	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
+	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
+	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/* and /tokenize (repeatable; also SHOAL_API_KEYS=a,b)")
+	return fs, f
+}
+
+func runServe(args []string, stdout, stderr io.Writer) error {
+	fs, f := serveFlagSet(stdout)
+	fs.Usage = func() {
+		fmt.Fprintf(stdout, "Usage: shoal serve --model PATH [flags]\n\nServes the model with an OpenAI-compatible API. Every flag can also be set as SHOAL_<FLAG> (e.g. SHOAL_CTX_SIZE=4096).\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := applyEnv(fs, os.Getenv); err != nil {
+		return err
+	}
+	if k := os.Getenv("SHOAL_API_KEYS"); k != "" && len(f.apiKeys) == 0 {
+		_ = f.apiKeys.Set(k)
+	}
+	if f.model == "" {
+		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
+	}
+	log, err := newLogger(stderr, f.logLevel)
+	if err != nil {
+		return err
+	}
+	llama.SetLogger(log)
+	split, err := floatList(f.tensorSplit)
+	if err != nil {
+		return err
+	}
+	lc := llama.DefaultConfig(f.model)
+	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
+	lc.Threads, lc.BatchThreads, lc.Unified, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.unified, f.flash, f.kvType
+	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
+	if err := lc.Validate(); err != nil {
+		return err
+	}
+	name := f.modelName
+	if name == "" {
+		name = strings.TrimSuffix(filepath.Base(f.model), ".gguf")
+	}
+	sc := scheduler.DefaultConfig()
+	sc.MaxBatchTokens, sc.MaxRunning, sc.MaxWaiting, sc.DefaultMaxTokens = f.maxBatchTokens, f.maxRunning, f.maxWaiting, f.defaultMaxTokens
+	sc.KV.BlockTokens, sc.KV.Caching, sc.KV.Seed, sc.KV.Model = f.blockTokens, f.caching, f.hashSeed, name
+	if err := sc.Validate(); err != nil {
+		return err
+	}
+	ac := api.DefaultConfig()
+	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
+	ac.SchemaToGrammar = llama.SchemaToGrammar
+	ac.CacheInfo = map[string]string{"block_size": strconv.Itoa(f.blockTokens), "cache_dtype": f.kvType,
+		"enable_prefix_caching": strconv.FormatBool(f.caching), "num_gpu_blocks": strconv.Itoa(f.ctx / f.blockTokens),
+		"kv_unified": strconv.FormatBool(f.unified)}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	srv, err := api.New(ac, reg, log)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", f.addr)
+	if err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	httpDone := make(chan error, 1)
+	go func() { httpDone <- hs.Serve(ln) }()
+	log.Info("listening", "addr", ln.Addr().String(), "model", name)
+
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	defer signal.Stop(sigs)
+
+	// Load the model while /health answers and /ready says 503.
+	lastPct := -1
+	lc.Progress = func(p float32) {
+		if pct := int(p * 100); pct/10 != lastPct/10 {
+			lastPct = pct
+			log.Info("loading model", "progress", fmt.Sprintf("%d%%", pct))
+		}
+	}
+	loaded := make(chan error, 1)
+	var eng *llama.Engine
+	go func() {
+		var err error
+		eng, err = llama.Open(lc)
+		loaded <- err
+	}()
+	select {
+	case err := <-loaded:
+		if err != nil {
+			hs.Close()
+			return err
+		}
+	case sig := <-sigs:
+		log.Info("signal during model load; exiting", "signal", sig.String())
+		hs.Close()
+		if err := <-loaded; err == nil {
+			eng.Close()
+		}
+		return nil
+	}
+	defer eng.Close()
+	info, capacity := eng.Info(), eng.Capacity()
+	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
+		"params", info.Params, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq, "seqs", capacity.MaxSeqs,
+		"unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse)
+	sched, err := scheduler.New(sc, eng, log)
+	if err != nil {
+		return err
+	}
+	schedCtx, stopSched := context.WithCancel(context.Background())
+	schedDone := make(chan struct{})
+	go func() { defer close(schedDone); sched.Run(schedCtx) }()
+	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, KVType: f.kvType})
+	log.Info("ready", "url", "http://"+ln.Addr().String()+"/v1")
+
+	select {
+	case sig := <-sigs:
+		log.Info("draining", "signal", sig.String(), "timeout", f.drainTimeout)
+	case err := <-httpDone:
+		stopSched()
+		<-schedDone
+		return fmt.Errorf("http server: %w", err)
+	}
+	srv.Drain()
+	deadline := time.Now().Add(f.drainTimeout)
+	for time.Now().Before(deadline) {
+		if l := sched.Load(); l.Running == 0 && l.Waiting == 0 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	stopSched() // cancels whatever is still running
+	<-schedDone
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := hs.Shutdown(shutdownCtx); err != nil {
+		hs.Close()
+	}
+	log.Info("stopped")
+	return nil
+}
+
+func newLogger(w io.Writer, level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}

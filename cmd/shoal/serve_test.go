@@ -1,0 +1,332 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+
+	"github.com/shoal-ai/shoal/models"
+)
+
+// The test binary doubles as the shoal binary, so that tests run real `shoal serve`
+// processes without building anything else.
+func TestMain(m *testing.M) {
+	if os.Getenv("SHOAL_TEST_BE_MAIN") == "1" {
+		os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
+
+var (
+	smallOnce   sync.Once
+	smallPath   string
+	smallErr    error
+	storiesGGUF = "../../../shared/models/stories260K.gguf"
+)
+
+func smallModel(t *testing.T) string {
+	t.Helper()
+	smallOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "shoal-serve-test")
+		if err != nil {
+			smallErr = err
+			return
+		}
+		smallPath = filepath.Join(dir, "small.gguf")
+		smallErr = models.Generate(smallPath, models.Small())
+	})
+	if smallErr != nil {
+		t.Fatal(smallErr)
+	}
+	return smallPath
+}
+
+// node is a running `shoal serve` process.
+type node struct {
+	cmd  *exec.Cmd
+	url  string // http://127.0.0.1:port
+	logs *strings.Builder
+	mu   *sync.Mutex
+	done chan error
+}
+
+var listenRE = regexp.MustCompile(`msg=listening addr=(\S+)`)
+
+func startNode(t *testing.T, args ...string) *node {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], append([]string{"serve", "--addr", "127.0.0.1:0", "--threads", "2"}, args...)...)
+	cmd.Env = append(os.Environ(), "SHOAL_TEST_BE_MAIN=1")
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	n := &node{cmd: cmd, logs: &strings.Builder{}, mu: &sync.Mutex{}, done: make(chan error, 1)}
+	addr := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			line := sc.Text()
+			n.mu.Lock()
+			n.logs.WriteString(line + "\n")
+			n.mu.Unlock()
+			if m := listenRE.FindStringSubmatch(line); m != nil {
+				addr <- m[1]
+			}
+		}
+	}()
+	go func() { n.done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			<-n.done
+		}
+		if t.Failed() {
+			t.Logf("node log:\n%s", n.log())
+		}
+	})
+	select {
+	case a := <-addr:
+		n.url = "http://" + a
+	case err := <-n.done:
+		t.Fatalf("node exited before listening: %v\n%s", err, n.log())
+	case <-time.After(30 * time.Second):
+		t.Fatalf("node did not listen\n%s", n.log())
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		resp, err := http.Get(n.url + "/ready")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return n
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node not ready\n%s", n.log())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (n *node) log() string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.logs.String()
+}
+
+func (n *node) client(key string) openai.Client {
+	return openai.NewClient(option.WithBaseURL(n.url+"/v1/"), option.WithAPIKey(key), option.WithMaxRetries(0))
+}
+
+func (n *node) metric(t *testing.T, name string) string {
+	t.Helper()
+	resp, err := http.Get(n.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, name+"{") || strings.HasPrefix(line, name+" ") {
+			return line[strings.LastIndex(line, " ")+1:]
+		}
+	}
+	return ""
+}
+
+func TestServeWithOpenAISDK(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--api-key", "secret", "--ctx-size", "4096", "--parallel", "16", "--max-running", "8")
+	c := n.client("secret")
+	ctx := context.Background()
+
+	models, err := c.Models.List(ctx)
+	if err != nil || len(models.Data) != 1 || models.Data[0].ID != "small" {
+		t.Fatalf("models: %+v %v", models, err)
+	}
+
+	chat, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model:       "small",
+		Messages:    []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("be brief"), openai.UserMessage("Say hello.")},
+		MaxTokens:   openai.Int(8),
+		Temperature: openai.Float(0),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(chat.Choices) != 1 || chat.Choices[0].FinishReason == "" || chat.Usage.CompletionTokens == 0 || chat.Usage.PromptTokens == 0 {
+		t.Fatalf("chat: %+v", chat)
+	}
+	// The same prompt again is served from the prefix cache.
+	chat2, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model:       "small",
+		Messages:    []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("be brief"), openai.UserMessage("Say hello.")},
+		MaxTokens:   openai.Int(8),
+		Temperature: openai.Float(0),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if chat2.Choices[0].Message.Content != chat.Choices[0].Message.Content {
+		t.Fatalf("greedy output changed: %q vs %q", chat2.Choices[0].Message.Content, chat.Choices[0].Message.Content)
+	}
+	if chat.Usage.PromptTokens >= 32 && chat2.Usage.PromptTokensDetails.CachedTokens == 0 {
+		t.Errorf("second identical prompt reported no cached tokens: %+v", chat2.Usage)
+	}
+
+	stream := c.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
+		Model:         "small",
+		Messages:      []openai.ChatCompletionMessageParamUnion{openai.UserMessage("Count to three.")},
+		MaxTokens:     openai.Int(6),
+		Temperature:   openai.Float(0),
+		StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
+	})
+	var acc openai.ChatCompletionAccumulator
+	chunks := 0
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+		chunks++
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if chunks < 3 || acc.Usage.CompletionTokens != 6 || acc.Choices[0].FinishReason != "length" {
+		t.Fatalf("stream: %d chunks, usage %+v, finish %q", chunks, acc.Usage, acc.Choices[0].FinishReason)
+	}
+
+	comp, err := c.Completions.New(ctx, openai.CompletionNewParams{
+		Model:       "small",
+		Prompt:      openai.CompletionNewParamsPromptUnion{OfArrayOfStrings: []string{"The cat", "A dog"}},
+		MaxTokens:   openai.Int(4),
+		Temperature: openai.Float(0),
+		N:           openai.Int(2),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(comp.Choices) != 4 || comp.Usage.CompletionTokens != 16 {
+		t.Fatalf("completions: %d choices, usage %+v", len(comp.Choices), comp.Usage)
+	}
+
+	// Errors arrive as OpenAI errors.
+	_, err = c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model: "nope", Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("x")}})
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != 404 || apiErr.Code != "model_not_found" {
+		t.Fatalf("unknown model: %v", err)
+	}
+	wrong := n.client("wrong")
+	_, err = wrong.Models.List(ctx)
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != 401 {
+		t.Fatalf("bad key: %v", err)
+	}
+	_, err = c.Completions.New(ctx, openai.CompletionNewParams{Model: "small",
+		Prompt: openai.CompletionNewParamsPromptUnion{OfArrayOfTokens: make([]int64, 5000)}})
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 || !strings.Contains(apiErr.Message, "5000 tokens") {
+		t.Fatalf("prompt longer than the context: %v", err)
+	}
+}
+
+func TestClientDisconnectFreesSequence(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--ctx-size", "4096")
+	ctx, cancel := context.WithCancel(context.Background())
+	c := n.client("")
+	stream := c.Completions.NewStreaming(ctx, openai.CompletionNewParams{
+		Model: "small", Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("Once upon a time")},
+		MaxTokens: openai.Int(3000),
+	})
+	for range 3 {
+		if !stream.Next() {
+			t.Fatalf("stream ended: %v", stream.Err())
+		}
+	}
+	if got := n.metric(t, "vllm:num_requests_running"); got != "1" {
+		t.Fatalf("running while streaming: %q", got)
+	}
+	cancel()
+	stream.Close()
+	deadline := time.Now().Add(time.Second)
+	for n.metric(t, "vllm:num_requests_running") != "0" {
+		if time.Now().After(deadline) {
+			t.Fatalf("sequence still running a second after the client left")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestSIGTERMDrains(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--drain-timeout", "20s")
+	result := make(chan error, 1)
+	c := n.client("")
+	go func() {
+		comp, err := c.Completions.New(context.Background(), openai.CompletionNewParams{
+			Model: "small", Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("In a hole")},
+			MaxTokens: openai.Int(200), Temperature: openai.Float(0),
+		})
+		if err == nil && comp.Usage.CompletionTokens == 0 {
+			err = fmt.Errorf("empty completion")
+		}
+		result <- err
+	}()
+	for n.metric(t, "vllm:num_requests_running") != "1" {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := n.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-result; err != nil {
+		t.Fatalf("in-flight request during drain: %v", err)
+	}
+	select {
+	case err := <-n.done:
+		if err != nil {
+			t.Fatalf("exit: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("did not exit after draining")
+	}
+}
+
+func TestServeStories260K(t *testing.T) {
+	if _, err := os.Stat(storiesGGUF); err != nil {
+		t.Skipf("skipping: %s not present", storiesGGUF)
+	}
+	n := startNode(t, "--model", storiesGGUF, "--ctx-size", "2048")
+	c := n.client("")
+	comp, err := c.Completions.New(context.Background(), openai.CompletionNewParams{
+		Model: "stories260K", Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("Once upon a time")},
+		MaxTokens: openai.Int(40), Temperature: openai.Float(0),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := comp.Choices[0].Text
+	t.Logf("Once upon a time%s", text)
+	if !strings.Contains(text, " the ") && !strings.Contains(text, " a ") {
+		t.Fatalf("not English: %q", text)
+	}
+	chat, err := c.Chat.Completions.New(context.Background(), openai.ChatCompletionNewParams{
+		Model: "stories260K", Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("Tell me a story.")},
+		MaxTokens: openai.Int(10),
+	})
+	if err != nil || chat.Usage.CompletionTokens == 0 {
+		t.Fatalf("chat on a model without a template (ChatML fallback): %v", err)
+	}
+}

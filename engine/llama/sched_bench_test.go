@@ -1,0 +1,267 @@
+package llama
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/models"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// tokenTimes runs one request and returns the arrival time of each token event.
+func tokenTimes(s *scheduler.Scheduler, r *scheduler.Request) ([]time.Time, scheduler.Usage, error) {
+	st, err := s.Submit(context.Background(), r)
+	if err != nil {
+		return nil, scheduler.Usage{}, err
+	}
+	var ts []time.Time
+	var u scheduler.Usage
+	for {
+		ev, ok := st.Next(context.Background())
+		if !ok {
+			return ts, u, nil
+		}
+		switch ev.Kind {
+		case scheduler.EventToken:
+			ts = append(ts, time.Now())
+		case scheduler.EventDone:
+			u = ev.Usage
+		case scheduler.EventError:
+			return ts, u, ev.Err
+		}
+	}
+}
+
+// BenchmarkSchedulerDecode compares the scheduler's steady-state decode throughput
+// with the raw engine ceiling at the same batch sizes, side by side in one run: n
+// requests with 128-token prompts generate 32 tokens each; throughput counts the
+// tokens produced after the last request's first token (all n decoding together).
+func BenchmarkSchedulerDecode(b *testing.B) {
+	path := genModel(b, models.Bench100M())
+	for _, threads := range []int{1, 2} {
+		for _, unified := range []bool{true, false} {
+			benchSchedulerDecode(b, path, threads, unified)
+		}
+	}
+}
+
+func benchSchedulerDecode(b *testing.B, path string, threads int, unified bool) {
+	{
+		e := openBench(b, path, threads, unified, 64, 256)
+		for _, n := range []int{1, 8, 32, 64} {
+			b.Run(fmt.Sprintf("model=100m/threads=%d/unified=%v/batch=%d/engine=raw", threads, unified, n), func(b *testing.B) {
+				var total time.Duration
+				for b.Loop() {
+					b.StopTimer()
+					prefill(b, e, n, benchPrompt)
+					b.StartTimer()
+					total += decodeSteps(b, e, n, benchPrompt, benchSteps)
+				}
+				b.ReportMetric(float64(n*benchSteps*b.N)/total.Seconds(), "tok/s")
+			})
+			b.Run(fmt.Sprintf("model=100m/threads=%d/unified=%v/batch=%d/engine=scheduler", threads, unified, n), func(b *testing.B) {
+				e.ClearMemory()
+				s := startSched(b, e, func(c *scheduler.Config) { c.MaxRunning = 64; c.MaxBatchTokens = 2048; c.KV.Caching = false })
+				var tokens int
+				var window time.Duration
+				for b.Loop() {
+					times := make([][]time.Time, n)
+					var wg sync.WaitGroup
+					for i := range n {
+						p := make([]engine.Token, benchPrompt)
+						for j := range p {
+							p[j] = engine.Token(10 + (i*131+j*7+b.N)%16000)
+						}
+						wg.Go(func() {
+							ts, _, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: benchSteps + 1, IgnoreEOS: true})
+							if err != nil {
+								b.Error(err)
+							}
+							times[i] = ts
+						})
+					}
+					wg.Wait()
+					var start, end time.Time
+					for _, ts := range times {
+						if ts[0].After(start) {
+							start = ts[0]
+						}
+						if ts[len(ts)-1].After(end) {
+							end = ts[len(ts)-1]
+						}
+					}
+					for _, ts := range times {
+						for _, x := range ts {
+							if x.After(start) {
+								tokens++
+							}
+						}
+					}
+					window += end.Sub(start)
+				}
+				b.ReportMetric(float64(tokens)/window.Seconds(), "tok/s")
+			})
+		}
+	}
+}
+
+// BenchmarkSchedulerSharedPrefix: 32 groups × 4 requests, each a 1,024-token group
+// prefix plus a 32-token question, 64 output tokens, 16 in flight, in random order;
+// prefix caching on and off, unified and split pools.
+func BenchmarkSchedulerSharedPrefix(b *testing.B) {
+	const (
+		groups, perGroup, prefixLen, questionLen, outLen, conc = 32, 4, 1024, 32, 64, 16
+	)
+	path := genModel(b, models.Bench100M())
+	rng := rand.New(rand.NewPCG(1, 2))
+	var prompts [][]engine.Token
+	prefixes := make([][]engine.Token, groups)
+	for g := range prefixes {
+		for range prefixLen {
+			prefixes[g] = append(prefixes[g], engine.Token(10+rng.IntN(16000)))
+		}
+	}
+	for g := range groups {
+		for range perGroup {
+			p := slices.Clone(prefixes[g])
+			for range questionLen {
+				p = append(p, engine.Token(10+rng.IntN(16000)))
+			}
+			prompts = append(prompts, p)
+		}
+	}
+	rng.Shuffle(len(prompts), func(i, j int) { prompts[i], prompts[j] = prompts[j], prompts[i] })
+	for _, unified := range []bool{true, false} {
+		perSeq := prefixLen + questionLen + outLen + 32
+		seqs := conc + groups + 8 // running + one holder per group
+		var e *Engine
+		if unified {
+			e = openBench(b, path, 2, true, seqs, perSeq)
+		} else {
+			e = openBench(b, path, 2, false, seqs, (perSeq+255)/256*256)
+		}
+		for _, caching := range []bool{false, true} {
+			b.Run(fmt.Sprintf("model=100m/unified=%v/caching=%v", unified, caching), func(b *testing.B) {
+				var ttftHit, ttftMiss []float64
+				var outTokens, cached, promptTokens int
+				var wall time.Duration
+				for b.Loop() {
+					e.ClearMemory()
+					s := startSched(b, e, func(c *scheduler.Config) { c.MaxRunning = conc; c.MaxBatchTokens = 512; c.KV.Caching = caching })
+					work := make(chan []engine.Token)
+					var mu sync.Mutex
+					var wg sync.WaitGroup
+					start := time.Now()
+					for range conc {
+						wg.Go(func() {
+							for p := range work {
+								t0 := time.Now()
+								ts, u, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: outLen, IgnoreEOS: true})
+								if err != nil {
+									b.Error(err)
+									return
+								}
+								ttft := ts[0].Sub(t0).Seconds() * 1000
+								mu.Lock()
+								if u.CachedTokens > 0 {
+									ttftHit = append(ttftHit, ttft)
+								} else {
+									ttftMiss = append(ttftMiss, ttft)
+								}
+								outTokens += len(ts)
+								cached += u.CachedTokens
+								promptTokens += u.PromptTokens
+								mu.Unlock()
+							}
+						})
+					}
+					for _, p := range prompts {
+						work <- p
+					}
+					close(work)
+					wg.Wait()
+					wall += time.Since(start)
+				}
+				b.ReportMetric(float64(outTokens)/wall.Seconds(), "out_tok/s")
+				b.ReportMetric(float64(cached)/float64(promptTokens), "hit_rate")
+				all := slices.Concat(ttftHit, ttftMiss)
+				b.ReportMetric(pct(all, 50), "ttft_p50_ms")
+				b.ReportMetric(pct(all, 99), "ttft_p99_ms")
+				if len(ttftHit) > 0 {
+					b.ReportMetric(pct(ttftHit, 50), "ttft_hit_p50_ms")
+				}
+				if len(ttftMiss) > 0 {
+					b.ReportMetric(pct(ttftMiss, 50), "ttft_miss_p50_ms")
+				}
+			})
+		}
+	}
+}
+
+func pct(xs []float64, p float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	sort.Float64s(s)
+	i := int(float64(len(s)-1) * p / 100)
+	return s[i]
+}
+
+// TestManyRequestsFlat runs 10,000 short requests through the scheduler on the
+// real engine and checks that heap and goroutines stay flat.
+func TestManyRequestsFlat(t *testing.T) {
+	if testing.Short() {
+		t.Skip("10,000 requests: skipped with -short")
+	}
+	e := openTest(t, models.Tiny(), func(c *Config) { c.ContextCells = 4096; c.MaxSeqs = 64 })
+	s := startSched(t, e, nil)
+	sample := func() (uint64, int) {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.HeapAlloc, runtime.NumGoroutine()
+	}
+	const total, conc = 10000, 8
+	var heaps []uint64
+	var gors []int
+	work := make(chan int)
+	var wg sync.WaitGroup
+	for range conc {
+		wg.Go(func() {
+			for i := range work {
+				p := tokenize(t, e, fmt.Sprintf("request %d: %s", i, testPrompts[i%len(testPrompts)]))
+				if _, _, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: 4, IgnoreEOS: true}); err != nil {
+					t.Error(err)
+				}
+			}
+		})
+	}
+	for i := range total {
+		work <- i
+		if (i+1)%2000 == 0 {
+			h, g := sample()
+			heaps, gors = append(heaps, h), append(gors, g)
+		}
+	}
+	close(work)
+	wg.Wait()
+	t.Logf("heap after each 2,000 requests: %v bytes; goroutines: %v", heaps, gors)
+	if heaps[len(heaps)-1] > heaps[0]+4<<20 {
+		t.Errorf("heap grew from %d to %d bytes", heaps[0], heaps[len(heaps)-1])
+	}
+	if gors[len(gors)-1] > gors[0]+2 {
+		t.Errorf("goroutines grew from %d to %d", gors[0], gors[len(gors)-1])
+	}
+	if l := s.Load(); l.Running != 0 || l.Waiting != 0 || l.KVBlocksUsed != 0 {
+		t.Errorf("after %d requests: %+v", total, l)
+	}
+}
