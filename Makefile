@@ -14,7 +14,7 @@ MODEL ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine run lint fmt clean
+.PHONY: all build test test-pure test-engine bench-engine bench-scheduler run lint fmt clean
 
 all: build
 
@@ -31,12 +31,18 @@ test-pure:
 	@bash scripts/test-deps.sh
 	CGO_ENABLED=1 $(GO) test -race -count=1 $(PURE_PKGS)
 
+# -p 1: llama.cpp's compute threads spin-wait; two packages decoding at once on a
+# small machine oversubscribe the cores and slow both by orders of magnitude.
 test-engine: build
-	@$(CGO_ENV); $(GO) test -count=1 -timeout 20m $(CGO_PKGS)
+	@$(CGO_ENV); $(GO) test -p 1 -count=1 -timeout 30m $(CGO_PKGS)
 
 # Raw decode/prefill ceiling of the engine (see docs/benchmarks.md).
 bench-engine: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'Benchmark(Decode|Prefill)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-engine.txt
+
+# Scheduler throughput vs. the ceiling, and the shared-prefix workload (docs/benchmarks.md).
+bench-scheduler: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 120m ./engine/llama | tee bench-scheduler.txt
 
 run: build
 	@if [ -z "$(MODEL)" ]; then \

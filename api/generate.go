@@ -21,12 +21,16 @@ import (
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
+// bodyKey holds the raw request body in the gin context, for forwarding.
+const bodyKey = "shoal.body"
+
 // decodeBody reads a JSON request body into v with OpenAI-style errors.
 func decodeBody(c *gin.Context, v any) error {
 	body, err := io.ReadAll(c.Request.Body)
 	if err != nil {
 		return err // MaxBytesError maps to 413
 	}
+	c.Set(bodyKey, body)
 	if len(body) == 0 {
 		return invalid("", "request body is empty; expected a JSON object")
 	}
@@ -204,6 +208,14 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, err)
 		return
 	}
+	forwarded, ok := s.checkHop(c)
+	if !ok {
+		return
+	}
+	if !forwarded && s.elsewhere(req.Model) {
+		s.route(c, req.Model, nil, priorityOf(req.Priority))
+		return
+	}
 	maxTokens := req.MaxTokens
 	if req.MaxCompletionTokens != nil {
 		maxTokens = req.MaxCompletionTokens
@@ -255,6 +267,9 @@ func (s *Server) chat(c *gin.Context) {
 		p.top = *req.TopLogprobs
 	}
 	p.logprobs = req.Logprobs
+	if !forwarded && s.route(c, p.model, toks, p.req.Priority) {
+		return
+	}
 	s.run(c, b, &p)
 }
 
@@ -266,6 +281,14 @@ func (s *Server) completions(c *gin.Context) {
 	var req CompletionRequest
 	if err := decodeBody(c, &req); err != nil {
 		abort(c, err)
+		return
+	}
+	forwarded, ok := s.checkHop(c)
+	if !ok {
+		return
+	}
+	if !forwarded && s.elsewhere(req.Model) {
+		s.route(c, req.Model, nil, priorityOf(req.Priority))
 		return
 	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, req.MaxTokens)
@@ -329,7 +352,34 @@ func (s *Server) completions(c *gin.Context) {
 	if !req.Echo {
 		p.echo = nil
 	}
+	if !forwarded && s.route(c, p.model, p.prompts[0], p.req.Priority) {
+		return
+	}
 	s.run(c, b, &p)
+}
+
+// checkHop verifies a forwarded request's credential; ok is false when it was refused.
+func (s *Server) checkHop(c *gin.Context) (forwarded, ok bool) {
+	body, _ := c.Get(bodyKey)
+	raw, _ := body.([]byte)
+	forwarded, err := s.forwardedRequest(c, raw)
+	if err != nil {
+		abort(c, err)
+		return forwarded, false
+	}
+	return forwarded, true
+}
+
+// elsewhere reports whether model is served by another node, not this one.
+func (s *Server) elsewhere(model string) bool {
+	return s.node != nil && model != "" && model != s.cfg.ModelName
+}
+
+func priorityOf(p *int) int {
+	if p == nil {
+		return 0
+	}
+	return *p
 }
 
 // submitted is one prompt's stream and where its choices go.
@@ -361,10 +411,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	defer cancel() // a failed submit or a gone client cancels everything submitted
 	for i, toks := range p.prompts {
 		r := p.req
-		r.Prompt = toks
-		if r.MaxTokens == 0 {
-			r.MaxTokens = min(s.cfg.MaxTokensCap, maxCtx-len(toks))
-		}
+		r.Prompt = toks // MaxTokens 0: the scheduler's default, capped by the context
 		r.Sampling.Logprobs = p.logprobs
 		r.Sampling.TopLogprobs = p.top
 		st, err := b.Generator.Submit(ctx, &r)

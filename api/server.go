@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -15,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -91,6 +93,9 @@ type Server struct {
 	metrics  *metrics
 	engine   *gin.Engine
 	started  time.Time
+	node     *cluster.Node
+	fwd      *cluster.Forwarder
+	secret   []byte
 	// now and newID are replaced by golden tests for stable output.
 	now   func() time.Time
 	newID func(prefix string) string
@@ -212,6 +217,9 @@ func abort(c *gin.Context, err error) {
 
 func (s *Server) checkModel(model string) error {
 	if model != "" && model != s.cfg.ModelName {
+		if s.node != nil && slices.Contains(s.node.Models(), model) {
+			return nil // served elsewhere in the cluster: routed by the caller
+		}
 		return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
 			Message: fmt.Sprintf("the model %q does not exist; this server serves %q", model, s.cfg.ModelName)}
 	}
@@ -224,9 +232,17 @@ func (s *Server) models(c *gin.Context) {
 	if b != nil {
 		maxLen = b.Generator.MaxContext()
 	}
-	c.JSON(http.StatusOK, ModelList{Object: "list", Data: []Model{{
+	list := ModelList{Object: "list", Data: []Model{{
 		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: maxLen,
-	}}})
+	}}}
+	if s.node != nil {
+		for _, m := range s.node.Models() {
+			if m != s.cfg.ModelName {
+				list.Data = append(list.Data, Model{ID: m, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal"})
+			}
+		}
+	}
+	c.JSON(http.StatusOK, list)
 }
 
 func (s *Server) embeddings(c *gin.Context) {

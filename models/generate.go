@@ -145,11 +145,13 @@ func Generate(path string, spec Spec) (err error) {
 		"tokenizer.ggml.scores":                  scores,
 		"tokenizer.ggml.token_type":              types,
 		"tokenizer.ggml.bos_token_id":            uint32(TokenBOS),
-		"tokenizer.ggml.eos_token_id":            uint32(TokenEOS),
-		"tokenizer.ggml.unknown_token_id":        uint32(TokenUnknown),
-		"tokenizer.ggml.add_bos_token":           true,
-		"tokenizer.ggml.add_eos_token":           false,
-		"tokenizer.chat_template":                ChatTemplate,
+		// ChatML ends a turn with <|im_end|>: making it EOS makes it the model's one
+		// end-of-generation token, as llama.cpp expects.
+		"tokenizer.ggml.eos_token_id":     uint32(TokenIMEnd),
+		"tokenizer.ggml.unknown_token_id": uint32(TokenUnknown),
+		"tokenizer.ggml.add_bos_token":    true,
+		"tokenizer.ggml.add_eos_token":    false,
+		"tokenizer.chat_template":         ChatTemplate,
 	}
 
 	e, v, ff := uint64(spec.Embd), uint64(spec.Vocab), uint64(spec.FFN)

@@ -23,6 +23,7 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"serve", "serve a GGUF model with an OpenAI-compatible HTTP API", runServe},
+		{"status", "print the cluster's nodes, their load and cache as a table", runStatus},
 		{"bench", "load-test an OpenAI-compatible endpoint (random or shared-prefix prompts)", runBench},
 		{"version", "print shoal's version, the llama.cpp commit and the CPU features of its kernels", runVersion},
 		{"gen-model", "write a generated llama-architecture test model (random weights) to a GGUF file", runGenModel},

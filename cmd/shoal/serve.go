@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/shoal-ai/shoal/api"
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine/llama"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -86,12 +87,18 @@ type serveFlags struct {
 	maxBody                                                               int64
 	drainTimeout                                                          time.Duration
 	apiKeys                                                               listFlag
+	cluster                                                               *clusterFlags
 }
 
 func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs := newFlags("serve", stdout)
 	f := &serveFlags{}
 	lc := llama.DefaultConfig("")
+	setFlags := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
+	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
+		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
+	}
 	sc := scheduler.DefaultConfig()
 	ac := api.DefaultConfig()
 	fs.StringVar(&f.model, "model", "", "path to a GGUF model file (required)")
@@ -122,6 +129,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
 	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/* and /tokenize (repeatable; also SHOAL_API_KEYS=a,b)")
+	f.cluster = addClusterFlags(fs)
 	return fs, f
 }
 
@@ -163,6 +171,11 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if name == "" {
 		name = strings.TrimSuffix(filepath.Base(f.model), ".gguf")
 	}
+	setFlags := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
+	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
+		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
+	}
 	sc := scheduler.DefaultConfig()
 	sc.MaxBatchTokens, sc.MaxRunning, sc.MaxWaiting, sc.DefaultMaxTokens = f.maxBatchTokens, f.maxRunning, f.maxWaiting, f.defaultMaxTokens
 	sc.KV.BlockTokens, sc.KV.Caching, sc.KV.Seed, sc.KV.Model = f.blockTokens, f.caching, f.hashSeed, name
@@ -181,13 +194,23 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	serverTLS, clientTLS, err := f.cluster.tlsConfigs()
+	if err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", f.addr)
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, TLSConfig: serverTLS}
 	httpDone := make(chan error, 1)
-	go func() { httpDone <- hs.Serve(ln) }()
+	go func() {
+		if serverTLS != nil {
+			httpDone <- hs.ServeTLS(ln, "", "")
+		} else {
+			httpDone <- hs.Serve(ln)
+		}
+	}()
 	log.Info("listening", "addr", ln.Addr().String(), "model", name)
 
 	sigs := make(chan os.Signal, 1)
@@ -235,8 +258,24 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	schedCtx, stopSched := context.WithCancel(context.Background())
 	schedDone := make(chan struct{})
 	go func() { defer close(schedDone); sched.Run(schedCtx) }()
+	var node *cluster.Node
+	if f.cluster.gossip != "" {
+		var secret []byte
+		node, secret, err = startCluster(f.cluster, ln.Addr().String(), name, sc, sched, serverTLS != nil, log)
+		if err != nil {
+			stopSched()
+			<-schedDone
+			hs.Close()
+			return err
+		}
+		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
+	}
 	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, KVType: f.kvType})
-	log.Info("ready", "url", "http://"+ln.Addr().String()+"/v1")
+	scheme := "http"
+	if serverTLS != nil {
+		scheme = "https"
+	}
+	log.Info("ready", "url", scheme+"://"+ln.Addr().String()+"/v1")
 
 	select {
 	case sig := <-sigs:
@@ -245,6 +284,11 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		stopSched()
 		<-schedDone
 		return fmt.Errorf("http server: %w", err)
+	}
+	if node != nil {
+		if err := node.SetDraining(true); err != nil {
+			log.Warn("announce draining", "err", err)
+		}
 	}
 	srv.Drain()
 	deadline := time.Now().Add(f.drainTimeout)
@@ -256,6 +300,11 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	stopSched() // cancels whatever is still running
 	<-schedDone
+	if node != nil {
+		if err := node.Leave(5 * time.Second); err != nil {
+			log.Warn("leave cluster", "err", err)
+		}
+	}
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := hs.Shutdown(shutdownCtx); err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -112,6 +113,12 @@ func startNode(t *testing.T, args ...string) *node {
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for {
+		select {
+		case err := <-n.done:
+			n.done <- err // for the cleanup
+			t.Fatalf("node exited before it was ready: %v", err)
+		default:
+		}
 		resp, err := http.Get(n.url + "/ready")
 		if err == nil {
 			resp.Body.Close()
@@ -328,5 +335,74 @@ func TestServeStories260K(t *testing.T) {
 	})
 	if err != nil || chat.Usage.CompletionTokens == 0 {
 		t.Fatalf("chat on a model without a template (ChatML fallback): %v", err)
+	}
+}
+
+func TestStructuredOutputAndLogprobs(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t))
+	c := n.client("")
+	ctx := context.Background()
+	schema := map[string]any{
+		"type":       "object",
+		"properties": map[string]any{"ok": map[string]any{"type": "boolean"}},
+		"required":   []string{"ok"},
+	}
+	chat, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model:     "small",
+		Messages:  []openai.ChatCompletionMessageParamUnion{openai.UserMessage("Is it ok?")},
+		MaxTokens: openai.Int(40),
+		Seed:      openai.Int(3),
+		ResponseFormat: openai.ChatCompletionNewParamsResponseFormatUnion{OfJSONSchema: &openai.ResponseFormatJSONSchemaParam{
+			JSONSchema: openai.ResponseFormatJSONSchemaJSONSchemaParam{Name: "answer", Schema: schema}}},
+		Logprobs:    openai.Bool(true),
+		TopLogprobs: openai.Int(3),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got struct {
+		OK *bool `json:"ok"`
+	}
+	text := chat.Choices[0].Message.Content
+	if err := json.Unmarshal([]byte(text), &got); err != nil || got.OK == nil {
+		t.Fatalf("json_schema output %q: %v", text, err)
+	}
+	lp := chat.Choices[0].Logprobs.Content
+	if len(lp) != int(chat.Usage.CompletionTokens) && len(lp) != int(chat.Usage.CompletionTokens)-1 {
+		t.Fatalf("%d logprob entries for %d tokens", len(lp), chat.Usage.CompletionTokens)
+	}
+	if len(lp) == 0 || len(lp[0].TopLogprobs) != 3 || lp[0].Logprob > 0 {
+		t.Fatalf("logprobs %+v", lp)
+	}
+}
+
+func TestBenchAgainstNode(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--ctx-size", "8192")
+	for _, args := range [][]string{
+		{"--dataset", "random", "--num-prompts", "12", "--input-len", "40", "--output-len", "6", "--concurrency", "4"},
+		{"--dataset", "shared-prefix", "--groups", "2", "--prompts-per-group", "6", "--prefix-len", "64", "--question-len", "8",
+			"--output-len", "4", "--rate", "50", "--zipf", "1.1"},
+	} {
+		out := filepath.Join(t.TempDir(), "r.json")
+		var stdout, stderr strings.Builder
+		code := run(append([]string{"bench", "--url", n.url + "/v1", "--json", out}, args...), &stdout, &stderr)
+		if code != 0 {
+			t.Fatalf("bench %v: exit %d: %s", args, code, stderr.String())
+		}
+		b, err := os.ReadFile(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r BenchResult
+		if err := json.Unmarshal(b, &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Completed != 12 || r.Errors != 0 || r.OutputTokensPerS <= 0 || r.TTFTms.P50 <= 0 || r.E2Ems.P99 < r.E2Ems.P50 {
+			t.Fatalf("bench %v: %+v", args, r)
+		}
+		if args[1] == "shared-prefix" && r.CachedShare == 0 {
+			t.Fatalf("shared-prefix run reported no cached tokens: %+v", r)
+		}
+		t.Logf("%s", stdout.String())
 	}
 }

@@ -1,0 +1,117 @@
+package api
+
+import (
+	"errors"
+	"net/http"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/cluster"
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// maxForwardTries is the first choice plus two retries on the next best peers.
+const maxForwardTries = 3
+
+// SetCluster joins the server to a cluster: requests are routed with node's policy
+// and forwarded at most one hop with fwd; secret authenticates forwarded requests.
+func (s *Server) SetCluster(node *cluster.Node, fwd *cluster.Forwarder, secret []byte) {
+	s.node, s.fwd, s.secret = node, fwd, secret
+	s.engine.GET("/cluster", s.clusterInfo)
+}
+
+func (s *Server) clusterInfo(c *gin.Context) {
+	if s.node == nil {
+		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Message: "this node is not in a cluster"})
+		return
+	}
+	c.JSON(http.StatusOK, gin.H{"self": s.node.Name(), "members": s.node.Members()})
+}
+
+// forwardedRequest checks the hop credential of a request whose body is read. A
+// claim to be forwarded that does not authenticate is rejected (401).
+func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
+	if c.GetHeader(cluster.HeaderHop) == "" {
+		return false, nil
+	}
+	fwd, err := cluster.Verify(s.secret, c.Request, body, time.Now())
+	if err != nil {
+		return fwd, &Error{Status: http.StatusUnauthorized, Type: "authentication_error", Code: "invalid_cluster_credential", Message: err.Error()}
+	}
+	return fwd, nil
+}
+
+// route sends a request elsewhere when the router prefers another node. It returns
+// true when the request was answered (forwarded, or refused with 429), false when it
+// should be served here. tokens may be nil (model served only elsewhere).
+func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int) bool {
+	if s.node == nil {
+		return false
+	}
+	var t32 []int32
+	if tokens != nil {
+		t32 = make([]int32, len(tokens))
+		for i, t := range tokens {
+			t32[i] = int32(t)
+		}
+	}
+	targets, err := s.node.Route(model, t32, priority)
+	switch {
+	case errors.Is(err, cluster.ErrSaturated):
+		s.metrics.rejected(errSaturatedMarker)
+		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
+			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
+		return true
+	case errors.Is(err, cluster.ErrNoNode):
+		if tokens == nil {
+			abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
+				Message: "no node of this cluster serves the model " + model})
+			return true
+		}
+		return false
+	case err != nil:
+		abort(c, err)
+		return true
+	}
+	body, _ := c.Get(bodyKey)
+	raw, _ := body.([]byte)
+	var lastErr error
+	for i, t := range targets {
+		if i == maxForwardTries {
+			break
+		}
+		if t.Local {
+			return false
+		}
+		done := s.node.Sent(t.Name)
+		err := s.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
+		done()
+		var re *cluster.RetryableError
+		if errors.As(err, &re) {
+			s.log.Warn("forward failed; trying the next node", "peer", t.Name, "err", err)
+			lastErr = err
+			continue
+		}
+		if err != nil {
+			s.log.Warn("forward ended with an error", "peer", t.Name, "err", err)
+		}
+		c.Abort()
+		return true
+	}
+	if tokens != nil {
+		return false // no peer answered: serve here if this node can
+	}
+	abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peers_unavailable", Message: "no peer serving the model answered: " + errString(lastErr)})
+	return true
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "no candidates"
+	}
+	return err.Error()
+}
+
+// errSaturatedMarker labels cluster-wide 429s in shoal_requests_rejected_total.
+var errSaturatedMarker = errors.New("cluster saturated")

@@ -1,0 +1,359 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ai/shoal/kvcache"
+)
+
+type fakeLocal struct {
+	mu  sync.Mutex
+	l   Load
+	sum *kvcache.Summary
+}
+
+func (f *fakeLocal) Load() Load {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.l
+}
+
+func (f *fakeLocal) Summary() *kvcache.Summary {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.sum
+}
+
+func (f *fakeLocal) set(l Load, hs []kvcache.Hash, gen uint64) {
+	f.mu.Lock()
+	f.l = l
+	f.sum = &kvcache.Summary{Generation: gen, Hashes: hs}
+	f.mu.Unlock()
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+func startTestNode(t *testing.T, name string, key []byte, join []string, local *fakeLocal) *Node {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Name, cfg.Bind = name, freePort(t)
+	cfg.Join, cfg.GossipKey, cfg.Secret = join, key, []byte("s")
+	cfg.Meta = Meta{HTTP: "127.0.0.1:1", Models: []string{"m"}, Capacity: 8}
+	cfg.LoadInterval, cfg.ProbeInterval, cfg.ProbeTimeout = 50*time.Millisecond, 100*time.Millisecond, 50*time.Millisecond
+	n, err := New(cfg, local, quiet())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Leave(time.Second) })
+	return n
+}
+
+func eventually(t *testing.T, what string, f func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !f() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func member(n *Node, name string) (Member, bool) {
+	for _, m := range n.Members() {
+		if m.Name == name {
+			return m, true
+		}
+	}
+	return Member{}, false
+}
+
+func TestGossipMembershipLoadAndSummaries(t *testing.T) {
+	key := []byte("0123456789abcdef")
+	la, lb, lc := &fakeLocal{}, &fakeLocal{}, &fakeLocal{}
+	la.set(Load{Waiting: 1, PrefillTPS: 500}, []kvcache.Hash{1, 2, 3}, 1)
+	a := startTestNode(t, "a", key, nil, la)
+	b := startTestNode(t, "b", key, []string{a.GossipAddr()}, lb)
+	c := startTestNode(t, "c", key, []string{b.GossipAddr()}, lc)
+	eventually(t, "three alive members everywhere", func() bool {
+		for _, n := range []*Node{a, b, c} {
+			alive := 0
+			for _, m := range n.Members() {
+				if m.State == "alive" {
+					alive++
+				}
+			}
+			if alive != 3 {
+				return false
+			}
+		}
+		return true
+	})
+	eventually(t, "a's load and summary at c", func() bool {
+		m, ok := member(c, "a")
+		return ok && m.Load.Waiting == 1 && m.SummaryBlocks == 3 && m.UpdatedAgoMS >= 0
+	})
+	// Summaries grow by deltas.
+	la.set(Load{Waiting: 4, PrefillTPS: 500}, []kvcache.Hash{1, 2, 3, 4, 5}, 2)
+	eventually(t, "delta at b", func() bool { m, _ := member(b, "a"); return m.SummaryBlocks == 5 && m.Load.Waiting == 4 })
+	// Draining is metadata: peers see it.
+	if err := b.SetDraining(true); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "b draining at a", func() bool { m, _ := member(a, "b"); return m.Draining })
+	// Leaving shows as left.
+	c.Leave(time.Second)
+	eventually(t, "c left at a", func() bool { m, _ := member(a, "c"); return m.State == "left" })
+}
+
+func TestWrongGossipKeyNeverJoins(t *testing.T) {
+	a := startTestNode(t, "a", []byte("0123456789abcdef"), nil, &fakeLocal{})
+	cfg := DefaultConfig()
+	cfg.Name, cfg.Bind, cfg.Join = "intruder", freePort(t), []string{a.GossipAddr()}
+	cfg.GossipKey, cfg.Secret = []byte("fedcba9876543210"), []byte("s")
+	cfg.Meta = Meta{HTTP: "127.0.0.1:1", Models: []string{"m"}}
+	n, err := New(cfg, &fakeLocal{}, quiet())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Start(); err == nil {
+		n.Leave(time.Second)
+		t.Fatal("a node with the wrong key joined")
+	}
+	time.Sleep(200 * time.Millisecond)
+	if _, ok := member(a, "intruder"); ok {
+		t.Fatal("a lists the intruder")
+	}
+}
+
+// routerWith builds a node (not started) with the given peers for routing tests.
+func routerWith(t *testing.T, policy Policy, peers ...*peer) *Node {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Name, cfg.Bind, cfg.Secret, cfg.Policy = "self", "127.0.0.1:1", []byte("s"), policy
+	cfg.Meta = Meta{HTTP: "self:1", Models: []string{"m"}, Capacity: 8}
+	cfg.BlockTokens = 4
+	n, err := New(cfg, &fakeLocal{}, quiet())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range peers {
+		if p.meta.HTTP == "" {
+			p.meta = Meta{HTTP: p.name + ":1", Models: []string{"m"}, Capacity: 8}
+		}
+		p.metaOK, p.state = true, "alive"
+		n.peers[p.name] = p
+	}
+	return n
+}
+
+func summaryOf(tokens []int32, blocks int) map[kvcache.Hash]struct{} {
+	hs := kvcache.NewHasher(0, "m").Chain(tokens, 4)
+	out := map[kvcache.Hash]struct{}{}
+	for _, h := range hs[:blocks] {
+		out[h] = struct{}{}
+	}
+	return out
+}
+
+func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
+	prompt := make([]int32, 400)
+	for i := range prompt {
+		prompt[i] = int32(i)
+	}
+	warm := &peer{name: "self", load: Load{PrefillTPS: 1000}, summary: summaryOf(prompt, 99)}
+	cold := &peer{name: "cold", load: Load{PrefillTPS: 1000}}
+	n := routerWith(t, PrefixAware, warm, cold)
+	// Self has no liveness entry from memberlist; routing treats it as alive.
+	ts, err := n.Route("m", prompt, 0)
+	if err != nil || ts[0].Name != "self" || ts[0].Cached != 396 || !ts[0].Local {
+		t.Fatalf("warm node not preferred: %+v %v", ts, err)
+	}
+	// A long queue on the warm node outweighs the 396 cached tokens (~0.4s of prefill).
+	warm.load.QueueWaitMS = 2000
+	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "cold" {
+		t.Fatalf("hot spot: the queue should send the request to the cold node: %+v", ts)
+	}
+	// prefix-only ignores the queue (the ablation).
+	n.cfg.Policy = PrefixOnly
+	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "self" {
+		t.Fatalf("prefix-only: %+v", ts)
+	}
+}
+
+func TestRouterFiltersAndSaturation(t *testing.T) {
+	other := &peer{name: "other", meta: Meta{HTTP: "o:1", Models: []string{"x"}, Capacity: 8}}
+	draining := &peer{name: "drain", meta: Meta{HTTP: "d:1", Models: []string{"m"}, Capacity: 8, Draining: true}}
+	full := &peer{name: "self", load: Load{Waiting: 10, MaxWaiting: 10}}
+	n := routerWith(t, LeastLoaded, other, draining, full)
+	if _, err := n.Route("m", nil, 0); err != ErrSaturated {
+		t.Fatalf("all saturated: %v", err)
+	}
+	if ts, err := n.Route("m", nil, 5); err != nil || ts[0].Name != "self" {
+		t.Fatalf("priority request should still be admitted: %+v %v", ts, err)
+	}
+	if _, err := n.Route("nope", nil, 0); err != ErrNoNode {
+		t.Fatalf("unknown model: %v", err)
+	}
+}
+
+func TestRoundRobinAndInflight(t *testing.T) {
+	n := routerWith(t, RoundRobin, &peer{name: "self"}, &peer{name: "b"}, &peer{name: "c"})
+	seen := map[string]int{}
+	for range 9 {
+		ts, _ := n.Route("m", nil, 0)
+		seen[ts[0].Name]++
+	}
+	if seen["self"] != 3 || seen["b"] != 3 || seen["c"] != 3 {
+		t.Fatalf("round robin: %v", seen)
+	}
+	n.cfg.Policy = PrefixAware
+	prompt := make([]int32, 100)
+	// Requests this router just sent count against a node before gossip shows them.
+	done := n.Sent("self")
+	done2 := n.Sent("self")
+	ts, _ := n.Route("m", prompt, 0)
+	if ts[0].Name == "self" {
+		t.Fatalf("in-flight requests ignored: %+v", ts)
+	}
+	done()
+	done2()
+}
+
+func TestVerify(t *testing.T) {
+	secret := []byte("cluster-secret")
+	body := []byte(`{"prompt":"x"}`)
+	req := httptest.NewRequest("POST", "/v1/completions", bytes.NewReader(body))
+	if fwd, err := Verify(secret, req, body, time.Now()); fwd || err != nil {
+		t.Fatalf("plain request: %v %v", fwd, err)
+	}
+	ts := "1700000000"
+	req.Header.Set(HeaderHop, "1")
+	req.Header.Set(HeaderFrom, "a")
+	req.Header.Set(HeaderTime, ts)
+	req.Header.Set(HeaderAuth, sign(secret, "a", ts, "POST", "/v1/completions", body))
+	if _, err := Verify(secret, req, body, time.Unix(1700000030, 0)); err != nil {
+		t.Fatalf("valid credential: %v", err)
+	}
+	if _, err := Verify(secret, req, []byte(`{"prompt":"y"}`), time.Unix(1700000030, 0)); err == nil {
+		t.Fatal("tampered body accepted")
+	}
+	if _, err := Verify([]byte("other"), req, body, time.Unix(1700000030, 0)); err == nil {
+		t.Fatal("wrong secret accepted")
+	}
+	if _, err := Verify(secret, req, body, time.Unix(1700009999, 0)); err == nil {
+		t.Fatal("stale credential accepted")
+	}
+	req.Header.Del(HeaderAuth)
+	if fwd, err := Verify(secret, req, body, time.Unix(1700000030, 0)); !fwd || err == nil {
+		t.Fatal("claimed hop without credential accepted")
+	}
+}
+
+func TestForwardRetryAndMidStreamFailure(t *testing.T) {
+	secret := []byte("s")
+	var seen http.Header
+	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen = r.Header.Clone()
+		body, _ := io.ReadAll(r.Body)
+		if _, err := Verify(secret, r, body, time.Now()); err != nil {
+			http.Error(w, err.Error(), 401)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer good.Close()
+	failing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { http.Error(w, "boom", 503) }))
+	defer failing.Close()
+	dying := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		conn, _, _ := w.(http.Hijacker).Hijack()
+		conn.Close()
+	}))
+	defer dying.Close()
+	f := NewForwarder("a", secret, nil)
+	host := func(s *httptest.Server) string { return strings.TrimPrefix(s.URL, "http://") }
+	ctx := context.Background()
+	body := []byte(`{"stream":true}`)
+
+	w := httptest.NewRecorder()
+	var re *RetryableError
+	if err := f.Forward(ctx, Target{Name: "f", HTTP: host(failing)}, "POST", "/v1/completions", http.Header{}, body, w); err == nil || !asRetryable(err, &re) {
+		t.Fatalf("5xx before the first byte must be retryable: %v", err)
+	}
+	if err := f.Forward(ctx, Target{Name: "gone", HTTP: "127.0.0.1:1"}, "POST", "/v1/completions", http.Header{}, body, w); !asRetryable(err, &re) {
+		t.Fatalf("connect failure must be retryable: %v", err)
+	}
+	w = httptest.NewRecorder()
+	if err := f.Forward(ctx, Target{Name: "g", HTTP: host(good)}, "POST", "/v1/completions", http.Header{}, body, w); err != nil {
+		t.Fatal(err)
+	}
+	if w.Body.String() != "data: 1\n\ndata: [DONE]\n\n" || seen.Get(HeaderHop) != "1" {
+		t.Fatalf("relayed %q", w.Body.String())
+	}
+	w = httptest.NewRecorder()
+	err := f.Forward(ctx, Target{Name: "d", HTTP: host(dying)}, "POST", "/v1/completions", http.Header{}, body, w)
+	if err == nil || !strings.Contains(w.Body.String(), "peer_failed") || !strings.HasSuffix(w.Body.String(), "data: [DONE]\n\n") {
+		t.Fatalf("mid-stream death: %v %q", err, w.Body.String())
+	}
+}
+
+func asRetryable(err error, re **RetryableError) bool {
+	r, ok := err.(*RetryableError)
+	*re = r
+	return ok
+}
+
+func FuzzDecoders(f *testing.F) {
+	f.Add(encodeLoad("node-a", Load{Waiting: 3, PrefillTPS: 10}))
+	f.Add(encodePrefix("n", 7, []kvcache.Hash{1, 2}))
+	f.Add(encodeState("n", 7, []kvcache.Hash{1}))
+	m, _ := encodeMeta(Meta{HTTP: "h:1", Models: []string{"a"}})
+	f.Add(m)
+	f.Add([]byte{1, 2, 255})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if name, l, err := decodeLoad(b); err == nil {
+			if again := encodeLoad(name, l); !bytes.Equal(again, b) && len(name) < 256 {
+				// Round trip must hold for everything accepted (counts are clamped).
+				_, l2, err := decodeLoad(again)
+				if err != nil || l2 != l {
+					t.Fatalf("load round trip: %+v vs %+v", l, l2)
+				}
+			}
+		}
+		decodePrefix(b)
+		decodeState(b)
+		decodeMeta(b)
+		d := &delegate{n: &Node{cfg: Config{Name: "self"}, peers: map[string]*peer{"n": {name: "n"}, "node-a": {name: "node-a"}}}}
+		d.NotifyMsg(b)
+		d.MergeRemoteState(b, false)
+	})
+}

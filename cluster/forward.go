@@ -1,0 +1,160 @@
+package cluster
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Headers of a forwarded request. A request carrying HeaderHop was forwarded by a
+// peer: it must carry a valid credential and is never forwarded again.
+const (
+	HeaderHop  = "X-Shoal-Hop"
+	HeaderFrom = "X-Shoal-From"
+	HeaderTime = "X-Shoal-Time"
+	HeaderAuth = "X-Shoal-Auth"
+	// maxSkew bounds the clock difference a credential tolerates (replay window).
+	maxSkew = 2 * time.Minute
+)
+
+// ErrBadCredential: a request claimed to be forwarded without a valid credential.
+var ErrBadCredential = errors.New("cluster: forwarded request without a valid cluster credential")
+
+func sign(secret []byte, from, ts, method, path string, body []byte) string {
+	bh := sha256.Sum256(body)
+	m := hmac.New(sha256.New, secret)
+	fmt.Fprintf(m, "%s\n%s\n%s\n%s\n%x", from, ts, method, path, bh)
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// Verify reports whether r (with its body already read) is a forwarded request, and
+// rejects a claim to be one that does not authenticate.
+func Verify(secret []byte, r *http.Request, body []byte, now time.Time) (forwarded bool, err error) {
+	if r.Header.Get(HeaderHop) == "" {
+		return false, nil
+	}
+	ts := r.Header.Get(HeaderTime)
+	sec, perr := strconv.ParseInt(ts, 10, 64)
+	if perr != nil || len(secret) == 0 {
+		return true, ErrBadCredential
+	}
+	if d := now.Sub(time.Unix(sec, 0)); d > maxSkew || d < -maxSkew {
+		return true, fmt.Errorf("%w: timestamp %s is outside the accepted window", ErrBadCredential, ts)
+	}
+	want := sign(secret, r.Header.Get(HeaderFrom), ts, r.Method, r.URL.Path, body)
+	if !hmac.Equal([]byte(want), []byte(r.Header.Get(HeaderAuth))) {
+		return true, ErrBadCredential
+	}
+	return true, nil
+}
+
+// Forwarder relays requests to peers.
+type Forwarder struct {
+	from   string
+	secret []byte
+	client *http.Client
+}
+
+// NewForwarder makes a forwarder for node from; tlsConf (may be nil) is used for
+// peers that serve TLS.
+func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
+	tr := &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConnsPerHost:   64,
+		IdleConnTimeout:       90 * time.Second,
+		TLSClientConfig:       tlsConf,
+		ResponseHeaderTimeout: 10 * time.Minute, // a long prefill may precede the first byte
+	}
+	return &Forwarder{from: from, secret: secret, client: &http.Client{Transport: tr}}
+}
+
+// RetryableError means nothing reached the client: the caller may try the next peer.
+type RetryableError struct{ Err error }
+
+func (e *RetryableError) Error() string { return e.Err.Error() }
+func (e *RetryableError) Unwrap() error { return e.Err }
+
+// Forward sends body to target's path and relays the answer to w as it comes (SSE
+// chunks pass through one by one). It fails with a RetryableError when the peer could
+// not be reached or answered 5xx before anything was written to w. A peer that dies
+// mid-stream ends an SSE response with an error event. Cancelling ctx (the client
+// left) cancels the upstream request.
+func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, header http.Header, body []byte, w http.ResponseWriter) error {
+	scheme := "http"
+	if t.TLS {
+		scheme = "https"
+	}
+	req, err := http.NewRequestWithContext(ctx, method, scheme+"://"+t.HTTP+path, strings.NewReader(string(body)))
+	if err != nil {
+		return err
+	}
+	for _, h := range []string{"Content-Type", "Accept", "Authorization"} {
+		if v := header.Get(h); v != "" {
+			req.Header.Set(h, v)
+		}
+	}
+	ts := strconv.FormatInt(time.Now().Unix(), 10)
+	req.Header.Set(HeaderHop, "1")
+	req.Header.Set(HeaderFrom, f.from)
+	req.Header.Set(HeaderTime, ts)
+	req.Header.Set(HeaderAuth, sign(f.secret, f.from, ts, method, path, body))
+	resp, err := f.client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return &RetryableError{fmt.Errorf("forward to %s: %w", t.Name, err)}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 500 {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return &RetryableError{fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b)))}
+	}
+	for _, h := range []string{"Content-Type", "Cache-Control", "Retry-After", "X-Accel-Buffering"} {
+		if v := resp.Header.Get(h); v != "" {
+			w.Header().Set(h, v)
+		}
+	}
+	w.Header().Set("X-Shoal-Served-By", t.Name)
+	w.WriteHeader(resp.StatusCode)
+	flusher, _ := w.(http.Flusher)
+	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := resp.Body.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return nil // the client left; ctx cancels upstream
+			}
+			if flusher != nil {
+				flusher.Flush()
+			}
+		}
+		if rerr == io.EOF {
+			return nil
+		}
+		if rerr != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if sse {
+				msg := fmt.Sprintf(`data: {"error":{"message":"peer %s failed mid-stream","type":"server_error","param":null,"code":"peer_failed"}}`+"\n\ndata: [DONE]\n\n", t.Name)
+				_, _ = io.WriteString(w, msg)
+				if flusher != nil {
+					flusher.Flush()
+				}
+			}
+			return fmt.Errorf("forward to %s: mid-stream: %w", t.Name, rerr)
+		}
+	}
+}

@@ -1,0 +1,566 @@
+package cluster
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+
+	"github.com/shoal-ai/shoal/kvcache"
+)
+
+// Defaults for a LAN cluster.
+const (
+	// DefaultLoadInterval: load goes out a few times a second, so routing decisions
+	// see queues that are at most a few hundred milliseconds old.
+	DefaultLoadInterval = 250 * time.Millisecond
+	// DefaultHopCost is the estimated cost of forwarding a request to a peer.
+	DefaultHopCost = 2 * time.Millisecond
+	// DefaultPushPull exchanges full prefix summaries this often (memberlist's LAN
+	// default is 30s; summaries change faster than membership).
+	DefaultPushPull = 5 * time.Second
+	// prefixChunk hashes per delta message keeps each under ~1 KB (UDP-safe).
+	prefixChunk = 120
+)
+
+// Config configures a Node. Only cmd fills it.
+type Config struct {
+	Name      string   // unique node name; default: the advertised gossip address
+	Bind      string   // gossip listen host:port
+	Advertise string   // gossip host:port others reach (default: Bind)
+	Join      []string // gossip addresses of nodes to join
+	// GossipKey encrypts gossip (16, 24 or 32 bytes); a node with another key never joins.
+	GossipKey []byte
+	// Secret authenticates forwarded requests (HMAC). Required.
+	Secret []byte
+	Meta   Meta
+
+	Policy       Policy
+	LoadInterval time.Duration
+	PushPull     time.Duration
+	HopCost      time.Duration
+	// MaxQueueWait marks a node saturated when its estimated queue wait exceeds it.
+	MaxQueueWait time.Duration
+	// BlockTokens and HashSeed must equal the serving nodes' kvcache settings so that
+	// prompts hash here exactly as there.
+	BlockTokens int
+	HashSeed    uint64
+
+	// ProbeInterval, ProbeTimeout, SuspicionMult override memberlist's LAN defaults
+	// (zero keeps them); tests shorten them.
+	ProbeInterval time.Duration
+	ProbeTimeout  time.Duration
+	GossipNodes   int
+}
+
+// DefaultConfig returns the defaults: prefix-aware routing over memberlist's LAN profile.
+func DefaultConfig() Config {
+	return Config{
+		Policy: PrefixAware, LoadInterval: DefaultLoadInterval, PushPull: DefaultPushPull,
+		HopCost: DefaultHopCost, MaxQueueWait: 30 * time.Second, BlockTokens: kvcache.DefaultBlockTokens,
+	}
+}
+
+// Validate rejects unusable settings.
+func (c Config) Validate() error {
+	switch {
+	case c.Bind == "":
+		return errors.New("cluster: gossip address is empty")
+	case c.Meta.HTTP == "":
+		return errors.New("cluster: HTTP address to advertise is empty")
+	case len(c.Secret) == 0:
+		return errors.New("cluster: a cluster secret is required to authenticate forwarded requests (--cluster-secret, or --gossip-key)")
+	case len(c.GossipKey) != 0 && len(c.GossipKey) != 16 && len(c.GossipKey) != 24 && len(c.GossipKey) != 32:
+		return fmt.Errorf("cluster: gossip key of %d bytes: want 16, 24 or 32", len(c.GossipKey))
+	case c.LoadInterval <= 0 || c.PushPull <= 0:
+		return errors.New("cluster: load and push/pull intervals must be positive")
+	case c.BlockTokens < 1:
+		return errors.New("cluster: block tokens must be positive")
+	}
+	_, err := ParsePolicy(string(c.Policy))
+	return err
+}
+
+// LocalState supplies this node's own load and prefix summary. Both are called from
+// the cluster's goroutines and must be safe for concurrent use (the scheduler's
+// snapshots are).
+type LocalState interface {
+	Load() Load
+	Summary() *kvcache.Summary
+}
+
+// Node is one member of the cluster.
+type Node struct {
+	cfg    Config
+	local  LocalState
+	log    *slog.Logger
+	hasher kvcache.Hasher
+	ml     *memberlist.Memberlist
+	queue  *memberlist.TransmitLimitedQueue
+
+	mu    sync.Mutex
+	meta  Meta
+	peers map[string]*peer
+
+	sentGen  uint64
+	sentSet  map[kvcache.Hash]struct{}
+	loadSeq  atomic.Uint64
+	rr       atomic.Uint64
+	stop     chan struct{}
+	stopOnce sync.Once
+	wg       sync.WaitGroup
+}
+
+// peer is what this node knows of another (or of itself).
+type peer struct {
+	name     string
+	gossip   string
+	state    string
+	meta     Meta
+	metaOK   bool
+	load     Load
+	loadAt   time.Time
+	summary  map[kvcache.Hash]struct{}
+	sumGen   uint64
+	inflight int // requests this node forwarded there that have not finished
+}
+
+// New creates a node; Start joins the cluster.
+func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = slog.Default()
+	}
+	if cfg.Advertise == "" {
+		cfg.Advertise = cfg.Bind
+	}
+	if cfg.Name == "" {
+		cfg.Name = cfg.Advertise
+	}
+	if len(cfg.Name) > 200 {
+		return nil, errors.New("cluster: node name longer than 200 bytes")
+	}
+	if _, err := encodeMeta(cfg.Meta); err != nil {
+		return nil, err
+	}
+	return &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
+		hasher: kvcache.NewHasher(cfg.HashSeed, ""), sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{})}, nil
+}
+
+// Name is this node's name.
+func (n *Node) Name() string { return n.cfg.Name }
+
+// Start creates the memberlist, joins the given nodes and starts gossiping load.
+func (n *Node) Start() error {
+	mc := memberlist.DefaultLANConfig()
+	mc.Name = n.cfg.Name
+	host, port, err := splitHostPort(n.cfg.Bind)
+	if err != nil {
+		return fmt.Errorf("cluster: gossip address: %w", err)
+	}
+	mc.BindAddr, mc.BindPort = host, port
+	ahost, aport, err := splitHostPort(n.cfg.Advertise)
+	if err != nil {
+		return fmt.Errorf("cluster: advertise address: %w", err)
+	}
+	mc.AdvertiseAddr, mc.AdvertisePort = ahost, aport
+	mc.SecretKey = n.cfg.GossipKey
+	mc.PushPullInterval = n.cfg.PushPull
+	if n.cfg.ProbeInterval > 0 {
+		mc.ProbeInterval = n.cfg.ProbeInterval
+	}
+	if n.cfg.ProbeTimeout > 0 {
+		mc.ProbeTimeout = n.cfg.ProbeTimeout
+	}
+	if n.cfg.GossipNodes > 0 {
+		mc.GossipNodes = n.cfg.GossipNodes
+	}
+	mc.GossipInterval = 100 * time.Millisecond
+	mc.Delegate = &delegate{n: n}
+	mc.Events = &events{n: n}
+	mc.Logger = log.New(&slogWriter{n.log}, "", 0)
+	n.queue = &memberlist.TransmitLimitedQueue{NumNodes: func() int { return n.numMembers() }, RetransmitMult: 3}
+	ml, err := memberlist.Create(mc)
+	if err != nil {
+		return fmt.Errorf("cluster: start gossip on %s: %w", n.cfg.Bind, err)
+	}
+	n.ml = ml
+	n.mu.Lock()
+	n.peers[n.cfg.Name] = &peer{name: n.cfg.Name, gossip: n.cfg.Advertise, state: "alive", meta: n.meta, metaOK: true}
+	n.mu.Unlock()
+	if len(n.cfg.Join) > 0 {
+		if _, err := ml.Join(n.cfg.Join); err != nil {
+			ml.Shutdown()
+			return fmt.Errorf("cluster: join %v: %w", n.cfg.Join, err)
+		}
+	}
+	n.wg.Add(1)
+	go n.loop()
+	return nil
+}
+
+func splitHostPort(s string) (string, int, error) {
+	h, p, err := net.SplitHostPort(s)
+	if err != nil {
+		return "", 0, err
+	}
+	port, err := strconv.Atoi(p)
+	if err != nil {
+		return "", 0, err
+	}
+	return h, port, nil
+}
+
+func (n *Node) numMembers() int {
+	if n.ml == nil {
+		return 1
+	}
+	return n.ml.NumMembers()
+}
+
+// GossipAddr is the bound gossip address (useful with port 0).
+func (n *Node) GossipAddr() string {
+	ln := n.ml.LocalNode()
+	return net.JoinHostPort(ln.Addr.String(), strconv.Itoa(int(ln.Port)))
+}
+
+// loop broadcasts load and prefix deltas until Shutdown.
+func (n *Node) loop() {
+	defer n.wg.Done()
+	t := time.NewTicker(n.cfg.LoadInterval)
+	defer t.Stop()
+	for {
+		n.publishLocal()
+		select {
+		case <-n.stop:
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// publishLocal refreshes this node's own entry and queues its load and new hashes.
+func (n *Node) publishLocal() {
+	l := n.local.Load()
+	l.Seq = n.loadSeq.Add(1)
+	sum := n.local.Summary()
+	n.mu.Lock()
+	self := n.peers[n.cfg.Name]
+	self.load, self.loadAt = l, time.Now()
+	var added []kvcache.Hash
+	if sum != nil && sum.Generation != n.sentGen {
+		now := make(map[kvcache.Hash]struct{}, len(sum.Hashes))
+		for _, h := range sum.Hashes {
+			now[h] = struct{}{}
+			if _, ok := n.sentSet[h]; !ok {
+				added = append(added, h)
+			}
+		}
+		n.sentSet, n.sentGen = now, sum.Generation
+		self.summary, self.sumGen = now, sum.Generation
+	}
+	n.mu.Unlock()
+	n.queue.QueueBroadcast(&loadBroadcast{node: n.cfg.Name, msg: encodeLoad(n.cfg.Name, l)})
+	for len(added) > 0 {
+		k := min(len(added), prefixChunk)
+		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodePrefix(n.cfg.Name, n.sentGen, added[:k])})
+		added = added[k:]
+	}
+}
+
+// SetDraining marks this node draining in its metadata: peers stop routing to it.
+func (n *Node) SetDraining(d bool) error {
+	n.mu.Lock()
+	n.meta.Draining = d
+	if self := n.peers[n.cfg.Name]; self != nil {
+		self.meta = n.meta
+	}
+	n.mu.Unlock()
+	if n.ml == nil {
+		return nil
+	}
+	return n.ml.UpdateNode(5 * time.Second)
+}
+
+// Leave announces departure and stops gossip. Safe to call twice.
+func (n *Node) Leave(timeout time.Duration) error {
+	var err error
+	n.stopOnce.Do(func() {
+		close(n.stop)
+		n.wg.Wait()
+		if n.ml == nil {
+			return
+		}
+		n.mu.Lock()
+		n.meta.Leaving, n.meta.Draining = true, true
+		n.mu.Unlock()
+		_ = n.ml.UpdateNode(timeout / 2)
+		err = n.ml.Leave(timeout)
+		if serr := n.ml.Shutdown(); err == nil {
+			err = serr
+		}
+	})
+	return err
+}
+
+// delegate adapts Node to memberlist.Delegate. Methods run on memberlist's goroutines.
+type delegate struct{ n *Node }
+
+func (d *delegate) NodeMeta(limit int) []byte {
+	d.n.mu.Lock()
+	m := d.n.meta
+	d.n.mu.Unlock()
+	b, err := encodeMeta(m)
+	if err != nil || len(b) > limit {
+		d.n.log.Error("node metadata too large", "err", err, "limit", limit)
+		return nil
+	}
+	return b
+}
+
+func (d *delegate) NotifyMsg(b []byte) {
+	if len(b) < 2 || b[0] != wireVersion {
+		return
+	}
+	n := d.n
+	switch b[1] {
+	case msgLoad:
+		name, l, err := decodeLoad(b)
+		if err != nil || name == n.cfg.Name {
+			return
+		}
+		n.mu.Lock()
+		if p := n.peers[name]; p != nil && l.Seq > p.load.Seq {
+			p.load, p.loadAt = l, time.Now()
+		}
+		n.mu.Unlock()
+	case msgPrefix:
+		name, gen, hs, err := decodePrefix(b)
+		if err != nil || name == n.cfg.Name {
+			return
+		}
+		n.mu.Lock()
+		if p := n.peers[name]; p != nil {
+			if p.summary == nil {
+				p.summary = map[kvcache.Hash]struct{}{}
+			}
+			for _, h := range hs {
+				if len(p.summary) < maxSummary {
+					p.summary[h] = struct{}{}
+				}
+			}
+			p.sumGen = max(p.sumGen, gen)
+		}
+		n.mu.Unlock()
+	}
+}
+
+func (d *delegate) GetBroadcasts(overhead, limit int) [][]byte {
+	return d.n.queue.GetBroadcasts(overhead, limit)
+}
+
+// LocalState sends this node's full summary (bounded by maxSummary).
+func (d *delegate) LocalState(bool) []byte {
+	n := d.n
+	sum := n.local.Summary()
+	if sum == nil {
+		return nil
+	}
+	hs := sum.Hashes
+	if len(hs) > maxSummary {
+		hs = hs[:maxSummary]
+	}
+	return encodeState(n.cfg.Name, sum.Generation, hs)
+}
+
+// MergeRemoteState replaces a peer's summary with its full state.
+func (d *delegate) MergeRemoteState(b []byte, _ bool) {
+	name, gen, hs, err := decodeState(b)
+	n := d.n
+	if err != nil || name == n.cfg.Name {
+		return
+	}
+	set := make(map[kvcache.Hash]struct{}, len(hs))
+	for _, h := range hs {
+		set[h] = struct{}{}
+	}
+	n.mu.Lock()
+	if p := n.peers[name]; p != nil {
+		p.summary, p.sumGen = set, gen
+	}
+	n.mu.Unlock()
+}
+
+// events tracks membership. memberlist calls it from one goroutine at a time.
+type events struct{ n *Node }
+
+func (e *events) NotifyJoin(m *memberlist.Node)   { e.n.upsert(m, "alive") }
+func (e *events) NotifyUpdate(m *memberlist.Node) { e.n.upsert(m, "alive") }
+func (e *events) NotifyLeave(m *memberlist.Node) {
+	state := "dead"
+	e.n.mu.Lock()
+	if p := e.n.peers[m.Name]; p != nil && p.meta.Leaving {
+		state = "left"
+	}
+	e.n.mu.Unlock()
+	e.n.upsert(m, state)
+}
+
+func (n *Node) upsert(m *memberlist.Node, state string) {
+	meta, err := decodeMeta(m.Meta)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if m.Name == n.cfg.Name {
+		return
+	}
+	p := n.peers[m.Name]
+	if p == nil {
+		p = &peer{name: m.Name}
+		n.peers[m.Name] = p
+	}
+	p.gossip = net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
+	p.state = state
+	if err == nil && state == "alive" {
+		p.meta, p.metaOK = meta, true
+	} else if err != nil && state == "alive" {
+		n.log.Warn("peer metadata unreadable", "peer", m.Name, "err", err)
+	}
+	if state != "alive" {
+		p.summary = nil // a dead node's cache is gone
+	}
+}
+
+// liveState reads memberlist's view of a peer's state (alive/suspect/dead/left).
+func (n *Node) liveStates() map[string]string {
+	out := map[string]string{}
+	if n.ml == nil {
+		return out
+	}
+	for _, m := range n.ml.Members() {
+		switch m.State {
+		case memberlist.StateAlive:
+			out[m.Name] = "alive"
+		case memberlist.StateSuspect:
+			out[m.Name] = "suspect"
+		case memberlist.StateDead:
+			out[m.Name] = "dead"
+		case memberlist.StateLeft:
+			out[m.Name] = "left"
+		}
+	}
+	return out
+}
+
+// Member is one row of GET /cluster.
+type Member struct {
+	Name          string   `json:"name"`
+	Addr          string   `json:"addr"`
+	Gossip        string   `json:"gossip"`
+	State         string   `json:"state"`
+	Models        []string `json:"models"`
+	Draining      bool     `json:"draining"`
+	Load          Load     `json:"load"`
+	SummaryBlocks int      `json:"summary_blocks"`
+	UpdatedAgoMS  int64    `json:"updated_ago_ms"`
+	Inflight      int      `json:"inflight"`
+}
+
+// Members returns every known node, this one first, then by name.
+func (n *Node) Members() []Member {
+	states := n.liveStates()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []Member
+	for _, p := range n.peers {
+		st := p.state
+		if s, ok := states[p.name]; ok && p.name != n.cfg.Name {
+			st = s
+		}
+		ago := int64(-1)
+		if !p.loadAt.IsZero() {
+			ago = time.Since(p.loadAt).Milliseconds()
+		}
+		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
+			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: p.inflight})
+	}
+	slices.SortFunc(out, func(a, b Member) int {
+		switch {
+		case a.Name == n.cfg.Name:
+			return -1
+		case b.Name == n.cfg.Name:
+			return 1
+		case a.Name < b.Name:
+			return -1
+		case a.Name > b.Name:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// Models lists every model served by an alive member, sorted.
+func (n *Node) Models() []string {
+	seen := map[string]bool{}
+	for _, m := range n.Members() {
+		if m.State == "alive" {
+			for _, x := range m.Models {
+				seen[x] = true
+			}
+		}
+	}
+	return slices.Sorted(func(yield func(string) bool) {
+		for k := range seen {
+			if !yield(k) {
+				return
+			}
+		}
+	})
+}
+
+type loadBroadcast struct {
+	node string
+	msg  []byte
+}
+
+func (b *loadBroadcast) Invalidates(o memberlist.Broadcast) bool {
+	ob, ok := o.(*loadBroadcast)
+	return ok && ob.node == b.node
+}
+func (b *loadBroadcast) Name() string    { return "load/" + b.node }
+func (b *loadBroadcast) Message() []byte { return b.msg }
+func (b *loadBroadcast) Finished()       {}
+
+type uniqueBroadcast struct{ msg []byte }
+
+func (b *uniqueBroadcast) Invalidates(memberlist.Broadcast) bool { return false }
+func (b *uniqueBroadcast) Message() []byte                       { return b.msg }
+func (b *uniqueBroadcast) Finished()                             {}
+func (b *uniqueBroadcast) UniqueBroadcast()                      {}
+
+// slogWriter routes memberlist's log lines to slog at Debug (warnings at Warn).
+type slogWriter struct{ l *slog.Logger }
+
+func (w *slogWriter) Write(p []byte) (int, error) {
+	s := string(p)
+	switch {
+	case len(s) > 6 && (s[:6] == "[WARN]" || s[:7] == "[ERR] m"):
+		w.l.Warn(s, "src", "memberlist")
+	default:
+		w.l.Debug(s, "src", "memberlist")
+	}
+	return len(p), nil
+}
+
+var _ io.Writer = (*slogWriter)(nil)

@@ -1,0 +1,177 @@
+package cluster
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/shoal-ai/shoal/kvcache"
+)
+
+// Every gossip payload starts with a version byte (as serf does), and messages with a
+// kind byte after it, so that nodes of different versions can tell what they got.
+const (
+	wireVersion byte = 1
+
+	msgLoad    byte = 1 // a node's load, self-replacing
+	msgPrefix  byte = 2 // block hashes a node added to its cache since its last delta
+	stateFull  byte = 3 // push/pull: every node's summary this node knows of its own
+	maxMetaLen      = 512
+)
+
+// Meta is what a node advertises in memberlist's node metadata (≤ 512 bytes).
+type Meta struct {
+	HTTP     string   `json:"h"`           // host:port of the node's API
+	Models   []string `json:"m"`           // served model ids
+	Capacity int      `json:"c"`           // max running sequences
+	Draining bool     `json:"d,omitempty"` // refuses new work
+	TLS      bool     `json:"t,omitempty"` // API served over TLS
+	// Leaving is set just before a graceful leave, so that peers record "left" and not
+	// "dead" (memberlist's leave event does not say which).
+	Leaving bool `json:"l,omitempty"`
+}
+
+func encodeMeta(m Meta) ([]byte, error) {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	b = append([]byte{wireVersion}, b...)
+	if len(b) > maxMetaLen {
+		return nil, fmt.Errorf("cluster: node metadata of %d bytes exceeds %d (too many or too long model names)", len(b), maxMetaLen)
+	}
+	return b, nil
+}
+
+func decodeMeta(b []byte) (Meta, error) {
+	var m Meta
+	if len(b) == 0 || b[0] != wireVersion {
+		return m, errors.New("cluster: metadata of an unknown version")
+	}
+	if err := json.Unmarshal(b[1:], &m); err != nil {
+		return m, fmt.Errorf("cluster: metadata: %w", err)
+	}
+	if m.HTTP == "" || m.Capacity < 0 {
+		return m, errors.New("cluster: metadata without an HTTP address")
+	}
+	return m, nil
+}
+
+// Load is the part of a node's scheduler state that routing needs.
+type Load struct {
+	Waiting       int     `json:"waiting"`
+	Running       int     `json:"running"`
+	KVUsed        float64 `json:"kv_used"` // fraction of KV blocks in use
+	PrefillTPS    float64 `json:"prefill_tps"`
+	DecodeTPS     float64 `json:"decode_tps"`
+	QueueWaitMS   float64 `json:"queue_wait_ms"`
+	MaxWaiting    int     `json:"max_waiting"`
+	SummaryBlocks int     `json:"summary_blocks"`
+	BlockTokens   int     `json:"block_tokens"`
+	Seq           uint64  `json:"seq"` // increases with every update from the node
+}
+
+// loadMsg is a load update on the wire: header, node name, then fixed-width fields.
+func encodeLoad(node string, l Load) []byte {
+	b := []byte{wireVersion, msgLoad, byte(len(node))}
+	b = append(b, node...)
+	u := func(v uint64) { b = binary.LittleEndian.AppendUint64(b, v) }
+	f := func(v float64) { u(math.Float64bits(v)) }
+	u(uint64(l.Waiting))
+	u(uint64(l.Running))
+	f(l.KVUsed)
+	f(l.PrefillTPS)
+	f(l.DecodeTPS)
+	f(l.QueueWaitMS)
+	u(uint64(l.MaxWaiting))
+	u(uint64(l.SummaryBlocks))
+	u(uint64(l.BlockTokens))
+	u(l.Seq)
+	return b
+}
+
+const loadFields = 10
+
+func decodeLoad(b []byte) (string, Load, error) {
+	var l Load
+	if len(b) < 3 || b[0] != wireVersion || b[1] != msgLoad {
+		return "", l, errors.New("cluster: not a load message")
+	}
+	n := int(b[2])
+	if len(b) != 3+n+8*loadFields {
+		return "", l, fmt.Errorf("cluster: load message of %d bytes", len(b))
+	}
+	node := string(b[3 : 3+n])
+	r := b[3+n:]
+	u := func() uint64 { v := binary.LittleEndian.Uint64(r); r = r[8:]; return v }
+	f := func() float64 { return math.Float64frombits(u()) }
+	in := func() int { return int(min(u(), math.MaxInt32)) }
+	l.Waiting, l.Running = in(), in()
+	l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS = f(), f(), f(), f()
+	l.MaxWaiting, l.SummaryBlocks, l.BlockTokens = in(), in(), in()
+	l.Seq = u()
+	for _, x := range []float64{l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS} {
+		if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 {
+			return "", l, errors.New("cluster: load message with an invalid number")
+		}
+	}
+	return node, l, nil
+}
+
+// encodePrefix is a delta of added block hashes of node at summary generation gen.
+func encodePrefix(node string, gen uint64, hs []kvcache.Hash) []byte {
+	b := []byte{wireVersion, msgPrefix, byte(len(node))}
+	b = append(b, node...)
+	b = binary.LittleEndian.AppendUint64(b, gen)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(hs)))
+	for _, h := range hs {
+		b = binary.LittleEndian.AppendUint64(b, uint64(h))
+	}
+	return b
+}
+
+// maxSummary bounds the hashes kept per node (and so push/pull state and memory):
+// the most recently added ones win.
+const maxSummary = 1 << 16
+
+func decodePrefix(b []byte) (string, uint64, []kvcache.Hash, error) {
+	if len(b) < 3 || b[0] != wireVersion || b[1] != msgPrefix {
+		return "", 0, nil, errors.New("cluster: not a prefix message")
+	}
+	n := int(b[2])
+	if len(b) < 3+n+12 {
+		return "", 0, nil, errors.New("cluster: short prefix message")
+	}
+	node := string(b[3 : 3+n])
+	r := b[3+n:]
+	gen := binary.LittleEndian.Uint64(r)
+	cnt := int(binary.LittleEndian.Uint32(r[8:]))
+	r = r[12:]
+	if cnt > maxSummary || len(r) != 8*cnt {
+		return "", 0, nil, fmt.Errorf("cluster: prefix message claims %d hashes in %d bytes", cnt, len(r))
+	}
+	hs := make([]kvcache.Hash, cnt)
+	for i := range hs {
+		hs[i] = kvcache.Hash(binary.LittleEndian.Uint64(r[8*i:]))
+	}
+	return node, gen, hs, nil
+}
+
+// encodeState is push/pull state: this node's own full summary (each node speaks
+// for itself; memberlist pairs nodes often enough that every pair converges).
+func encodeState(node string, gen uint64, hs []kvcache.Hash) []byte {
+	b := encodePrefix(node, gen, hs)
+	b[1] = stateFull
+	return b
+}
+
+func decodeState(b []byte) (string, uint64, []kvcache.Hash, error) {
+	if len(b) < 2 || b[1] != stateFull {
+		return "", 0, nil, errors.New("cluster: not a state message")
+	}
+	c := append([]byte(nil), b...)
+	c[1] = msgPrefix
+	return decodePrefix(c)
+}

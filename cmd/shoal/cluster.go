@@ -1,0 +1,203 @@
+package main
+
+import (
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/shoal-ai/shoal/cluster"
+	"github.com/shoal-ai/shoal/kvcache"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+type clusterFlags struct {
+	gossip, advertise, httpAdvertise, key, secret, name, route string
+	join                                                       listFlag
+	maxQueueWait                                               time.Duration
+	tlsCert, tlsKey, tlsCA                                     string
+}
+
+func addClusterFlags(fs *flag.FlagSet) *clusterFlags {
+	c := &clusterFlags{}
+	d := cluster.DefaultConfig()
+	fs.StringVar(&c.gossip, "gossip-addr", "", "gossip listen HOST:PORT; setting it joins this node to a cluster")
+	fs.StringVar(&c.advertise, "advertise", "", "gossip HOST:PORT other nodes reach (default: --gossip-addr)")
+	fs.StringVar(&c.httpAdvertise, "http-advertise", "", "API HOST:PORT other nodes forward to (default: --addr)")
+	fs.Var(&c.join, "join", "gossip addresses of nodes to join, comma-separated or repeated")
+	fs.StringVar(&c.key, "gossip-key", "", "gossip encryption key, base64 of 16, 24 or 32 bytes; a node with another key never joins")
+	fs.StringVar(&c.secret, "cluster-secret", "", "secret that authenticates forwarded requests (default: derived from --gossip-key)")
+	fs.StringVar(&c.name, "node-name", "", "unique node name (default: the advertised gossip address)")
+	fs.StringVar(&c.route, "route", string(d.Policy), "routing policy: prefix-aware, least-loaded, round-robin, random or prefix-only")
+	fs.DurationVar(&c.maxQueueWait, "max-queue-wait", d.MaxQueueWait, "a node whose estimated queue wait exceeds this is saturated; when all are, requests get 429")
+	fs.StringVar(&c.tlsCert, "tls-cert", "", "serve the API over TLS with this certificate (PEM)")
+	fs.StringVar(&c.tlsKey, "tls-key", "", "private key of --tls-cert (PEM)")
+	fs.StringVar(&c.tlsCA, "tls-ca", "", "CA certificate (PEM) that verifies peers' API certificates when forwarding")
+	return c
+}
+
+// gossipKey decodes --gossip-key.
+func (c *clusterFlags) gossipKey() ([]byte, error) {
+	if c.key == "" {
+		return nil, nil
+	}
+	k, err := base64.StdEncoding.DecodeString(c.key)
+	if err != nil {
+		return nil, fmt.Errorf("--gossip-key: not base64: %w", err)
+	}
+	if len(k) != 16 && len(k) != 24 && len(k) != 32 {
+		return nil, fmt.Errorf("--gossip-key: %d bytes, want 16, 24 or 32 (e.g. `head -c 32 /dev/urandom | base64`)", len(k))
+	}
+	return k, nil
+}
+
+// clusterSecret is --cluster-secret, or a key derived from the gossip key.
+func (c *clusterFlags) clusterSecret(gossipKey []byte) ([]byte, error) {
+	if c.secret != "" {
+		return []byte(c.secret), nil
+	}
+	if len(gossipKey) > 0 {
+		s := sha256.Sum256(append([]byte("shoal forwarding secret\x00"), gossipKey...))
+		return s[:], nil
+	}
+	return nil, fmt.Errorf("clustering needs --cluster-secret or --gossip-key to authenticate forwarded requests")
+}
+
+// tlsConfigs returns the server's TLS config (nil: plain HTTP) and the forwarder's.
+func (c *clusterFlags) tlsConfigs() (server, client *tls.Config, err error) {
+	if (c.tlsCert == "") != (c.tlsKey == "") {
+		return nil, nil, fmt.Errorf("--tls-cert and --tls-key go together")
+	}
+	if c.tlsCert != "" {
+		cert, err := tls.LoadX509KeyPair(c.tlsCert, c.tlsKey)
+		if err != nil {
+			return nil, nil, fmt.Errorf("TLS certificate: %w", err)
+		}
+		server = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	}
+	if c.tlsCA != "" {
+		pem, err := os.ReadFile(c.tlsCA)
+		if err != nil {
+			return nil, nil, fmt.Errorf("--tls-ca: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, nil, fmt.Errorf("--tls-ca %s: no certificate found", c.tlsCA)
+		}
+		client = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	}
+	return server, client, nil
+}
+
+// schedulerState adapts the scheduler's snapshots to cluster.LocalState.
+type schedulerState struct {
+	s          *scheduler.Scheduler
+	maxWaiting int
+}
+
+func (a schedulerState) Load() cluster.Load {
+	l := a.s.Load()
+	kv := 0.0
+	if l.KVBlocksTotal > 0 {
+		kv = float64(l.KVBlocksUsed) / float64(l.KVBlocksTotal)
+	}
+	sum := a.s.Pool().Summary()
+	n := 0
+	if sum != nil {
+		n = len(sum.Hashes)
+	}
+	return cluster.Load{Waiting: l.Waiting, Running: l.Running, KVUsed: kv, PrefillTPS: l.PrefillTokensPS, DecodeTPS: l.DecodeTokensPS,
+		QueueWaitMS: float64(l.QueueWait) / float64(time.Millisecond), MaxWaiting: a.maxWaiting, SummaryBlocks: n, BlockTokens: l.KVBlockTokens}
+}
+
+func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
+
+func startCluster(cf *clusterFlags, httpAddr, model string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS bool, log *slog.Logger) (*cluster.Node, []byte, error) {
+	key, err := cf.gossipKey()
+	if err != nil {
+		return nil, nil, err
+	}
+	secret, err := cf.clusterSecret(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	policy, err := cluster.ParsePolicy(cf.route)
+	if err != nil {
+		return nil, nil, err
+	}
+	cc := cluster.DefaultConfig()
+	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, cf.advertise, cf.join, key, secret
+	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
+	adv := cf.httpAdvertise
+	if adv == "" {
+		adv = httpAddr
+	}
+	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS}
+	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := node.Start(); err != nil {
+		return nil, nil, err
+	}
+	log.Info("joined cluster", "node", node.Name(), "gossip", node.GossipAddr(), "route", policy, "peers", len(node.Members())-1)
+	return node, secret, nil
+}
+
+func runStatus(args []string, stdout, _ io.Writer) error {
+	fs := newFlags("status", stdout)
+	addr := fs.String("addr", "127.0.0.1:8080", "API address of any node, HOST:PORT or a URL")
+	key := fs.String("api-key", os.Getenv("SHOAL_API_KEY"), "bearer key, if the node requires one")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	url := *addr
+	if !strings.Contains(url, "://") {
+		url = "http://" + url
+	}
+	req, _ := http.NewRequest("GET", strings.TrimSuffix(url, "/")+"/cluster", nil)
+	if *key != "" {
+		req.Header.Set("Authorization", "Bearer "+*key)
+	}
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return fmt.Errorf("GET /cluster: status %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))
+	}
+	var info struct {
+		Self    string           `json:"self"`
+		Members []cluster.Member `json:"members"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&info); err != nil {
+		return fmt.Errorf("GET /cluster: %w", err)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tQUEUE WAIT\tCACHED BLOCKS\tUPDATED")
+	for _, m := range info.Members {
+		name := m.Name
+		if name == info.Self {
+			name += " (self)"
+		}
+		state := m.State
+		if m.Draining {
+			state += ",draining"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","),
+			m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed, m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.QueueWaitMS, m.SummaryBlocks, m.UpdatedAgoMS)
+	}
+	return tw.Flush()
+}

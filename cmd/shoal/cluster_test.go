@@ -1,0 +1,203 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/shoal-ai/shoal/cluster"
+)
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func clusterMembers(t *testing.T, n *node) []cluster.Member {
+	t.Helper()
+	resp, err := http.Get(n.url + "/cluster")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var info struct {
+		Members []cluster.Member `json:"members"`
+	}
+	json.NewDecoder(resp.Body).Decode(&info)
+	return info.Members
+}
+
+func waitFor(t *testing.T, what string, f func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !f() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func post(t *testing.T, url, body string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+// TestClusterRoutesAndForwards runs three real nodes on 127.0.0.1: they gossip,
+// route by prefix and load, forward one hop, refuse forged hops, and survive a node's
+// death and another's drain.
+func TestClusterRoutesAndForwards(t *testing.T) {
+	model := smallModel(t)
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=" // 32 bytes
+	common := []string{"--model", model, "--gossip-key", key, "--ctx-size", "4096", "--parallel", "32", "--threads", "1"}
+	g1 := freeAddr(t)
+	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a"}, common...)...)
+	b := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
+	c := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "c", "--join", g1}, common...)...)
+	waitFor(t, "3 alive members on every node", func() bool {
+		for _, n := range []*node{a, b, c} {
+			alive := 0
+			for _, m := range clusterMembers(t, n) {
+				if m.State == "alive" && m.Load.Seq > 0 {
+					alive++
+				}
+			}
+			if alive != 3 {
+				return false
+			}
+		}
+		return true
+	})
+
+	// A long shared prompt: after its first request, routing follows the cache.
+	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 20)
+	body := `{"model":"small","prompt":"` + prompt + `","max_tokens":4,"temperature":0}`
+	resp, out := post(t, b.url+"/v1/completions", body)
+	if resp.StatusCode != 200 {
+		t.Fatalf("first request: %d %s", resp.StatusCode, out)
+	}
+	first := resp.Header.Get("X-Shoal-Served-By") // empty: served by b itself
+	waitFor(t, "the cache summary to reach a", func() bool {
+		for _, m := range clusterMembers(t, a) {
+			if m.SummaryBlocks > 0 {
+				return true
+			}
+		}
+		return false
+	})
+	servedBy := map[string]int{}
+	for range 4 {
+		resp, out = post(t, a.url+"/v1/completions", body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("routed request: %d %s", resp.StatusCode, out)
+		}
+		var r struct {
+			Usage struct {
+				Details struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		json.Unmarshal([]byte(out), &r)
+		by := resp.Header.Get("X-Shoal-Served-By")
+		if by == "" {
+			by = "a"
+		}
+		servedBy[by]++
+		if r.Usage.Details.Cached == 0 {
+			t.Errorf("request routed to %s found no cached prefix (first was served by %q)", by, first)
+		}
+	}
+	t.Logf("served by: %v", servedBy)
+
+	// Streams relay through the hop.
+	resp, out = post(t, c.url+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}`)
+	if resp.StatusCode != 200 || !strings.HasSuffix(out, "data: [DONE]\n\n") {
+		t.Fatalf("stream: %d %q", resp.StatusCode, out)
+	}
+
+	// A forged hop is refused.
+	resp, out = post(t, a.url+"/v1/completions", body, "X-Shoal-Hop", "1", "X-Shoal-From", "b", "X-Shoal-Time", "1", "X-Shoal-Auth", "00")
+	if resp.StatusCode != 401 || !strings.Contains(out, "invalid_cluster_credential") {
+		t.Fatalf("forged hop: %d %s", resp.StatusCode, out)
+	}
+
+	// shoal status prints the table.
+	var stdout, stderr bytes.Buffer
+	if code := run([]string{"status", "--addr", strings.TrimPrefix(a.url, "http://")}, &stdout, &stderr); code != 0 {
+		t.Fatalf("status: %s", stderr.String())
+	}
+	if !strings.Contains(stdout.String(), "a (self)") || strings.Count(stdout.String(), "alive") != 3 {
+		t.Fatalf("status table:\n%s", stdout.String())
+	}
+
+	// c dies: the others notice, and requests to a still succeed.
+	c.cmd.Process.Signal(syscall.SIGKILL)
+	<-c.done
+	waitFor(t, "c marked not alive at a", func() bool {
+		for _, m := range clusterMembers(t, a) {
+			if m.Name == "c" {
+				return m.State != "alive"
+			}
+		}
+		return false
+	})
+	for range 3 {
+		if resp, out = post(t, a.url+"/v1/completions", `{"prompt":"hello there","max_tokens":2}`); resp.StatusCode != 200 {
+			t.Fatalf("after c died: %d %s", resp.StatusCode, out)
+		}
+	}
+
+	// b drains: a sees it and stops routing there; b exits 0.
+	b.cmd.Process.Signal(syscall.SIGTERM)
+	if err := <-b.done; err != nil {
+		t.Fatalf("b exit: %v", err)
+	}
+	waitFor(t, "b gone from a's routes", func() bool {
+		for _, m := range clusterMembers(t, a) {
+			if m.Name == "b" {
+				return m.State == "left" || m.Draining
+			}
+		}
+		return false
+	})
+	for range 3 {
+		resp, out = post(t, a.url+"/v1/completions", body)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "" {
+			t.Fatalf("with b drained, a serves itself: %d %q %s", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
+		}
+	}
+}
+
+func TestWrongGossipKeyProcessFails(t *testing.T) {
+	g1 := freeAddr(t)
+	startNode(t, "--model", smallModel(t), "--gossip-addr", g1, "--gossip-key", "MDEyMzQ1Njc4OWFiY2RlZg==")
+	var stdout, stderr bytes.Buffer
+	code := run([]string{"serve", "--model", smallModel(t), "--addr", "127.0.0.1:0", "--gossip-addr", freeAddr(t), "--join", g1,
+		"--gossip-key", "ZmVkY2JhOTg3NjU0MzIxMA=="}, &stdout, &stderr)
+	if code == 0 || !strings.Contains(stderr.String(), "join") {
+		t.Fatalf("a node with the wrong key joined (exit %d): %s", code, stderr.String())
+	}
+}
