@@ -6,7 +6,7 @@ GO ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 # Packages that never link llama.cpp: tested under -race without compiling it.
-PURE_PKGS := . ./engine ./engine/sample ./engine/enginetest ./kvcache ./scheduler ./cluster ./api ./models
+PURE_PKGS := . ./engine ./engine/sample ./engine/enginetest ./engine/sim ./kvcache ./scheduler ./cluster ./api ./models
 CGO_PKGS := ./engine/llama ./cmd/...
 CGO_ENV = eval "$$(bash scripts/cgo-env.sh)"
 STAMP_DIR := $(HOME)/.cache/shoal

@@ -28,7 +28,7 @@ var allowed = map[string][]string{
 }
 
 // cgoFree must never link llama.cpp, so that `go test -race` of them stays quick.
-var cgoFree = []string{"engine", "engine/sample", "engine/enginetest", "kvcache", "scheduler", "cluster", "api", "models"}
+var cgoFree = []string{"engine", "engine/sample", "engine/enginetest", "engine/sim", "kvcache", "scheduler", "cluster", "api", "models"}
 
 type pkg struct {
 	ImportPath string

@@ -26,6 +26,7 @@ func commands() []command {
 		{"status", "print the cluster's nodes, their load and cache as a table", runStatus},
 		{"bench", "load-test an OpenAI-compatible endpoint (random or shared-prefix prompts)", runBench},
 		{"version", "print shoal's version, the llama.cpp commit and the CPU features of its kernels", runVersion},
+		{"calibrate", "measure the engine on this machine and write a profile for simulated nodes (serve --sim)", runCalibrate},
 		{"gen-model", "write a generated llama-architecture test model (random weights) to a GGUF file", runGenModel},
 	}
 }

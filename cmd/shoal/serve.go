@@ -22,7 +22,9 @@ import (
 
 	"github.com/shoal-ai/shoal/api"
 	"github.com/shoal-ai/shoal/cluster"
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/llama"
+	"github.com/shoal-ai/shoal/engine/sim"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -78,7 +80,8 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 }
 
 type serveFlags struct {
-	model, addr, modelName, logLevel, flash, kvType, tensorSplit          string
+	model, addr, modelName, logLevel, flash, kvType, tensorSplit, sim     string
+	simSpeed                                                              float64
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU   int
 	unified, mmap, caching                                                bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens int
@@ -101,7 +104,9 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	}
 	sc := scheduler.DefaultConfig()
 	ac := api.DefaultConfig()
-	fs.StringVar(&f.model, "model", "", "path to a GGUF model file (required)")
+	fs.StringVar(&f.model, "model", "", "path to a GGUF model file (required unless --sim)")
+	fs.StringVar(&f.sim, "sim", "", "serve a simulated engine timed by this calibration profile (shoal calibrate) instead of a model")
+	fs.Float64Var(&f.simSpeed, "sim-speed", 1, "with --sim: run this many times faster than the profile")
 	fs.StringVar(&f.addr, "addr", "127.0.0.1:8080", "HTTP listen address HOST:PORT")
 	fs.StringVar(&f.modelName, "model-name", "", "model id clients send as \"model\" (default: the file's base name without .gguf)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
@@ -148,8 +153,16 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if k := os.Getenv("SHOAL_API_KEYS"); k != "" && len(f.apiKeys) == 0 {
 		_ = f.apiKeys.Set(k)
 	}
-	if f.model == "" {
+	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
+	}
+	var profile sim.Profile
+	if f.sim != "" {
+		var err error
+		if profile, err = sim.Load(f.sim); err != nil {
+			return err
+		}
+		f.model = profile.Model
 	}
 	log, err := newLogger(stderr, f.logLevel)
 	if err != nil {
@@ -161,6 +174,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	lc := llama.DefaultConfig(f.model)
+	if f.sim != "" {
+		lc.ModelPath = "(sim)"
+	}
 	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
 	lc.Threads, lc.BatchThreads, lc.Unified, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.unified, f.flash, f.kvType
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
@@ -184,7 +200,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
-	ac.SchemaToGrammar = llama.SchemaToGrammar
+	if f.sim == "" {
+		ac.SchemaToGrammar = llama.SchemaToGrammar
+	}
 	ac.CacheInfo = map[string]string{"block_size": strconv.Itoa(f.blockTokens), "cache_dtype": f.kvType,
 		"enable_prefix_caching": strconv.FormatBool(f.caching), "num_gpu_blocks": strconv.Itoa(f.ctx / f.blockTokens),
 		"kv_unified": strconv.FormatBool(f.unified)}
@@ -226,10 +244,14 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	loaded := make(chan error, 1)
-	var eng *llama.Engine
+	var eng engine.Engine
 	go func() {
 		var err error
-		eng, err = llama.Open(lc)
+		if f.sim != "" {
+			eng, err = sim.New(profile, sim.Config{Cells: f.ctx, MaxSeqs: f.seqs, BatchTokens: f.batch, Unified: f.unified, Speed: f.simSpeed})
+		} else {
+			eng, err = llama.Open(lc)
+		}
 		loaded <- err
 	}()
 	select {
