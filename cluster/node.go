@@ -270,11 +270,12 @@ func (n *Node) publishLocal() {
 		n.sentSet, n.sentGen = now, sum.Generation
 		self.summary, self.sumGen = now, sum.Generation
 	}
+	gen := n.sentGen
 	n.mu.Unlock()
 	n.queue.QueueBroadcast(&loadBroadcast{node: n.cfg.Name, msg: encodeLoad(n.cfg.Name, l)})
 	for len(added) > 0 {
 		k := min(len(added), prefixChunk)
-		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodePrefix(n.cfg.Name, n.sentGen, added[:k])})
+		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodePrefix(n.cfg.Name, gen, added[:k])})
 		added = added[k:]
 	}
 }
@@ -405,7 +406,14 @@ func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 // events tracks membership. memberlist calls it from one goroutine at a time.
 type events struct{ n *Node }
 
-func (e *events) NotifyJoin(m *memberlist.Node)   { e.n.upsert(m, "alive") }
+// NotifyJoin also makes this node resend its whole summary as deltas, so that a
+// newcomer learns every cache without waiting for a push/pull with each node.
+func (e *events) NotifyJoin(m *memberlist.Node) {
+	e.n.upsert(m, "alive")
+	e.n.mu.Lock()
+	e.n.sentSet, e.n.sentGen = map[kvcache.Hash]struct{}{}, 0
+	e.n.mu.Unlock()
+}
 func (e *events) NotifyUpdate(m *memberlist.Node) { e.n.upsert(m, "alive") }
 func (e *events) NotifyLeave(m *memberlist.Node) {
 	state := "dead"

@@ -96,6 +96,7 @@ type block struct {
 	children int32  // indexed blocks whose parent this is
 	holder   SeqID  // indexed: the sequence that physically keeps it
 	ref      int32  // running sequences using it
+	lastUse  uint64 // pool clock when last referenced or released
 	lru      *list.Element
 }
 
@@ -151,6 +152,7 @@ type Pool struct {
 
 	queries, hits, evictions uint64
 	generation               uint64
+	clock                    uint64 // orders block uses for holder recency
 
 	stats   atomic.Pointer[Stats]
 	summary atomic.Pointer[Summary]
@@ -287,34 +289,59 @@ func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
 	return s, ops, nil
 }
 
-// takeSeqID finds a free sequence id, evicting the least recently used holder whose
-// blocks are all unreferenced when none is free.
+// takeSeqID finds a free sequence id. When none is free it evicts the holder whose
+// eviction loses the fewest cached blocks (its own and their descendants), least
+// recently used among equals: a holder of a long shared prefix is worth more than
+// one holding a single question's block.
 func (p *Pool) takeSeqID(ops []Op) (SeqID, []Op, error) {
 	for i, st := range p.seqs {
 		if st == seqFree {
 			return SeqID(i), ops, nil
 		}
 	}
-	// Oldest unreferenced block first: its holder is the least recently used one.
-	for e := p.lru.Front(); e != nil; e = e.Next() {
-		h := e.Value.(*block).holder
-		if p.seqs[h] != seqHolder || !p.holderEvictable(h) {
-			continue
-		}
-		ops = p.evictHolder(h, ops)
-		return h, ops, nil
+	type holderInfo struct {
+		cost       int
+		referenced bool
+		lastUse    uint64
 	}
-	return 0, ops, ErrNoSeq
-}
-
-func (p *Pool) holderEvictable(h SeqID) bool {
+	info := map[SeqID]*holderInfo{}
+	get := func(h SeqID) *holderInfo {
+		if info[h] == nil {
+			info[h] = &holderInfo{}
+		}
+		return info[h]
+	}
 	for i := range p.blocks {
 		b := &p.blocks[i]
-		if b.state == stateIndexed && b.holder == h && b.ref > 0 {
-			return false
+		if b.state != stateIndexed {
+			continue
+		}
+		hi := get(b.holder)
+		hi.referenced = hi.referenced || b.ref > 0
+		hi.lastUse = max(hi.lastUse, b.lastUse)
+		// Evicting a holder also evicts every block below its blocks.
+		seen := SeqID(-1)
+		for a := b; a != nil; a = a.parent {
+			if a.holder != seen {
+				get(a.holder).cost++
+				seen = a.holder
+			}
 		}
 	}
-	return true
+	best := SeqID(-1)
+	for h, hi := range info {
+		if p.seqs[h] != seqHolder || hi.referenced {
+			continue
+		}
+		if b := info[best]; best < 0 || hi.cost < b.cost || (hi.cost == b.cost && (hi.lastUse < b.lastUse || hi.lastUse == b.lastUse && h < best)) {
+			best = h
+		}
+	}
+	if best < 0 {
+		return 0, ops, ErrNoSeq
+	}
+	ops = p.evictHolder(best, ops)
+	return best, ops, nil
 }
 
 // evictHolder evicts every block held by h together with their descendants (which
@@ -467,6 +494,8 @@ func (p *Pool) evict(b *block, ops []Op) []Op {
 }
 
 func (p *Pool) ref(b *block) {
+	p.clock++
+	b.lastUse = p.clock
 	if b.ref == 0 && b.lru != nil {
 		p.lru.Remove(b.lru)
 		b.lru = nil
@@ -500,6 +529,8 @@ func (p *Pool) Release(s *Seq) []Op {
 			if b.holder != s.ID {
 				drop(b)
 			}
+			p.clock++
+			b.lastUse = p.clock
 			if b.ref--; b.ref == 0 {
 				b.lru = p.lru.PushBack(b)
 			}

@@ -137,11 +137,11 @@ func (p *SplitPool) Start(prompt []int32) (*Seq, []Op, error) {
 		ops = append(ops, Op{Kind: OpRemove, Seq: id, P0: int32(n) * B, P1: -1})
 	} else {
 		if !free {
-			e := p.lru.Front()
-			if e == nil {
+			v, ok := p.victim()
+			if !ok {
 				return nil, nil, ErrNoSeq
 			}
-			id = e.Value.(SeqID)
+			id = v
 			ops = p.evict(id, ops) // not a holder of the prefix: those are all running
 		}
 		p.streams[id].chain = nil
@@ -207,6 +207,22 @@ func (p *SplitPool) untrack(id SeqID) {
 	}
 }
 
+// victim picks the holder stream to recycle: the least recently used one whose first
+// block another stream also holds (its loss costs least), else the least recently
+// used one.
+func (p *SplitPool) victim() (SeqID, bool) {
+	for e := p.lru.Front(); e != nil; e = e.Next() {
+		id := e.Value.(SeqID)
+		if c := p.streams[id].chain; len(c) > 0 && len(p.index[c[0]]) > 1 {
+			return id, true
+		}
+	}
+	if e := p.lru.Front(); e != nil {
+		return e.Value.(SeqID), true
+	}
+	return 0, false
+}
+
 // evict empties holder stream id.
 func (p *SplitPool) evict(id SeqID, ops []Op) []Op {
 	st := &p.streams[id]
@@ -264,11 +280,11 @@ func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 	var ops []Op
 	id, free := p.freeStream()
 	if !free {
-		e := p.lru.Front()
-		if e == nil {
+		v, ok := p.victim()
+		if !ok {
 			return nil, nil, ErrNoSeq
 		}
-		id = e.Value.(SeqID)
+		id = v
 		ops = p.evict(id, ops)
 	}
 	ops = append(ops, Op{Kind: OpCopy, Src: s.ID, Seq: id, P0: -1, P1: -1})

@@ -462,9 +462,7 @@ func TestDecodeFailureFailsOnlyItsRequests(t *testing.T) {
 	if r.err != nil || len(r.tokens[0]) != 10 {
 		t.Fatalf("node stopped serving: %v", r.err)
 	}
-	if l := s.Load(); l.KVBlocksUsed != 0 || l.Running != 0 {
-		t.Fatalf("leaked: %+v", l)
-	}
+	waitIdle(t, s)
 }
 
 // TestNoGoroutineLeaks runs a scheduler inside a synctest bubble: the bubble only
@@ -526,12 +524,21 @@ func TestManyRequestsKeepStateFlat(t *testing.T) {
 			}
 		}
 	}
-	l := s.Load()
-	if l.Running != 0 || l.Waiting != 0 || l.KVBlocksUsed != 0 {
-		t.Fatalf("after 200 requests: %+v", l)
-	}
+	waitIdle(t, s)
 	if f.CellsUsed() > 2048 {
 		t.Fatalf("engine cells %d", f.CellsUsed())
 	}
 	_ = fmt.Sprint()
+}
+
+// waitIdle waits for the snapshot published after the last request's final step.
+func waitIdle(t *testing.T, s *Scheduler) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for l := s.Load(); l.Running != 0 || l.Waiting != 0 || l.KVBlocksUsed != 0; l = s.Load() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not idle: %+v", l)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
