@@ -198,8 +198,19 @@ func (s *Server) grammarFor(rf *ResponseFormat) (string, error) {
 	return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
 }
 
-func (s *Server) chat(c *gin.Context) {
+// generationBackend is readyBackend for the generation endpoints: an embedding node
+// answers them with 400.
+func (s *Server) generationBackend(c *gin.Context) (*Backend, bool) {
 	b, ok := s.readyBackend(c)
+	if ok && b.Info.Pooling {
+		abort(c, invalid("model", "this node serves an embedding model: use /v1/embeddings"))
+		return nil, false
+	}
+	return b, ok
+}
+
+func (s *Server) chat(c *gin.Context) {
+	b, ok := s.generationBackend(c)
 	if !ok {
 		return
 	}
@@ -274,7 +285,7 @@ func (s *Server) chat(c *gin.Context) {
 }
 
 func (s *Server) completions(c *gin.Context) {
-	b, ok := s.readyBackend(c)
+	b, ok := s.generationBackend(c)
 	if !ok {
 		return
 	}

@@ -3,9 +3,12 @@ package api
 import (
 	"context"
 	"crypto/subtle"
+	"encoding/base64"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -250,9 +253,126 @@ func (s *Server) embeddings(c *gin.Context) {
 	if !ok {
 		return
 	}
-	msg := "this model does not produce embeddings (it has no pooling layer); serve an embedding model"
-	if b.Info.Pooling {
-		msg = "embeddings are not implemented yet for pooling models"
+	var req EmbeddingRequest
+	if err := decodeBody(c, &req); err != nil {
+		abort(c, err)
+		return
 	}
-	abort(c, invalid("model", "%s", msg))
+	if err := s.checkModel(req.Model); err != nil {
+		abort(c, err)
+		return
+	}
+	if !b.Info.Pooling {
+		abort(c, invalid("model", "this model does not produce embeddings (no pooling): start an embedding node with --embeddings (and --pooling for models without their own)"))
+		return
+	}
+	switch req.EncodingFormat {
+	case "", "float", "base64":
+	default:
+		abort(c, invalid("encoding_format", "encoding_format %q: want float or base64", req.EncodingFormat))
+		return
+	}
+	if req.Dimensions != nil {
+		abort(c, invalid("dimensions", "dimensions is not supported: this model returns %d dimensions", b.Info.EmbeddingSize))
+		return
+	}
+	if req.Input == nil || len(req.Input.Texts)+len(req.Input.Tokens) == 0 {
+		abort(c, invalid("input", "input is required"))
+		return
+	}
+	var inputs [][]engine.Token
+	for i, t := range req.Input.Texts {
+		toks, err := b.Vocab.Tokenize(t, true, false)
+		if err != nil || len(toks) == 0 {
+			abort(c, invalid("input", "input %d is empty", i))
+			return
+		}
+		inputs = append(inputs, toks)
+	}
+	for i, ids := range req.Input.Tokens {
+		if len(ids) == 0 {
+			abort(c, invalid("input", "input %d is empty", i))
+			return
+		}
+		toks := make([]engine.Token, len(ids))
+		for j, id := range ids {
+			if id < 0 || id >= int64(b.Vocab.Size()) {
+				abort(c, invalid("input", "input %d token %d: id %d is outside the vocabulary", i, j, id))
+				return
+			}
+			toks[j] = engine.Token(id)
+		}
+		inputs = append(inputs, toks)
+	}
+	if len(inputs) > 2048 {
+		abort(c, invalid("input", "at most 2048 inputs per request"))
+		return
+	}
+	ctx := c.Request.Context()
+	streams := make([]*scheduler.Stream, len(inputs))
+	for i, toks := range inputs {
+		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: toks, Embed: true})
+		if err != nil {
+			abort(c, err)
+			return
+		}
+		streams[i] = st
+	}
+	resp := EmbeddingResponse{Object: "list", Model: s.cfg.ModelName}
+	for i, st := range streams {
+		var vec []float32
+		for {
+			ev, ok := st.Next(ctx)
+			if !ok {
+				abort(c, errors.New("embedding stream ended without a result"))
+				return
+			}
+			if ev.Kind == scheduler.EventEmbedding {
+				vec = normalize(ev.Vector)
+			}
+			if ev.Kind == scheduler.EventError {
+				abort(c, ev.Err)
+				return
+			}
+			if ev.Kind == scheduler.EventDone {
+				resp.Usage.PromptTokens += ev.Usage.PromptTokens
+				break
+			}
+		}
+		d := EmbeddingData{Object: "embedding", Index: i}
+		if req.EncodingFormat == "base64" {
+			d.Embedding = base64Floats(vec)
+		} else {
+			d.Embedding = vec
+		}
+		resp.Data = append(resp.Data, d)
+	}
+	resp.Usage.TotalTokens = resp.Usage.PromptTokens
+	c.JSON(http.StatusOK, resp)
+}
+
+// normalize scales v to unit length, as OpenAI's and llama-server's embeddings are.
+func normalize(v []float32) []float32 {
+	var sum float64
+	for _, x := range v {
+		sum += float64(x) * float64(x)
+	}
+	if sum == 0 {
+		return v
+	}
+	n := float32(1 / math.Sqrt(sum))
+	out := make([]float32, len(v))
+	for i, x := range v {
+		out[i] = x * n
+	}
+	return out
+}
+
+// base64Floats is OpenAI's base64 encoding: little-endian float32s.
+func base64Floats(v []float32) string {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
+	}
+	return base64.StdEncoding.EncodeToString(b)
 }

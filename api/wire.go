@@ -328,3 +328,33 @@ type ErrorDetail struct {
 	Param   *string `json:"param"`
 	Code    *string `json:"code"`
 }
+
+// EmbeddingRequest is the body of POST /v1/embeddings.
+type EmbeddingRequest struct {
+	Model          string  `json:"model"`
+	Input          *Prompt `json:"input"` // a string, strings, token ids or lists of them
+	EncodingFormat string  `json:"encoding_format"`
+	Dimensions     *int    `json:"dimensions"`
+	User           string  `json:"user"`
+}
+
+// EmbeddingData is one embedding: []float32, or a base64 string.
+type EmbeddingData struct {
+	Object    string `json:"object"`
+	Index     int    `json:"index"`
+	Embedding any    `json:"embedding"`
+}
+
+// EmbeddingUsage counts the input tokens.
+type EmbeddingUsage struct {
+	PromptTokens int `json:"prompt_tokens"`
+	TotalTokens  int `json:"total_tokens"`
+}
+
+// EmbeddingResponse is the body of a /v1/embeddings answer.
+type EmbeddingResponse struct {
+	Object string          `json:"object"`
+	Data   []EmbeddingData `json:"data"`
+	Model  string          `json:"model"`
+	Usage  EmbeddingUsage  `json:"usage"`
+}

@@ -26,6 +26,9 @@ type Request struct {
 	Priority  int // higher first
 	// Deadline, if set, cancels the request when reached, waiting or running.
 	Deadline time.Time
+	// Embed asks for the prompt's pooled embedding (EventEmbedding) instead of
+	// generation; the engine must be a pooling one. The prompt is computed in one pass.
+	Embed bool
 }
 
 func (r *Request) validate(vocab int) error {
@@ -47,6 +50,9 @@ func (r *Request) validate(vocab int) error {
 		if s == "" {
 			return fmt.Errorf("%w: empty stop string", ErrInvalid)
 		}
+	}
+	if r.Embed && (r.N > 1 || r.Grammar != "") {
+		return fmt.Errorf("%w: an embedding request has one result and no grammar", ErrInvalid)
 	}
 	if err := r.Sampling.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)

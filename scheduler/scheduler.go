@@ -169,6 +169,9 @@ func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
 	if n := len(req.Prompt); n >= s.MaxContext() {
 		return nil, fmt.Errorf("%w: %d prompt tokens, context holds %d", ErrPromptTooLong, n, s.MaxContext())
 	}
+	if req.Embed && len(req.Prompt) > s.cfg.MaxBatchTokens {
+		return nil, fmt.Errorf("%w: an embedding input of %d tokens exceeds the step budget of %d (--max-batch-tokens)", ErrPromptTooLong, len(req.Prompt), s.cfg.MaxBatchTokens)
+	}
 	n := max(req.N, 1)
 	if s.waiting.Add(int64(n)) > int64(s.cfg.MaxWaiting) {
 		s.waiting.Add(-int64(n))
@@ -244,6 +247,9 @@ func (s *Scheduler) takeInbox() {
 		maxNew := g.req.MaxTokens
 		if maxNew == 0 {
 			maxNew = s.cfg.DefaultMaxTokens
+		}
+		if g.req.Embed {
+			maxNew = 0 // nothing is generated
 		}
 		for i := range n {
 			s.arrival++
@@ -368,6 +374,9 @@ func (s *Scheduler) prefill(q *seq) {
 		end = len(q.tokens) - 1
 	}
 	to := min(end, from+s.budget())
+	if q.g.req.Embed && to < end {
+		return // a pooled sequence is computed in one pass: wait for a step with room
+	}
 	if to <= from {
 		return
 	}
@@ -381,7 +390,7 @@ func (s *Scheduler) prefill(q *seq) {
 func (s *Scheduler) addRows(q *seq, from, to int) {
 	q.sampleRow = -1
 	for p := from; p < to; p++ {
-		out := p == len(q.tokens)-1
+		out := p == len(q.tokens)-1 || q.g.req.Embed
 		if out {
 			q.sampleRow = s.batch.Len()
 		}
@@ -544,9 +553,14 @@ func (s *Scheduler) decode(ctx context.Context) {
 			}
 		}
 	}
-	// Sequences with a row sample (forked choices use their first choice's row).
+	// Sequences with a row sample (forked choices use their first choice's row);
+	// embedding requests read their pooled vector instead.
 	for _, q := range slices.Clone(s.running) {
-		if q.running && q.sampleRow >= 0 {
+		switch {
+		case !q.running || q.sampleRow < 0:
+		case q.g.req.Embed:
+			s.emitEmbedding(q)
+		default:
 			s.sampleAndEmit(q, q.sampleRow)
 		}
 	}
@@ -596,6 +610,17 @@ func (s *Scheduler) rate(r *float64, n int, d time.Duration) {
 	inst := float64(n) / d.Seconds()
 	w := 1 - math.Exp2(-d.Seconds()/rateHalfLife.Seconds())
 	*r += w * (inst - *r)
+}
+
+// emitEmbedding publishes the pooled embedding of q's prompt and ends it.
+func (s *Scheduler) emitEmbedding(q *seq) {
+	vec, err := s.eng.Embeddings(engine.SeqID(q.kv.ID))
+	if err != nil {
+		s.fail(q.g, fmt.Errorf("embeddings: %w", err))
+		return
+	}
+	q.g.stream.push(Event{Kind: EventEmbedding, Index: q.index, Vector: vec})
+	s.finish(q, FinishStop, "")
 }
 
 // sampleAndEmit samples q's next token from batch row row and publishes it.

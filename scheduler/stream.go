@@ -21,6 +21,8 @@ const (
 	EventDone
 	// EventError: the last event of a stream that failed; Err says why.
 	EventError
+	// EventEmbedding: the pooled embedding of an Embed request, in Vector.
+	EventEmbedding
 )
 
 // FinishReason is why a choice ended, in OpenAI's words where they exist.
@@ -52,6 +54,7 @@ type Event struct {
 	Finish  FinishReason
 	Usage   Usage
 	Err     error
+	Vector  []float32
 }
 
 // Stream delivers a request's events in order. The scheduler appends without ever

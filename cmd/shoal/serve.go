@@ -82,6 +82,8 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 type serveFlags struct {
 	model, addr, modelName, logLevel, flash, kvType, tensorSplit, sim     string
 	simSpeed                                                              float64
+	embeddings                                                            bool
+	pooling                                                               string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU   int
 	unified, mmap, caching                                                bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens int
@@ -123,6 +125,8 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.mainGPU, "main-gpu", 0, "GPU for the whole model when not splitting")
 	fs.StringVar(&f.tensorSplit, "tensor-split", "", "fraction of the model per GPU, e.g. 3,1")
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
+	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
+	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
 	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
@@ -180,6 +184,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
 	lc.Threads, lc.BatchThreads, lc.Unified, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.unified, f.flash, f.kvType
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
+	lc.Embeddings, lc.Pooling = f.embeddings, f.pooling
 	if err := lc.Validate(); err != nil {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"os/exec"
@@ -404,5 +405,34 @@ func TestBenchAgainstNode(t *testing.T) {
 			t.Fatalf("shared-prefix run reported no cached tokens: %+v", r)
 		}
 		t.Logf("%s", stdout.String())
+	}
+}
+
+func TestEmbeddingNode(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--embeddings", "--pooling", "mean")
+	c := n.client("")
+	ctx := context.Background()
+	r, err := c.Embeddings.New(ctx, openai.EmbeddingNewParams{
+		Model: "small",
+		Input: openai.EmbeddingNewParamsInputUnion{OfArrayOfStrings: []string{"the cat sat", "a dog ran", "the cat sat"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Data) != 3 || len(r.Data[0].Embedding) != 256 || r.Usage.PromptTokens == 0 {
+		t.Fatalf("embeddings: %d items, %d dims, usage %+v", len(r.Data), len(r.Data[0].Embedding), r.Usage)
+	}
+	var norm, same float64
+	for i, x := range r.Data[0].Embedding {
+		norm += x * x
+		same += math.Abs(x - r.Data[2].Embedding[i])
+	}
+	if math.Abs(norm-1) > 1e-3 || same > 1e-3 {
+		t.Fatalf("norm %v, distance between equal inputs %v", norm, same)
+	}
+	_, err = c.Completions.New(ctx, openai.CompletionNewParams{Model: "small", Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("x")}})
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
+		t.Fatalf("generation on an embedding node: %v", err)
 	}
 }

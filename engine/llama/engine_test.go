@@ -659,3 +659,41 @@ func TestStories260K(t *testing.T) {
 		t.Fatalf("no common English words in %q", a)
 	}
 }
+
+func TestPooledEmbeddings(t *testing.T) {
+	e := openTest(t, models.Tiny(), func(c *Config) { c.Embeddings, c.Pooling = true, "mean" })
+	if !e.Info().Pooling {
+		t.Fatal("mean pooling not reported")
+	}
+	embed := func(text string, s engine.SeqID) []float32 {
+		toks := tokenize(t, e, text)
+		var b engine.Batch
+		for i, tk := range toks {
+			b.Add(tk, engine.Pos(i), s, true)
+		}
+		if err := e.Decode(context.Background(), &b); err != nil {
+			t.Fatal(err)
+		}
+		v, err := e.Embeddings(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	a, b := embed("the cat sat", 0), embed("the cat sat", 1)
+	c := embed("a dog ran far away", 2)
+	if len(a) != e.Info().EmbeddingSize {
+		t.Fatalf("%d dimensions", len(a))
+	}
+	same, diff := true, false
+	for i := range a {
+		same = same && math.Abs(float64(a[i]-b[i])) < 1e-4
+		diff = diff || math.Abs(float64(a[i]-c[i])) > 1e-3
+	}
+	if !same || !diff {
+		t.Fatalf("equal texts must embed alike and different ones differently (same %v diff %v)", same, diff)
+	}
+	if _, err := Open(func() Config { c := DefaultConfig(genModel(t, models.Tiny())); c.Pooling = "max"; return c }()); err == nil {
+		t.Fatal("unknown pooling accepted")
+	}
+}

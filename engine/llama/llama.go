@@ -115,8 +115,10 @@ type Config struct {
 	Unified          bool // kv_unified: one cell pool for all sequences
 	FlashAttention   string
 	KVType           string // f16, q8_0 or q4_0
-	// Embeddings creates a context that returns pooled embeddings (embedding models).
+	// Embeddings creates a context that returns pooled embeddings instead of logits
+	// (an embedding node). Pooling is "" (the model's own), mean, cls or last.
 	Embeddings bool
+	Pooling    string
 
 	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
 	Progress func(float32)
@@ -163,7 +165,24 @@ func (c Config) Validate() error {
 	if _, err := kvType(c.KVType); err != nil {
 		return err
 	}
+	if _, err := poolingType(c.Pooling); err != nil {
+		return err
+	}
 	return nil
+}
+
+func poolingType(s string) (C.enum_llama_pooling_type, error) {
+	switch s {
+	case "":
+		return C.LLAMA_POOLING_TYPE_UNSPECIFIED, nil
+	case "mean":
+		return C.LLAMA_POOLING_TYPE_MEAN, nil
+	case "cls":
+		return C.LLAMA_POOLING_TYPE_CLS, nil
+	case "last":
+		return C.LLAMA_POOLING_TYPE_LAST, nil
+	}
+	return 0, fmt.Errorf("pooling %q: want mean, cls or last (or empty for the model's)", s)
 }
 
 func flashType(s string) (C.enum_llama_flash_attn_type, error) {
@@ -296,6 +315,11 @@ func (e *Engine) newContext(cfg Config) error {
 	kt, _ := kvType(cfg.KVType)
 	cp.type_k, cp.type_v = kt, kt
 	cp.embeddings = C.bool(cfg.Embeddings)
+	if cfg.Embeddings {
+		cp.pooling_type, _ = poolingType(cfg.Pooling)
+		// A pooled sequence must be computed in one micro-batch.
+		cp.n_ubatch = cp.n_batch
+	}
 	cp.no_perf = C.bool(true)
 	// Keep all of a sliding-window model's cells so that partial sequence copies stay valid.
 	cp.swa_full = C.bool(true)
