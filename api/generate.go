@@ -215,16 +215,8 @@ func (s *Server) chat(c *gin.Context) {
 		return
 	}
 	var req ChatRequest
-	if err := decodeBody(c, &req); err != nil {
-		abort(c, err)
-		return
-	}
-	forwarded, ok := s.checkHop(c)
+	forwarded, ok := s.begin(c, &req, &req.SamplingFields)
 	if !ok {
-		return
-	}
-	if !forwarded && s.elsewhere(req.Model) {
-		s.route(c, req.Model, nil, priorityOf(req.Priority))
 		return
 	}
 	maxTokens := req.MaxTokens
@@ -290,16 +282,8 @@ func (s *Server) completions(c *gin.Context) {
 		return
 	}
 	var req CompletionRequest
-	if err := decodeBody(c, &req); err != nil {
-		abort(c, err)
-		return
-	}
-	forwarded, ok := s.checkHop(c)
+	forwarded, ok := s.begin(c, &req, &req.SamplingFields)
 	if !ok {
-		return
-	}
-	if !forwarded && s.elsewhere(req.Model) {
-		s.route(c, req.Model, nil, priorityOf(req.Priority))
 		return
 	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, req.MaxTokens)
@@ -367,6 +351,24 @@ func (s *Server) completions(c *gin.Context) {
 		return
 	}
 	s.run(c, b, &p)
+}
+
+// begin decodes a generation request into req (whose shared fields are f), checks a
+// forwarded request's credential, and forwards a request for a model served only
+// elsewhere. ok is false when the request was answered.
+func (s *Server) begin(c *gin.Context, req any, f *SamplingFields) (forwarded, ok bool) {
+	if err := decodeBody(c, req); err != nil {
+		abort(c, err)
+		return false, false
+	}
+	if forwarded, ok = s.checkHop(c); !ok {
+		return forwarded, false
+	}
+	if !forwarded && s.elsewhere(f.Model) {
+		s.route(c, f.Model, nil, priorityOf(f.Priority))
+		return false, false
+	}
+	return forwarded, true
 }
 
 // checkHop verifies a forwarded request's credential; ok is false when it was refused.

@@ -249,17 +249,9 @@ func (s *Server) models(c *gin.Context) {
 }
 
 func (s *Server) embeddings(c *gin.Context) {
-	b, ok := s.readyBackend(c)
-	if !ok {
-		return
-	}
 	var req EmbeddingRequest
-	if err := decodeBody(c, &req); err != nil {
-		abort(c, err)
-		return
-	}
-	if err := s.checkModel(req.Model); err != nil {
-		abort(c, err)
+	b, ok := s.decodeFor(c, &req, &req.Model)
+	if !ok {
 		return
 	}
 	if !b.Info.Pooling {

@@ -8,18 +8,28 @@ import (
 	"github.com/shoal-ai/shoal/engine"
 )
 
-func (s *Server) tokenize(c *gin.Context) {
+// decodeFor returns the backend after decoding req and checking its model; ok is
+// false when the request was answered (not ready, bad body, unknown model).
+func (s *Server) decodeFor(c *gin.Context, req any, model *string) (*Backend, bool) {
 	b, ok := s.readyBackend(c)
 	if !ok {
-		return
+		return nil, false
 	}
+	if err := decodeBody(c, req); err != nil {
+		abort(c, err)
+		return nil, false
+	}
+	if err := s.checkModel(*model); err != nil {
+		abort(c, err)
+		return nil, false
+	}
+	return b, true
+}
+
+func (s *Server) tokenize(c *gin.Context) {
 	var req TokenizeRequest
-	if err := decodeBody(c, &req); err != nil {
-		abort(c, err)
-		return
-	}
-	if err := s.checkModel(req.Model); err != nil {
-		abort(c, err)
+	b, ok := s.decodeFor(c, &req, &req.Model)
+	if !ok {
 		return
 	}
 	add := true
@@ -57,17 +67,9 @@ func (s *Server) tokenize(c *gin.Context) {
 }
 
 func (s *Server) detokenize(c *gin.Context) {
-	b, ok := s.readyBackend(c)
-	if !ok {
-		return
-	}
 	var req DetokenizeRequest
-	if err := decodeBody(c, &req); err != nil {
-		abort(c, err)
-		return
-	}
-	if err := s.checkModel(req.Model); err != nil {
-		abort(c, err)
+	b, ok := s.decodeFor(c, &req, &req.Model)
+	if !ok {
 		return
 	}
 	toks := make([]engine.Token, len(req.Tokens))

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sync/atomic"
 )
 
 // SeqID is an engine sequence id (llama_seq_id).
@@ -154,9 +153,7 @@ type Pool struct {
 	generation               uint64
 	clock                    uint64 // orders block uses for holder recency
 
-	stats   atomic.Pointer[Stats]
-	summary atomic.Pointer[Summary]
-	pubGen  uint64
+	snapshots
 }
 
 type seqState uint8
@@ -603,24 +600,9 @@ func (p *Pool) Publish() {
 			holders++
 		}
 	}
-	p.stats.Store(&Stats{
+	publish(&p.snapshots, Stats{
 		Blocks: len(p.blocks), Free: len(p.free), Used: used, Cached: cached,
 		Queries: p.queries, HitTokens: p.hits, Evictions: p.evictions,
 		Holders: holders, Running: p.running, BlockTokens: p.cfg.BlockTokens, Generation: p.generation,
-	})
-	if p.pubGen != p.generation {
-		hs := make([]Hash, 0, len(p.index))
-		for h := range p.index {
-			hs = append(hs, h)
-		}
-		slices.Sort(hs)
-		p.summary.Store(&Summary{Generation: p.generation, Hashes: hs})
-		p.pubGen = p.generation
-	}
+	}, p.index)
 }
-
-// Stats returns the last published counters. Any goroutine.
-func (p *Pool) Stats() Stats { return *p.stats.Load() }
-
-// Summary returns the last published resident set. Any goroutine; do not modify.
-func (p *Pool) Summary() *Summary { return p.summary.Load() }

@@ -4,7 +4,6 @@ import (
 	"container/list"
 	"fmt"
 	"slices"
-	"sync/atomic"
 )
 
 // SplitPool accounts KV memory laid out as one stream of StreamTokens cells per
@@ -27,9 +26,7 @@ type SplitPool struct {
 	queries, hits, evictions uint64
 	generation               uint64
 
-	stats   atomic.Pointer[Stats]
-	summary atomic.Pointer[Summary]
-	pubGen  uint64
+	snapshots
 }
 
 type stream struct {
@@ -315,24 +312,9 @@ func (p *SplitPool) Publish() {
 		}
 	}
 	total := p.TotalBlocks()
-	p.stats.Store(&Stats{
+	publish(&p.snapshots, Stats{
 		Blocks: total, Free: total - used - cached, Used: used, Cached: cached,
 		Queries: p.queries, HitTokens: p.hits, Evictions: p.evictions,
 		Holders: holders, Running: running, BlockTokens: B, Generation: p.generation,
-	})
-	if p.pubGen != p.generation {
-		hs := make([]Hash, 0, len(p.index))
-		for h := range p.index {
-			hs = append(hs, h)
-		}
-		slices.Sort(hs)
-		p.summary.Store(&Summary{Generation: p.generation, Hashes: hs})
-		p.pubGen = p.generation
-	}
+	}, p.index)
 }
-
-// Stats returns the last published counters. Any goroutine.
-func (p *SplitPool) Stats() Stats { return *p.stats.Load() }
-
-// Summary returns the last published resident set. Any goroutine.
-func (p *SplitPool) Summary() *Summary { return p.summary.Load() }
