@@ -235,8 +235,13 @@ func (s *Server) models(c *gin.Context) {
 	if b != nil {
 		maxLen = b.Generator.MaxContext()
 	}
+	owner := "shoal"
+	sim := b != nil && b.Info.Architecture == "sim"
+	if sim {
+		owner = "shoal (simulated engine)"
+	}
 	list := ModelList{Object: "list", Data: []Model{{
-		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: maxLen,
+		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Simulated: sim,
 	}}}
 	if s.node != nil {
 		for _, m := range s.node.Models() {

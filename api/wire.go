@@ -282,6 +282,8 @@ type Model struct {
 	Created     int64  `json:"created"`
 	OwnedBy     string `json:"owned_by"`
 	MaxModelLen int    `json:"max_model_len"`
+	// Simulated is true when a node serves engine/sim, not a model.
+	Simulated bool `json:"simulated,omitempty"`
 }
 
 // ModelList is the body of GET /v1/models.

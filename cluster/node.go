@@ -482,6 +482,7 @@ type Member struct {
 	SummaryBlocks int      `json:"summary_blocks"`
 	UpdatedAgoMS  int64    `json:"updated_ago_ms"`
 	Inflight      int      `json:"inflight"`
+	Simulated     bool     `json:"simulated,omitempty"`
 }
 
 // Members returns every known node, this one first, then by name.
@@ -500,7 +501,7 @@ func (n *Node) Members() []Member {
 			ago = time.Since(p.loadAt).Milliseconds()
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
-			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: p.inflight})
+			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: p.inflight, Simulated: p.meta.Simulated})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {

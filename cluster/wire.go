@@ -31,6 +31,8 @@ type Meta struct {
 	// Leaving is set just before a graceful leave, so that peers record "left" and not
 	// "dead" (memberlist's leave event does not say which).
 	Leaving bool `json:"l,omitempty"`
+	// Simulated marks a node running engine/sim: its answers are not a model's.
+	Simulated bool `json:"s,omitempty"`
 }
 
 func encodeMeta(m Meta) ([]byte, error) {

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
+	"net/http"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -33,5 +35,15 @@ func TestCalibrateAndServeSim(t *testing.T) {
 		Model: "small", Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("hello")}, MaxTokens: openai.Int(5)})
 	if err != nil || comp.Usage.CompletionTokens != 5 || len(comp.Choices[0].Text) != 5 {
 		t.Fatalf("sim completion: %+v %v", comp, err)
+	}
+	// It says loudly that it is simulated.
+	resp, err := http.Get(n.url + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(b), `"simulated":true`) || !strings.Contains(n.log(), "SIMULATED ENGINE") {
+		t.Fatalf("sim node does not say so: %s", b)
 	}
 }

@@ -122,7 +122,7 @@ func (a schedulerState) Load() cluster.Load {
 
 func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
 
-func startCluster(cf *clusterFlags, httpAddr, model string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS bool, log *slog.Logger) (*cluster.Node, []byte, error) {
+func startCluster(cf *clusterFlags, httpAddr, model string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS, simulated bool, log *slog.Logger) (*cluster.Node, []byte, error) {
 	key, err := cf.gossipKey()
 	if err != nil {
 		return nil, nil, err
@@ -142,7 +142,7 @@ func startCluster(cf *clusterFlags, httpAddr, model string, sc scheduler.Config,
 	if adv == "" {
 		adv = httpAddr
 	}
-	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS}
+	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated}
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
 	if err != nil {
 		return nil, nil, err
@@ -195,6 +195,9 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		state := m.State
 		if m.Draining {
 			state += ",draining"
+		}
+		if m.Simulated {
+			state += ",SIMULATED"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","),
 			m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed, m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.QueueWaitMS, m.SummaryBlocks, m.UpdatedAgoMS)

@@ -201,3 +201,72 @@ func TestWrongGossipKeyProcessFails(t *testing.T) {
 		t.Fatalf("a node with the wrong key joined (exit %d): %s", code, stderr.String())
 	}
 }
+
+// TestPeerKilledMidStream: a stream relayed from a peer that is killed ends with an
+// error event, and new requests succeed on the surviving node.
+func TestPeerKilledMidStream(t *testing.T) {
+	model := smallModel(t)
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	common := []string{"--model", model, "--gossip-key", key, "--threads", "1"}
+	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a", "--route", "round-robin"}, common...)...)
+	b := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
+	waitFor(t, "b known to a", func() bool {
+		for _, m := range clusterMembers(t, a) {
+			if m.Name == "b" && m.State == "alive" {
+				return true
+			}
+		}
+		return false
+	})
+	body := `{"prompt":"Once upon a time","max_tokens":4000,"ignore_eos":true,"stream":true}`
+	var resp *http.Response
+	for range 4 { // round robin: one of the next requests goes to b
+		req, _ := http.NewRequest("POST", a.url+"/v1/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		r, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Header.Get("X-Shoal-Served-By") == "b" {
+			resp = r
+			break
+		}
+		r.Body.Close()
+	}
+	if resp == nil {
+		t.Fatal("no request was forwarded to b")
+	}
+	defer resp.Body.Close()
+	buf := make([]byte, 4096)
+	if _, err := resp.Body.Read(buf); err != nil {
+		t.Fatal(err)
+	}
+	b.cmd.Process.Signal(syscall.SIGKILL)
+	<-b.done
+	rest, err := io.ReadAll(resp.Body) // must end, not hang
+	if err != nil {
+		t.Fatalf("stream did not end cleanly after the peer died: %v", err)
+	}
+	if !strings.Contains(string(rest), "peer_failed") || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("no error event at the end of the relayed stream: %q", tail(string(rest)))
+	}
+	for range 4 {
+		if r, out := post(t, a.url+"/v1/completions", `{"prompt":"hi","max_tokens":2}`); r.StatusCode != 200 {
+			t.Fatalf("after b died: %d %s", r.StatusCode, out)
+		}
+	}
+	// A request that claims a valid hop is never forwarded again, even for a model
+	// this node does not serve.
+	resp2, out := post(t, a.url+"/v1/completions", `{"model":"elsewhere","prompt":"x"}`)
+	if resp2.StatusCode != 404 {
+		t.Fatalf("unknown model: %d %s", resp2.StatusCode, out)
+	}
+}
+
+func tail(s string) string {
+	if len(s) > 300 {
+		return s[len(s)-300:]
+	}
+	return s
+}

@@ -275,6 +275,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	defer eng.Close()
 	info, capacity := eng.Info(), eng.Capacity()
+	if f.sim != "" {
+		log.Warn("SIMULATED ENGINE: this node sleeps instead of computing and answers with letters, not a model's output",
+			"profile", f.sim, "speed", f.simSpeed)
+	}
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
 		"params", info.Params, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq, "seqs", capacity.MaxSeqs,
 		"unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse)
@@ -288,7 +292,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		node, secret, err = startCluster(f.cluster, ln.Addr().String(), name, sc, sched, serverTLS != nil, log)
+		node, secret, err = startCluster(f.cluster, ln.Addr().String(), name, sc, sched, serverTLS != nil, f.sim != "", log)
 		if err != nil {
 			stopSched()
 			<-schedDone
