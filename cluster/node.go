@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	metrics "github.com/hashicorp/go-metrics"
 	"github.com/hashicorp/memberlist"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -60,6 +61,9 @@ type Config struct {
 	ProbeInterval time.Duration
 	ProbeTimeout  time.Duration
 	GossipNodes   int
+
+	// metricLabels tags memberlist's own metrics (benchmarks count bytes per node).
+	metricLabels map[string]string
 }
 
 // DefaultConfig returns the defaults: prefix-aware routing over memberlist's LAN profile.
@@ -113,6 +117,7 @@ type Node struct {
 
 	sentGen  uint64
 	sentSet  map[kvcache.Hash]struct{}
+	joined   chan string // members to send the full summary to
 	loadSeq  atomic.Uint64
 	rr       atomic.Uint64
 	stop     chan struct{}
@@ -155,7 +160,8 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 		return nil, err
 	}
 	return &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
-		hasher: kvcache.NewHasher(cfg.HashSeed, ""), sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{})}, nil
+		hasher: kvcache.NewHasher(cfg.HashSeed, ""), sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
+		joined: make(chan string, 256)}, nil
 }
 
 // Name is this node's name.
@@ -190,6 +196,9 @@ func (n *Node) Start() error {
 	mc.Delegate = &delegate{n: n}
 	mc.Events = &events{n: n}
 	mc.Logger = log.New(&slogWriter{n.log}, "", 0)
+	for k, v := range n.cfg.metricLabels {
+		mc.MetricLabels = append(mc.MetricLabels, metrics.Label{Name: k, Value: v})
+	}
 	n.queue = &memberlist.TransmitLimitedQueue{NumNodes: func() int { return n.numMembers() }, RetransmitMult: 3}
 	ml, err := memberlist.Create(mc)
 	if err != nil {
@@ -245,7 +254,29 @@ func (n *Node) loop() {
 		select {
 		case <-n.stop:
 			return
+		case name := <-n.joined:
+			n.sendSummary(name)
 		case <-t.C:
+		}
+	}
+}
+
+// sendSummary sends this node's full summary to one member over TCP.
+func (n *Node) sendSummary(name string) {
+	sum := n.local.Summary()
+	if sum == nil || len(sum.Hashes) == 0 {
+		return
+	}
+	for _, m := range n.ml.Members() {
+		if m.Name == name {
+			hs := sum.Hashes
+			if len(hs) > maxSummary {
+				hs = hs[:maxSummary]
+			}
+			if err := n.ml.SendReliable(m, encodePrefix(n.cfg.Name, sum.Generation, hs)); err != nil {
+				n.log.Debug("send summary", "peer", name, "err", err)
+			}
+			return
 		}
 	}
 }
@@ -342,7 +373,7 @@ func (d *delegate) NotifyMsg(b []byte) {
 			return
 		}
 		n.mu.Lock()
-		if p := n.peers[name]; p != nil && l.Seq > p.load.Seq {
+		if p := n.peerLocked(name); l.Seq > p.load.Seq {
 			p.load, p.loadAt = l, time.Now()
 		}
 		n.mu.Unlock()
@@ -352,17 +383,16 @@ func (d *delegate) NotifyMsg(b []byte) {
 			return
 		}
 		n.mu.Lock()
-		if p := n.peers[name]; p != nil {
-			if p.summary == nil {
-				p.summary = map[kvcache.Hash]struct{}{}
-			}
-			for _, h := range hs {
-				if len(p.summary) < maxSummary {
-					p.summary[h] = struct{}{}
-				}
-			}
-			p.sumGen = max(p.sumGen, gen)
+		p := n.peerLocked(name)
+		if p.summary == nil {
+			p.summary = map[kvcache.Hash]struct{}{}
 		}
+		for _, h := range hs {
+			if len(p.summary) < maxSummary {
+				p.summary[h] = struct{}{}
+			}
+		}
+		p.sumGen = max(p.sumGen, gen)
 		n.mu.Unlock()
 	}
 }
@@ -397,22 +427,38 @@ func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 		set[h] = struct{}{}
 	}
 	n.mu.Lock()
-	if p := n.peers[name]; p != nil {
-		p.summary, p.sumGen = set, gen
-	}
+	p := n.peerLocked(name)
+	p.summary, p.sumGen = set, gen
 	n.mu.Unlock()
+}
+
+// peerLocked returns the entry for name, creating a placeholder when a message from
+// a member arrives before memberlist's join event for it (messages and events travel
+// separately). Placeholders are neither listed nor routed to until the join event
+// fills in their metadata. n.mu must be held.
+func (n *Node) peerLocked(name string) *peer {
+	p := n.peers[name]
+	if p == nil {
+		p = &peer{name: name}
+		n.peers[name] = p
+	}
+	return p
 }
 
 // events tracks membership. memberlist calls it from one goroutine at a time.
 type events struct{ n *Node }
 
-// NotifyJoin also makes this node resend its whole summary as deltas, so that a
-// newcomer learns every cache without waiting for a push/pull with each node.
+// NotifyJoin also queues this node's whole summary for the newcomer, sent directly
+// over TCP by the loop, so that it learns every cache at once instead of waiting for
+// a push/pull with each node (broadcasts carry only new blocks).
 func (e *events) NotifyJoin(m *memberlist.Node) {
 	e.n.upsert(m, "alive")
-	e.n.mu.Lock()
-	e.n.sentSet, e.n.sentGen = map[kvcache.Hash]struct{}{}, 0
-	e.n.mu.Unlock()
+	if m.Name != e.n.cfg.Name {
+		select {
+		case e.n.joined <- m.Name:
+		default: // a burst of joins: push/pull covers the rest
+		}
+	}
 }
 func (e *events) NotifyUpdate(m *memberlist.Node) { e.n.upsert(m, "alive") }
 func (e *events) NotifyLeave(m *memberlist.Node) {
@@ -492,6 +538,9 @@ func (n *Node) Members() []Member {
 	defer n.mu.Unlock()
 	var out []Member
 	for _, p := range n.peers {
+		if p.state == "" {
+			continue // heard from, but not yet joined
+		}
 		st := p.state
 		if s, ok := states[p.name]; ok && p.name != n.cfg.Name {
 			st = s
