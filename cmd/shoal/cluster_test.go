@@ -14,15 +14,9 @@ import (
 	"github.com/shoal-ai/shoal/cluster"
 )
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+func freeAddr(t *testing.T) string { return freeAddrTB(t) }
+
+func netListen() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
 
 func clusterMembers(t *testing.T, n *node) []cluster.Member {
 	t.Helper()

@@ -41,7 +41,7 @@ var (
 	storiesGGUF = "../../../shared/models/stories260K.gguf"
 )
 
-func smallModel(t *testing.T) string {
+func smallModel(t testing.TB) string {
 	t.Helper()
 	smallOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "shoal-serve-test")
@@ -69,7 +69,7 @@ type node struct {
 
 var listenRE = regexp.MustCompile(`msg=listening addr=(\S+)`)
 
-func startNode(t *testing.T, args ...string) *node {
+func startNode(t testing.TB, args ...string) *node {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], append([]string{"serve", "--addr", "127.0.0.1:0", "--threads", "2"}, args...)...)
 	cmd.Env = append(os.Environ(), "SHOAL_TEST_BE_MAIN=1")
