@@ -44,10 +44,13 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 
 // route sends a request elsewhere when the router prefers another node. It returns
 // true when the request was answered (forwarded, or refused with 429), false when it
-// should be served here. tokens may be nil (model served only elsewhere).
-func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int) bool {
+// should be served here; then the caller calls done when the local request ends, so
+// that the router counts it until the node's gossiped load shows it. tokens may be
+// nil (model served only elsewhere).
+func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int) (answered bool, done func()) {
+	noop := func() {}
 	if s.node == nil {
-		return false
+		return false, noop
 	}
 	var t32 []int32
 	if tokens != nil {
@@ -62,17 +65,17 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 		s.metrics.rejected(errSaturatedMarker)
 		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
 			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
-		return true
+		return true, noop
 	case errors.Is(err, cluster.ErrNoNode):
 		if tokens == nil {
 			abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
 				Message: "no node of this cluster serves the model " + model})
-			return true
+			return true, noop
 		}
-		return false
+		return false, noop
 	case err != nil:
 		abort(c, err)
-		return true
+		return true, noop
 	}
 	body, _ := c.Get(bodyKey)
 	raw, _ := body.([]byte)
@@ -82,7 +85,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			break
 		}
 		if t.Local {
-			return false
+			return false, s.node.Sent(t.Name)
 		}
 		done := s.node.Sent(t.Name)
 		err := s.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
@@ -97,13 +100,13 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			s.log.Warn("forward ended with an error", "peer", t.Name, "err", err)
 		}
 		c.Abort()
-		return true
+		return true, noop
 	}
 	if tokens != nil {
-		return false // no peer answered: serve here if this node can
+		return false, noop // no peer answered: serve here if this node can
 	}
 	abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peers_unavailable", Message: "no peer serving the model answered: " + errString(lastErr)})
-	return true
+	return true, noop
 }
 
 func errString(err error) string {

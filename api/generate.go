@@ -270,10 +270,19 @@ func (s *Server) chat(c *gin.Context) {
 		p.top = *req.TopLogprobs
 	}
 	p.logprobs = req.Logprobs
-	if !forwarded && s.route(c, p.model, toks, p.req.Priority) {
-		return
+	s.routeOrRun(c, b, &p, forwarded, toks)
+}
+
+// routeOrRun serves the request here unless routing sends it elsewhere.
+func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool, toks []engine.Token) {
+	if !forwarded {
+		answered, done := s.route(c, p.model, toks, p.req.Priority)
+		defer done()
+		if answered {
+			return
+		}
 	}
-	s.run(c, b, &p)
+	s.run(c, b, p)
 }
 
 func (s *Server) completions(c *gin.Context) {
@@ -347,10 +356,7 @@ func (s *Server) completions(c *gin.Context) {
 	if !req.Echo {
 		p.echo = nil
 	}
-	if !forwarded && s.route(c, p.model, p.prompts[0], p.req.Priority) {
-		return
-	}
-	s.run(c, b, &p)
+	s.routeOrRun(c, b, &p, forwarded, p.prompts[0])
 }
 
 // begin decodes a generation request into req (whose shared fields are f), checks a
@@ -365,7 +371,8 @@ func (s *Server) begin(c *gin.Context, req any, f *SamplingFields) (forwarded, o
 		return forwarded, false
 	}
 	if !forwarded && s.elsewhere(f.Model) {
-		s.route(c, f.Model, nil, priorityOf(f.Priority))
+		_, done := s.route(c, f.Model, nil, priorityOf(f.Priority))
+		done()
 		return false, false
 	}
 	return forwarded, true

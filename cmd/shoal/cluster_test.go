@@ -3,10 +3,12 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -263,4 +265,100 @@ func tail(s string) string {
 		return s[len(s)-300:]
 	}
 	return s
+}
+
+// TestDifferentPrefixesSpread: concurrent requests with distinct long prompts do not
+// all stay on the node that received them.
+func TestDifferentPrefixesSpread(t *testing.T) {
+	model := smallModel(t)
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	common := []string{"--model", model, "--gossip-key", key, "--threads", "1"}
+	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a"}, common...)...)
+	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
+	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "c", "--join", g1}, common...)...)
+	waitFor(t, "3 members at a", func() bool {
+		alive := 0
+		for _, m := range clusterMembers(t, a) {
+			if m.State == "alive" && m.Load.Seq > 0 {
+				alive++
+			}
+		}
+		return alive == 3
+	})
+	words := []string{"apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember", "frost"}
+	var mu sync.Mutex
+	served := map[string]int{}
+	var wg sync.WaitGroup
+	for i, w := range words {
+		wg.Go(func() {
+			prompt := strings.Repeat(fmt.Sprintf("%s %d is here. ", w, i), 40)
+			resp, out := post(t, a.url+"/v1/completions", `{"prompt":"`+prompt+`","max_tokens":16,"ignore_eos":true}`)
+			if resp.StatusCode != 200 {
+				t.Errorf("%d %s", resp.StatusCode, out)
+				return
+			}
+			by := resp.Header.Get("X-Shoal-Served-By")
+			if by == "" {
+				by = "a"
+			}
+			mu.Lock()
+			served[by]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	t.Logf("served by: %v", served)
+	if len(served) < 2 {
+		t.Fatalf("9 concurrent requests with different prefixes all served by one node: %v", served)
+	}
+}
+
+// TestTLSAndManyModels: two nodes serving different models over TLS; either node
+// answers for both models, forwarding over verified TLS.
+func TestTLSAndManyModels(t *testing.T) {
+	dir := t.TempDir()
+	cert, key, ca := writeTestCert(t, dir)
+	model := smallModel(t)
+	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	tlsArgs := []string{"--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--gossip-key", gk, "--model", model, "--threads", "1"}
+	x := startNode(t, append([]string{"--gossip-addr", g1, "--model-name", "x"}, tlsArgs...)...)
+	y := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--model-name", "y", "--join", g1}, tlsArgs...)...)
+	if !strings.HasPrefix(x.url, "https://") || !strings.HasPrefix(y.url, "https://") {
+		t.Fatalf("nodes not on TLS: %s %s", x.url, y.url)
+	}
+	client := tlsClient(t, ca)
+	get := func(url string) string {
+		resp, err := client.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	waitFor(t, "x lists y's model", func() bool { return strings.Contains(get(x.url+"/v1/models"), `"id":"y"`) })
+	for _, m := range []string{"x", "y"} {
+		resp, err := client.Post(x.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"`+m+`","prompt":"hi","max_tokens":2}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("model %s via x: %d %s", m, resp.StatusCode, b)
+		}
+		if by := resp.Header.Get("X-Shoal-Served-By"); (m == "y") != (by != "") {
+			t.Fatalf("model %s served by %q", m, by)
+		}
+	}
+	resp, err := client.Post(x.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"z","prompt":"hi"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 404 {
+		t.Fatalf("unknown model: %d", resp.StatusCode)
+	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -107,12 +109,16 @@ func startNode(t testing.TB, args ...string) *node {
 	select {
 	case a := <-addr:
 		n.url = "http://" + a
+		if slices.Contains(args, "--tls-cert") {
+			n.url = "https://" + a
+		}
 	case err := <-n.done:
 		t.Fatalf("node exited before listening: %v\n%s", err, n.log())
 	case <-time.After(30 * time.Second):
 		t.Fatalf("node did not listen\n%s", n.log())
 	}
 	deadline := time.Now().Add(60 * time.Second)
+	probe := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	for {
 		select {
 		case err := <-n.done:
@@ -120,7 +126,7 @@ func startNode(t testing.TB, args ...string) *node {
 			t.Fatalf("node exited before it was ready: %v", err)
 		default:
 		}
-		resp, err := http.Get(n.url + "/ready")
+		resp, err := probe.Get(n.url + "/ready")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
