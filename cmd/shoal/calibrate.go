@@ -35,6 +35,9 @@ func runCalibrate(args []string, stdout, stderr io.Writer) error {
 	batches, contexts := []int{1, 8, 32}, []int{64, 256}
 	cfg := llama.DefaultConfig(*model)
 	cfg.Threads, cfg.MaxSeqs, cfg.ContextCells, cfg.BatchTokens = *threads, 32, 32*(256+*steps+16), 512
+	// One stream per sequence: each token attends over its own context, which is what
+	// the profile's attention term models.
+	cfg.Unified = false
 	e, err := llama.Open(cfg)
 	if err != nil {
 		return err

@@ -57,11 +57,14 @@ func (p *Profile) Fit() error {
 	if len(p.Samples) < 3 {
 		return errors.New("sim: need at least 3 samples to fit")
 	}
-	// Normal equations of y = a + b·x1 + c·x2.
+	// Normal equations of y = a + b·x1 + c·x2, each sample weighted by 1/y so that
+	// relative errors count: a 5 ms decode step matters as much as a 400 ms prefill.
 	var m [3][4]float64
 	for _, s := range p.Samples {
-		x := [3]float64{1, float64(s.Tokens), float64(s.PosSum) / 1000}
 		y := s.Seconds * 1e6
+		w := 1 / max(y, 1)
+		x := [3]float64{w, w * float64(s.Tokens), w * float64(s.PosSum) / 1000}
+		y *= w
 		for i := range 3 {
 			for j := range 3 {
 				m[i][j] += x[i] * x[j]
