@@ -333,17 +333,10 @@ func (s *Server) completions(c *gin.Context) {
 		p.echo = append(p.echo, t)
 	}
 	for i, ids := range req.Prompt.Tokens {
-		if len(ids) == 0 {
-			abort(c, invalid("prompt", "prompt %d is empty", i))
+		toks, err := tokenIDs(ids, b.Vocab.Size(), "prompt", i)
+		if err != nil {
+			abort(c, err)
 			return
-		}
-		toks := make([]engine.Token, len(ids))
-		for j, id := range ids {
-			if id < 0 || id >= int64(b.Vocab.Size()) {
-				abort(c, invalid("prompt", "prompt %d token %d: id %d is outside the vocabulary (0..%d)", i, j, id, b.Vocab.Size()-1))
-				return
-			}
-			toks[j] = engine.Token(id)
 		}
 		text, err := b.Vocab.Detokenize(toks, false, false)
 		if err != nil {
@@ -616,4 +609,19 @@ func legacyLogprobs(ls []TokenLogprob, offset int) *CompletionLogprobs {
 		offset += len(l.Token)
 	}
 	return out
+}
+
+// tokenIDs validates the token ids of input i of a request (param names the field).
+func tokenIDs(ids []int64, vocab int, param string, i int) ([]engine.Token, error) {
+	if len(ids) == 0 {
+		return nil, invalid(param, "%s %d is empty", param, i)
+	}
+	toks := make([]engine.Token, len(ids))
+	for j, id := range ids {
+		if id < 0 || id >= int64(vocab) {
+			return nil, invalid(param, "%s %d token %d: id %d is outside the vocabulary (0..%d)", param, i, j, id, vocab-1)
+		}
+		toks[j] = engine.Token(id)
+	}
+	return toks, nil
 }

@@ -287,17 +287,10 @@ func (s *Server) embeddings(c *gin.Context) {
 		inputs = append(inputs, toks)
 	}
 	for i, ids := range req.Input.Tokens {
-		if len(ids) == 0 {
-			abort(c, invalid("input", "input %d is empty", i))
+		toks, err := tokenIDs(ids, b.Vocab.Size(), "input", i)
+		if err != nil {
+			abort(c, err)
 			return
-		}
-		toks := make([]engine.Token, len(ids))
-		for j, id := range ids {
-			if id < 0 || id >= int64(b.Vocab.Size()) {
-				abort(c, invalid("input", "input %d token %d: id %d is outside the vocabulary", i, j, id))
-				return
-			}
-			toks[j] = engine.Token(id)
 		}
 		inputs = append(inputs, toks)
 	}
