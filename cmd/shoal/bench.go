@@ -23,13 +23,14 @@ import (
 
 // benchConfig is a load test against any OpenAI-compatible /v1/completions endpoint.
 type benchConfig struct {
-	url, apiKey, model, dataset, jsonOut string
-	numPrompts, inputLen, outputLen      int
-	groups, perGroup, prefixLen, qLen    int
-	zipf, rate                           float64
-	concurrency, vocabLo, vocabHi        int
-	seed                                 int64
-	timeout                              time.Duration
+	urls                              listFlag
+	apiKey, model, dataset, jsonOut   string
+	numPrompts, inputLen, outputLen   int
+	groups, perGroup, prefixLen, qLen int
+	zipf, rate                        float64
+	concurrency, vocabLo, vocabHi     int
+	seed                              int64
+	timeout                           time.Duration
 }
 
 // benchRequest is one planned request: its prompt token ids and output length.
@@ -59,6 +60,7 @@ type BenchResult struct {
 	Completed        int     `json:"completed"`
 	Errors           int     `json:"errors"`
 	Rejected429      int     `json:"rejected_429"`
+	RejectedShare    float64 `json:"rejected_share"`
 	Concurrency      int     `json:"concurrency"`
 	Rate             float64 `json:"rate"`
 	DurationS        float64 `json:"duration_s"`
@@ -83,7 +85,7 @@ type Pcts struct {
 func runBench(args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("bench", stdout)
 	c := benchConfig{}
-	fs.StringVar(&c.url, "url", "http://127.0.0.1:8080/v1", "base URL of the OpenAI-compatible API")
+	fs.Var(&c.urls, "url", "base URL of the OpenAI-compatible API (default http://127.0.0.1:8080/v1); repeat or comma-separate to spread requests over several nodes in turn")
 	fs.StringVar(&c.apiKey, "api-key", os.Getenv("SHOAL_API_KEY"), "bearer key (default $SHOAL_API_KEY)")
 	fs.StringVar(&c.model, "model", "", "model id to send (default: the first of /v1/models)")
 	fs.StringVar(&c.dataset, "dataset", "random", "random or shared-prefix")
@@ -104,6 +106,9 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&c.timeout, "timeout", 10*time.Minute, "per-request timeout")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if len(c.urls) == 0 {
+		c.urls = listFlag{"http://127.0.0.1:8080/v1"}
 	}
 	switch {
 	case c.concurrency < 1:
@@ -185,7 +190,7 @@ func (c benchConfig) plan() ([]benchRequest, error) {
 }
 
 func firstModel(client *http.Client, c benchConfig) (string, error) {
-	req, _ := http.NewRequest("GET", strings.TrimSuffix(c.url, "/")+"/models", nil)
+	req, _ := http.NewRequest("GET", strings.TrimSuffix(c.urls[0], "/")+"/models", nil)
 	if c.apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+c.apiKey)
 	}
@@ -229,9 +234,10 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 			time.Sleep(time.Until(next))
 		}
 		sem <- struct{}{}
+		url := c.urls[i%len(c.urls)]
 		wg.Go(func() {
 			defer func() { <-sem }()
-			finish(i, c.one(client, q))
+			finish(i, c.one(client, url, q))
 		})
 	}
 	wg.Wait()
@@ -240,12 +246,12 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 }
 
 // one sends a streamed completion and measures it.
-func (c benchConfig) one(client *http.Client, q benchRequest) benchSample {
+func (c benchConfig) one(client *http.Client, url string, q benchRequest) benchSample {
 	body, _ := json.Marshal(map[string]any{
 		"model": c.model, "prompt": q.prompt, "max_tokens": q.out, "temperature": 0, "ignore_eos": true,
 		"stream": true, "stream_options": map[string]bool{"include_usage": true},
 	})
-	req, _ := http.NewRequestWithContext(context.Background(), "POST", strings.TrimSuffix(c.url, "/")+"/completions", bytes.NewReader(body))
+	req, _ := http.NewRequestWithContext(context.Background(), "POST", strings.TrimSuffix(url, "/")+"/completions", bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	if c.apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+c.apiKey)
@@ -347,6 +353,9 @@ func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResul
 		}
 	}
 	secs := d.Seconds()
+	if res.Requests > 0 {
+		res.RejectedShare = float64(res.Rejected429) / float64(res.Requests)
+	}
 	res.RequestsPerS = float64(res.Completed) / secs
 	res.OutputTokensPerS = float64(out) / secs
 	res.TotalTokensPerS = float64(out+prompt) / secs
