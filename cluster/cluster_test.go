@@ -233,8 +233,8 @@ func TestRoundRobinAndInflight(t *testing.T) {
 	n.cfg.Policy = PrefixAware
 	prompt := make([]int32, 100)
 	// Requests this router just sent count against a node before gossip shows them.
-	done := n.Sent("self")
-	done2 := n.Sent("self")
+	done := n.Sent(Target{Name: "self"}, 100)
+	done2 := n.Sent(Target{Name: "self"}, 100)
 	ts, _ := n.Route("m", prompt, 0)
 	if ts[0].Name == "self" {
 		t.Fatalf("in-flight requests ignored: %+v", ts)

@@ -3,6 +3,7 @@ package cluster
 import (
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"log"
 	"log/slog"
@@ -127,16 +128,17 @@ type Node struct {
 
 // peer is what this node knows of another (or of itself).
 type peer struct {
-	name     string
-	gossip   string
-	state    string
-	meta     Meta
-	metaOK   bool
-	load     Load
-	loadAt   time.Time
-	summary  map[kvcache.Hash]struct{}
-	sumGen   uint64
-	inflight int // requests this node forwarded there that have not finished
+	name           string
+	gossip         string
+	state          string
+	meta           Meta
+	metaOK         bool
+	load           Load
+	loadAt         time.Time
+	summary        map[kvcache.Hash]struct{}
+	sumGen         uint64
+	inflight       int // requests this node routed there that have not finished
+	inflightTokens int // their uncached prompt tokens
 }
 
 // New creates a node; Start joins the cluster.
@@ -159,9 +161,15 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	if _, err := encodeMeta(cfg.Meta); err != nil {
 		return nil, err
 	}
-	return &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
+	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
 		hasher: kvcache.NewHasher(cfg.HashSeed, ""), sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
-		joined: make(chan string, 256)}, nil
+		joined: make(chan string, 256)}
+	// Every router cycles from its own offset: with all counters at 0, routers that
+	// each receive one request at a time would all pick the same first node.
+	h := fnv.New64a()
+	h.Write([]byte(cfg.Name))
+	n.rr.Store(h.Sum64() % 1024)
+	return n, nil
 }
 
 // Name is this node's name.

@@ -104,7 +104,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		rate := max(p.load.PrefillTPS, minPrefillTPS)
 		uncached := float64(len(tokens) - c.cached)
 		c.est = p.load.QueueWaitMS + // what is queued there now
-			float64(p.inflight)*float64(len(tokens))/rate*1000 + // what this router just sent there
+			float64(p.inflightTokens)/rate*1000 + // prefill this router just sent there
 			uncached/rate*1000 // this request's own prefill
 		if !self {
 			c.est += float64(n.cfg.HopCost.Milliseconds())
@@ -157,19 +157,23 @@ func (n *Node) saturated(p *peer) bool {
 	return n.cfg.MaxQueueWait > 0 && time.Duration(l.QueueWaitMS*float64(time.Millisecond)) > n.cfg.MaxQueueWait
 }
 
-// Sent records a request forwarded to name; call the returned func when it ends.
-// Until then the router counts it against that node, so that gossip that has not yet
-// seen it cannot send a herd there.
-func (n *Node) Sent(name string) func() {
+// Sent records a request routed to target t; call the returned func when it ends.
+// Until then the router counts it (and the prefill it will cost there: its uncached
+// tokens) against that node, so that gossip that has not yet seen it cannot send a
+// herd there, while requests that hit the node's cache weigh little.
+func (n *Node) Sent(t Target, promptTokens int) func() {
+	cost := max(promptTokens-t.Cached, 0)
 	n.mu.Lock()
-	if p := n.peers[name]; p != nil {
+	if p := n.peers[t.Name]; p != nil {
 		p.inflight++
+		p.inflightTokens += cost
 	}
 	n.mu.Unlock()
 	return func() {
 		n.mu.Lock()
-		if p := n.peers[name]; p != nil && p.inflight > 0 {
+		if p := n.peers[t.Name]; p != nil && p.inflight > 0 {
 			p.inflight--
+			p.inflightTokens = max(p.inflightTokens-cost, 0)
 		}
 		n.mu.Unlock()
 	}

@@ -97,6 +97,7 @@ type seq struct {
 	done     bool
 	// firstStart: the first admission sets the request's cached-token usage.
 	firstStart bool
+	uncached   int // prompt tokens not cached when it was queued
 	// sampleRow is the batch row whose logits give this sequence's next token.
 	sampleRow int
 }
@@ -266,6 +267,9 @@ func (s *Scheduler) takeInbox() {
 }
 
 func (s *Scheduler) enqueue(q *seq) {
+	// What it will cost to prefill, given the cache now: the queue-wait estimate that
+	// routers read counts this, not the whole prompt.
+	q.uncached = len(q.tokens) - s.pool.CachedPrefix(toInt32(q.tokens))
 	i, _ := slices.BinarySearchFunc(s.queue, q, queueOrder)
 	s.queue = slices.Insert(s.queue, i, q)
 }
@@ -824,7 +828,7 @@ func (s *Scheduler) publish() {
 	l.PrefixQueries, l.PrefixHits, l.CacheGeneration = st.Queries, st.HitTokens, st.Generation
 	pending := 0
 	for _, q := range s.queue {
-		pending += len(q.tokens)
+		pending += q.uncached
 	}
 	if l.PrefillTokensPS > 0 {
 		l.QueueWait = time.Duration(float64(pending) / l.PrefillTokensPS * float64(time.Second))
