@@ -192,8 +192,8 @@ func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 	if err != nil || ts[0].Name != "self" || ts[0].Cached != 396 || !ts[0].Local {
 		t.Fatalf("warm node not preferred: %+v %v", ts, err)
 	}
-	// A long queue on the warm node outweighs the 396 cached tokens (~0.4s of prefill).
-	warm.load.QueueWaitMS = 2000
+	// A long queue on the warm node outweighs the 396 cached tokens.
+	warm.load.PendingTokens = 2000 // 2 s of prefill at 1,000 tokens/s
 	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "cold" {
 		t.Fatalf("hot spot: the queue should send the request to the cold node: %+v", ts)
 	}

@@ -71,6 +71,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	}
 	var cands []cand
 	anyServes := false
+	rate := n.clusterPrefillRate(model)
 	for _, p := range n.peers {
 		self := p.name == n.cfg.Name
 		if !p.metaOK || !slices.Contains(p.meta.Models, model) {
@@ -101,11 +102,12 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			matched++
 		}
 		c.cached = matched * n.cfg.BlockTokens
-		rate := max(p.load.PrefillTPS, minPrefillTPS)
-		uncached := float64(len(tokens) - c.cached)
-		c.est = p.load.QueueWaitMS + // what is queued there now
-			float64(p.inflightTokens)/rate*1000 + // prefill this router just sent there
-			uncached/rate*1000 // this request's own prefill
+		// Time to first token there, in prefill work ahead of this request: what it
+		// still has to prefill, what this router just sent it, and this request's own
+		// uncached tokens, at the cluster's prefill rate (nodes of one model are alike;
+		// one node's own smoothed rate is too noisy to compare nodes by).
+		work := p.load.PendingTokens + p.inflightTokens + len(tokens) - c.cached
+		c.est = float64(work) / rate * 1000
 		if !self {
 			c.est += float64(n.cfg.HopCost.Milliseconds())
 		}
@@ -147,6 +149,25 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	}
 	return out, nil
 }
+
+// clusterPrefillRate is the median prefill rate (tokens/s) gossiped by the nodes
+// serving model, or a conservative default before any has measured one.
+func (n *Node) clusterPrefillRate(model string) float64 {
+	var rates []float64
+	for _, p := range n.peers {
+		if p.metaOK && slices.Contains(p.meta.Models, model) && p.load.PrefillTPS > 0 {
+			rates = append(rates, p.load.PrefillTPS)
+		}
+	}
+	if len(rates) == 0 {
+		return defaultPrefillTPS
+	}
+	slices.Sort(rates)
+	return max(rates[len(rates)/2], minPrefillTPS)
+}
+
+// defaultPrefillTPS stands in until a node has measured its prefill rate.
+const defaultPrefillTPS = 1000
 
 // saturated: the node's queue is nearly full or its estimated wait too long.
 func (n *Node) saturated(p *peer) bool {

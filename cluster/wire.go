@@ -72,7 +72,8 @@ type Load struct {
 	MaxWaiting    int     `json:"max_waiting"`
 	SummaryBlocks int     `json:"summary_blocks"`
 	BlockTokens   int     `json:"block_tokens"`
-	Seq           uint64  `json:"seq"` // increases with every update from the node
+	PendingTokens int     `json:"pending_tokens"` // prompt tokens it still has to prefill
+	Seq           uint64  `json:"seq"`            // increases with every update from the node
 }
 
 // loadMsg is a load update on the wire: header, node name, then fixed-width fields.
@@ -90,11 +91,12 @@ func encodeLoad(node string, l Load) []byte {
 	u(uint64(l.MaxWaiting))
 	u(uint64(l.SummaryBlocks))
 	u(uint64(l.BlockTokens))
+	u(uint64(l.PendingTokens))
 	u(l.Seq)
 	return b
 }
 
-const loadFields = 10
+const loadFields = 11
 
 func decodeLoad(b []byte) (string, Load, error) {
 	var l Load
@@ -112,7 +114,7 @@ func decodeLoad(b []byte) (string, Load, error) {
 	in := func() int { return int(min(u(), math.MaxInt32)) }
 	l.Waiting, l.Running = in(), in()
 	l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS = f(), f(), f(), f()
-	l.MaxWaiting, l.SummaryBlocks, l.BlockTokens = in(), in(), in()
+	l.MaxWaiting, l.SummaryBlocks, l.BlockTokens, l.PendingTokens = in(), in(), in(), in()
 	l.Seq = u()
 	for _, x := range []float64{l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS} {
 		if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 {

@@ -29,6 +29,7 @@ type Load struct {
 	PrefillTokensPS float64 // smoothed prompt tokens computed per second
 	DecodeTokensPS  float64 // smoothed generated tokens per second
 	QueueWait       time.Duration
+	PendingTokens   int    // prompt tokens still to prefill: queued (uncached) and running
 	PrefixQueries   uint64 // prompt tokens looked up in the prefix cache
 	PrefixHits      uint64 // of which found
 	Steps           uint64
@@ -829,6 +830,10 @@ func (s *Scheduler) publish() {
 	pending := 0
 	for _, q := range s.queue {
 		pending += q.uncached
+	}
+	l.PendingTokens = pending
+	for _, q := range s.running {
+		l.PendingTokens += max(len(q.tokens)-1-q.computed(), 0)
 	}
 	if l.PrefillTokensPS > 0 {
 		l.QueueWait = time.Duration(float64(pending) / l.PrefillTokensPS * float64(time.Second))

@@ -117,7 +117,8 @@ func (a schedulerState) Load() cluster.Load {
 		n = len(sum.Hashes)
 	}
 	return cluster.Load{Waiting: l.Waiting, Running: l.Running, KVUsed: kv, PrefillTPS: l.PrefillTokensPS, DecodeTPS: l.DecodeTokensPS,
-		QueueWaitMS: float64(l.QueueWait) / float64(time.Millisecond), MaxWaiting: a.maxWaiting, SummaryBlocks: n, BlockTokens: l.KVBlockTokens}
+		QueueWaitMS: float64(l.QueueWait) / float64(time.Millisecond), MaxWaiting: a.maxWaiting, SummaryBlocks: n, BlockTokens: l.KVBlockTokens,
+		PendingTokens: l.PendingTokens}
 }
 
 func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
