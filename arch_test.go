@@ -25,6 +25,7 @@ var allowed = map[string][]string{
 	"cmd/shoal":         {"*"},
 	"":                  {},
 	"tools":             {},
+	"scripts/plotbench": {},
 }
 
 // cgoFree must never link llama.cpp, so that `go test -race` of them stays quick.
