@@ -84,7 +84,6 @@ type Backend struct {
 	Generator Generator
 	Vocab     engine.Vocab
 	Info      engine.ModelInfo
-	KVType    string // for vllm:cache_config_info
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.

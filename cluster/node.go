@@ -105,12 +105,11 @@ type LocalState interface {
 
 // Node is one member of the cluster.
 type Node struct {
-	cfg    Config
-	local  LocalState
-	log    *slog.Logger
-	hasher kvcache.Hasher
-	ml     *memberlist.Memberlist
-	queue  *memberlist.TransmitLimitedQueue
+	cfg   Config
+	local LocalState
+	log   *slog.Logger
+	ml    *memberlist.Memberlist
+	queue *memberlist.TransmitLimitedQueue
 
 	mu    sync.Mutex
 	meta  Meta
@@ -162,7 +161,7 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
-		hasher: kvcache.NewHasher(cfg.HashSeed, ""), sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
+		sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
 		joined: make(chan string, 256)}
 	// Every router cycles from its own offset: with all counters at 0, routers that
 	// each receive one request at a time would all pick the same first node.

@@ -189,9 +189,6 @@ func New(cfg Config) (*Pool, error) {
 	return p, nil
 }
 
-// Hasher returns the pool's hasher, for callers that hash prompts the same way.
-func (p *Pool) Hasher() Hasher { return p.hasher }
-
 // BlockTokens is the block size.
 func (p *Pool) BlockTokens() int { return p.cfg.BlockTokens }
 

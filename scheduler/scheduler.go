@@ -86,7 +86,6 @@ type seq struct {
 	index    int
 	arrival  uint64
 	tokens   []engine.Token // prompt + generated: what a resume recomputes
-	prompt   int
 	kv       *kvcache.Seq
 	sampler  engine.Sampler
 	detok    engine.Detokenizer
@@ -255,7 +254,7 @@ func (s *Scheduler) takeInbox() {
 		}
 		for i := range n {
 			s.arrival++
-			q := &seq{g: g, index: i, arrival: s.arrival, tokens: slices.Clone(g.req.Prompt), prompt: len(g.req.Prompt), maxNew: maxNew, firstStart: i == 0, sampleRow: -1}
+			q := &seq{g: g, index: i, arrival: s.arrival, tokens: slices.Clone(g.req.Prompt), maxNew: maxNew, firstStart: i == 0, sampleRow: -1}
 			g.seqs = append(g.seqs, q)
 			if i > 0 {
 				q.forkFrom = g.seqs[0]
@@ -366,8 +365,6 @@ func (s *Scheduler) step(ctx context.Context) {
 }
 
 func (s *Scheduler) budget() int { return max(0, s.cfg.MaxBatchTokens-s.batch.Len()) }
-
-func (s *Scheduler) inBatch(q *seq) bool { return slices.Contains(s.rows, q) }
 
 // prefill adds as many of q's uncomputed tokens as the budget allows to the batch.
 func (s *Scheduler) prefill(q *seq) {

@@ -301,7 +301,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
 	}
-	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, KVType: f.kvType})
+	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info})
 	scheme := "http"
 	if serverTLS != nil {
 		scheme = "https"
