@@ -119,6 +119,9 @@ func TestGossipMembershipLoadAndSummaries(t *testing.T) {
 	// Summaries grow by deltas.
 	la.set(Load{Waiting: 4, PrefillTPS: 500}, []kvcache.Hash{1, 2, 3, 4, 5}, 2)
 	eventually(t, "delta at b", func() bool { m, _ := member(b, "a"); return m.SummaryBlocks == 5 && m.Load.Waiting == 4 })
+	// ... and shrink by them: evictions travel too.
+	la.set(Load{Waiting: 4, PrefillTPS: 500}, []kvcache.Hash{1, 4, 5}, 3)
+	eventually(t, "eviction at b", func() bool { m, _ := member(b, "a"); return m.SummaryBlocks == 3 })
 	// Draining is metadata: peers see it.
 	if err := b.SetDraining(true); err != nil {
 		t.Fatal(err)
@@ -197,6 +200,14 @@ func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "cold" {
 		t.Fatalf("hot spot: the queue should send the request to the cold node: %+v", ts)
 	}
+	// When requests queue everywhere, a miss delays those behind it too: the
+	// same gap in queues no longer justifies recomputing the prefix.
+	warm.load.Waiting, cold.load.Waiting = 8, 8
+	cold.load.PendingTokens = 1000
+	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "self" {
+		t.Fatalf("saturated cluster: a miss should cost the requests queued behind it: %+v", ts)
+	}
+	warm.load.Waiting, cold.load.Waiting, cold.load.PendingTokens = 0, 0, 0
 	// prefix-only ignores the queue (the ablation).
 	n.cfg.Policy = PrefixOnly
 	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "self" {
@@ -239,8 +250,20 @@ func TestRoundRobinAndInflight(t *testing.T) {
 	if ts[0].Name == "self" {
 		t.Fatalf("in-flight requests ignored: %+v", ts)
 	}
+	if reqs, toks := n.peers["self"].unreflected(); reqs != 2 || toks != 200 {
+		t.Fatalf("unreflected = %d requests, %d tokens; want 2, 200", reqs, toks)
+	}
+	// Two load updates later the node's own load shows them: they stop counting twice.
+	n.peers["self"].load.Seq += 2
+	if reqs, toks := n.peers["self"].unreflected(); reqs != 0 || toks != 0 {
+		t.Fatalf("flights shown by gossip still counted: %d, %d", reqs, toks)
+	}
+	done()
 	done()
 	done2()
+	if n.peers["self"].inflight != 0 || len(n.peers["self"].flights) != 0 {
+		t.Fatalf("done twice or leaked: %+v", n.peers["self"])
+	}
 }
 
 func TestVerify(t *testing.T) {
@@ -336,6 +359,7 @@ func FuzzDecoders(f *testing.F) {
 	f.Add(encodeLoad("node-a", Load{Waiting: 3, PrefillTPS: 10}))
 	f.Add(encodePrefix("n", 7, []kvcache.Hash{1, 2}))
 	f.Add(encodeState("n", 7, []kvcache.Hash{1}))
+	f.Add(encodeEvict("n", 8, []kvcache.Hash{2}))
 	m, _ := encodeMeta(Meta{HTTP: "h:1", Models: []string{"a"}})
 	f.Add(m)
 	f.Add([]byte{1, 2, 255})
@@ -351,9 +375,56 @@ func FuzzDecoders(f *testing.F) {
 		}
 		decodePrefix(b)
 		decodeState(b)
+		decodeEvict(b)
 		decodeMeta(b)
 		d := &delegate{n: &Node{cfg: Config{Name: "self"}, peers: map[string]*peer{"n": {name: "n"}, "node-a": {name: "node-a"}}}}
 		d.NotifyMsg(b)
 		d.MergeRemoteState(b, false)
 	})
+}
+
+func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
+	a := &peer{name: "self", load: Load{PrefillTPS: 1000}}
+	b := &peer{name: "b", load: Load{PrefillTPS: 1000}}
+	n := routerWith(t, PrefixAware, a, b)
+	prompt := func(group, q int32) []int32 {
+		p := make([]int32, 200)
+		for i := range p {
+			p[i] = group*1000 + int32(i)
+		}
+		return append(p, q, q+1, q+2)
+	}
+	// Idle nodes, nothing cached: every router sends a prefix to the node rendezvous
+	// hashing ranks first (here, the same choice each time), and different prefixes
+	// spread.
+	chosen := map[string]int{}
+	for g := range int32(16) {
+		first, _ := n.Route("m", prompt(g, 0), 0)
+		again, _ := n.Route("m", prompt(g, 7), 0)
+		if first[0].Name != again[0].Name {
+			t.Fatalf("group %d: %s then %s for the same prefix", g, first[0].Name, again[0].Name)
+		}
+		chosen[first[0].Name]++
+	}
+	if chosen["self"] == 0 || chosen["b"] == 0 {
+		t.Fatalf("16 prefixes all on one node: %v", chosen)
+	}
+	// Once a prefix is sent somewhere, the next request with it follows, although
+	// the node has no summary yet and the first request's prefill is ahead of it.
+	ts, _ := n.Route("m", prompt(99, 0), 0)
+	done := n.Sent(ts[0], 203)
+	defer done()
+	next, _ := n.Route("m", prompt(99, 50), 0)
+	if next[0].Name != ts[0].Name || next[0].Cached != 200 {
+		t.Fatalf("second request of a burst: %+v, first went to %s", next[0], ts[0].Name)
+	}
+	// The provisional entries expire.
+	p := n.peers[ts[0].Name]
+	if !p.sending(next[0].hashes[0], time.Now()) || p.sending(next[0].hashes[0], time.Now().Add(sentTTL+time.Millisecond)) {
+		t.Fatal("sent prefixes should count for sentTTL and then stop")
+	}
+	p.willHold(nil, time.Now().Add(2*sentTTL))
+	if len(p.sent) != 0 || len(p.sentOrder) != 0 {
+		t.Fatalf("expired entries kept: %d, %d", len(p.sent), len(p.sentOrder))
+	}
 }

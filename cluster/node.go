@@ -127,17 +127,40 @@ type Node struct {
 
 // peer is what this node knows of another (or of itself).
 type peer struct {
-	name           string
-	gossip         string
-	state          string
-	meta           Meta
-	metaOK         bool
-	load           Load
-	loadAt         time.Time
-	summary        map[kvcache.Hash]struct{}
-	sumGen         uint64
-	inflight       int // requests this node routed there that have not finished
-	inflightTokens int // their uncached prompt tokens
+	name      string
+	gossip    string
+	state     string
+	meta      Meta
+	metaOK    bool
+	load      Load
+	loadAt    time.Time
+	summary   map[kvcache.Hash]struct{}
+	sumGen    uint64
+	inflight  int                        // requests this node routed there that have not finished
+	flights   []*flight                  // those requests, to tell which its gossiped load shows yet
+	sent      map[kvcache.Hash]time.Time // prefix blocks sent there, until when they count as held
+	sentOrder []sentEntry                // the same in the order sent (a hash may repeat)
+}
+
+// flight is a request this node routed to a peer, until it ends.
+type flight struct {
+	cost int    // uncached prompt tokens: prefill it costs the peer
+	seq  uint64 // the peer's load sequence number when it was sent
+}
+
+// unreflected counts p's flights that its gossiped load cannot show yet, and their
+// prefill tokens. A load update shows a request once it was published after the
+// request arrived; the second update after sending is (updates go out every
+// LoadInterval, and gossip delivers within about one). Counting every flight until it
+// ends would count each twice once the peer's load shows it. Caller holds n.mu.
+func (p *peer) unreflected() (reqs, tokens int) {
+	for _, f := range p.flights {
+		if p.load.Seq < f.seq+2 {
+			reqs++
+			tokens += f.cost
+		}
+	}
+	return reqs, tokens
 }
 
 // New creates a node; Start joins the cluster.
@@ -296,7 +319,7 @@ func (n *Node) publishLocal() {
 	n.mu.Lock()
 	self := n.peers[n.cfg.Name]
 	self.load, self.loadAt = l, time.Now()
-	var added []kvcache.Hash
+	var added, evicted []kvcache.Hash
 	if sum != nil && sum.Generation != n.sentGen {
 		now := make(map[kvcache.Hash]struct{}, len(sum.Hashes))
 		for _, h := range sum.Hashes {
@@ -305,12 +328,25 @@ func (n *Node) publishLocal() {
 				added = append(added, h)
 			}
 		}
+		for h := range n.sentSet {
+			if _, ok := now[h]; !ok {
+				evicted = append(evicted, h)
+			}
+		}
 		n.sentSet, n.sentGen = now, sum.Generation
 		self.summary, self.sumGen = now, sum.Generation
 	}
 	gen := n.sentGen
 	n.mu.Unlock()
 	n.queue.QueueBroadcast(&loadBroadcast{node: n.cfg.Name, msg: encodeLoad(n.cfg.Name, l)})
+	// Evictions go out too: a peer that still believed in evicted blocks would send
+	// requests here for a prefix that must be computed again (push/pull corrects it
+	// only every few seconds per pair).
+	for len(evicted) > 0 {
+		k := min(len(evicted), prefixChunk)
+		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodeEvict(n.cfg.Name, gen, evicted[:k])})
+		evicted = evicted[k:]
+	}
 	for len(added) > 0 {
 		k := min(len(added), prefixChunk)
 		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodePrefix(n.cfg.Name, gen, added[:k])})
@@ -400,6 +436,17 @@ func (d *delegate) NotifyMsg(b []byte) {
 			}
 		}
 		p.sumGen = max(p.sumGen, gen)
+		n.mu.Unlock()
+	case msgEvict:
+		name, _, hs, err := decodeEvict(b)
+		if err != nil || name == n.cfg.Name {
+			return
+		}
+		n.mu.Lock()
+		p := n.peerLocked(name)
+		for _, h := range hs {
+			delete(p.summary, h)
+		}
 		n.mu.Unlock()
 	}
 }

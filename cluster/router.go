@@ -4,8 +4,11 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"hash/fnv"
+	"math"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -47,6 +50,8 @@ type Target struct {
 	// EstimateMS is the estimated time to first token there (prefix-aware), for logs.
 	EstimateMS float64
 	Cached     int // prompt tokens its summary says it holds
+
+	hashes []kvcache.Hash // the prompt's block hashes (prefix policies), for Sent
 }
 
 // minPrefillTPS keeps the estimate finite for a node that has not prefilled yet.
@@ -63,15 +68,10 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	states := n.liveStates()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	type cand struct {
-		p      *peer
-		est    float64
-		load   float64
-		cached int
-	}
-	var cands []cand
+	var cands []candidate
 	anyServes := false
 	rate := n.clusterPrefillRate(model)
+	now := time.Now()
 	for _, p := range n.peers {
 		self := p.name == n.cfg.Name
 		if !p.metaOK || !slices.Contains(p.meta.Models, model) {
@@ -91,23 +91,31 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		if n.saturated(p) && priority <= 0 {
 			continue
 		}
-		c := cand{p: p}
+		c := candidate{p: p}
+		reqs, reqTokens := p.unreflected()
 		capacity := max(p.meta.Capacity, 1)
-		c.load = float64(p.load.Waiting+p.load.Running+p.inflight) / float64(capacity)
+		c.load = float64(p.load.Waiting+p.load.Running+reqs) / float64(capacity)
+		c.active = p.load.Running + p.load.Waiting + reqs
 		matched := 0
 		for _, h := range hashes {
-			if _, ok := p.summary[h]; !ok {
+			if _, ok := p.summary[h]; !ok && !p.sending(h, now) {
 				break
 			}
 			matched++
 		}
 		c.cached = matched * n.cfg.BlockTokens
-		// Time to first token there, in prefill work ahead of this request: what it
-		// still has to prefill, what this router just sent it, and this request's own
-		// uncached tokens, at the cluster's prefill rate (nodes of one model are alike;
-		// one node's own smoothed rate is too noisy to compare nodes by).
-		work := p.load.PendingTokens + p.inflightTokens + len(tokens) - c.cached
+		c.uncached = max(len(tokens)-c.cached, 0)
+		// Time to first token there: the prefill work ahead of this request (what the
+		// node still has to prefill, and what this router sent it that its load does
+		// not show yet) and this request's own uncached tokens, at the cluster's
+		// prefill rate (nodes of one model are alike; one node's own smoothed rate is
+		// too noisy to compare nodes by); plus one step of its running batch, which
+		// the request's prefill shares; plus the hop.
+		work := p.load.PendingTokens + reqTokens + c.uncached
 		c.est = float64(work) / rate * 1000
+		if p.load.DecodeTPS > 0 {
+			c.est += float64(p.load.Running+reqs) / p.load.DecodeTPS * 1000
+		}
 		if !self {
 			c.est += float64(n.cfg.HopCost.Milliseconds())
 		}
@@ -119,7 +127,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		}
 		return nil, ErrNoNode
 	}
-	byName := func(a, b cand) int { return cmp.Compare(a.p.name, b.p.name) }
+	byName := func(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) }
 	slices.SortFunc(cands, byName)
 	switch n.cfg.Policy {
 	case Random:
@@ -135,19 +143,105 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			cands[0], cands[1] = cands[1], cands[0]
 		}
 		if len(cands) > 2 {
-			slices.SortStableFunc(cands[1:], func(a, b cand) int { return cmp.Compare(a.load, b.load) })
+			slices.SortStableFunc(cands[1:], func(a, b candidate) int { return cmp.Compare(a.load, b.load) })
 		}
 	case PrefixAware:
-		slices.SortStableFunc(cands, func(a, b cand) int { return cmp.Or(cmp.Compare(a.est, b.est), cmp.Compare(a.load, b.load)) })
+		missCost(cands, rate)
+		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.load, b.load)) })
+		if len(hashes) > 0 {
+			preferAffine(cands, hashes[min(len(hashes), affinityBlocks)-1])
+		}
 	case PrefixOnly:
 		rand.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
-		slices.SortStableFunc(cands, func(a, b cand) int { return cmp.Compare(b.cached, a.cached) })
+		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Compare(b.cached, a.cached) })
 	}
 	out := make([]Target, len(cands))
 	for i, c := range cands {
-		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached}
+		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached, hashes: hashes}
 	}
 	return out, nil
+}
+
+// candidate is a node that may take a request, with what routing knows of it.
+type candidate struct {
+	p        *peer
+	est      float64 // estimated time to first token there, ms
+	score    float64 // est plus the cost of a miss to others (prefix-aware)
+	load     float64
+	active   int // requests running or waiting there, counting ours it cannot show yet
+	uncached int
+	cached   int
+}
+
+// missCost adds to each candidate's estimate what sending the request there costs the
+// other requests: prefill that the best-cached candidate would not need (its extra
+// uncached tokens) runs in the same steps as every request in progress there, and
+// delays each of them (running and queued alike) by its duration. On an idle node the
+// term is nothing and time to first token alone decides; on a busy one a miss weighs
+// as many times as the requests it holds up, which keeps prefixes where they are
+// cached once the cluster is loaded and prefill is what limits throughput. A hot
+// prefix still spreads: an idle node takes a miss for free, and from then on both are
+// equally cached.
+func missCost(cands []candidate, rate float64) {
+	minUncached := math.MaxInt
+	for _, c := range cands {
+		minUncached = min(minUncached, c.uncached)
+	}
+	for i := range cands {
+		c := &cands[i]
+		c.score = c.est + float64(c.active)*float64(c.uncached-minUncached)/rate*1000
+	}
+}
+
+// affinityBlocks is how much of a prompt (in blocks) names its affinity key: enough
+// to tell documents and system prompts apart, little enough that the requests of a
+// group share it.
+const affinityBlocks = 4
+
+// affinitySlack is how much longer (relative, plus a constant) an estimate may be
+// than the best one and still be taken for the sake of affinity.
+const (
+	affinitySlackRel = 0.25
+	affinitySlackMS  = 20
+)
+
+// preferAffine moves to the front, among the candidates whose score is within the
+// slack of the best, the one that rendezvous hashing of key ranks highest. Every
+// router ranks alike, so a prefix that nobody holds yet goes to the same node from
+// every router (no copies from a burst of first requests), and a prefix held in
+// several places concentrates on one while it can take the load, so its other
+// copies age out and free their KV for other prefixes. Load still wins beyond the
+// slack: that is bounded-load consistent hashing, with time to first token as the
+// load. cands is sorted by score.
+func preferAffine(cands []candidate, key kvcache.Hash) {
+	limit := cands[0].score*(1+affinitySlackRel) + affinitySlackMS
+	best, bestW := 0, uint64(0)
+	for i, c := range cands {
+		if c.score > limit {
+			break
+		}
+		if w := rendezvous(key, c.p.name); i == 0 || w > bestW {
+			best, bestW = i, w
+		}
+	}
+	if best > 0 {
+		c := cands[best]
+		copy(cands[1:best+1], cands[:best])
+		cands[0] = c
+	}
+}
+
+// rendezvous is the weight of node for key in highest-random-weight hashing.
+func rendezvous(key kvcache.Hash, node string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(node))
+	x := h.Sum64() ^ uint64(key)
+	// splitmix64's finaliser spreads the bits.
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // clusterPrefillRate is the median prefill rate (tokens/s) gossiped by the nodes
@@ -172,30 +266,84 @@ const defaultPrefillTPS = 1000
 // saturated: the node's queue is nearly full or its estimated wait too long.
 func (n *Node) saturated(p *peer) bool {
 	l := p.load
-	if l.MaxWaiting > 0 && l.Waiting+p.inflight >= l.MaxWaiting {
+	reqs, _ := p.unreflected()
+	if l.MaxWaiting > 0 && l.Waiting+reqs >= l.MaxWaiting {
 		return true
 	}
 	return n.cfg.MaxQueueWait > 0 && time.Duration(l.QueueWaitMS*float64(time.Millisecond)) > n.cfg.MaxQueueWait
 }
 
 // Sent records a request routed to target t; call the returned func when it ends.
-// Until then the router counts it (and the prefill it will cost there: its uncached
-// tokens) against that node, so that gossip that has not yet seen it cannot send a
-// herd there, while requests that hit the node's cache weigh little.
+// Until the node's gossiped load shows it, the router counts it (and the prefill it
+// costs there: its uncached tokens) against that node, so that gossip that has not
+// seen it yet cannot send a herd there, while requests that hit the node's cache weigh
+// little.
 func (n *Node) Sent(t Target, promptTokens int) func() {
-	cost := max(promptTokens-t.Cached, 0)
+	f := &flight{cost: max(promptTokens-t.Cached, 0)}
 	n.mu.Lock()
-	if p := n.peers[t.Name]; p != nil {
+	p := n.peers[t.Name]
+	if p != nil {
+		f.seq = p.load.Seq
 		p.inflight++
-		p.inflightTokens += cost
+		p.flights = append(p.flights, f)
+		p.willHold(t.hashes, time.Now())
 	}
 	n.mu.Unlock()
+	var once sync.Once
 	return func() {
-		n.mu.Lock()
-		if p := n.peers[t.Name]; p != nil && p.inflight > 0 {
-			p.inflight--
-			p.inflightTokens = max(p.inflightTokens-cost, 0)
-		}
-		n.mu.Unlock()
+		once.Do(func() {
+			n.mu.Lock()
+			defer n.mu.Unlock()
+			if p := n.peers[t.Name]; p != nil {
+				if i := slices.Index(p.flights, f); i >= 0 {
+					p.flights = slices.Delete(p.flights, i, i+1)
+					p.inflight--
+				}
+			}
+		})
 	}
+}
+
+// sentTTL is how long a prefix this router sent to a node counts as held there before
+// the node's own summary shows it: long enough for its prefill under load and a
+// gossip round.
+const sentTTL = 3 * time.Second
+
+// willHold records that p is about to compute (or reuse) hs, so that the next request
+// with the same prefix follows the first before gossip has a word to say: without
+// this, a burst of requests for a new prefix would each see it nowhere and each
+// compute it on a different node. Caller holds n.mu.
+func (p *peer) willHold(hs []kvcache.Hash, now time.Time) {
+	if len(hs) == 0 {
+		return
+	}
+	if p.sent == nil {
+		p.sent = map[kvcache.Hash]time.Time{}
+	}
+	until := now.Add(sentTTL)
+	for _, h := range hs {
+		p.sent[h] = until
+		p.sentOrder = append(p.sentOrder, sentEntry{h, until})
+	}
+	// Forget what has expired, oldest first; an entry whose hash was sent again
+	// since leaves the newer time in place.
+	for len(p.sentOrder) > 0 && !p.sentOrder[0].until.After(now) {
+		e := p.sentOrder[0]
+		if p.sent[e.h].Equal(e.until) {
+			delete(p.sent, e.h)
+		}
+		p.sentOrder = p.sentOrder[1:]
+	}
+}
+
+// sentEntry is one hash sent to a peer and when it stops counting.
+type sentEntry struct {
+	h     kvcache.Hash
+	until time.Time
+}
+
+// sending reports whether this router sent h to p within sentTTL. Caller holds n.mu.
+func (p *peer) sending(h kvcache.Hash, now time.Time) bool {
+	t, ok := p.sent[h]
+	return ok && t.After(now)
 }

@@ -18,6 +18,7 @@ const (
 	msgLoad    byte = 1 // a node's load, self-replacing
 	msgPrefix  byte = 2 // block hashes a node added to its cache since its last delta
 	stateFull  byte = 3 // push/pull: every node's summary this node knows of its own
+	msgEvict   byte = 4 // block hashes a node evicted since its last delta
 	maxMetaLen      = 512
 )
 
@@ -161,6 +162,22 @@ func decodePrefix(b []byte) (string, uint64, []kvcache.Hash, error) {
 		hs[i] = kvcache.Hash(binary.LittleEndian.Uint64(r[8*i:]))
 	}
 	return node, gen, hs, nil
+}
+
+// encodeEvict is a delta of block hashes node evicted at summary generation gen.
+func encodeEvict(node string, gen uint64, hs []kvcache.Hash) []byte {
+	b := encodePrefix(node, gen, hs)
+	b[1] = msgEvict
+	return b
+}
+
+func decodeEvict(b []byte) (string, uint64, []kvcache.Hash, error) {
+	if len(b) < 2 || b[1] != msgEvict {
+		return "", 0, nil, errors.New("cluster: not an evict message")
+	}
+	c := append([]byte(nil), b...)
+	c[1] = msgPrefix
+	return decodePrefix(c)
 }
 
 // encodeState is push/pull state: this node's own full summary (each node speaks

@@ -51,7 +51,23 @@ type ModelInfo struct {
 	HasChatTemplate bool
 	// Pooling is true for embedding models whose context pools one vector per sequence.
 	Pooling bool
+	// Devices are the compute devices the engine found; GPULayers of Layers (plus the
+	// output layer) are offloaded to the GPUs among them.
+	Devices   []Device
+	GPULayers int
 }
+
+// Device is a compute device: the CPU, or a GPU whose backend library was loaded.
+type Device struct {
+	Name        string `json:"name"`        // the backend's name, e.g. "CUDA0", "CPU"
+	Description string `json:"description"` // e.g. "NVIDIA H200"
+	Kind        string `json:"kind"`        // cpu, gpu, igpu or accel
+	MemoryTotal uint64 `json:"memory_total_bytes"`
+	MemoryFree  uint64 `json:"memory_free_bytes"` // when the model was loaded
+}
+
+// GPU reports whether d has memory of its own to offload to.
+func (d Device) GPU() bool { return d.Kind == "gpu" || d.Kind == "igpu" }
 
 // Capacity describes the context the engine was created with.
 type Capacity struct {

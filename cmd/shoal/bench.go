@@ -27,16 +27,19 @@ type benchConfig struct {
 	apiKey, model, dataset, jsonOut   string
 	numPrompts, inputLen, outputLen   int
 	groups, perGroup, prefixLen, qLen int
+	sessions, turns, maxRequests      int
 	zipf, rate                        float64
 	concurrency, vocabLo, vocabHi     int
 	seed                              int64
 	timeout                           time.Duration
 }
 
-// benchRequest is one planned request: its prompt token ids and output length.
+// benchRequest is one planned request: its prompt token ids and output length, and
+// (multi-turn) the index of the request whose answer it waits for, or -1.
 type benchRequest struct {
 	prompt []int
 	out    int
+	after  int
 }
 
 // benchSample is what one request measured.
@@ -88,7 +91,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.Var(&c.urls, "url", "base URL of the OpenAI-compatible API (default http://127.0.0.1:8080/v1); repeat or comma-separate to spread requests over several nodes in turn")
 	fs.StringVar(&c.apiKey, "api-key", os.Getenv("SHOAL_API_KEY"), "bearer key (default $SHOAL_API_KEY)")
 	fs.StringVar(&c.model, "model", "", "model id to send (default: the first of /v1/models)")
-	fs.StringVar(&c.dataset, "dataset", "random", "random or shared-prefix")
+	fs.StringVar(&c.dataset, "dataset", "random", "random, shared-prefix or multi-turn")
 	fs.IntVar(&c.numPrompts, "num-prompts", 64, "requests (random dataset)")
 	fs.IntVar(&c.inputLen, "input-len", 128, "prompt tokens (random dataset)")
 	fs.IntVar(&c.outputLen, "output-len", 64, "output tokens per request (ignore_eos is set)")
@@ -96,6 +99,9 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.perGroup, "prompts-per-group", 8, "shared-prefix: requests per group")
 	fs.IntVar(&c.prefixLen, "prefix-len", 512, "shared-prefix: tokens of each group's prefix")
 	fs.IntVar(&c.qLen, "question-len", 32, "shared-prefix: tokens after the prefix")
+	fs.IntVar(&c.sessions, "sessions", 16, "multi-turn: chat sessions (each starts with its own --prefix-len tokens)")
+	fs.IntVar(&c.turns, "turns", 4, "multi-turn: requests per session; each resends the conversation so far plus --question-len new tokens")
+	fs.IntVar(&c.maxRequests, "max-requests", 0, "send only the first N planned requests (0: all)")
 	fs.Float64Var(&c.zipf, "zipf", 0, "shared-prefix: Zipf exponent of group popularity (> 1; 0: uniform, every group equally often)")
 	fs.IntVar(&c.concurrency, "concurrency", 8, "requests in flight (closed loop); with --rate, the most in flight")
 	fs.Float64Var(&c.rate, "rate", 0, "Poisson arrival rate in requests/s (0: closed loop at --concurrency)")
@@ -119,6 +125,8 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return errors.New("--zipf must be greater than 1 (or 0 for uniform)")
 	case c.outputLen < 1:
 		return errors.New("--output-len must be at least 1")
+	case c.maxRequests < 0:
+		return errors.New("--max-requests must not be negative")
 	}
 	reqs, err := c.plan()
 	if err != nil {
@@ -155,7 +163,7 @@ func (c benchConfig) plan() ([]benchRequest, error) {
 			for i := range p {
 				p[i] = tok()
 			}
-			out = append(out, benchRequest{prompt: p, out: c.outputLen})
+			out = append(out, benchRequest{prompt: p, out: c.outputLen, after: -1})
 		}
 	case "shared-prefix":
 		prefixes := make([][]int, c.groups)
@@ -178,15 +186,57 @@ func (c benchConfig) plan() ([]benchRequest, error) {
 			for range c.qLen {
 				p = append(p, tok())
 			}
-			out = append(out, benchRequest{prompt: p, out: c.outputLen})
+			out = append(out, benchRequest{prompt: p, out: c.outputLen, after: -1})
 		}
 		if zipf == nil {
 			r.Shuffle(len(out), func(i, j int) { out[i], out[j] = out[j], out[i] })
 		}
+	case "multi-turn":
+		out = c.multiTurn(tok, r)
 	default:
-		return nil, fmt.Errorf("--dataset %q: want random or shared-prefix", c.dataset)
+		return nil, fmt.Errorf("--dataset %q: want random, shared-prefix or multi-turn", c.dataset)
+	}
+	if c.maxRequests > 0 && len(out) > c.maxRequests {
+		out = out[:c.maxRequests]
 	}
 	return out, nil
+}
+
+// multiTurn plans chat sessions that grow by a turn each request: turn k resends the
+// session's first prompt, every earlier question and an answer-sized stand-in for
+// every earlier answer (random tokens: a client would send the model's text back,
+// which servers do not cache as generated either), then a new question. Turns go
+// out round by round, sessions shuffled within a round, and each waits for the
+// answer to the session's previous turn, as a person would.
+func (c benchConfig) multiTurn(tok func() int, r *rand.Rand) []benchRequest {
+	convo := make([][]int, c.sessions)
+	for s := range convo {
+		for range c.prefixLen {
+			convo[s] = append(convo[s], tok())
+		}
+	}
+	last := make([]int, c.sessions)
+	var out []benchRequest
+	for turn := range c.turns {
+		order := r.Perm(c.sessions)
+		for _, s := range order {
+			if turn > 0 {
+				for range c.outputLen {
+					convo[s] = append(convo[s], tok())
+				}
+			}
+			for range c.qLen {
+				convo[s] = append(convo[s], tok())
+			}
+			after := -1
+			if turn > 0 {
+				after = last[s]
+			}
+			last[s] = len(out)
+			out = append(out, benchRequest{prompt: slices.Clone(convo[s]), out: c.outputLen, after: after})
+		}
+	}
+	return out
 }
 
 func firstModel(client *http.Client, c benchConfig) (string, error) {
@@ -228,14 +278,31 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 	var wg sync.WaitGroup
 	r := rand.New(rand.NewSource(c.seed + 1))
 	next := start
+	ended := make([]chan struct{}, len(reqs))
+	for i := range ended {
+		ended[i] = make(chan struct{})
+	}
 	for i, q := range reqs {
 		if c.rate > 0 {
 			next = next.Add(time.Duration(r.ExpFloat64() / c.rate * float64(time.Second)))
 			time.Sleep(time.Until(next))
 		}
-		sem <- struct{}{}
 		url := c.urls[i%len(c.urls)]
+		if q.after >= 0 {
+			// A later turn: it goes out once the session's previous answer is in,
+			// without holding up the arrivals of other sessions.
+			wg.Go(func() {
+				defer close(ended[i])
+				<-ended[q.after]
+				sem <- struct{}{}
+				defer func() { <-sem }()
+				finish(i, c.one(client, url, q))
+			})
+			continue
+		}
+		sem <- struct{}{}
 		wg.Go(func() {
+			defer close(ended[i])
 			defer func() { <-sem }()
 			finish(i, c.one(client, url, q))
 		})

@@ -389,6 +389,8 @@ func TestBenchAgainstNode(t *testing.T) {
 		{"--dataset", "random", "--num-prompts", "12", "--input-len", "40", "--output-len", "6", "--concurrency", "4"},
 		{"--dataset", "shared-prefix", "--groups", "2", "--prompts-per-group", "6", "--prefix-len", "64", "--question-len", "8",
 			"--output-len", "4", "--rate", "50", "--zipf", "1.1"},
+		{"--dataset", "multi-turn", "--sessions", "4", "--turns", "3", "--prefix-len", "48", "--question-len", "8",
+			"--output-len", "4", "--rate", "50"},
 	} {
 		out := filepath.Join(t.TempDir(), "r.json")
 		var stdout, stderr strings.Builder
@@ -407,10 +409,38 @@ func TestBenchAgainstNode(t *testing.T) {
 		if r.Completed != 12 || r.Errors != 0 || r.OutputTokensPerS <= 0 || r.TTFTms.P50 <= 0 || r.E2Ems.P99 < r.E2Ems.P50 {
 			t.Fatalf("bench %v: %+v", args, r)
 		}
-		if args[1] == "shared-prefix" && r.CachedShare == 0 {
+		if args[1] != "random" && r.CachedShare == 0 {
 			t.Fatalf("shared-prefix run reported no cached tokens: %+v", r)
 		}
 		t.Logf("%s", stdout.String())
+	}
+}
+
+func TestMultiTurnPlan(t *testing.T) {
+	c := benchConfig{dataset: "multi-turn", sessions: 3, turns: 4, prefixLen: 10, qLen: 2, outputLen: 5, vocabLo: 1, vocabHi: 50}
+	reqs, err := c.plan()
+	if err != nil || len(reqs) != 12 {
+		t.Fatalf("%d requests, %v", len(reqs), err)
+	}
+	for i, q := range reqs {
+		turn := i / 3
+		if want := 10 + (turn+1)*2 + turn*5; len(q.prompt) != want {
+			t.Fatalf("request %d (turn %d): %d prompt tokens, want %d", i, turn, len(q.prompt), want)
+		}
+		if turn == 0 {
+			if q.after != -1 {
+				t.Fatalf("first turn waits for %d", q.after)
+			}
+			continue
+		}
+		prev := reqs[q.after]
+		if q.after >= i || len(prev.prompt) != len(q.prompt)-7 || !slices.Equal(prev.prompt, q.prompt[:len(prev.prompt)]) {
+			t.Fatalf("request %d does not extend the session's previous turn %d", i, q.after)
+		}
+	}
+	c.maxRequests = 5
+	if reqs, _ := c.plan(); len(reqs) != 5 {
+		t.Fatalf("--max-requests 5 planned %d", len(reqs))
 	}
 }
 

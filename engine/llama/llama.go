@@ -105,6 +105,11 @@ type Config struct {
 	MainGPU     int
 	TensorSplit []float32
 	UseMmap     bool
+	// KVMemory sizes the KV pool instead of ContextCells: a fraction (0,1] of the free
+	// memory where the cache lives once the weights are loaded (the GPUs when layers
+	// are offloaded, else the host), or a number of bytes (> 1). 0 uses ContextCells;
+	// negative (the default) means DefaultKVFraction on a GPU, ContextCells on a CPU.
+	KVMemory float64
 
 	ContextCells     int  // n_ctx
 	MaxSeqs          int  // n_seq_max, 1..256
@@ -130,6 +135,7 @@ func DefaultConfig(path string) Config {
 		ModelPath:        path,
 		GPULayers:        -1,
 		UseMmap:          true,
+		KVMemory:         -1,
 		ContextCells:     DefaultContextCells,
 		MaxSeqs:          DefaultMaxSeqs,
 		BatchTokens:      DefaultBatchTokens,
@@ -158,6 +164,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("micro-batch %d exceeds batch %d", c.MicroBatchTokens, c.BatchTokens)
 	case c.Threads < 0 || c.BatchThreads < 0:
 		return errors.New("threads must not be negative")
+	case c.KVMemory != c.KVMemory || c.KVMemory > 1 && c.KVMemory < 1<<20:
+		return fmt.Errorf("KV memory %v: want a fraction in (0,1] or at least 1 MiB of bytes", c.KVMemory)
 	}
 	if _, err := flashType(c.FlashAttention); err != nil {
 		return err
@@ -242,7 +250,10 @@ func Open(cfg Config) (*Engine, error) {
 	if err := checkGGUF(cfg.ModelPath); err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
-	initBackend()
+	devs := Devices()
+	if err := checkFits(cfg, devs); err != nil {
+		return nil, fmt.Errorf("open engine: %w", err)
+	}
 
 	mp := C.llama_model_default_params()
 	mp.n_gpu_layers = C.int32_t(cfg.GPULayers)
@@ -285,12 +296,19 @@ func Open(cfg Config) (*Engine, error) {
 	}
 
 	e := &Engine{model: model}
-	if err := e.newContext(cfg); err != nil {
+	offloaded := offloadedLayers(cfg, int(C.llama_model_n_layer(model)), devs)
+	cells, err := e.kvCells(cfg, offloaded > 0)
+	if err == nil {
+		cfg.ContextCells = cells
+		err = e.newContext(cfg)
+	}
+	if err != nil {
 		C.llama_model_free(model)
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
 	e.vocab = newVocab(model)
 	e.info = e.readInfo(cfg.ModelPath)
+	e.info.Devices, e.info.GPULayers = devs, offloaded
 	return e, nil
 }
 

@@ -1,0 +1,202 @@
+package llama
+
+/*
+#include "llama.h"
+#include "ggml-backend.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// Devices lists the compute devices llama.cpp can use, loading GPU backend libraries
+// from <dir of the executable>/../lib/ollama first (once per process). Without such a
+// library the list is the CPU alone.
+func Devices() []engine.Device {
+	initBackend()
+	n := int(C.ggml_backend_dev_count())
+	out := make([]engine.Device, 0, n)
+	for i := range n {
+		d := C.ggml_backend_dev_get(C.size_t(i))
+		var free, total C.size_t
+		C.ggml_backend_dev_memory(d, &free, &total)
+		out = append(out, engine.Device{
+			Name:        C.GoString(C.ggml_backend_dev_name(d)),
+			Description: C.GoString(C.ggml_backend_dev_description(d)),
+			Kind:        deviceKind(C.ggml_backend_dev_type(d)),
+			MemoryTotal: uint64(total),
+			MemoryFree:  uint64(free),
+		})
+	}
+	return out
+}
+
+func deviceKind(t C.enum_ggml_backend_dev_type) string {
+	switch t {
+	case C.GGML_BACKEND_DEVICE_TYPE_CPU:
+		return "cpu"
+	case C.GGML_BACKEND_DEVICE_TYPE_GPU:
+		return "gpu"
+	case C.GGML_BACKEND_DEVICE_TYPE_IGPU:
+		return "igpu"
+	}
+	return "accel"
+}
+
+// gpus returns the devices with memory of their own.
+func gpus(devs []engine.Device) []engine.Device {
+	var out []engine.Device
+	for _, d := range devs {
+		if d.GPU() {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// DefaultKVFraction is the share of the GPUs' free memory (after the weights are
+// loaded) that the KV pool takes when the model is offloaded and no size is given;
+// the rest is left for llama.cpp's compute buffers and the CUDA runtime.
+const DefaultKVFraction = 0.80
+
+// kvReserve is memory left for compute buffers beside the KV pool on a GPU.
+const kvReserve = 512 << 20
+
+// checkFits refuses, before llama.cpp tries, a model whose weights cannot fit in the
+// GPUs' free memory when every layer is to be offloaded.
+func checkFits(cfg Config, devs []engine.Device) error {
+	g := gpus(devs)
+	if len(g) == 0 || !offloadsAll(cfg) {
+		return nil
+	}
+	st, err := os.Stat(cfg.ModelPath)
+	if err != nil {
+		return fmt.Errorf("model file: %w", err)
+	}
+	var free uint64
+	for _, d := range g {
+		free += d.MemoryFree
+	}
+	need := uint64(st.Size()) + kvReserve
+	if need > free {
+		return fmt.Errorf("model %s needs about %s of GPU memory for its weights and buffers; the GPUs (%s) have %s free: "+
+			"offload fewer layers (--n-gpu-layers), use a smaller quantisation, or free the GPU",
+			cfg.ModelPath, gib(need), describe(g), gib(free))
+	}
+	return nil
+}
+
+// offloadsAll: -1 (or a count at least llama.cpp's "all") offloads every layer.
+func offloadsAll(cfg Config) bool { return cfg.GPULayers < 0 || cfg.GPULayers >= 999 }
+
+func describe(ds []engine.Device) string {
+	s := ""
+	for i, d := range ds {
+		if i > 0 {
+			s += ", "
+		}
+		s += d.Name + " " + d.Description
+	}
+	return s
+}
+
+func gib(b uint64) string { return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30)) }
+
+// kvCells sizes the KV pool from cfg.KVMemory once the weights are loaded: a fraction
+// of the free memory where the cache lives (the GPUs when layers are offloaded, else
+// the host), or a number of bytes. It returns cfg.ContextCells when no size applies.
+func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
+	mem := cfg.KVMemory
+	if mem < 0 { // auto
+		if !offloaded {
+			return cfg.ContextCells, nil
+		}
+		mem = DefaultKVFraction
+	}
+	if mem == 0 {
+		return cfg.ContextCells, nil
+	}
+	perCell, err := e.kvBytesPerCell(cfg.KVType)
+	if err != nil {
+		return 0, err
+	}
+	budget := mem
+	if mem <= 1 {
+		var free uint64
+		for _, d := range Devices() {
+			if d.GPU() == offloaded {
+				free += d.MemoryFree
+			}
+		}
+		if offloaded {
+			free = free - min(free, kvReserve)
+		}
+		budget = mem * float64(free)
+	}
+	cells := int(budget / perCell)
+	// More than every sequence at its trained length is memory nobody can use.
+	if most := cfg.MaxSeqs * max(int(C.llama_model_n_ctx_train(e.model)), 1); cells > most {
+		cells = most
+	}
+	cells -= cells % 256
+	if cells < max(256, 16*cfg.MaxSeqs) {
+		return 0, fmt.Errorf("KV memory %s holds only %d cells at %.0f bytes each: give more (--kv-memory) or fewer sequences (--parallel)",
+			gib(uint64(budget)), int(budget/perCell), perCell)
+	}
+	return cells, nil
+}
+
+// kvBytesPerCell is the KV cache's size per token: K and V rows of every layer.
+func (e *Engine) kvBytesPerCell(kvType string) (float64, error) {
+	layers := float64(C.llama_model_n_layer(e.model))
+	heads := float64(C.llama_model_n_head(e.model))
+	headsKV := float64(C.llama_model_n_head_kv(e.model))
+	embd := float64(C.llama_model_n_embd(e.model))
+	if layers <= 0 || heads <= 0 || headsKV <= 0 {
+		return 0, fmt.Errorf("KV size: model reports %v layers, %v heads, %v KV heads", layers, heads, headsKV)
+	}
+	arch := metaString(e.model, "general.architecture")
+	dimK, dimV := embd/heads, embd/heads
+	if v := metaUint(e.model, arch+".attention.key_length"); v > 0 {
+		dimK = float64(v)
+	}
+	if v := metaUint(e.model, arch+".attention.value_length"); v > 0 {
+		dimV = float64(v)
+	}
+	var elem float64
+	switch kvType {
+	case "f16":
+		elem = 2
+	case "q8_0":
+		elem = 34.0 / 32
+	case "q4_0":
+		elem = 18.0 / 32
+	default:
+		return 0, fmt.Errorf("KV type %q", kvType)
+	}
+	return layers * headsKV * (dimK + dimV) * elem, nil
+}
+
+func metaUint(m *C.struct_llama_model, key string) uint64 {
+	s := metaString(m, key)
+	var v uint64
+	if _, err := fmt.Sscan(s, &v); err != nil {
+		return 0
+	}
+	return v
+}
+
+// offloadedLayers is how many of the model's layers sit on a GPU.
+func offloadedLayers(cfg Config, layers int, devs []engine.Device) int {
+	if len(gpus(devs)) == 0 || !bool(C.llama_supports_gpu_offload()) {
+		return 0
+	}
+	if offloadsAll(cfg) {
+		return layers
+	}
+	return min(cfg.GPULayers, layers)
+}
