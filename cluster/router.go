@@ -314,10 +314,7 @@ const sentTTL = 3 * time.Second
 // this, a burst of requests for a new prefix would each see it nowhere and each
 // compute it on a different node. Caller holds n.mu.
 func (p *peer) willHold(hs []kvcache.Hash, now time.Time) {
-	if len(hs) == 0 {
-		return
-	}
-	if p.sent == nil {
+	if p.sent == nil && len(hs) > 0 {
 		p.sent = map[kvcache.Hash]time.Time{}
 	}
 	until := now.Add(sentTTL)
