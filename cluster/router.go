@@ -51,7 +51,8 @@ type Target struct {
 	EstimateMS float64
 	Cached     int // prompt tokens its summary says it holds
 
-	hashes []kvcache.Hash // the prompt's block hashes (prefix policies), for Sent
+	hashes  []kvcache.Hash // the prompt's block hashes (prefix policies), for Sent
+	compute int            // prompt tokens not in its summary, when hashes are set
 }
 
 // minPrefillTPS keeps the estimate finite for a node that has not prefilled yet.
@@ -96,14 +97,23 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		capacity := max(p.meta.Capacity, 1)
 		c.load = float64(p.load.Waiting+p.load.Running+reqs) / float64(capacity)
 		c.active = p.load.Running + p.load.Waiting + reqs
-		matched := 0
+		// Blocks its summary shows, then blocks this router just sent there with
+		// another request: those count as cached for the choice (the next request
+		// of a burst should follow the first), but not for the work this request
+		// adds there (arriving before they are computed, it computes them too).
+		held, matched := 0, 0
 		for _, h := range hashes {
-			if _, ok := p.summary[h]; !ok && !p.sending(h, now) {
+			_, ok := p.summary[h]
+			if !ok && !p.sending(h, now) {
 				break
+			}
+			if ok && held == matched {
+				held++
 			}
 			matched++
 		}
 		c.cached = matched * n.cfg.BlockTokens
+		c.compute = max(len(tokens)-held*n.cfg.BlockTokens, 0)
 		c.uncached = max(len(tokens)-c.cached, 0)
 		// Time to first token there: the prefill work ahead of this request (what the
 		// node still has to prefill, and what this router sent it that its load does
@@ -148,7 +158,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	case PrefixAware:
 		missCost(cands, rate)
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.load, b.load)) })
-		if len(hashes) > 0 {
+		if len(hashes) > 0 && !cachedEverywhere(cands) {
 			preferAffine(cands, hashes[min(len(hashes), affinityBlocks)-1])
 		}
 	case PrefixOnly:
@@ -157,7 +167,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	}
 	out := make([]Target, len(cands))
 	for i, c := range cands {
-		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached, hashes: hashes}
+		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached, hashes: hashes, compute: c.compute}
 	}
 	return out, nil
 }
@@ -169,6 +179,7 @@ type candidate struct {
 	score    float64 // est plus the cost of a miss to others (prefix-aware)
 	load     float64
 	active   int // requests running or waiting there, counting ours it cannot show yet
+	compute  int // prompt tokens it may compute there: all its summary does not show
 	uncached int
 	cached   int
 }
@@ -201,8 +212,8 @@ const affinityBlocks = 4
 // affinitySlack is how much longer (relative, plus a constant) an estimate may be
 // than the best one and still be taken for the sake of affinity.
 const (
-	affinitySlackRel = 0.25
-	affinitySlackMS  = 20
+	affinitySlackRel = 0.1
+	affinitySlackMS  = 10
 )
 
 // preferAffine moves to the front, among the candidates whose score is within the
@@ -229,6 +240,17 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 		copy(cands[1:best+1], cands[:best])
 		cands[0] = c
 	}
+}
+
+// cachedEverywhere: every candidate holds as much of the prompt, and that is some.
+// Then there is nothing to concentrate (a hot prefix) and load alone should decide.
+func cachedEverywhere(cands []candidate) bool {
+	for _, c := range cands {
+		if c.cached != cands[0].cached {
+			return false
+		}
+	}
+	return cands[0].cached > 0
 }
 
 // rendezvous is the weight of node for key in highest-random-weight hashing.
@@ -280,6 +302,9 @@ func (n *Node) saturated(p *peer) bool {
 // little.
 func (n *Node) Sent(t Target, promptTokens int) func() {
 	f := &flight{cost: max(promptTokens-t.Cached, 0)}
+	if t.hashes != nil {
+		f.cost = t.compute
+	}
 	n.mu.Lock()
 	p := n.peers[t.Name]
 	if p != nil {

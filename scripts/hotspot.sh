@@ -20,7 +20,7 @@ for _ in $(seq 1 100); do
 	[ "$n" = 3 ] && break
 	sleep 0.2
 done
-bin/shoal bench --url http://127.0.0.1:19101/v1 --dataset shared-prefix --groups 1 --prompts-per-group 96 \
+bin/shoal bench --url http://127.0.0.1:19101/v1 --dataset shared-prefix --groups 1 --prompts-per-group 384 \
 	--prefix-len 1024 --question-len 32 --output-len 32 --concurrency 24 --token-min 100 --token-max 250 --json "$out"
 for i in 1 2 3; do
 	printf 'node %s generated %s tokens\n' $i "$(curl -sf http://127.0.0.1:1910$i/metrics | grep '^vllm:generation_tokens_total' | awk '{print $2}')"
