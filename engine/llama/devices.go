@@ -104,7 +104,13 @@ func describe(ds []engine.Device) string {
 	return s
 }
 
-func gib(b uint64) string { return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30)) }
+// gib formats a byte count for messages.
+func gib(b uint64) string {
+	if b < 1<<30 {
+		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+	}
+	return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30))
+}
 
 // kvCells sizes the KV pool from cfg.KVMemory once the weights are loaded: a fraction
 // of the free memory where the cache lives (the GPUs when layers are offloaded, else

@@ -697,3 +697,42 @@ func TestPooledEmbeddings(t *testing.T) {
 		t.Fatal("unknown pooling accepted")
 	}
 }
+
+func TestDevicesAndKVMemory(t *testing.T) {
+	devs := Devices()
+	cpu := false
+	for _, d := range devs {
+		if d.Kind == "cpu" && d.MemoryTotal > 0 {
+			cpu = true
+		}
+		t.Logf("device %s (%s, %s): %.1f of %.1f GiB free", d.Name, d.Description, d.Kind,
+			float64(d.MemoryFree)/(1<<30), float64(d.MemoryTotal)/(1<<30))
+	}
+	if !cpu {
+		t.Fatalf("no CPU device with memory in %+v", devs)
+	}
+	// A byte budget sizes the pool: tiny has 2 layers × 2 KV heads × (16+16) dims × 2
+	// bytes = 256 bytes per cell, so 4 MiB is 16,384 cells.
+	e := openTest(t, models.Tiny(), func(c *Config) { c.KVMemory = 4 << 20 })
+	per, err := e.kvBytesPerCell("f16")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := int(float64(4<<20)/per) / 256 * 256
+	if got := e.Capacity().Cells; got != want || got != 16384 {
+		t.Fatalf("4 MiB of KV at %v bytes per cell: %d cells, want %d", per, got, want)
+	}
+	if len(e.Info().Devices) == 0 || e.Info().GPULayers != 0 {
+		t.Fatalf("info devices %+v, GPU layers %d on a CPU machine", e.Info().Devices, e.Info().GPULayers)
+	}
+	// Too little memory for the sequences is an error at open, not a crash.
+	// small: 4 layers × 4 KV heads × (32+32) × 2 bytes = 2 KiB per cell.
+	cfg := DefaultConfig(genModel(t, models.Small()))
+	cfg.KVMemory, cfg.MaxSeqs, cfg.Threads = 1<<20, 256, 1
+	if e, err := Open(cfg); err == nil {
+		e.Close()
+		t.Fatal("1 MiB of KV for 256 sequences should be refused")
+	} else {
+		t.Log(err)
+	}
+}
