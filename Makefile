@@ -11,10 +11,13 @@ CGO_PKGS := ./engine/llama ./cmd/...
 CGO_ENV = eval "$$(bash scripts/cgo-env.sh)"
 STAMP_DIR := $(HOME)/.cache/shoal
 MODEL ?=
+# GPU=cuda also builds ggml's CUDA backend into lib/ollama (scripts/build-cuda.sh;
+# CUDA_ARCHS picks the architectures). The binary is the same either way.
+GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-scheduler run lint fmt clean
+.PHONY: all build test test-pure test-engine bench-engine bench-scheduler run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -24,6 +27,16 @@ build:
 	$(GO) build -ldflags '$(LDFLAGS)' -o bin/shoal ./cmd/shoal; \
 	mkdir -p "$(STAMP_DIR)"; touch "$$stamp"
 	@echo "built bin/shoal"
+ifeq ($(GPU),cuda)
+	@bash scripts/build-cuda.sh
+else ifneq ($(GPU),)
+	@echo "GPU=$(GPU): only GPU=cuda is supported" >&2; exit 2
+endif
+
+# Everything scripts/gpu-check.sh needs on a GPU machine without Go or network, in
+# gpu-check/ (under 64 MiB).
+gpu-check-inputs: build
+	@bash scripts/gpu-check-prepare.sh
 
 test: test-pure test-engine
 
@@ -61,4 +74,4 @@ fmt:
 	gofmt -w .
 
 clean:
-	rm -rf bin lib
+	rm -rf bin lib build gpu-check

@@ -271,7 +271,8 @@ func TestMetricsNames(t *testing.T) {
 	for _, name := range []string{"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
 		"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
 		`vllm:request_success_total{finished_reason="length",model_name="fake"} 1`, "vllm:time_to_first_token_seconds_bucket",
-		"vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info"} {
+		"vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info{",
+		`num_gpu_blocks="`, `shoal_device_info{description="fake",device="CPU",kind="cpu"} 1`, `shoal_gpu_layers{model_name="fake"} 0`} {
 		if !strings.Contains(w.Body.String(), name) {
 			t.Errorf("metrics lack %s", name)
 		}

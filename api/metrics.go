@@ -3,6 +3,7 @@ package api
 import (
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -77,8 +78,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		gauge("shoal_prefill_tokens_per_second", "Smoothed prompt tokens computed per second.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
 		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),
 		gauge("shoal_queue_wait_estimate_seconds", "Estimated wait before a new request is scheduled.", func(l scheduler.Load) float64 { return l.QueueWait.Seconds() }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "vllm:cache_config_info", Help: "Information of the KV cache configuration (value 1).",
-			ConstLabels: prometheus.Labels(s.cfg.CacheInfo)}, func() float64 { return 1 }),
+		infoCollector{s},
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
@@ -103,4 +103,37 @@ func (m *metrics) rejected(err error) {
 		reason = "draining"
 	}
 	m.rejects.WithLabelValues(reason).Inc()
+}
+
+// infoCollector reports what is known once the model is loaded: the KV cache
+// configuration with its real block count, the devices and the layers offloaded.
+// Before that it reports nothing (an unchecked collector).
+type infoCollector struct{ s *Server }
+
+var (
+	cacheInfoLabels = []string{"num_gpu_blocks"}
+	deviceInfoDesc  = prometheus.NewDesc("shoal_device_info", "Compute devices the engine found (value 1).",
+		[]string{"device", "description", "kind"}, nil)
+	deviceMemDesc = prometheus.NewDesc("shoal_device_memory_bytes", "Device memory when the model was loaded: total and free.",
+		[]string{"device", "state"}, nil)
+	gpuLayersDesc = prometheus.NewDesc("shoal_gpu_layers", "Model layers offloaded to GPUs.", []string{"model_name"}, nil)
+)
+
+func (infoCollector) Describe(chan<- *prometheus.Desc) {}
+
+func (c infoCollector) Collect(ch chan<- prometheus.Metric) {
+	b := c.s.backend.Load()
+	if b == nil {
+		return
+	}
+	desc := prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration (value 1).",
+		cacheInfoLabels, prometheus.Labels(c.s.cfg.CacheInfo))
+	l := b.Generator.Load()
+	ch <- prometheus.MustNewConstMetric(desc, prometheus.GaugeValue, 1, strconv.Itoa(l.KVBlocksTotal))
+	for _, d := range b.Info.Devices {
+		ch <- prometheus.MustNewConstMetric(deviceInfoDesc, prometheus.GaugeValue, 1, d.Name, d.Description, d.Kind)
+		ch <- prometheus.MustNewConstMetric(deviceMemDesc, prometheus.GaugeValue, float64(d.MemoryTotal), d.Name, "total")
+		ch <- prometheus.MustNewConstMetric(deviceMemDesc, prometheus.GaugeValue, float64(d.MemoryFree), d.Name, "free")
+	}
+	ch <- prometheus.MustNewConstMetric(gpuLayersDesc, prometheus.GaugeValue, float64(b.Info.GPULayers), c.s.cfg.ModelName)
 }

@@ -583,6 +583,7 @@ type Member struct {
 	UpdatedAgoMS  int64    `json:"updated_ago_ms"`
 	Inflight      int      `json:"inflight"`
 	Simulated     bool     `json:"simulated,omitempty"`
+	Device        string   `json:"device,omitempty"`
 }
 
 // Members returns every known node, this one first, then by name.
@@ -604,7 +605,7 @@ func (n *Node) Members() []Member {
 			ago = time.Since(p.loadAt).Milliseconds()
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
-			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: p.inflight, Simulated: p.meta.Simulated})
+			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: p.inflight, Simulated: p.meta.Simulated, Device: p.meta.Device})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {

@@ -34,6 +34,8 @@ type Meta struct {
 	Leaving bool `json:"l,omitempty"`
 	// Simulated marks a node running engine/sim: its answers are not a model's.
 	Simulated bool `json:"s,omitempty"`
+	// Device names where the model runs, e.g. "CUDA0 NVIDIA H200 (140 GiB)" or "CPU".
+	Device string `json:"g,omitempty"`
 }
 
 func encodeMeta(m Meta) ([]byte, error) {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
@@ -123,7 +124,7 @@ func (a schedulerState) Load() cluster.Load {
 
 func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
 
-func startCluster(cf *clusterFlags, httpAddr, model string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS, simulated bool, log *slog.Logger) (*cluster.Node, []byte, error) {
+func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS, simulated bool, log *slog.Logger) (*cluster.Node, []byte, error) {
 	key, err := cf.gossipKey()
 	if err != nil {
 		return nil, nil, err
@@ -143,7 +144,7 @@ func startCluster(cf *clusterFlags, httpAddr, model string, sc scheduler.Config,
 	if adv == "" {
 		adv = httpAddr
 	}
-	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated}
+	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device}
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
 	if err != nil {
 		return nil, nil, err
@@ -187,7 +188,7 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		return fmt.Errorf("GET /cluster: %w", err)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tQUEUE WAIT\tCACHED BLOCKS\tUPDATED")
+	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tDEVICE\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tQUEUE WAIT\tCACHED BLOCKS\tUPDATED")
 	for _, m := range info.Members {
 		name := m.Name
 		if name == info.Self {
@@ -200,7 +201,7 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		if m.Simulated {
 			state += ",SIMULATED"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","), cmp.Or(m.Device, "-"),
 			m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed, m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.QueueWaitMS, m.SummaryBlocks, m.UpdatedAgoMS)
 	}
 	return tw.Flush()

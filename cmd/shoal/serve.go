@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -81,6 +82,7 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 
 type serveFlags struct {
 	model, addr, modelName, logLevel, flash, kvType, tensorSplit, sim     string
+	kvMemory                                                              string
 	simSpeed                                                              float64
 	embeddings                                                            bool
 	pooling                                                               string
@@ -124,6 +126,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.gpuLayers, "n-gpu-layers", lc.GPULayers, "layers to offload when a GPU backend is installed (-1: all)")
 	fs.IntVar(&f.mainGPU, "main-gpu", 0, "GPU for the whole model when not splitting")
 	fs.StringVar(&f.tensorSplit, "tensor-split", "", "fraction of the model per GPU, e.g. 3,1")
+	fs.StringVar(&f.kvMemory, "kv-memory", "auto", "KV pool size instead of --ctx-size: a fraction of the free memory once the weights are loaded (0.9), or bytes (8GiB, 512MiB); auto: 0.8 of the GPUs' free memory when layers are offloaded, else --ctx-size")
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
@@ -185,6 +188,14 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	lc.Threads, lc.BatchThreads, lc.Unified, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.unified, f.flash, f.kvType
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
 	lc.Embeddings, lc.Pooling = f.embeddings, f.pooling
+	setFlags := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
+	if lc.KVMemory, err = parseKVMemory(f.kvMemory); err != nil {
+		return err
+	}
+	if lc.KVMemory < 0 && (setFlags["ctx-size"] || os.Getenv("SHOAL_CTX_SIZE") != "") {
+		lc.KVMemory = 0 // an explicit --ctx-size wins over auto sizing
+	}
 	if err := lc.Validate(); err != nil {
 		return err
 	}
@@ -192,8 +203,6 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if name == "" {
 		name = strings.TrimSuffix(filepath.Base(f.model), ".gguf")
 	}
-	setFlags := map[string]bool{}
-	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
 	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
 		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
 	}
@@ -209,8 +218,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}
 	ac.CacheInfo = map[string]string{"block_size": strconv.Itoa(f.blockTokens), "cache_dtype": f.kvType,
-		"enable_prefix_caching": strconv.FormatBool(f.caching), "num_gpu_blocks": strconv.Itoa(f.ctx / f.blockTokens),
-		"kv_unified": strconv.FormatBool(f.unified)}
+		"enable_prefix_caching": strconv.FormatBool(f.caching), "kv_unified": strconv.FormatBool(f.unified)}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv, err := api.New(ac, reg, log)
@@ -279,9 +287,14 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		log.Warn("SIMULATED ENGINE: this node sleeps instead of computing and answers with letters, not a model's output",
 			"profile", f.sim, "speed", f.simSpeed)
 	}
+	for _, d := range info.Devices {
+		log.Info("device", "name", d.Name, "description", d.Description, "kind", d.Kind,
+			"memory_total", humanBytes(d.MemoryTotal), "memory_free", humanBytes(d.MemoryFree))
+	}
+	device := deviceSummary(info, f.sim != "")
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
-		"params", info.Params, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq, "seqs", capacity.MaxSeqs,
-		"unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse)
+		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
+		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse)
 	sched, err := scheduler.New(sc, eng, log)
 	if err != nil {
 		return err
@@ -292,7 +305,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		node, secret, err = startCluster(f.cluster, ln.Addr().String(), name, sc, sched, serverTLS != nil, f.sim != "", log)
+		node, secret, err = startCluster(f.cluster, ln.Addr().String(), name, device, sc, sched, serverTLS != nil, f.sim != "", log)
 		if err != nil {
 			stopSched()
 			<-schedDone
@@ -343,6 +356,70 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// parseKVMemory reads --kv-memory: auto (-1), a fraction in (0,1], 0, or bytes with
+// an optional KiB/MiB/GiB/TiB (or KB/MB/GB/TB, as powers of 1000) suffix.
+func parseKVMemory(s string) (float64, error) {
+	s = strings.TrimSpace(s)
+	if s == "" || s == "auto" {
+		return -1, nil
+	}
+	units := []struct {
+		suffix string
+		mult   float64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"B", 1}}
+	mult := 0.0
+	for _, u := range units {
+		if num, ok := strings.CutSuffix(s, u.suffix); ok {
+			s, mult = strings.TrimSpace(num), u.mult
+			break
+		}
+	}
+	v, err := strconv.ParseFloat(s, 64)
+	switch {
+	case err != nil || v < 0 || math.IsInf(v, 0) || math.IsNaN(v):
+		return 0, fmt.Errorf("--kv-memory %q: want auto, a fraction like 0.9, or a size like 8GiB", s)
+	case mult > 0:
+		v *= mult
+		if v < 1<<20 {
+			return 0, fmt.Errorf("--kv-memory %q: less than 1 MiB", s)
+		}
+	case v > 1 && v < 1<<20:
+		return 0, fmt.Errorf("--kv-memory %v: a fraction must be at most 1, and bytes at least 1 MiB", v)
+	}
+	return v, nil
+}
+
+// deviceSummary names where the model runs, for logs, metadata and shoal status.
+func deviceSummary(info engine.ModelInfo, simulated bool) string {
+	if simulated {
+		return "sim"
+	}
+	var gpus []string
+	for _, d := range info.Devices {
+		if d.GPU() && info.GPULayers > 0 {
+			gpus = append(gpus, fmt.Sprintf("%s %s (%s)", d.Name, d.Description, humanBytes(d.MemoryTotal)))
+		}
+	}
+	if len(gpus) == 0 {
+		return "CPU"
+	}
+	s := strings.Join(gpus, " + ")
+	if len(s) > 120 {
+		s = s[:117] + "..."
+	}
+	return s
+}
+
+func humanBytes(b uint64) string {
+	switch {
+	case b >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(b)/(1<<30))
+	case b >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+	}
+	return fmt.Sprintf("%d B", b)
 }
 
 func newLogger(w io.Writer, level string) (*slog.Logger, error) {

@@ -24,6 +24,7 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/models"
 )
 
@@ -413,6 +414,39 @@ func TestBenchAgainstNode(t *testing.T) {
 			t.Fatalf("shared-prefix run reported no cached tokens: %+v", r)
 		}
 		t.Logf("%s", stdout.String())
+	}
+}
+
+func TestParseKVMemory(t *testing.T) {
+	for in, want := range map[string]float64{"auto": -1, "": -1, "0": 0, "0.9": 0.9, "1": 1, "8GiB": 8 << 30,
+		"512 MiB": 512 << 20, "2GB": 2e9, "1048576": 1 << 20} {
+		if got, err := parseKVMemory(in); err != nil || got != want {
+			t.Errorf("parseKVMemory(%q) = %v, %v; want %v", in, got, err, want)
+		}
+	}
+	for _, bad := range []string{"-1", "1.5", "100", "12KiB", "lots", "NaN", "Inf"} {
+		if v, err := parseKVMemory(bad); err == nil {
+			t.Errorf("parseKVMemory(%q) = %v, want an error", bad, v)
+		}
+	}
+}
+
+func TestDeviceSummary(t *testing.T) {
+	cpu := engine.Device{Name: "CPU", Description: "AMD EPYC", Kind: "cpu", MemoryTotal: 64 << 30}
+	gpu := engine.Device{Name: "CUDA0", Description: "NVIDIA H200", Kind: "gpu", MemoryTotal: 140 << 30}
+	for _, c := range []struct {
+		info engine.ModelInfo
+		sim  bool
+		want string
+	}{
+		{engine.ModelInfo{Devices: []engine.Device{cpu}}, false, "CPU"},
+		{engine.ModelInfo{Devices: []engine.Device{cpu, gpu}, GPULayers: 12}, false, "CUDA0 NVIDIA H200 (140.0 GiB)"},
+		{engine.ModelInfo{Devices: []engine.Device{cpu, gpu}, GPULayers: 0}, false, "CPU"}, // --n-gpu-layers 0
+		{engine.ModelInfo{}, true, "sim"},
+	} {
+		if got := deviceSummary(c.info, c.sim); got != c.want {
+			t.Errorf("deviceSummary(%+v) = %q, want %q", c.info, got, c.want)
+		}
 	}
 }
 

@@ -5,6 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
+	"os"
 	"runtime"
 
 	"github.com/shoal-ai/shoal/engine/llama"
@@ -40,5 +42,11 @@ func runVersion(args []string, stdout, _ io.Writer) error {
 	}
 	fmt.Fprintf(stdout, "shoal %s\nllama.cpp %s\ncpu kernels: %s\ngo %s %s/%s\n",
 		version, llama.LlamaCommit(), llama.CPUFeatures(), runtime.Version(), runtime.GOOS, runtime.GOARCH)
+	// Devices: the CPU, and a GPU for each backend library found in <exe>/../lib/ollama
+	// (ollama's loader logs what it loaded at info level; only its warnings here).
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	for _, d := range llama.Devices() {
+		fmt.Fprintf(stdout, "device %s: %s (%s, %s total, %s free)\n", d.Name, d.Description, d.Kind, humanBytes(d.MemoryTotal), humanBytes(d.MemoryFree))
+	}
 	return nil
 }

@@ -49,7 +49,7 @@ func New(cells, seqs, batch int) *Fake {
 }
 
 func (f *Fake) Info() engine.ModelInfo {
-	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n}
+	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n, Devices: []engine.Device{{Name: "CPU", Description: "fake", Kind: "cpu"}}}
 }
 func (f *Fake) Capacity() engine.Capacity                  { return f.cap }
 func (f *Fake) Vocab() engine.Vocab                        { return f.vocab }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
@@ -125,6 +126,13 @@ func BenchmarkDecode(b *testing.B) {
 			}
 		}
 	}
+}
+
+// BenchmarkDecodeCeiling is the raw decode ceiling on whatever device holds the
+// model (scripts/gpu-check.sh runs it on a GPU): the generated 100M model, unified
+// pool, batch 1 to 128, all cores for the CPU side.
+func BenchmarkDecodeCeiling(b *testing.B) {
+	benchDecode(b, "100m", genModel(b, models.Bench100M()), runtime.NumCPU(), true, []int{1, 8, 32, 64, 128}, benchPrompt)
 }
 
 // BenchmarkDecodeLong is where the unified pool's cost can show: many sequences with

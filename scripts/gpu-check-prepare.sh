@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# gpu-check-prepare.sh [DIR]: packs what scripts/gpu-check.sh needs on a GPU machine
+# that has nvcc and CMake but no Go toolchain and no network, into DIR (default
+# gpu-check/, ignored by git; under 64 MiB): the shoal binary and the engine's test
+# binary (xz), the sources of the pinned ollama module that build ggml's CUDA backend,
+# stories260K when ../shared has it, and the two scripts. The ~100M model is not
+# copied (220 MB): the shoal binary generates the same model there (seeded).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check}
+eval "$(bash scripts/cgo-env.sh)"
+rm -rf "$out"
+mkdir -p "$out"
+go test -c -o "$out/llama.test" ./engine/llama
+xz -T0 -6 -c bin/shoal >"$out/shoal.xz"
+xz -T0 -6 "$out/llama.test"
+src=$(go list -m -f '{{.Dir}}' github.com/ollama/ollama)
+# The root CMakeLists and ggml; Metal and Vulkan sources are not needed for CUDA.
+tar -C "$src" --exclude='ggml-metal' --exclude='ggml-vulkan' -cJf "$out/ollama-src.tar.xz" \
+	CMakeLists.txt CMakePresets.json ml/backend/ggml/ggml
+if [ -f ../shared/models/stories260K.gguf ]; then
+	cp ../shared/models/stories260K.gguf "$out/"
+else
+	echo "gpu-check-prepare: ../shared/models/stories260K.gguf not present; the GPU run will skip it" >&2
+fi
+cp scripts/gpu-check.sh scripts/build-cuda.sh "$out/"
+du -ch "$out"/* | tail -1 | awk '{print "gpu-check-prepare: " $1 " in '"$out"'/"}'
