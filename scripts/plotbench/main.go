@@ -74,6 +74,9 @@ func draw(path string) error {
 	if err := writeTable(name, rows); err != nil {
 		return err
 	}
+	if err := drawCapacity(name, rows); err != nil {
+		return err
+	}
 	xLabel := "offered rate (requests/s)"
 	if len(rows) > 0 && rows[0].RateShare > 0 {
 		xLabel = "offered rate (share of round robin's saturation rate)"
@@ -201,4 +204,36 @@ func verdict(name string, rows []row) string {
 		return ""
 	}
 	return fmt.Sprintf("\nAt saturation (capacity rows), prefix-aware's output throughput is %.3f× the best other policy's (%s).\n", pa.OutputTokensPerS/best, bestName)
+}
+
+// drawCapacity is W-capacity.png: each policy's output tokens/s in the closed loop
+// (its capacity), as bars; nothing when the file has no capacity rows.
+func drawCapacity(name string, rows []row) error {
+	var vals plotter.Values
+	var names []string
+	for _, r := range rows {
+		if r.ClosedLoop {
+			vals = append(vals, r.OutputTokensPerS)
+			names = append(names, r.Policy)
+		}
+	}
+	if len(vals) == 0 {
+		return nil
+	}
+	p := plot.New()
+	p.Title.Text = name + ": capacity (closed loop, every batch full)"
+	p.Y.Label.Text = "output tokens/s"
+	bars, err := plotter.NewBarChart(vals, vg.Points(40))
+	if err != nil {
+		return err
+	}
+	bars.Color = plotutil.Color(1)
+	p.Add(bars)
+	p.NominalX(names...)
+	out := filepath.Join("docs", "img", name+"-capacity.png")
+	if err := p.Save(6*vg.Inch, 4*vg.Inch, out); err != nil {
+		return err
+	}
+	fmt.Println("wrote", out)
+	return nil
 }
