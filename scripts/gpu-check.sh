@@ -56,7 +56,9 @@ log "tests: $(grep -c -- '^--- PASS' "$work/tests.txt") passed, $(grep -c -- '^-
 # 4. shoal serve + shoal bench.
 model=$work/m100.gguf
 [ -f "$model" ] || "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
-"$work/bin/shoal" serve --model "$model" --model-name m100 --addr 127.0.0.1:18080 --parallel 160 --max-running 64 \
+# --kv-memory 0.05: the pool sized from the GPU's free memory (5%: room for 100k+
+# cells of this model on any data-centre GPU without a huge attention span).
+"$work/bin/shoal" serve --model "$model" --model-name m100 --addr 127.0.0.1:18080 --parallel 160 --max-running 64 --kv-memory 0.05 \
 	--log-level info >"$work/serve.log" 2>&1 &
 serve=$!
 trap 'kill $serve 2>/dev/null || true' EXIT
