@@ -357,9 +357,9 @@ func asRetryable(err error, re **RetryableError) bool {
 
 func FuzzDecoders(f *testing.F) {
 	f.Add(encodeLoad("node-a", Load{Waiting: 3, PrefillTPS: 10}))
-	f.Add(encodePrefix("n", 7, []kvcache.Hash{1, 2}))
-	f.Add(encodeState("n", 7, []kvcache.Hash{1}))
-	f.Add(encodeEvict("n", 8, []kvcache.Hash{2}))
+	f.Add(encodeHashes(msgPrefix, "n", 7, []kvcache.Hash{1, 2}))
+	f.Add(encodeHashes(stateFull, "n", 7, []kvcache.Hash{1}))
+	f.Add(encodeHashes(msgEvict, "n", 8, []kvcache.Hash{2}))
 	m, _ := encodeMeta(Meta{HTTP: "h:1", Models: []string{"a"}})
 	f.Add(m)
 	f.Add([]byte{1, 2, 255})
@@ -373,9 +373,9 @@ func FuzzDecoders(f *testing.F) {
 				}
 			}
 		}
-		decodePrefix(b)
-		decodeState(b)
-		decodeEvict(b)
+		for _, kind := range []byte{msgPrefix, msgEvict, stateFull} {
+			decodeHashes(kind, b)
+		}
 		decodeMeta(b)
 		d := &delegate{n: &Node{cfg: Config{Name: "self"}, peers: map[string]*peer{"n": {name: "n"}, "node-a": {name: "node-a"}}}}
 		d.NotifyMsg(b)

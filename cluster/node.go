@@ -303,7 +303,7 @@ func (n *Node) sendSummary(name string) {
 			if len(hs) > maxSummary {
 				hs = hs[:maxSummary]
 			}
-			if err := n.ml.SendReliable(m, encodePrefix(n.cfg.Name, sum.Generation, hs)); err != nil {
+			if err := n.ml.SendReliable(m, encodeHashes(msgPrefix, n.cfg.Name, sum.Generation, hs)); err != nil {
 				n.log.Debug("send summary", "peer", name, "err", err)
 			}
 			return
@@ -344,12 +344,12 @@ func (n *Node) publishLocal() {
 	// only every few seconds per pair).
 	for len(evicted) > 0 {
 		k := min(len(evicted), prefixChunk)
-		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodeEvict(n.cfg.Name, gen, evicted[:k])})
+		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodeHashes(msgEvict, n.cfg.Name, gen, evicted[:k])})
 		evicted = evicted[k:]
 	}
 	for len(added) > 0 {
 		k := min(len(added), prefixChunk)
-		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodePrefix(n.cfg.Name, gen, added[:k])})
+		n.queue.QueueBroadcast(&uniqueBroadcast{msg: encodeHashes(msgPrefix, n.cfg.Name, gen, added[:k])})
 		added = added[k:]
 	}
 }
@@ -420,13 +420,20 @@ func (d *delegate) NotifyMsg(b []byte) {
 			p.load, p.loadAt = l, time.Now()
 		}
 		n.mu.Unlock()
-	case msgPrefix:
-		name, gen, hs, err := decodePrefix(b)
+	case msgPrefix, msgEvict:
+		name, gen, hs, err := decodeHashes(b[1], b)
 		if err != nil || name == n.cfg.Name {
 			return
 		}
 		n.mu.Lock()
 		p := n.peerLocked(name)
+		if b[1] == msgEvict {
+			for _, h := range hs {
+				delete(p.summary, h)
+			}
+			n.mu.Unlock()
+			return
+		}
 		if p.summary == nil {
 			p.summary = map[kvcache.Hash]struct{}{}
 		}
@@ -436,17 +443,6 @@ func (d *delegate) NotifyMsg(b []byte) {
 			}
 		}
 		p.sumGen = max(p.sumGen, gen)
-		n.mu.Unlock()
-	case msgEvict:
-		name, _, hs, err := decodeEvict(b)
-		if err != nil || name == n.cfg.Name {
-			return
-		}
-		n.mu.Lock()
-		p := n.peerLocked(name)
-		for _, h := range hs {
-			delete(p.summary, h)
-		}
 		n.mu.Unlock()
 	}
 }
@@ -466,12 +462,12 @@ func (d *delegate) LocalState(bool) []byte {
 	if len(hs) > maxSummary {
 		hs = hs[:maxSummary]
 	}
-	return encodeState(n.cfg.Name, sum.Generation, hs)
+	return encodeHashes(stateFull, n.cfg.Name, sum.Generation, hs)
 }
 
 // MergeRemoteState replaces a peer's summary with its full state.
 func (d *delegate) MergeRemoteState(b []byte, _ bool) {
-	name, gen, hs, err := decodeState(b)
+	name, gen, hs, err := decodeHashes(stateFull, b)
 	n := d.n
 	if err != nil || name == n.cfg.Name {
 		return

@@ -127,9 +127,13 @@ func decodeLoad(b []byte) (string, Load, error) {
 	return node, l, nil
 }
 
-// encodePrefix is a delta of added block hashes of node at summary generation gen.
-func encodePrefix(node string, gen uint64, hs []kvcache.Hash) []byte {
-	b := []byte{wireVersion, msgPrefix, byte(len(node))}
+// encodeHashes is a message of block hashes of node at summary generation gen; kind
+// says what they are: msgPrefix (added since the last delta), msgEvict (evicted
+// since the last delta) or stateFull (push/pull: the node's own full summary; each
+// node speaks for itself, and memberlist pairs nodes often enough that every pair
+// converges).
+func encodeHashes(kind byte, node string, gen uint64, hs []kvcache.Hash) []byte {
+	b := []byte{wireVersion, kind, byte(len(node))}
 	b = append(b, node...)
 	b = binary.LittleEndian.AppendUint64(b, gen)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(hs)))
@@ -143,13 +147,14 @@ func encodePrefix(node string, gen uint64, hs []kvcache.Hash) []byte {
 // the most recently added ones win.
 const maxSummary = 1 << 16
 
-func decodePrefix(b []byte) (string, uint64, []kvcache.Hash, error) {
-	if len(b) < 3 || b[0] != wireVersion || b[1] != msgPrefix {
-		return "", 0, nil, errors.New("cluster: not a prefix message")
+// decodeHashes reads a message encodeHashes wrote with the same kind.
+func decodeHashes(kind byte, b []byte) (string, uint64, []kvcache.Hash, error) {
+	if len(b) < 3 || b[0] != wireVersion || b[1] != kind {
+		return "", 0, nil, fmt.Errorf("cluster: not a hash message of kind %d", kind)
 	}
 	n := int(b[2])
 	if len(b) < 3+n+12 {
-		return "", 0, nil, errors.New("cluster: short prefix message")
+		return "", 0, nil, errors.New("cluster: short hash message")
 	}
 	node := string(b[3 : 3+n])
 	r := b[3+n:]
@@ -157,44 +162,11 @@ func decodePrefix(b []byte) (string, uint64, []kvcache.Hash, error) {
 	cnt := int(binary.LittleEndian.Uint32(r[8:]))
 	r = r[12:]
 	if cnt > maxSummary || len(r) != 8*cnt {
-		return "", 0, nil, fmt.Errorf("cluster: prefix message claims %d hashes in %d bytes", cnt, len(r))
+		return "", 0, nil, fmt.Errorf("cluster: hash message claims %d hashes in %d bytes", cnt, len(r))
 	}
 	hs := make([]kvcache.Hash, cnt)
 	for i := range hs {
 		hs[i] = kvcache.Hash(binary.LittleEndian.Uint64(r[8*i:]))
 	}
 	return node, gen, hs, nil
-}
-
-// encodeEvict is a delta of block hashes node evicted at summary generation gen.
-func encodeEvict(node string, gen uint64, hs []kvcache.Hash) []byte {
-	b := encodePrefix(node, gen, hs)
-	b[1] = msgEvict
-	return b
-}
-
-func decodeEvict(b []byte) (string, uint64, []kvcache.Hash, error) {
-	if len(b) < 2 || b[1] != msgEvict {
-		return "", 0, nil, errors.New("cluster: not an evict message")
-	}
-	c := append([]byte(nil), b...)
-	c[1] = msgPrefix
-	return decodePrefix(c)
-}
-
-// encodeState is push/pull state: this node's own full summary (each node speaks
-// for itself; memberlist pairs nodes often enough that every pair converges).
-func encodeState(node string, gen uint64, hs []kvcache.Hash) []byte {
-	b := encodePrefix(node, gen, hs)
-	b[1] = stateFull
-	return b
-}
-
-func decodeState(b []byte) (string, uint64, []kvcache.Hash, error) {
-	if len(b) < 2 || b[1] != stateFull {
-		return "", 0, nil, errors.New("cluster: not a state message")
-	}
-	c := append([]byte(nil), b...)
-	c[1] = msgPrefix
-	return decodePrefix(c)
 }
