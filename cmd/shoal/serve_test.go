@@ -177,12 +177,13 @@ func TestServeWithOpenAISDK(t *testing.T) {
 		t.Fatalf("models: %+v %v", models, err)
 	}
 
-	chat, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+	hello := openai.ChatCompletionNewParams{
 		Model:       "small",
 		Messages:    []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("be brief"), openai.UserMessage("Say hello.")},
 		MaxTokens:   openai.Int(8),
 		Temperature: openai.Float(0),
-	})
+	}
+	chat, err := c.Chat.Completions.New(ctx, hello)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,12 +191,7 @@ func TestServeWithOpenAISDK(t *testing.T) {
 		t.Fatalf("chat: %+v", chat)
 	}
 	// The same prompt again is served from the prefix cache.
-	chat2, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
-		Model:       "small",
-		Messages:    []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("be brief"), openai.UserMessage("Say hello.")},
-		MaxTokens:   openai.Int(8),
-		Temperature: openai.Float(0),
-	})
+	chat2, err := c.Chat.Completions.New(ctx, hello)
 	if err != nil {
 		t.Fatal(err)
 	}
