@@ -85,9 +85,9 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			break
 		}
 		if t.Local {
-			return false, s.node.Sent(t, len(tokens))
+			return false, s.node.Sent(t)
 		}
-		done := s.node.Sent(t, len(tokens))
+		done := s.node.Sent(t)
 		err := s.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
 		done()
 		var re *cluster.RetryableError

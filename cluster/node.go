@@ -136,8 +136,7 @@ type peer struct {
 	loadAt    time.Time
 	summary   map[kvcache.Hash]struct{}
 	sumGen    uint64
-	inflight  int                        // requests this node routed there that have not finished
-	flights   []*flight                  // those requests, to tell which its gossiped load shows yet
+	flights   []*flight                  // requests this node routed there that have not finished
 	sent      map[kvcache.Hash]time.Time // prefix blocks sent there, until when they count as held
 	sentOrder []sentEntry                // the same in the order sent (a hash may repeat)
 }
@@ -601,7 +600,7 @@ func (n *Node) Members() []Member {
 			ago = time.Since(p.loadAt).Milliseconds()
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
-			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: p.inflight, Simulated: p.meta.Simulated, Device: p.meta.Device})
+			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {

@@ -8,7 +8,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -52,7 +51,7 @@ type Target struct {
 	Cached     int // prompt tokens its summary says it holds
 
 	hashes  []kvcache.Hash // the prompt's block hashes (prefix policies), for Sent
-	compute int            // prompt tokens not in its summary, when hashes are set
+	compute int            // prompt tokens not in its summary: the prefill it costs there
 }
 
 // minPrefillTPS keeps the estimate finite for a node that has not prefilled yet.
@@ -295,37 +294,28 @@ func (n *Node) saturated(p *peer) bool {
 	return n.cfg.MaxQueueWait > 0 && time.Duration(l.QueueWaitMS*float64(time.Millisecond)) > n.cfg.MaxQueueWait
 }
 
-// Sent records a request routed to target t; call the returned func when it ends.
-// Until the node's gossiped load shows it, the router counts it (and the prefill it
-// costs there: its uncached tokens) against that node, so that gossip that has not
-// seen it yet cannot send a herd there, while requests that hit the node's cache weigh
-// little.
-func (n *Node) Sent(t Target, promptTokens int) func() {
-	f := &flight{cost: max(promptTokens-t.Cached, 0)}
-	if t.hashes != nil {
-		f.cost = t.compute
-	}
+// Sent records a request routed to target t; call the returned func when it ends
+// (calling it again does nothing). Until the node's gossiped load shows the request,
+// the router counts it (and the prefill it costs there: the prompt tokens the node's
+// summary does not show) against that node, so that gossip that has not seen it yet
+// cannot send a herd there, while requests that hit the node's cache weigh little.
+func (n *Node) Sent(t Target) func() {
+	f := &flight{cost: t.compute}
 	n.mu.Lock()
-	p := n.peers[t.Name]
-	if p != nil {
+	if p := n.peers[t.Name]; p != nil {
 		f.seq = p.load.Seq
-		p.inflight++
 		p.flights = append(p.flights, f)
 		p.willHold(t.hashes, time.Now())
 	}
 	n.mu.Unlock()
-	var once sync.Once
 	return func() {
-		once.Do(func() {
-			n.mu.Lock()
-			defer n.mu.Unlock()
-			if p := n.peers[t.Name]; p != nil {
-				if i := slices.Index(p.flights, f); i >= 0 {
-					p.flights = slices.Delete(p.flights, i, i+1)
-					p.inflight--
-				}
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		if p := n.peers[t.Name]; p != nil {
+			if i := slices.Index(p.flights, f); i >= 0 {
+				p.flights = slices.Delete(p.flights, i, i+1)
 			}
-		})
+		}
 	}
 }
 
