@@ -78,7 +78,8 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		gauge("shoal_prefill_tokens_per_second", "Smoothed prompt tokens computed per second.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
 		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),
 		gauge("shoal_queue_wait_estimate_seconds", "Estimated wait before a new request is scheduled.", func(l scheduler.Load) float64 { return l.QueueWait.Seconds() }),
-		infoCollector{s},
+		infoCollector{s: s, cacheInfo: prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration (value 1).",
+			[]string{"num_gpu_blocks"}, prometheus.Labels(s.cfg.CacheInfo))},
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
@@ -108,11 +109,13 @@ func (m *metrics) rejected(err error) {
 // infoCollector reports what is known once the model is loaded: the KV cache
 // configuration with its real block count, the devices and the layers offloaded.
 // Before that it reports nothing (an unchecked collector).
-type infoCollector struct{ s *Server }
+type infoCollector struct {
+	s         *Server
+	cacheInfo *prometheus.Desc // its labels are the configuration's, fixed at start
+}
 
 var (
-	cacheInfoLabels = []string{"num_gpu_blocks"}
-	deviceInfoDesc  = prometheus.NewDesc("shoal_device_info", "Compute devices the engine found (value 1).",
+	deviceInfoDesc = prometheus.NewDesc("shoal_device_info", "Compute devices the engine found (value 1).",
 		[]string{"device", "description", "kind"}, nil)
 	deviceMemDesc = prometheus.NewDesc("shoal_device_memory_bytes", "Device memory when the model was loaded: total and free.",
 		[]string{"device", "state"}, nil)
@@ -126,10 +129,8 @@ func (c infoCollector) Collect(ch chan<- prometheus.Metric) {
 	if b == nil {
 		return
 	}
-	desc := prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration (value 1).",
-		cacheInfoLabels, prometheus.Labels(c.s.cfg.CacheInfo))
 	l := b.Generator.Load()
-	ch <- prometheus.MustNewConstMetric(desc, prometheus.GaugeValue, 1, strconv.Itoa(l.KVBlocksTotal))
+	ch <- prometheus.MustNewConstMetric(c.cacheInfo, prometheus.GaugeValue, 1, strconv.Itoa(l.KVBlocksTotal))
 	for _, d := range b.Info.Devices {
 		ch <- prometheus.MustNewConstMetric(deviceInfoDesc, prometheus.GaugeValue, 1, d.Name, d.Description, d.Kind)
 		ch <- prometheus.MustNewConstMetric(deviceMemDesc, prometheus.GaugeValue, float64(d.MemoryTotal), d.Name, "total")

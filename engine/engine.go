@@ -8,6 +8,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 )
 
 // Token is a vocabulary id.
@@ -64,6 +65,17 @@ type Device struct {
 	Kind        string `json:"kind"`        // cpu, gpu, igpu or accel
 	MemoryTotal uint64 `json:"memory_total_bytes"`
 	MemoryFree  uint64 `json:"memory_free_bytes"` // when the model was loaded
+}
+
+// FormatBytes writes a memory size for people: "12.5 GiB", "512.0 MiB", "100 B".
+func FormatBytes(b uint64) string {
+	switch {
+	case b >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(b)/(1<<30))
+	case b >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+	}
+	return fmt.Sprintf("%d B", b)
 }
 
 // GPU reports whether d has memory of its own to offload to.

@@ -289,7 +289,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	for _, d := range info.Devices {
 		log.Info("device", "name", d.Name, "description", d.Description, "kind", d.Kind,
-			"memory_total", humanBytes(d.MemoryTotal), "memory_free", humanBytes(d.MemoryFree))
+			"memory_total", engine.FormatBytes(d.MemoryTotal), "memory_free", engine.FormatBytes(d.MemoryFree))
 	}
 	device := deviceSummary(info, f.sim != "")
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
@@ -399,7 +399,7 @@ func deviceSummary(info engine.ModelInfo, simulated bool) string {
 	var gpus []string
 	for _, d := range info.Devices {
 		if d.GPU() && info.GPULayers > 0 {
-			gpus = append(gpus, fmt.Sprintf("%s %s (%s)", d.Name, d.Description, humanBytes(d.MemoryTotal)))
+			gpus = append(gpus, fmt.Sprintf("%s %s (%s)", d.Name, d.Description, engine.FormatBytes(d.MemoryTotal)))
 		}
 	}
 	if len(gpus) == 0 {
@@ -410,16 +410,6 @@ func deviceSummary(info engine.ModelInfo, simulated bool) string {
 		s = s[:117] + "..."
 	}
 	return s
-}
-
-func humanBytes(b uint64) string {
-	switch {
-	case b >= 1<<30:
-		return fmt.Sprintf("%.1f GiB", float64(b)/(1<<30))
-	case b >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
-	}
-	return fmt.Sprintf("%d B", b)
 }
 
 func newLogger(w io.Writer, level string) (*slog.Logger, error) {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"runtime"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/llama"
 )
 
@@ -46,7 +47,7 @@ func runVersion(args []string, stdout, _ io.Writer) error {
 	// (ollama's loader logs what it loaded at info level; only its warnings here).
 	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 	for _, d := range llama.Devices() {
-		fmt.Fprintf(stdout, "device %s: %s (%s, %s total, %s free)\n", d.Name, d.Description, d.Kind, humanBytes(d.MemoryTotal), humanBytes(d.MemoryFree))
+		fmt.Fprintf(stdout, "device %s: %s (%s, %s total, %s free)\n", d.Name, d.Description, d.Kind, engine.FormatBytes(d.MemoryTotal), engine.FormatBytes(d.MemoryFree))
 	}
 	return nil
 }

@@ -85,7 +85,7 @@ func checkFits(cfg Config, devs []engine.Device) error {
 	if need > free {
 		return fmt.Errorf("model %s needs about %s of GPU memory for its weights and buffers; the GPUs (%s) have %s free: "+
 			"offload fewer layers (--n-gpu-layers), use a smaller quantisation, or free the GPU",
-			cfg.ModelPath, gib(need), describe(g), gib(free))
+			cfg.ModelPath, engine.FormatBytes(need), describe(g), engine.FormatBytes(free))
 	}
 	return nil
 }
@@ -102,14 +102,6 @@ func describe(ds []engine.Device) string {
 		s += d.Name + " " + d.Description
 	}
 	return s
-}
-
-// gib formats a byte count for messages.
-func gib(b uint64) string {
-	if b < 1<<30 {
-		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
-	}
-	return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30))
 }
 
 // kvCells sizes the KV pool from cfg.KVMemory once the weights are loaded: a fraction
@@ -151,7 +143,7 @@ func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
 	cells -= cells % 256
 	if cells < max(256, 16*cfg.MaxSeqs) {
 		return 0, fmt.Errorf("KV memory %s holds only %d cells at %.0f bytes each: give more (--kv-memory) or fewer sequences (--parallel)",
-			gib(uint64(budget)), int(budget/perCell), perCell)
+			engine.FormatBytes(uint64(budget)), int(budget/perCell), perCell)
 	}
 	return cells, nil
 }
