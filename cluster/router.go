@@ -94,8 +94,8 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		c := candidate{p: p}
 		reqs, reqTokens := p.unreflected()
 		capacity := max(p.meta.Capacity, 1)
-		c.load = float64(p.load.Waiting+p.load.Running+reqs) / float64(capacity)
 		c.active = p.load.Running + p.load.Waiting + reqs
+		c.load = float64(c.active) / float64(capacity)
 		// Blocks its summary shows, then blocks this router just sent there with
 		// another request: those count as cached for the choice (the next request
 		// of a burst should follow the first), but not for the work this request
