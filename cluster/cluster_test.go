@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -208,6 +209,15 @@ func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 		t.Fatalf("saturated cluster: a miss should cost the requests queued behind it: %+v", ts)
 	}
 	warm.load.Waiting, cold.load.Waiting, cold.load.PendingTokens = 0, 0, 0
+	// A hot prefix: every slot of the warm node is taken and cache hits queue
+	// there. Their prefill is next to nothing, but each waits for a finish (4 per
+	// second here): 2 s ahead, against 0.4 s to recompute the prefix on the cold
+	// node.
+	warm.load.Running, warm.load.Waiting, warm.load.PendingTokens, warm.load.FinishPS = 8, 7, 28, 4
+	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "cold" {
+		t.Fatalf("hot prefix: a full node's slot queue should count: %+v", ts)
+	}
+	warm.load.Running, warm.load.Waiting, warm.load.PendingTokens, warm.load.FinishPS = 0, 0, 0, 0
 	// prefix-only ignores the queue (the ablation).
 	n.cfg.Policy = PrefixOnly
 	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "self" {
@@ -355,8 +365,31 @@ func asRetryable(err error, re **RetryableError) bool {
 	return ok
 }
 
+func TestLoadWireVersions(t *testing.T) {
+	l := Load{Waiting: 3, Running: 16, PrefillTPS: 10, Seq: 9, FinishPS: 12.5}
+	b := encodeLoad("n", l)
+	if name, got, err := decodeLoad(b); err != nil || name != "n" || got != l {
+		t.Fatalf("round trip: %q %+v %v", name, got, err)
+	}
+	// A node of the previous release sends 11 fields: the rest read as zero.
+	old := b[:len(b)-8]
+	want := l
+	want.FinishPS = 0
+	if _, got, err := decodeLoad(old); err != nil || got != want {
+		t.Fatalf("11-field load: %+v %v", got, err)
+	}
+	// A newer node may append fields: they are ignored; a torn field is refused.
+	if _, got, err := decodeLoad(append(slices.Clone(b), make([]byte, 8)...)); err != nil || got != l {
+		t.Fatalf("13-field load: %+v %v", got, err)
+	}
+	if _, _, err := decodeLoad(append(slices.Clone(b), 1)); err == nil {
+		t.Fatal("a load message with a partial field was accepted")
+	}
+}
+
 func FuzzDecoders(f *testing.F) {
 	f.Add(encodeLoad("node-a", Load{Waiting: 3, PrefillTPS: 10}))
+	f.Add(encodeLoad("node-a", Load{Waiting: 3, PrefillTPS: 10})[:3+6+8*11])
 	f.Add(encodeHashes(msgPrefix, "n", 7, []kvcache.Hash{1, 2}))
 	f.Add(encodeHashes(stateFull, "n", 7, []kvcache.Hash{1}))
 	f.Add(encodeHashes(msgEvict, "n", 8, []kvcache.Hash{2}))

@@ -114,14 +114,20 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		c.cached = matched * n.cfg.BlockTokens
 		c.compute = max(len(tokens)-held*n.cfg.BlockTokens, 0)
 		c.uncached = max(len(tokens)-c.cached, 0)
-		// Time to first token there: the prefill work ahead of this request (what the
-		// node still has to prefill, and what this router sent it that its load does
-		// not show yet) and this request's own uncached tokens, at the cluster's
-		// prefill rate (nodes of one model are alike; one node's own smoothed rate is
-		// too noisy to compare nodes by); plus one step of its running batch, which
-		// the request's prefill shares; plus the hop.
-		work := p.load.PendingTokens + reqTokens + c.uncached
-		c.est = float64(work) / rate * 1000
+		// Time to first token there: the wait before it starts — the prefill work
+		// ahead of it (what the node still has to prefill, and what this router sent
+		// it that its load does not show yet) or, when its running slots are all
+		// taken, the finishes that must free one, whichever is longer — then this
+		// request's own uncached tokens, at the cluster's prefill rate (nodes of one
+		// model are alike; one node's own smoothed rate is too noisy to compare
+		// nodes by); plus one step of its running batch, which the request's prefill
+		// shares; plus the hop. Without the slot term a node that holds a hot prefix
+		// looks cheap however long its queue: its queued requests are cache hits.
+		c.est = float64(p.load.PendingTokens+reqTokens) / rate * 1000
+		if need := c.active + 1 - capacity; need > 0 && p.load.FinishPS > 0 {
+			c.est = max(c.est, float64(need)/p.load.FinishPS*1000)
+		}
+		c.est += float64(c.uncached) / rate * 1000
 		if p.load.DecodeTPS > 0 {
 			c.est += float64(p.load.Running+reqs) / p.load.DecodeTPS * 1000
 		}

@@ -77,6 +77,9 @@ type Load struct {
 	BlockTokens   int     `json:"block_tokens"`
 	PendingTokens int     `json:"pending_tokens"` // prompt tokens it still has to prefill
 	Seq           uint64  `json:"seq"`            // increases with every update from the node
+	// FinishPS is how many sequences leave its running batch per second of work:
+	// with every slot taken, a queued request waits for finishes, not for prefill.
+	FinishPS float64 `json:"finish_ps"`
 }
 
 // loadMsg is a load update on the wire: header, node name, then fixed-width fields.
@@ -96,10 +99,17 @@ func encodeLoad(node string, l Load) []byte {
 	u(uint64(l.BlockTokens))
 	u(uint64(l.PendingTokens))
 	u(l.Seq)
+	f(l.FinishPS)
 	return b
 }
 
-const loadFields = 11
+// loadFields is how many fields a load message carries; a decoder accepts messages
+// with at least minLoadFields (from nodes of older releases: the missing fields are
+// zero) and ignores fields after the ones it knows (from newer ones).
+const (
+	loadFields    = 12
+	minLoadFields = 11
+)
 
 func decodeLoad(b []byte) (string, Load, error) {
 	var l Load
@@ -107,11 +117,12 @@ func decodeLoad(b []byte) (string, Load, error) {
 		return "", l, errors.New("cluster: not a load message")
 	}
 	n := int(b[2])
-	if len(b) != 3+n+8*loadFields {
+	if len(b) < 3+n+8*minLoadFields || (len(b)-3-n)%8 != 0 {
 		return "", l, fmt.Errorf("cluster: load message of %d bytes", len(b))
 	}
 	node := string(b[3 : 3+n])
 	r := b[3+n:]
+	fields := len(r) / 8
 	u := func() uint64 { v := binary.LittleEndian.Uint64(r); r = r[8:]; return v }
 	f := func() float64 { return math.Float64frombits(u()) }
 	in := func() int { return int(min(u(), math.MaxInt32)) }
@@ -119,7 +130,10 @@ func decodeLoad(b []byte) (string, Load, error) {
 	l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS = f(), f(), f(), f()
 	l.MaxWaiting, l.SummaryBlocks, l.BlockTokens, l.PendingTokens = in(), in(), in(), in()
 	l.Seq = u()
-	for _, x := range []float64{l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS} {
+	if fields >= 12 {
+		l.FinishPS = f()
+	}
+	for _, x := range []float64{l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS, l.FinishPS} {
 		if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 {
 			return "", l, errors.New("cluster: load message with an invalid number")
 		}

@@ -28,6 +28,12 @@ type Load struct {
 	KVBlockTokens   int
 	PrefillTokensPS float64 // smoothed prompt tokens computed per second
 	DecodeTokensPS  float64 // smoothed generated tokens per second
+	// FinishPS is the smoothed number of sequences leaving the running batch per
+	// second of stepping: how fast a slot frees when every slot is taken.
+	FinishPS float64
+	// QueueWait estimates how long a request arriving now waits before it starts:
+	// the prefill queued ahead of it, or, when every running slot is taken, the
+	// time until enough sequences finish to free one for it, whichever is longer.
 	QueueWait       time.Duration
 	PendingTokens   int    // prompt tokens still to prefill: queued (uncached) and running
 	PrefixQueries   uint64 // prompt tokens looked up in the prefix cache
@@ -65,6 +71,7 @@ type Scheduler struct {
 	rows       []*seq // rows[i]: the sequence whose output row i of the batch is, or nil
 	building   bool   // the batch is being built: rows may still be removed
 	decodeRows int    // rows of this step that decode a generated token
+	ended      int    // sequences that left the running batch since the last step
 	stats      Load
 }
 
@@ -566,6 +573,9 @@ func (s *Scheduler) decode(ctx context.Context) {
 			s.sampleAndEmit(q, q.sampleRow)
 		}
 	}
+	// This step's finishes (and cancellations since the last step) against its time.
+	s.rate(&s.stats.FinishPS, s.ended, elapsed)
+	s.ended = 0
 }
 
 // undoBatch rolls the pool back for tokens accounted this step but not decoded, by
@@ -729,6 +739,9 @@ func (s *Scheduler) finish(q *seq, reason FinishReason, tail string) {
 		return
 	}
 	q.done = true
+	if q.running {
+		s.ended++
+	}
 	s.removeFromRunning(q)
 	s.release(q)
 	if q.sampler != nil {
@@ -832,8 +845,12 @@ func (s *Scheduler) publish() {
 	for _, q := range s.running {
 		l.PendingTokens += max(len(q.tokens)-1-q.computed(), 0)
 	}
+	l.QueueWait = 0
 	if l.PrefillTokensPS > 0 {
 		l.QueueWait = time.Duration(float64(pending) / l.PrefillTokensPS * float64(time.Second))
+	}
+	if need := l.Waiting + 1 - (s.cfg.MaxRunning - l.Running); need > 0 && l.FinishPS > 0 {
+		l.QueueWait = max(l.QueueWait, time.Duration(float64(need)/l.FinishPS*float64(time.Second)))
 	}
 	l.UpdatedAt = time.Now()
 	s.load.Store(&l)

@@ -542,3 +542,57 @@ func waitIdle(t *testing.T, s *Scheduler) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// TestQueueWaitCountsSlots: with every running slot taken, a new request waits for
+// finishes, however little prefill is queued ahead of it.
+func TestQueueWaitCountsSlots(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := enginetest.New(4096, 32, 512)
+		f.Delay = time.Millisecond
+		cfg := DefaultConfig()
+		cfg.MaxBatchTokens, cfg.MaxRunning = 64, 2
+		s, err := New(cfg, f, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go s.Run(ctx)
+		// Some requests finish: the finish rate is measured.
+		runConcurrently(t, s, []*Request{
+			{Prompt: prompt(1, 8), MaxTokens: 10, IgnoreEOS: true},
+			{Prompt: prompt(2, 8), MaxTokens: 10, IgnoreEOS: true},
+			{Prompt: prompt(3, 8), MaxTokens: 10, IgnoreEOS: true},
+		})
+		if l := s.Load(); l.FinishPS <= 0 {
+			t.Fatalf("finish rate not measured: %+v", l)
+		}
+		// Two long requests take both slots; four short ones queue behind them.
+		var sts []*Stream
+		for i := range 6 {
+			n := 4
+			if i < 2 {
+				n = 400
+			}
+			st, err := s.Submit(ctx, &Request{Prompt: prompt(10+i, 8), MaxTokens: n, IgnoreEOS: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			sts = append(sts, st)
+		}
+		time.Sleep(20 * time.Millisecond)
+		l := s.Load()
+		if l.Running != 2 || l.Waiting != 4 {
+			t.Fatalf("want 2 running, 4 waiting: %+v", l)
+		}
+		prefill := time.Duration(float64(l.PendingTokens) / l.PrefillTokensPS * float64(time.Second))
+		slots := time.Duration(5 / l.FinishPS * float64(time.Second))
+		if l.QueueWait != max(prefill, slots) || l.QueueWait <= prefill {
+			t.Fatalf("queue wait %v: want the wait for 5 finishes (%v), not the prefill ahead (%v)", l.QueueWait, slots, prefill)
+		}
+		cancel()
+		for _, st := range sts {
+			collect(context.Background(), st, 1)
+		}
+	})
+}

@@ -119,7 +119,7 @@ func (a schedulerState) Load() cluster.Load {
 	}
 	return cluster.Load{Waiting: l.Waiting, Running: l.Running, KVUsed: kv, PrefillTPS: l.PrefillTokensPS, DecodeTPS: l.DecodeTokensPS,
 		QueueWaitMS: float64(l.QueueWait) / float64(time.Millisecond), MaxWaiting: a.maxWaiting, SummaryBlocks: n, BlockTokens: l.KVBlockTokens,
-		PendingTokens: l.PendingTokens}
+		PendingTokens: l.PendingTokens, FinishPS: l.FinishPS}
 }
 
 func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
