@@ -75,7 +75,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		counter("shoal_scheduler_steps_total", "Forward passes run by the scheduler.", func(l scheduler.Load) float64 { return float64(l.Steps) }),
 		gauge("shoal_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse.", func(l scheduler.Load) float64 { return float64(l.KVBlocksCached) }),
 		gauge("shoal_kv_blocks_capacity", "KV blocks in the pool.", func(l scheduler.Load) float64 { return float64(l.KVBlocksTotal) }),
-		gauge("shoal_prefill_tokens_per_second", "Smoothed prompt tokens computed per second.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
+		gauge("shoal_prefill_tokens_per_second", "Smoothed prefill speed: prompt tokens per second in steps that are mostly prefill.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
 		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),
 		gauge("shoal_queue_wait_estimate_seconds", "Estimated wait before a new request is scheduled.", func(l scheduler.Load) float64 { return l.QueueWait.Seconds() }),
 		infoCollector{s: s, cacheInfo: prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration (value 1).",

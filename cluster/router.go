@@ -2,12 +2,15 @@ package cluster
 
 import (
 	"cmp"
+	"context"
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -66,11 +69,13 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		hashes = kvcache.NewHasher(n.cfg.HashSeed, model).Chain(tokens, n.cfg.BlockTokens)
 	}
 	states := n.liveStates()
+	n.routed.Add(1)
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	var cands []candidate
 	anyServes := false
 	rate := n.clusterPrefillRate(model)
+	others := n.othersPerOwn()
 	now := time.Now()
 	for _, p := range n.peers {
 		self := p.name == n.cfg.Name
@@ -92,7 +97,10 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			continue
 		}
 		c := candidate{p: p}
+		// What this router sent that the node's load does not show yet, and as much
+		// again from each router like it: the others send there too, unseen here.
 		reqs, reqTokens := p.unreflected()
+		reqs, reqTokens = int(float64(reqs)*others+0.5), int(float64(reqTokens)*others+0.5)
 		capacity := max(p.meta.Capacity, 1)
 		c.active = p.load.Running + p.load.Waiting + reqs
 		c.load = float64(c.active) / float64(capacity)
@@ -163,18 +171,35 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	case PrefixAware:
 		missCost(cands, rate)
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.load, b.load)) })
-		if len(hashes) > 0 && !cachedEverywhere(cands) {
+		switch {
+		case cachedEverywhere(cands):
+			n.rotate(cands)
+		case len(hashes) > 0:
 			preferAffine(cands, hashes[min(len(hashes), affinityBlocks)-1])
 		}
 	case PrefixOnly:
 		rand.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Compare(b.cached, a.cached) })
 	}
+	if n.log.Enabled(context.Background(), slog.LevelDebug) {
+		n.logRoute(cands, len(tokens), rate)
+	}
 	out := make([]Target, len(cands))
 	for i, c := range cands {
 		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached, hashes: hashes, compute: c.compute}
 	}
 	return out, nil
+}
+
+// logRoute writes one routing decision with each candidate's terms, best first (at
+// debug level: for finding out why the router chose what it chose).
+func (n *Node) logRoute(cands []candidate, tokens int, rate float64) {
+	var b strings.Builder
+	for _, c := range cands {
+		fmt.Fprintf(&b, "%s:est=%.0f,score=%.0f,cached=%d,active=%d,run=%d,wait=%d,pend=%d,fps=%.1f,seq=%d ",
+			c.p.name, c.est, c.score, c.cached, c.active, c.p.load.Running, c.p.load.Waiting, c.p.load.PendingTokens, c.p.load.FinishPS, c.p.load.Seq)
+	}
+	n.log.Debug("route", "tokens", tokens, "rate", int(rate), "others", n.othersPerOwn(), "cands", b.String())
 }
 
 // candidate is a node that may take a request, with what routing knows of it.
@@ -247,6 +272,39 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 	}
 }
 
+// rotate is round robin that passes over nodes that stand out: it moves to the front
+// the next node, in this router's turn over the nodes by name, whose score is within
+// the slack of the median. For a prefix cached everywhere (a hot prefix, once every
+// node has computed it) that beats taking the best-scored node: routers that all act
+// on the same load, gossiped up to an interval ago, send their requests in bursts
+// to whichever node looked best, and near capacity the queues those bursts leave do
+// not drain; round robin's even spacing forms none. A node that is well behind the
+// others (a backlog, a slower machine) still misses its turns until it catches up.
+// cands is sorted by score.
+func (n *Node) rotate(cands []candidate) {
+	limit := cands[len(cands)/2].score*(1+rotateSlackRel) + rotateSlackMS
+	byName := slices.Clone(cands)
+	slices.SortFunc(byName, func(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) })
+	start := int(n.rr.Add(1)-1) % len(byName)
+	for k := range byName {
+		c := byName[(start+k)%len(byName)]
+		if c.score > limit {
+			continue
+		}
+		i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
+		copy(cands[1:i+1], cands[:i])
+		cands[0] = c
+		return
+	}
+}
+
+// rotateSlack is how much longer (relative, plus a constant) than the median a
+// node's score may be and still take its turn in rotate.
+const (
+	rotateSlackRel = 1.0
+	rotateSlackMS  = 100
+)
+
 // cachedEverywhere: every candidate holds as much of the prompt, and that is some.
 // Then there is nothing to concentrate (a hot prefix) and load alone should decide.
 func cachedEverywhere(cands []candidate) bool {
@@ -269,6 +327,24 @@ func rendezvous(key kvcache.Hash, node string) uint64 {
 	x ^= x >> 27
 	x *= 0x94d049bb133111eb
 	return x ^ x>>31
+}
+
+// othersPerOwn is how many requests the cluster takes for each one this router
+// routes: its nodes' finish rates summed over this router's own routing rate,
+// between 1 (the only entry point) and the number of nodes (every node an equal
+// entry point, as behind a load balancer). While either is unknown (the first
+// second of a burst), the number of nodes: a burst that meets a cluster whose
+// gossip has not seen any traffic yet should spread, not pile onto whichever node
+// every router ranks first. Caller holds n.mu.
+func (n *Node) othersPerOwn() float64 {
+	total := 0.0
+	for _, p := range n.peers {
+		total += p.load.FinishPS
+	}
+	if n.routeRate <= 0 || total <= 0 {
+		return float64(len(n.peers))
+	}
+	return min(max(total/n.routeRate, 1), float64(len(n.peers)))
 }
 
 // clusterPrefillRate is the median prefill rate (tokens/s) gossiped by the nodes

@@ -23,6 +23,10 @@ const (
 	DefaultMaxTokens = 256
 	// rateHalfLife smooths the token rates in the Load snapshot.
 	rateHalfLife = 2 * time.Second
+	// A step measures the prefill speed when it computes at least minRateTokens
+	// prompt tokens and prefillDominates times as many as it decodes.
+	minRateTokens    = 16
+	prefillDominates = 4
 )
 
 // Config configures a Scheduler.

@@ -20,14 +20,17 @@ import (
 
 // Load is a snapshot of the scheduler's state, published after every step.
 type Load struct {
-	Waiting         int
-	Running         int
-	KVBlocksUsed    int
-	KVBlocksCached  int
-	KVBlocksTotal   int
-	KVBlockTokens   int
-	PrefillTokensPS float64 // smoothed prompt tokens computed per second
-	DecodeTokensPS  float64 // smoothed generated tokens per second
+	Waiting        int
+	Running        int
+	KVBlocksUsed   int
+	KVBlocksCached int
+	KVBlocksTotal  int
+	KVBlockTokens  int
+	// PrefillTokensPS is the smoothed prefill speed: prompt tokens per second in
+	// steps that are mostly prefill (a step that decodes a batch and prefills a
+	// short question says little about how fast a long prompt would go).
+	PrefillTokensPS float64
+	DecodeTokensPS  float64 // smoothed generated tokens per second of stepping
 	// FinishPS is the smoothed number of sequences leaving the running batch per
 	// second of stepping: how fast a slot frees when every slot is taken.
 	FinishPS float64
@@ -72,7 +75,11 @@ type Scheduler struct {
 	building   bool   // the batch is being built: rows may still be removed
 	decodeRows int    // rows of this step that decode a generated token
 	ended      int    // sequences that left the running batch since the last step
+	endedAny   bool   // one has: the finish rate is measured, not predicted
 	stats      Load
+	prefillPS  rate // feeds stats.PrefillTokensPS, and so on
+	decodePS   rate
+	finishPS   rate
 }
 
 // group is one request and its n choices.
@@ -541,8 +548,10 @@ func (s *Scheduler) decode(ctx context.Context) {
 	prefillTokens := s.batch.Len() - decodeTokens
 	s.stats.Steps++
 	s.stats.PromptTokens += uint64(prefillTokens)
-	s.rate(&s.stats.PrefillTokensPS, prefillTokens, elapsed)
-	s.rate(&s.stats.DecodeTokensPS, decodeTokens, elapsed)
+	if prefillTokens >= minRateTokens && prefillTokens >= prefillDominates*decodeTokens {
+		s.stats.PrefillTokensPS = s.prefillPS.add(prefillTokens, elapsed)
+	}
+	s.stats.DecodeTokensPS = s.decodePS.add(decodeTokens, elapsed)
 
 	// The batch's cells now exist: make its full blocks shareable.
 	for _, q := range s.running {
@@ -574,7 +583,8 @@ func (s *Scheduler) decode(ctx context.Context) {
 		}
 	}
 	// This step's finishes (and cancellations since the last step) against its time.
-	s.rate(&s.stats.FinishPS, s.ended, elapsed)
+	s.stats.FinishPS = s.finishPS.add(s.ended, elapsed)
+	s.endedAny = s.endedAny || s.ended > 0
 	s.ended = 0
 }
 
@@ -615,13 +625,27 @@ func (s *Scheduler) fork(q, c *seq) {
 	s.waiting.Add(-1)
 }
 
-func (s *Scheduler) rate(r *float64, n int, d time.Duration) {
-	if d <= 0 {
-		return
+// rate is an exponentially weighted moving average of events per second over the
+// time the scheduler steps, weighted by each step's duration (half-life
+// rateHalfLife) and corrected for its start at zero: the first step's rate stands
+// alone, and later steps blend in. (Uncorrected, a node's first seconds would report
+// a small fraction of its real speed, and routers would price its work that wrong.)
+type rate struct {
+	v      float64 // the average, biased toward zero
+	weight float64 // 1 - Π(1-w): how much of v the samples make up
+}
+
+// add records n events in a step of duration d and returns the corrected rate.
+func (r *rate) add(n int, d time.Duration) float64 {
+	if d > 0 {
+		w := 1 - math.Exp2(-d.Seconds()/rateHalfLife.Seconds())
+		r.v += w * (float64(n)/d.Seconds() - r.v)
+		r.weight += w * (1 - r.weight)
 	}
-	inst := float64(n) / d.Seconds()
-	w := 1 - math.Exp2(-d.Seconds()/rateHalfLife.Seconds())
-	*r += w * (inst - *r)
+	if r.weight == 0 {
+		return 0
+	}
+	return r.v / r.weight
 }
 
 // emitEmbedding publishes the pooled embedding of q's prompt and ends it.
@@ -845,11 +869,23 @@ func (s *Scheduler) publish() {
 	for _, q := range s.running {
 		l.PendingTokens += max(len(q.tokens)-1-q.computed(), 0)
 	}
+	if !s.endedAny && len(s.running) > 0 && l.DecodeTokensPS > 0 {
+		// Nothing has finished yet (a node that just started, under a burst): until
+		// something does, predict the finish rate from the tokens the running
+		// sequences may still generate.
+		left := 0
+		for _, q := range s.running {
+			left += max(q.maxNew-q.gen, 1)
+		}
+		l.FinishPS = l.DecodeTokensPS * float64(len(s.running)) / float64(left)
+	}
 	l.QueueWait = 0
 	if l.PrefillTokensPS > 0 {
 		l.QueueWait = time.Duration(float64(pending) / l.PrefillTokensPS * float64(time.Second))
 	}
-	if need := l.Waiting + 1 - (s.cfg.MaxRunning - l.Running); need > 0 && l.FinishPS > 0 {
+	// (The slot wait counts toward saturation only once measured: a prediction from
+	// generous max_tokens must not turn a starting node's first burst away.)
+	if need := l.Waiting + 1 - (s.cfg.MaxRunning - l.Running); need > 0 && s.endedAny && l.FinishPS > 0 {
 		l.QueueWait = max(l.QueueWait, time.Duration(float64(need)/l.FinishPS*float64(time.Second)))
 	}
 	l.UpdatedAt = time.Now()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -595,4 +596,20 @@ func TestQueueWaitCountsSlots(t *testing.T) {
 			collect(context.Background(), st, 1)
 		}
 	})
+}
+
+func TestRateStartsAtItsFirstSample(t *testing.T) {
+	var r rate
+	if got := r.add(0, 0); got != 0 {
+		t.Fatalf("no samples: %v", got)
+	}
+	if got := r.add(50, 100*time.Millisecond); math.Abs(got-500) > 1e-9 {
+		t.Fatalf("first step: %v tokens/s, want 500", got)
+	}
+	for range 100 {
+		r.add(100, 100*time.Millisecond)
+	}
+	if got := r.add(100, 100*time.Millisecond); math.Abs(got-1000) > 1 {
+		t.Fatalf("steady: %v tokens/s, want 1000", got)
+	}
 }
