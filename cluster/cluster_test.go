@@ -443,7 +443,12 @@ func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 		t.Fatalf("16 prefixes all on one node: %v", chosen)
 	}
 	// Once a prefix is sent somewhere, the next request with it follows, although
-	// the node has no summary yet and the first request's prefill is ahead of it.
+	// the node has no summary yet and the first request's prefill is ahead of it
+	// (this router is the cluster's only entry point: its flights are all there is).
+	n.routeRate = 10
+	for _, p := range n.peers {
+		p.load.FinishPS = 5
+	}
 	ts, _ := n.Route("m", prompt(99, 0), 0)
 	done := n.Sent(ts[0])
 	defer done()
@@ -459,5 +464,21 @@ func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 	p.willHold(nil, time.Now().Add(2*sentTTL))
 	if len(p.sent) != 0 || len(p.sentOrder) != 0 {
 		t.Fatalf("expired entries kept: %d, %d", len(p.sent), len(p.sentOrder))
+	}
+}
+
+func TestOthersPerOwn(t *testing.T) {
+	n := routerWith(t, PrefixAware, &peer{name: "self"}, &peer{name: "b"}, &peer{name: "c"}, &peer{name: "d"})
+	if got := n.othersPerOwn(); got != 4 {
+		t.Fatalf("nothing measured: %v, want every node an entry point (4)", got)
+	}
+	for _, p := range n.peers {
+		p.load.FinishPS = 10 // the cluster finishes 40 requests/s
+	}
+	for _, c := range []struct{ routed, want float64 }{{40, 1}, {10, 4}, {20, 2}, {1, 4}, {80, 1}} {
+		n.routeRate = c.routed
+		if got := n.othersPerOwn(); got != c.want {
+			t.Fatalf("routing %v/s of 40/s: %v, want %v", c.routed, got, c.want)
+		}
 	}
 }
