@@ -482,3 +482,40 @@ func TestOthersPerOwn(t *testing.T) {
 		}
 	}
 }
+
+// TestHotPrefixGoesRoundRobin: a prefix every node holds goes to each node in turn,
+// not to whichever looks best this instant, except to a node well behind the others.
+func TestHotPrefixGoesRoundRobin(t *testing.T) {
+	prompt := make([]int32, 400)
+	for i := range prompt {
+		prompt[i] = int32(i)
+	}
+	var peers []*peer
+	for _, name := range []string{"self", "b", "c", "d"} {
+		peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(prompt, 99)})
+	}
+	peers[1].load.Running = 3 // a little busier than the rest: still takes its turn
+	n := routerWith(t, PrefixAware, peers...)
+	n.routeRate = 40
+	seen := map[string]int{}
+	for range 8 {
+		ts, err := n.Route("m", prompt, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[ts[0].Name]++
+	}
+	if len(seen) != 4 || seen["b"] != 2 {
+		t.Fatalf("hot prefix not spread in turn: %v", seen)
+	}
+	// d has a backlog: 20 requests queued behind full slots (2 s of finishes).
+	peers[3].load.Running, peers[3].load.Waiting = 8, 20
+	clear(seen)
+	for range 9 {
+		ts, _ := n.Route("m", prompt, 0)
+		seen[ts[0].Name]++
+	}
+	if seen["d"] != 0 || seen["self"] != 3 || seen["b"] != 3 || seen["c"] != 3 {
+		t.Fatalf("a node with a backlog should miss its turns: %v", seen)
+	}
+}

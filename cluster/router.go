@@ -283,19 +283,17 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 // cands is sorted by score.
 func (n *Node) rotate(cands []candidate) {
 	limit := cands[len(cands)/2].score*(1+rotateSlackRel) + rotateSlackMS
-	byName := slices.Clone(cands)
-	slices.SortFunc(byName, func(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) })
-	start := int(n.rr.Add(1)-1) % len(byName)
-	for k := range byName {
-		c := byName[(start+k)%len(byName)]
-		if c.score > limit {
-			continue
+	var turn []candidate // those within the limit, by name: each takes its turn
+	for _, c := range cands {
+		if c.score <= limit {
+			turn = append(turn, c)
 		}
-		i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
-		copy(cands[1:i+1], cands[:i])
-		cands[0] = c
-		return
 	}
+	slices.SortFunc(turn, func(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) })
+	c := turn[int(n.rr.Add(1)-1)%len(turn)]
+	i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
+	copy(cands[1:i+1], cands[:i])
+	cands[0] = c
 }
 
 // rotateSlack is how much longer (relative, plus a constant) than the median a
