@@ -304,7 +304,7 @@ const (
 )
 
 // cachedEverywhere: every candidate holds as much of the prompt, and that is some.
-// Then there is nothing to concentrate (a hot prefix) and load alone should decide.
+// Then there is nothing to concentrate (a hot prefix): rotate, not affinity.
 func cachedEverywhere(cands []candidate) bool {
 	for _, c := range cands {
 		if c.cached != cands[0].cached {
