@@ -550,15 +550,8 @@ func TestQueueWaitCountsSlots(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := enginetest.New(4096, 32, 512)
 		f.Delay = time.Millisecond
-		cfg := DefaultConfig()
-		cfg.MaxBatchTokens, cfg.MaxRunning = 64, 2
-		s, err := New(cfg, f, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		go s.Run(ctx)
+		s, cancel := startScheduler(t, f, func(c *Config) { c.MaxRunning = 2 })
+		ctx := context.Background()
 		// Some requests finish: the finish rate is measured.
 		runConcurrently(t, s, []*Request{
 			{Prompt: prompt(1, 8), MaxTokens: 10, IgnoreEOS: true},
