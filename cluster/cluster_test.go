@@ -3,6 +3,7 @@ package cluster
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -54,13 +55,16 @@ func freePort(t *testing.T) string {
 
 func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
-func startTestNode(t *testing.T, name string, key []byte, join []string, local *fakeLocal) *Node {
+func startTestNode(t *testing.T, name string, key []byte, join []string, local *fakeLocal, mods ...func(*Config)) *Node {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Name, cfg.Bind = name, freePort(t)
 	cfg.Join, cfg.GossipKey, cfg.Secret = join, key, []byte("s")
 	cfg.Meta = Meta{HTTP: "127.0.0.1:1", Models: []string{"m"}, Capacity: 8}
 	cfg.LoadInterval, cfg.ProbeInterval, cfg.ProbeTimeout = 50*time.Millisecond, 100*time.Millisecond, 50*time.Millisecond
+	for _, m := range mods {
+		m(&cfg)
+	}
 	n, err := New(cfg, local, quiet())
 	if err != nil {
 		t.Fatal(err)
@@ -131,6 +135,68 @@ func TestGossipMembershipLoadAndSummaries(t *testing.T) {
 	// Leaving shows as left.
 	c.Leave(time.Second)
 	eventually(t, "c left at a", func() bool { m, _ := member(a, "c"); return m.State == "left" })
+}
+
+// TestEveryPeerGetsEveryDelta: with push/pull out of the way, each change of one
+// node's cache summary reaches all of its peers within a second. (Sent through
+// memberlist's gossip queue, each delta went out 3·log10(n) times: to at most 3 of
+// the 4 peers here, 3 of 7 in a cluster of 8.)
+func TestEveryPeerGetsEveryDelta(t *testing.T) {
+	key := []byte("0123456789abcdef")
+	// No push/pull; probes patient enough for the race detector on two cores.
+	noPushPull := func(c *Config) {
+		c.PushPull, c.LoadInterval = time.Hour, 100*time.Millisecond
+		c.ProbeInterval, c.ProbeTimeout = 500*time.Millisecond, 250*time.Millisecond
+	}
+	src := &fakeLocal{} // no summary yet: peers learn all of it from deltas
+	nodes := []*Node{startTestNode(t, "n0", key, nil, src, noPushPull)}
+	const size = 5
+	for i := 1; i < size; i++ {
+		nodes = append(nodes, startTestNode(t, fmt.Sprintf("n%d", i), key, []string{nodes[0].GossipAddr()}, &fakeLocal{}, noPushPull))
+	}
+	var view string
+	defer func() {
+		if t.Failed() {
+			t.Log("membership:", view)
+		}
+	}()
+	eventually(t, "every member alive everywhere", func() bool {
+		view = ""
+		ok := true
+		for _, n := range nodes {
+			alive := 0
+			for _, m := range n.Members() {
+				if m.State == "alive" {
+					alive++
+				}
+			}
+			view += fmt.Sprintf("%s:%d ", n.Name(), alive)
+			ok = ok && alive == size
+		}
+		return ok
+	})
+	var hs []kvcache.Hash
+	for gen := uint64(1); gen <= 6; gen++ {
+		if gen%2 == 1 {
+			hs = append(hs, kvcache.Hash(gen*100), kvcache.Hash(gen*100+1)) // added
+		} else {
+			hs = hs[1:] // evicted
+		}
+		src.set(Load{}, slices.Clone(hs), gen)
+		deadline := time.Now().Add(time.Second)
+		for _, n := range nodes[1:] {
+			for {
+				if m, _ := member(n, "n0"); m.SummaryBlocks == len(hs) {
+					break
+				}
+				if time.Now().After(deadline) {
+					m, _ := member(n, "n0")
+					t.Fatalf("generation %d: %s shows %d blocks of n0's %d after 1 s", gen, n.Name(), m.SummaryBlocks, len(hs))
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	}
 }
 
 func TestWrongGossipKeyNeverJoins(t *testing.T) {

@@ -308,18 +308,35 @@ func (n *Node) sendSummary(name string) {
 	if sum == nil || len(sum.Hashes) == 0 {
 		return
 	}
-	for _, m := range n.ml.Members() {
-		if m.Name == name {
-			hs := sum.Hashes
-			if len(hs) > maxSummary {
-				hs = hs[:maxSummary]
-			}
-			if err := n.ml.SendReliable(m, encodeHashes(msgPrefix, n.cfg.Name, sum.Generation, hs)); err != nil {
-				n.log.Debug("send summary", "peer", name, "err", err)
-			}
-			return
-		}
+	n.mu.Lock()
+	p := n.peers[name]
+	var to *memberlist.Node
+	if p != nil {
+		to = p.node()
 	}
+	n.mu.Unlock()
+	if to == nil {
+		return
+	}
+	hs := sum.Hashes
+	if len(hs) > maxSummary {
+		hs = hs[:maxSummary]
+	}
+	if err := n.ml.SendReliable(to, encodeHashes(msgPrefix, n.cfg.Name, sum.Generation, hs)); err != nil {
+		n.log.Debug("send summary", "peer", name, "err", err)
+	}
+}
+
+// node is the address memberlist sends p's messages to, from this node's own record
+// (the nodes memberlist's Members returns are its live state, which its goroutines
+// update while others read them); nil when p has none. Caller holds n.mu.
+func (p *peer) node() *memberlist.Node {
+	host, port, err := splitHostPort(p.gossip)
+	ip := net.ParseIP(host)
+	if err != nil || ip == nil {
+		return nil
+	}
+	return &memberlist.Node{Name: p.name, Addr: ip, Port: uint16(port)}
 }
 
 // publishLocal refreshes this node's own entry and queues its load and new hashes.
@@ -388,12 +405,17 @@ const routeRateWeight = 0.25
 // fanOutTargets is the peers to send this interval's load and deltas to: all alive
 // members but this one, or, beyond FanOut of them, the next FanOut in turn.
 func (n *Node) fanOutTargets() []*memberlist.Node {
+	n.mu.Lock()
 	var peers []*memberlist.Node
-	for _, m := range n.ml.Members() {
-		if m.Name != n.cfg.Name && m.State == memberlist.StateAlive {
+	for _, p := range n.peers {
+		if p.name == n.cfg.Name || p.state != "alive" {
+			continue
+		}
+		if m := p.node(); m != nil {
 			peers = append(peers, m)
 		}
 	}
+	n.mu.Unlock()
 	if len(peers) <= n.cfg.FanOut {
 		return peers
 	}
