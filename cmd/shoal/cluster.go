@@ -188,7 +188,7 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		return fmt.Errorf("GET /cluster: %w", err)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tDEVICE\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tQUEUE WAIT\tCACHED BLOCKS\tUPDATED")
+	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tDEVICE\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tFINISHED/S\tQUEUE WAIT\tCACHED BLOCKS\tUPDATED")
 	for _, m := range info.Members {
 		name := m.Name
 		if name == info.Self {
@@ -201,8 +201,8 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		if m.Simulated {
 			state += ",SIMULATED"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","), cmp.Or(m.Device, "-"),
-			m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed, m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.QueueWaitMS, m.SummaryBlocks, m.UpdatedAgoMS)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.1f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","), cmp.Or(m.Device, "-"),
+			m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed, m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.FinishPS, m.Load.QueueWaitMS, m.SummaryBlocks, m.UpdatedAgoMS)
 	}
 	return tw.Flush()
 }
