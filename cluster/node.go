@@ -272,13 +272,6 @@ func splitHostPort(s string) (string, int, error) {
 	return h, port, nil
 }
 
-func (n *Node) numMembers() int {
-	if n.ml == nil {
-		return 1
-	}
-	return n.ml.NumMembers()
-}
-
 // GossipAddr is the bound gossip address (useful with port 0).
 func (n *Node) GossipAddr() string {
 	ln := n.ml.LocalNode()

@@ -93,13 +93,13 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			continue
 		}
 		anyServes = true
-		if n.saturated(p) && priority <= 0 {
+		reqs, reqTokens := p.unreflected()
+		if n.saturated(p, reqs) && priority <= 0 {
 			continue
 		}
 		c := candidate{p: p}
 		// What this router sent that the node's load does not show yet, and as much
 		// again from each router like it: the others send there too, unseen here.
-		reqs, reqTokens := p.unreflected()
 		reqs, reqTokens = int(float64(reqs)*others+0.5), int(float64(reqTokens)*others+0.5)
 		capacity := max(p.meta.Capacity, 1)
 		c.active = p.load.Running + p.load.Waiting + reqs
@@ -150,7 +150,6 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		}
 		return nil, ErrNoNode
 	}
-	byName := func(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) }
 	slices.SortFunc(cands, byName)
 	switch n.cfg.Policy {
 	case Random:
@@ -182,7 +181,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Compare(b.cached, a.cached) })
 	}
 	if n.log.Enabled(context.Background(), slog.LevelDebug) {
-		n.logRoute(cands, len(tokens), rate)
+		n.logRoute(cands, len(tokens), rate, others)
 	}
 	out := make([]Target, len(cands))
 	for i, c := range cands {
@@ -193,14 +192,17 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 
 // logRoute writes one routing decision with each candidate's terms, best first (at
 // debug level: for finding out why the router chose what it chose).
-func (n *Node) logRoute(cands []candidate, tokens int, rate float64) {
+func (n *Node) logRoute(cands []candidate, tokens int, rate, others float64) {
 	var b strings.Builder
 	for _, c := range cands {
 		fmt.Fprintf(&b, "%s:est=%.0f,score=%.0f,cached=%d,active=%d,run=%d,wait=%d,pend=%d,fps=%.1f,seq=%d ",
 			c.p.name, c.est, c.score, c.cached, c.active, c.p.load.Running, c.p.load.Waiting, c.p.load.PendingTokens, c.p.load.FinishPS, c.p.load.Seq)
 	}
-	n.log.Debug("route", "tokens", tokens, "rate", int(rate), "others", n.othersPerOwn(), "cands", b.String())
+	n.log.Debug("route", "tokens", tokens, "rate", int(rate), "others", others, "cands", b.String())
 }
+
+// byName orders candidates by node name.
+func byName(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) }
 
 // candidate is a node that may take a request, with what routing knows of it.
 type candidate struct {
@@ -289,7 +291,7 @@ func (n *Node) rotate(cands []candidate) {
 			turn = append(turn, c)
 		}
 	}
-	slices.SortFunc(turn, func(a, b candidate) int { return cmp.Compare(a.p.name, b.p.name) })
+	slices.SortFunc(turn, byName)
 	c := turn[int(n.rr.Add(1)-1)%len(turn)]
 	i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
 	copy(cands[1:i+1], cands[:i])
@@ -364,10 +366,10 @@ func (n *Node) clusterPrefillRate(model string) float64 {
 // defaultPrefillTPS stands in until a node has measured its prefill rate.
 const defaultPrefillTPS = 1000
 
-// saturated: the node's queue is nearly full or its estimated wait too long.
-func (n *Node) saturated(p *peer) bool {
+// saturated: the node's queue, with the reqs this router sent that its load does not
+// show yet, is nearly full, or its estimated wait too long.
+func (n *Node) saturated(p *peer, reqs int) bool {
 	l := p.load
-	reqs, _ := p.unreflected()
 	if l.MaxWaiting > 0 && l.Waiting+reqs >= l.MaxWaiting {
 		return true
 	}

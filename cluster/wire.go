@@ -103,13 +103,10 @@ func encodeLoad(node string, l Load) []byte {
 	return b
 }
 
-// loadFields is how many fields a load message carries; a decoder accepts messages
-// with at least minLoadFields (from nodes of older releases: the missing fields are
-// zero) and ignores fields after the ones it knows (from newer ones).
-const (
-	loadFields    = 12
-	minLoadFields = 11
-)
+// minLoadFields is how many fields a load message carries at least (encodeLoad writes
+// 12); a decoder reads the fields it knows, leaves those a node of an older release
+// does not send at zero, and ignores those a newer one appends.
+const minLoadFields = 11
 
 func decodeLoad(b []byte) (string, Load, error) {
 	var l Load
@@ -130,7 +127,7 @@ func decodeLoad(b []byte) (string, Load, error) {
 	l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS = f(), f(), f(), f()
 	l.MaxWaiting, l.SummaryBlocks, l.BlockTokens, l.PendingTokens = in(), in(), in(), in()
 	l.Seq = u()
-	if fields >= 12 {
+	if fields >= 12 { // FinishPS, the twelfth
 		l.FinishPS = f()
 	}
 	for _, x := range []float64{l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS, l.FinishPS} {
