@@ -126,11 +126,13 @@ type Node struct {
 
 	sentGen    uint64
 	sentSet    map[kvcache.Hash]struct{}
-	fanOutNext int           // owned by loop: where the next rotating fan-out starts
-	routed     atomic.Uint64 // Route calls, for routeRate
-	routedLast uint64        // owned by loop: routed at the last publish
-	routeRate  float64       // smoothed Route calls per second (under mu)
-	joined     chan string   // members to send the full summary to
+	fanOutNext int                       // owned by loop: where the next rotating fan-out starts
+	routed     atomic.Uint64             // Route calls, for routeRate
+	routedLast uint64                    // owned by loop: routed at the last publish
+	routeRate  float64                   // smoothed Route calls per second (under mu)
+	joined     chan string               // members to send the full summary to
+	intents    map[string][]kvcache.Hash // target → checkpoints routed there since the last publish (under mu)
+	intentN    int                       // hashes in intents (under mu)
 	loadSeq    atomic.Uint64
 	rr         atomic.Uint64
 	stop       chan struct{}
@@ -363,8 +365,17 @@ func (n *Node) publishLocal() {
 		self.summary, self.sumGen = now, sum.Generation
 	}
 	gen := n.sentGen
+	intents := n.intents
+	n.intents, n.intentN = nil, 0
 	n.mu.Unlock()
 	msgs := [][]byte{encodeLoad(n.cfg.Name, l)}
+	for target, hs := range intents {
+		for len(hs) > 0 {
+			k := min(len(hs), prefixChunk)
+			msgs = append(msgs, encodeHashes(msgIntent, target, 0, hs[:k]))
+			hs = hs[k:]
+		}
+	}
 	// Evictions go out too: a peer that still believed in evicted blocks would send
 	// requests here for a prefix that must be computed again.
 	for len(evicted) > 0 {
@@ -507,6 +518,18 @@ func (d *delegate) NotifyMsg(b []byte) {
 			}
 		}
 		p.sumGen = max(p.sumGen, gen)
+		n.mu.Unlock()
+	case msgIntent:
+		// Another router sent prompts to the named node (perhaps to this one): count
+		// their prefixes as held there for sentTTL, as its own sends count.
+		target, _, hs, err := decodeHashes(msgIntent, b)
+		if err != nil {
+			return
+		}
+		n.mu.Lock()
+		if p := n.peers[target]; p != nil {
+			p.willHold(hs, time.Now())
+		}
 		n.mu.Unlock()
 	}
 }
