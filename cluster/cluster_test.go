@@ -643,3 +643,56 @@ func TestRoutersHearWhereNewPrefixesWent(t *testing.T) {
 		t.Fatalf("announced blocks the node's summary shows: %v", a.intents)
 	}
 }
+
+// TestPromptsThatShareNothingGoInTurn: while the prompts a router routes share
+// nothing with what the cluster holds, a new one goes to the next node in turn (not
+// wherever a hash of it points); once prompts share again, new prefixes go by
+// affinity (every router to the same node).
+func TestPromptsThatShareNothingGoInTurn(t *testing.T) {
+	var peers []*peer
+	for _, name := range []string{"self", "b", "c", "d"} {
+		peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}})
+	}
+	n := routerWith(t, PrefixAware, peers...)
+	n.routeRate = 40
+	unique := func(i int) []int32 {
+		p := make([]int32, 64)
+		for j := range p {
+			p[j] = int32(i*1000 + j)
+		}
+		return p
+	}
+	// A fresh router assumes prompts are shared: the first go by affinity.
+	first, _ := n.Route("m", unique(0), 0)
+	again, _ := n.Route("m", unique(0), 0)
+	if first[0].Name != again[0].Name {
+		t.Fatalf("a fresh router should send a new prefix by affinity: %s then %s", first[0].Name, again[0].Name)
+	}
+	for i := 1; i < 32; i++ {
+		n.Route("m", unique(i), 0)
+	}
+	if n.reuse >= reuseRotateBelow {
+		t.Fatalf("reuse rate %v after 32 prompts that share nothing", n.reuse)
+	}
+	seen := map[string]int{}
+	var last string
+	for i := 100; i < 108; i++ {
+		ts, _ := n.Route("m", unique(i), 0)
+		if ts[0].Name == last {
+			t.Fatalf("two prompts in a row to %s", last)
+		}
+		last = ts[0].Name
+		seen[last]++
+	}
+	if len(seen) != 4 || seen["self"] != 2 {
+		t.Fatalf("prompts that share nothing not spread in turn: %v", seen)
+	}
+	// Prompts that some node holds raise the rate again.
+	peers[1].summary = summaryOf(unique(7), 8)
+	for range 16 {
+		n.Route("m", unique(7), 0)
+	}
+	if n.reuse < reuseRotateBelow {
+		t.Fatalf("reuse rate %v after 16 prompts a node holds", n.reuse)
+	}
+}

@@ -130,6 +130,7 @@ type Node struct {
 	routed     atomic.Uint64             // Route calls, for routeRate
 	routedLast uint64                    // owned by loop: routed at the last publish
 	routeRate  float64                   // smoothed Route calls per second (under mu)
+	reuse      float64                   // smoothed share of routed prompts some node holds part of (under mu)
 	joined     chan string               // members to send the full summary to
 	intents    map[string][]kvcache.Hash // target → checkpoints routed there since the last publish (under mu)
 	intentN    int                       // hashes in intents (under mu)
@@ -199,7 +200,7 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
 		sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
-		joined: make(chan string, 256)}
+		joined: make(chan string, 256), reuse: 1}
 	// Every router cycles from its own offset: with all counters at 0, routers that
 	// each receive one request at a time would all pick the same first node.
 	h := fnv.New64a()
