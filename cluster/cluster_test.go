@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -319,17 +320,15 @@ func TestRoundRobinAndInflight(t *testing.T) {
 	}
 	n.cfg.Policy = PrefixAware
 	prompt := make([]int32, 100)
-	// Requests this router just sent count against a node before gossip shows them
-	// (here, far behind the others: it misses its turns).
-	done := n.Sent(Target{Name: "self", compute: 1000})
-	done2 := n.Sent(Target{Name: "self", compute: 1000})
-	for range 3 {
-		if ts, _ := n.Route("m", prompt, 0); ts[0].Name == "self" {
-			t.Fatalf("in-flight requests ignored: %+v", ts)
-		}
+	// Requests this router just sent count against a node before gossip shows them.
+	done := n.Sent(Target{Name: "self", compute: 100})
+	done2 := n.Sent(Target{Name: "self", compute: 100})
+	ts, _ := n.Route("m", prompt, 0)
+	if ts[0].Name == "self" {
+		t.Fatalf("in-flight requests ignored: %+v", ts)
 	}
-	if reqs, toks := n.peers["self"].unreflected(); reqs != 2 || toks != 2000 {
-		t.Fatalf("unreflected = %d requests, %d tokens; want 2, 2000", reqs, toks)
+	if reqs, toks := n.peers["self"].unreflected(); reqs != 2 || toks != 200 {
+		t.Fatalf("unreflected = %d requests, %d tokens; want 2, 200", reqs, toks)
 	}
 	// Two load updates later the node's own load shows them: they stop counting twice.
 	n.peers["self"].load.Seq += 2
@@ -461,7 +460,6 @@ func FuzzDecoders(f *testing.F) {
 	f.Add(encodeHashes(msgPrefix, "n", 7, []kvcache.Hash{1, 2}))
 	f.Add(encodeHashes(stateFull, "n", 7, []kvcache.Hash{1}))
 	f.Add(encodeHashes(msgEvict, "n", 8, []kvcache.Hash{2}))
-	f.Add(encodeHashes(msgIntent, "n", 0, []kvcache.Hash{3, 4}))
 	m, _ := encodeMeta(Meta{HTTP: "h:1", Models: []string{"a"}})
 	f.Add(m)
 	f.Add([]byte{1, 2, 255})
@@ -475,7 +473,7 @@ func FuzzDecoders(f *testing.F) {
 				}
 			}
 		}
-		for _, kind := range []byte{msgPrefix, msgEvict, stateFull, msgIntent} {
+		for _, kind := range []byte{msgPrefix, msgEvict, stateFull} {
 			decodeHashes(kind, b)
 		}
 		decodeMeta(b)
@@ -496,20 +494,13 @@ func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 		}
 		return append(p, q, q+1, q+2)
 	}
-	// This router is the cluster's only entry point: its flights are all there is.
-	n.routeRate = 10
-	for _, p := range n.peers {
-		p.load.FinishPS = 5
-	}
 	// Idle nodes, nothing cached: every router sends a prefix to the node rendezvous
-	// hashing ranks first, the next request with it follows, and different prefixes
+	// hashing ranks first (here, the same choice each time), and different prefixes
 	// spread.
 	chosen := map[string]int{}
 	for g := range int32(16) {
 		first, _ := n.Route("m", prompt(g, 0), 0)
-		done := n.Sent(first[0])
 		again, _ := n.Route("m", prompt(g, 7), 0)
-		done()
 		if first[0].Name != again[0].Name {
 			t.Fatalf("group %d: %s then %s for the same prefix", g, first[0].Name, again[0].Name)
 		}
@@ -519,7 +510,12 @@ func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 		t.Fatalf("16 prefixes all on one node: %v", chosen)
 	}
 	// Once a prefix is sent somewhere, the next request with it follows, although
-	// the node has no summary yet and the first request's prefill is ahead of it.
+	// the node has no summary yet and the first request's prefill is ahead of it
+	// (this router is the cluster's only entry point: its flights are all there is).
+	n.routeRate = 10
+	for _, p := range n.peers {
+		p.load.FinishPS = 5
+	}
 	ts, _ := n.Route("m", prompt(99, 0), 0)
 	done := n.Sent(ts[0])
 	defer done()
@@ -591,108 +587,64 @@ func TestHotPrefixGoesRoundRobin(t *testing.T) {
 	}
 }
 
-// TestRoutersHearWhereNewPrefixesWent: a router that sends a new prefix somewhere
-// tells the others (checkpoints of the prompt), and their next request with that
-// prefix follows it there before the node has computed it.
-func TestRoutersHearWhereNewPrefixesWent(t *testing.T) {
-	mk := func() *Node {
-		n := routerWith(t, PrefixAware, &peer{name: "self"}, &peer{name: "b"}, &peer{name: "c"}, &peer{name: "d"})
-		n.routeRate = 10
-		for _, p := range n.peers {
-			p.load.PrefillTPS, p.load.FinishPS = 1000, 5
-		}
-		return n
-	}
-	a, b := mk(), mk()
-	prompt := func(q int32) []int32 {
-		p := make([]int32, 200) // 50 blocks of 4 tokens
-		for i := range p {
-			p[i] = int32(i)
-		}
-		for i := range int32(8) {
-			p = append(p, q+i)
-		}
-		return p
-	}
-	first, _ := a.Route("m", prompt(1000), 0)
-	if first[0].Name == "self" {
-		first, _ = a.Route("m", prompt(1000), 0) // a name b also has for a peer
-	}
-	defer a.Sent(first[0])()
-	a.mu.Lock()
-	intents := a.intents
-	a.mu.Unlock()
-	hs := intents[first[0].Name]
-	if len(intents) != 1 || len(hs) != 12 { // blocks 1 2 3 4 6 8 12 16 24 32 48 and 52
-		t.Fatalf("announced %v, want 12 checkpoints for %s", intents, first[0].Name)
-	}
-	d := &delegate{n: b}
-	d.NotifyMsg(encodeHashes(msgIntent, first[0].Name, 0, hs))
-	next, _ := b.Route("m", prompt(2000), 0)
-	// The two prompts share 50 blocks; the checkpoints say 48.
-	if next[0].Name != first[0].Name || next[0].Cached != 48*4 {
-		t.Fatalf("the other router sent the prefix to %s (cached %d), not after it to %s", next[0].Name, next[0].Cached, first[0].Name)
-	}
-	// A node's summary that shows the blocks already: nothing to announce.
-	a.mu.Lock()
-	a.intents, a.intentN = nil, 0
-	a.peers[first[0].Name].summary = summaryOf(prompt(1000), 52)
-	a.mu.Unlock()
-	a.Sent(first[0])()
-	if len(a.intents) != 0 {
-		t.Fatalf("announced blocks the node's summary shows: %v", a.intents)
-	}
-}
-
 // TestPromptsThatShareNothingGoInTurn: while the prompts a router routes share
 // nothing with what the cluster holds, a new one goes to the next node in turn (not
 // wherever a hash of it points); once prompts share again, new prefixes go by
-// affinity (every router to the same node).
+// affinity (every router to the same node). A burst of new prompts, faster than
+// routers hear from each other, does not count as prompts that share nothing.
 func TestPromptsThatShareNothingGoInTurn(t *testing.T) {
-	var peers []*peer
-	for _, name := range []string{"self", "b", "c", "d"} {
-		peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}})
-	}
-	n := routerWith(t, PrefixAware, peers...)
-	n.routeRate = 40
-	unique := func(i int) []int32 {
-		p := make([]int32, 64)
-		for j := range p {
-			p[j] = int32(i*1000 + j)
+	synctest.Test(t, func(t *testing.T) {
+		var peers []*peer
+		for _, name := range []string{"self", "b", "c", "d"} {
+			peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}})
 		}
-		return p
-	}
-	// A fresh router assumes prompts are shared: the first go by affinity.
-	first, _ := n.Route("m", unique(0), 0)
-	again, _ := n.Route("m", unique(0), 0)
-	if first[0].Name != again[0].Name {
-		t.Fatalf("a fresh router should send a new prefix by affinity: %s then %s", first[0].Name, again[0].Name)
-	}
-	for i := 1; i < 32; i++ {
-		n.Route("m", unique(i), 0)
-	}
-	if n.reuse >= reuseRotateBelow {
-		t.Fatalf("reuse rate %v after 32 prompts that share nothing", n.reuse)
-	}
-	seen := map[string]int{}
-	var last string
-	for i := 100; i < 108; i++ {
-		ts, _ := n.Route("m", unique(i), 0)
-		if ts[0].Name == last {
-			t.Fatalf("two prompts in a row to %s", last)
+		n := routerWith(t, PrefixAware, peers...)
+		n.routeRate = 40
+		unique := func(i int) []int32 {
+			p := make([]int32, 64)
+			for j := range p {
+				p[j] = int32(i*1000 + j)
+			}
+			return p
 		}
-		last = ts[0].Name
-		seen[last]++
-	}
-	if len(seen) != 4 || seen["self"] != 2 {
-		t.Fatalf("prompts that share nothing not spread in turn: %v", seen)
-	}
-	// Prompts that some node holds raise the rate again.
-	peers[1].summary = summaryOf(unique(7), 8)
-	for range 16 {
-		n.Route("m", unique(7), 0)
-	}
-	if n.reuse < reuseRotateBelow {
-		t.Fatalf("reuse rate %v after 16 prompts a node holds", n.reuse)
-	}
+		// A fresh router, and a burst: new prefixes go by affinity.
+		for i := range 32 {
+			first, _ := n.Route("m", unique(i), 0)
+			again, _ := n.Route("m", unique(i), 0)
+			if first[0].Name != again[0].Name {
+				t.Fatalf("a burst of new prefixes should go by affinity: %s then %s", first[0].Name, again[0].Name)
+			}
+		}
+		// A few prompts that share nothing, a load interval apart, tip it.
+		for i := 32; i < 40; i++ {
+			time.Sleep(n.cfg.LoadInterval)
+			n.Route("m", unique(i), 0)
+		}
+		if n.reuse >= reuseRotateBelow {
+			t.Fatalf("reuse rate %v after 8 prompts that share nothing", n.reuse)
+		}
+		seen := map[string]int{}
+		var last string
+		for i := 100; i < 108; i++ {
+			time.Sleep(n.cfg.LoadInterval)
+			ts, _ := n.Route("m", unique(i), 0)
+			if ts[0].Name == last {
+				t.Fatalf("two prompts in a row to %s", last)
+			}
+			last = ts[0].Name
+			seen[last]++
+		}
+		if len(seen) != 4 || seen["self"] != 2 {
+			t.Fatalf("prompts that share nothing not spread in turn: %v", seen)
+		}
+		// Prompts that some node holds raise the rate again.
+		peers[1].summary = summaryOf(unique(7), 8)
+		for range 8 {
+			time.Sleep(n.cfg.LoadInterval)
+			n.Route("m", unique(7), 0)
+		}
+		if n.reuse < reuseRotateBelow {
+			t.Fatalf("reuse rate %v after 8 prompts a node holds", n.reuse)
+		}
+	})
 }

@@ -126,14 +126,13 @@ type Node struct {
 
 	sentGen    uint64
 	sentSet    map[kvcache.Hash]struct{}
-	fanOutNext int                       // owned by loop: where the next rotating fan-out starts
-	routed     atomic.Uint64             // Route calls, for routeRate
-	routedLast uint64                    // owned by loop: routed at the last publish
-	routeRate  float64                   // smoothed Route calls per second (under mu)
-	reuse      float64                   // smoothed share of routed prompts some node holds part of (under mu)
-	joined     chan string               // members to send the full summary to
-	intents    map[string][]kvcache.Hash // target → checkpoints routed there since the last publish (under mu)
-	intentN    int                       // hashes in intents (under mu)
+	fanOutNext int           // owned by loop: where the next rotating fan-out starts
+	routed     atomic.Uint64 // Route calls, for routeRate
+	routedLast uint64        // owned by loop: routed at the last publish
+	routeRate  float64       // smoothed Route calls per second (under mu)
+	reuse      float64       // smoothed share of routed prompts some node holds part of (under mu)
+	reuseAt    time.Time     // when reuse was last updated (under mu)
+	joined     chan string   // members to send the full summary to
 	loadSeq    atomic.Uint64
 	rr         atomic.Uint64
 	stop       chan struct{}
@@ -200,7 +199,7 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
 		sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
-		joined: make(chan string, 256), reuse: 1}
+		joined: make(chan string, 256), reuse: reuseStart}
 	// Every router cycles from its own offset: with all counters at 0, routers that
 	// each receive one request at a time would all pick the same first node.
 	h := fnv.New64a()
@@ -366,17 +365,8 @@ func (n *Node) publishLocal() {
 		self.summary, self.sumGen = now, sum.Generation
 	}
 	gen := n.sentGen
-	intents := n.intents
-	n.intents, n.intentN = nil, 0
 	n.mu.Unlock()
 	msgs := [][]byte{encodeLoad(n.cfg.Name, l)}
-	for target, hs := range intents {
-		for len(hs) > 0 {
-			k := min(len(hs), prefixChunk)
-			msgs = append(msgs, encodeHashes(msgIntent, target, 0, hs[:k]))
-			hs = hs[k:]
-		}
-	}
 	// Evictions go out too: a peer that still believed in evicted blocks would send
 	// requests here for a prefix that must be computed again.
 	for len(evicted) > 0 {
@@ -519,18 +509,6 @@ func (d *delegate) NotifyMsg(b []byte) {
 			}
 		}
 		p.sumGen = max(p.sumGen, gen)
-		n.mu.Unlock()
-	case msgIntent:
-		// Another router sent prompts to the named node (perhaps to this one): count
-		// their prefixes as held there for sentTTL, as its own sends count.
-		target, _, hs, err := decodeHashes(msgIntent, b)
-		if err != nil {
-			return
-		}
-		n.mu.Lock()
-		if p := n.peers[target]; p != nil {
-			p.willHold(hs, time.Now())
-		}
 		n.mu.Unlock()
 	}
 }

@@ -108,20 +108,16 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		// another request: those count as cached for the choice (the next request
 		// of a burst should follow the first), but not for the work this request
 		// adds there (arriving before they are computed, it computes them too).
-		held := 0
+		held, matched := 0, 0
 		for _, h := range hashes {
-			if _, ok := p.summary[h]; !ok {
+			_, ok := p.summary[h]
+			if !ok && !p.sending(h, now) {
 				break
 			}
-			held++
-		}
-		// Hashes are chained: a block sent there means every block before it is too.
-		matched := held
-		for i := len(hashes) - 1; i >= held; i-- {
-			if p.sending(hashes[i], now) {
-				matched = i + 1
-				break
+			if ok && held == matched {
+				held++
 			}
+			matched++
 		}
 		c.cached = matched * n.cfg.BlockTokens
 		c.compute = max(len(tokens)-held*n.cfg.BlockTokens, 0)
@@ -179,9 +175,15 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		}
 		// How often the prompts this router routes share something with what the
 		// cluster holds: the base rate for whether a prompt nobody holds yet will
-		// be shared by the ones after it.
+		// be shared by the ones after it. A prompt counts for less the sooner it
+		// follows the one before: a router learns where the others sent a new
+		// prefix only from the node's cache summary, a prefill and a load interval
+		// later, so a burst of new prompts (a cold cluster's first second) says
+		// nothing yet about whether they are shared.
 		some := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > 0 })
-		n.reuse += (b2f(some) - n.reuse) / reuseWindow
+		w := min(now.Sub(n.reuseAt).Seconds()/n.cfg.LoadInterval.Seconds(), 1) / reuseWindow
+		n.reuse += w * (b2f(some) - n.reuse)
+		n.reuseAt = now
 		switch {
 		case cachedEverywhere(cands):
 			n.rotate(cands, hotSlack)
@@ -266,28 +268,21 @@ const (
 )
 
 // preferAffine moves to the front, among the candidates whose score is within the
-// slack of the best and that hold the most of the prompt among those, the one that
-// rendezvous hashing of key ranks highest. A node that holds the prefix wins over
-// one that would compute it again at about the same time to first token (a copy
-// costs KV that other prefixes need), and every router ranks alike, so a prefix held
-// in several places concentrates on one while it can take the load and its other
-// copies age out. Load still wins beyond the slack: that is bounded-load consistent
-// hashing, with time to first token as the load. cands is sorted by score.
+// slack of the best, the one that rendezvous hashing of key ranks highest. Every
+// router ranks alike, so a prefix that nobody holds yet goes to the same node from
+// every router (no copies from a burst of first requests), and a prefix held in
+// several places concentrates on one while it can take the load, so its other
+// copies age out and free their KV for other prefixes. Load still wins beyond the
+// slack: that is bounded-load consistent hashing, with time to first token as the
+// load. cands is sorted by score.
 func preferAffine(cands []candidate, key kvcache.Hash) {
 	limit := cands[0].score*(1+affinitySlackRel) + affinitySlackMS
-	most := 0 // the most of the prompt any candidate within the slack holds
-	for _, c := range cands {
-		if c.score > limit {
-			break
-		}
-		most = max(most, c.cached)
-	}
-	best, bestW := -1, uint64(0)
+	best, bestW := 0, uint64(0)
 	for i, c := range cands {
 		if c.score > limit {
 			break
 		}
-		if w := rendezvous(key, c.p.name); c.cached == most && (best < 0 || w > bestW) {
+		if w := rendezvous(key, c.p.name); i == 0 || w > bestW {
 			best, bestW = i, w
 		}
 	}
@@ -333,26 +328,27 @@ var (
 	// computed it, leaves one) is left to drain, or at capacity it never would.
 	hotSlack = slack{1, 100}
 	// newSlack, for prompts nobody holds: none is passed over (the saturation
-	// filter still is). Their prefill dominates every estimate, and a node's
+	// filter still applies). Their prefill dominates every estimate, and a node's
 	// estimate jumps by a whole prompt's prefill with each request it gets, which
-	// every router sees at once (the same gossip): passing over a node at twice the
-	// median idles it while the rest take its share. Measured at round robin's
+	// every router sees at once (the same gossip): passing over a node at twice
+	// the median idles it while the rest take its share. Measured at round robin's
 	// saturation, no-reuse: 0.90× round robin's throughput with hotSlack, 0.97×
 	// with 4× the median + 500 ms, 0.98× with none.
 	newSlack = slack{rel: math.Inf(1)}
 )
 
-// reuseWindow is about how many routed prompts the reuse rate remembers, and
-// reuseRotateBelow the rate under which prompts that nobody holds are spread in
-// turn rather than by affinity. Affinity sends a new prefix to the same node from
-// every router at once (without it, a burst of first requests at different routers,
-// before they hear from each other, leaves a copy on each node: measured, a fifth
-// less capacity on shared prefixes); rotation spaces prompts that will not be
-// shared evenly. The rate starts at 1 (affinity) and falls after a few dozen
-// prompts that share nothing.
+// reuseWindow is about how many routed prompts (or load intervals, when prompts
+// come faster) the reuse rate remembers, and reuseRotateBelow the rate under which
+// prompts that nobody holds are spread in turn rather than by affinity. Affinity
+// sends a new prefix to the same node from every router at once (rotating every new
+// prompt instead left a copy of each new shared prefix on several nodes: measured,
+// a fifth less capacity on shared prefixes); rotation spaces prompts that will not
+// be shared evenly. A fresh router starts between the two (reuseStart): a few
+// prompts that share nothing, a load interval or more apart, tip it to rotation.
 const (
-	reuseWindow      = 8
+	reuseWindow      = 4
 	reuseRotateBelow = 0.25
+	reuseStart       = 0.5
 )
 
 func b2f(b bool) float64 {
@@ -445,7 +441,6 @@ func (n *Node) Sent(t Target) func() {
 		f.seq = p.load.Seq
 		p.flights = append(p.flights, f)
 		p.willHold(t.hashes, time.Now())
-		n.announceLocked(p, t.hashes)
 	}
 	n.mu.Unlock()
 	return func() {
@@ -499,41 +494,3 @@ func (p *peer) sending(h kvcache.Hash, now time.Time) bool {
 	t, ok := p.sent[h]
 	return ok && t.After(now)
 }
-
-// announceLocked queues, for the next load interval's messages, checkpoints of a
-// prompt just sent to p that p's summary does not show, so that every router counts
-// the prefix as held there (for sentTTL) before p has computed it and gossiped it.
-// Without that, a router that first meets a new prefix cannot tell where another
-// router sent it a moment ago, and each would compute it somewhere else.
-// Checkpoints (blocks 1, 2, 3, 4, 6, 8, 12, 16, 24, … and the last) instead of every
-// block keep the messages small: hashes are chained, so a router that finds
-// checkpoint i in its own prompt knows its first i blocks went there; it
-// underestimates a shared prefix by less than a third. Caller holds n.mu.
-func (n *Node) announceLocked(p *peer, hs []kvcache.Hash) {
-	if n.intents == nil {
-		n.intents = map[string][]kvcache.Hash{}
-	}
-	add := func(h kvcache.Hash) {
-		if _, held := p.summary[h]; !held && n.intentN < maxIntents {
-			n.intents[p.name] = append(n.intents[p.name], h)
-			n.intentN++
-		}
-	}
-	last := 0 // the last checkpoint, in blocks
-	for i := 1; i <= len(hs); i *= 2 {
-		add(hs[i-1])
-		last = i
-		if j := i + i/2; i >= 2 && j <= len(hs) {
-			add(hs[j-1])
-			last = j
-		}
-	}
-	if last < len(hs) {
-		add(hs[len(hs)-1])
-	}
-}
-
-// maxIntents bounds the checkpoints a router announces per load interval (about 8
-// per request): beyond it, requests go unannounced and other routers fall back on
-// summaries.
-const maxIntents = 2048

@@ -15,14 +15,10 @@ import (
 const (
 	wireVersion byte = 1
 
-	msgLoad   byte = 1 // a node's load, self-replacing
-	msgPrefix byte = 2 // block hashes a node added to its cache since its last delta
-	stateFull byte = 3 // push/pull: every node's summary this node knows of its own
-	msgEvict  byte = 4 // block hashes a node evicted since its last delta
-	// msgIntent: checkpoints of prompts a router just sent to the named node (the
-	// node field names the target, not the sender), so that every router knows where
-	// a new prefix is going before the target has computed it.
-	msgIntent  byte = 5
+	msgLoad    byte = 1 // a node's load, self-replacing
+	msgPrefix  byte = 2 // block hashes a node added to its cache since its last delta
+	stateFull  byte = 3 // push/pull: every node's summary this node knows of its own
+	msgEvict   byte = 4 // block hashes a node evicted since its last delta
 	maxMetaLen      = 512
 )
 
