@@ -304,7 +304,10 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 // backlog, a slower machine) still misses its turns until it catches up. cands is
 // sorted by score.
 func (n *Node) rotate(cands []candidate, s slack) {
-	limit := cands[len(cands)/2].score*(1+s.rel) + s.ms
+	limit := math.Inf(1) // an infinite slack passes over none (and 0·∞ is no limit)
+	if !math.IsInf(s.rel, 1) {
+		limit = cands[len(cands)/2].score*(1+s.rel) + s.ms
+	}
 	var turn []candidate // those within the limit, by name: each takes its turn
 	for _, c := range cands {
 		if c.score <= limit {
