@@ -93,6 +93,9 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 		var re *cluster.RetryableError
 		if errors.As(err, &re) {
 			s.log.Warn("forward failed; trying the next node", "peer", t.Name, "err", err)
+			if re.Unreachable {
+				s.node.Unreachable(t.Name)
+			}
 			lastErr = err
 			continue
 		}

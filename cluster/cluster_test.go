@@ -648,3 +648,46 @@ func TestPromptsThatShareNothingGoInTurn(t *testing.T) {
 		}
 	})
 }
+
+// TestOverdueAndUnreachablePeersAreSuspect: a peer whose load stops arriving, or
+// that refused a forward a moment ago, is suspect: listed so and not routed to,
+// until it is heard from again (or the moment passes).
+func TestOverdueAndUnreachablePeersAreSuspect(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b, c := &peer{name: "b", loadAt: time.Now()}, &peer{name: "c", loadAt: time.Now()}
+		n := routerWith(t, RoundRobin, &peer{name: "self"}, b, c)
+		routed := func() map[string]int {
+			seen := map[string]int{}
+			for range 6 {
+				ts, err := n.Route("m", nil, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				seen[ts[0].Name]++
+			}
+			return seen
+		}
+		state := func(name string) string { m, _ := member(n, name); return m.State }
+		time.Sleep(n.loadOverdue() + time.Millisecond)
+		c.loadAt = time.Now() // c kept sending its load; b stopped
+		if state("b") != "suspect" || state("c") != "alive" || state("self") != "alive" {
+			t.Fatalf("overdue load: b %s, c %s, self %s", state("b"), state("c"), state("self"))
+		}
+		if seen := routed(); seen["b"] != 0 || seen["self"] != 3 {
+			t.Fatalf("a suspect peer was routed to: %v", seen)
+		}
+		b.loadAt = time.Now()
+		n.Unreachable("c")
+		if state("b") != "alive" || state("c") != "suspect" {
+			t.Fatalf("b heard from again (%s), c refused a forward (%s)", state("b"), state("c"))
+		}
+		if seen := routed(); seen["c"] != 0 || seen["b"] != 3 {
+			t.Fatalf("an unreachable peer was routed to: %v", seen)
+		}
+		time.Sleep(unreachableHold)
+		b.loadAt, c.loadAt = time.Now(), time.Now()
+		if seen := routed(); seen["c"] != 2 || seen["b"] != 2 {
+			t.Fatalf("after the hold every peer takes its turn: %v", seen)
+		}
+	})
+}

@@ -79,7 +79,11 @@ func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
 }
 
 // RetryableError means nothing reached the client: the caller may try the next peer.
-type RetryableError struct{ Err error }
+// Unreachable says the peer could not be connected to at all (not an answer of 5xx).
+type RetryableError struct {
+	Err         error
+	Unreachable bool
+}
 
 func (e *RetryableError) Error() string { return e.Err.Error() }
 func (e *RetryableError) Unwrap() error { return e.Err }
@@ -113,12 +117,12 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		return &RetryableError{fmt.Errorf("forward to %s: %w", t.Name, err)}
+		return &RetryableError{Err: fmt.Errorf("forward to %s: %w", t.Name, err), Unreachable: true}
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 500 {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return &RetryableError{fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b)))}
+		return &RetryableError{Err: fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b)))}
 	}
 	for _, h := range []string{"Content-Type", "Cache-Control", "Retry-After", "X-Accel-Buffering"} {
 		if v := resp.Header.Get(h); v != "" {

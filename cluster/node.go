@@ -144,7 +144,9 @@ type Node struct {
 type peer struct {
 	name      string
 	gossip    string
-	state     string
+	state     string    // from memberlist's events: alive, dead or left (see status)
+	aliveAt   time.Time // when it (re)joined
+	failedAt  time.Time // when a forward to it last could not connect
 	meta      Meta
 	metaOK    bool
 	load      Load
@@ -600,6 +602,9 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 		n.peers[m.Name] = p
 	}
 	p.gossip = net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
+	if state == "alive" && p.state != "alive" {
+		p.aliveAt = time.Now()
+	}
 	p.state = state
 	if err == nil && state == "alive" {
 		p.meta, p.metaOK = meta, true
@@ -611,25 +616,54 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	}
 }
 
-// liveState reads memberlist's view of a peer's state (alive/suspect/dead/left).
-func (n *Node) liveStates() map[string]string {
-	out := map[string]string{}
-	if n.ml == nil {
-		return out
+// status is p's state as routing and GET /cluster see it. memberlist's events say
+// alive, dead or left; an alive peer is suspect while its load is overdue (its
+// process stalled or gone, which memberlist's probes take seconds more to declare)
+// or for a moment after a forward to it could not connect. memberlist's own suspect
+// state cannot be read safely: it lives in the node structs Members returns, which
+// memberlist writes in place under its lock. Caller holds n.mu.
+func (n *Node) status(p *peer, now time.Time) string {
+	if p.state != "alive" || p.name == n.cfg.Name {
+		return p.state
 	}
-	for _, m := range n.ml.Members() {
-		switch m.State {
-		case memberlist.StateAlive:
-			out[m.Name] = "alive"
-		case memberlist.StateSuspect:
-			out[m.Name] = "suspect"
-		case memberlist.StateDead:
-			out[m.Name] = "dead"
-		case memberlist.StateLeft:
-			out[m.Name] = "left"
-		}
+	if !p.failedAt.IsZero() && now.Sub(p.failedAt) < unreachableHold {
+		return "suspect"
 	}
-	return out
+	heard := p.loadAt
+	if heard.Before(p.aliveAt) {
+		heard = p.aliveAt
+	}
+	if !heard.IsZero() && now.Sub(heard) > n.loadOverdue() {
+		return "suspect"
+	}
+	return "alive"
+}
+
+// loadOverdue is how long after a peer's last load update it counts as suspect: a
+// few of the rounds in which every node sends its load to every other (one
+// interval, or more beyond FanOut peers, which take turns). Caller holds n.mu.
+func (n *Node) loadOverdue() time.Duration {
+	rounds := max((len(n.peers)-1+n.cfg.FanOut-1)/n.cfg.FanOut, 1)
+	return time.Duration(overdueRounds*rounds) * n.cfg.LoadInterval
+}
+
+// overdueRounds is how many load rounds a peer may miss before it is suspect
+// (with 250 ms intervals and up to FanOut+1 nodes, 2 s), and unreachableHold how
+// long a peer that refused a forward is passed over.
+const (
+	overdueRounds   = 8
+	unreachableHold = 2 * time.Second
+)
+
+// Unreachable records that a forward to the named peer could not connect: routing
+// passes it over for a moment, so that the requests after this one do not each
+// wait for the same failure before trying the next peer.
+func (n *Node) Unreachable(name string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if p := n.peers[name]; p != nil {
+		p.failedAt = time.Now()
+	}
 }
 
 // Member is one row of GET /cluster.
@@ -650,18 +684,15 @@ type Member struct {
 
 // Members returns every known node, this one first, then by name.
 func (n *Node) Members() []Member {
-	states := n.liveStates()
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	now := time.Now()
 	var out []Member
 	for _, p := range n.peers {
 		if p.state == "" {
 			continue // heard from, but not yet joined
 		}
-		st := p.state
-		if s, ok := states[p.name]; ok && p.name != n.cfg.Name {
-			st = s
-		}
+		st := n.status(p, now)
 		ago := int64(-1)
 		if !p.loadAt.IsZero() {
 			ago = time.Since(p.loadAt).Milliseconds()

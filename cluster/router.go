@@ -68,7 +68,6 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	if tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
 		hashes = kvcache.NewHasher(n.cfg.HashSeed, model).Chain(tokens, n.cfg.BlockTokens)
 	}
-	states := n.liveStates()
 	n.routed.Add(1)
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -82,11 +81,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		if !p.metaOK || !slices.Contains(p.meta.Models, model) {
 			continue
 		}
-		st := p.state
-		if s, ok := states[p.name]; ok {
-			st = s // memberlist's view refines ours (suspect)
-		}
-		if !self && st != "alive" {
+		if !self && n.status(p, now) != "alive" {
 			continue
 		}
 		if p.meta.Draining {
