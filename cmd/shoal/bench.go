@@ -28,6 +28,7 @@ type benchConfig struct {
 	numPrompts, inputLen, outputLen   int
 	groups, perGroup, prefixLen, qLen int
 	sessions, turns, maxRequests      int
+	systemLen                         int
 	zipf, rate                        float64
 	concurrency, vocabLo, vocabHi     int
 	seed                              int64
@@ -101,6 +102,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.qLen, "question-len", 32, "shared-prefix: tokens after the prefix")
 	fs.IntVar(&c.sessions, "sessions", 16, "multi-turn: chat sessions (each starts with its own --prefix-len tokens)")
 	fs.IntVar(&c.turns, "turns", 4, "multi-turn: requests per session; each resends the conversation so far plus --question-len new tokens")
+	fs.IntVar(&c.systemLen, "system-len", 0, "tokens every prompt starts with (a common system prompt), before the dataset's own")
 	fs.IntVar(&c.maxRequests, "max-requests", 0, "send only the first N planned requests (0: all)")
 	fs.Float64Var(&c.zipf, "zipf", 0, "shared-prefix: Zipf exponent of group popularity (> 1; 0: uniform, every group equally often)")
 	fs.IntVar(&c.concurrency, "concurrency", 8, "requests in flight (closed loop); with --rate, the most in flight")
@@ -127,6 +129,8 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return errors.New("--output-len must be at least 1")
 	case c.maxRequests < 0:
 		return errors.New("--max-requests must not be negative")
+	case c.systemLen < 0:
+		return errors.New("--system-len must not be negative")
 	}
 	reqs, err := c.plan()
 	if err != nil {
@@ -195,6 +199,16 @@ func (c benchConfig) plan() ([]benchRequest, error) {
 		out = c.multiTurn(tok, r)
 	default:
 		return nil, fmt.Errorf("--dataset %q: want random, shared-prefix or multi-turn", c.dataset)
+	}
+	if c.systemLen > 0 {
+		// Drawn after the dataset, which stays the same with or without it.
+		system := make([]int, c.systemLen)
+		for i := range system {
+			system[i] = tok()
+		}
+		for i := range out {
+			out[i].prompt = append(slices.Clone(system), out[i].prompt...)
+		}
 	}
 	if c.maxRequests > 0 && len(out) > c.maxRequests {
 		out = out[:c.maxRequests]

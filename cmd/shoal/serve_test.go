@@ -472,6 +472,14 @@ func TestMultiTurnPlan(t *testing.T) {
 	if reqs, _ := c.plan(); len(reqs) != 5 {
 		t.Fatalf("--max-requests 5 planned %d", len(reqs))
 	}
+	// --system-len puts the same tokens before every prompt, and leaves the rest.
+	c.systemLen = 6
+	sys, _ := c.plan()
+	for i, q := range sys {
+		if !slices.Equal(q.prompt[:6], sys[0].prompt[:6]) || !slices.Equal(q.prompt[6:], reqs[i].prompt) {
+			t.Fatalf("request %d with --system-len 6: %v, without: %v", i, q.prompt, reqs[i].prompt)
+		}
+	}
 }
 
 func TestEmbeddingNode(t *testing.T) {
