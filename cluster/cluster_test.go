@@ -691,3 +691,131 @@ func TestOverdueAndUnreachablePeersAreSuspect(t *testing.T) {
 		}
 	})
 }
+
+// TestCommonHeadIsNotAPrefixToShare: when every node holds the same system prompt,
+// a new document behind it still goes by affinity (every router to one node, chosen
+// by the document, not the system prompt), prompts that share nothing beyond it go
+// in turn, and a prompt held alike almost whole everywhere (a hot prefix) goes in turn.
+func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		system := make([]int32, 16) // 4 blocks of 4 tokens
+		for i := range system {
+			system[i] = int32(9000 + i)
+		}
+		doc := func(i, n int) []int32 {
+			p := slices.Clone(system)
+			for j := range n {
+				p = append(p, int32(i*1000+j))
+			}
+			return p
+		}
+		var peers []*peer
+		for _, name := range []string{"self", "b", "c", "d"} {
+			peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(system, 4)})
+		}
+		n := routerWith(t, PrefixAware, peers...)
+		n.routeRate = 40
+		to := map[string]int{}
+		for i := range 16 {
+			first, _ := n.Route("m", doc(i, 64), 0)
+			again, _ := n.Route("m", doc(i, 64), 0)
+			if first[0].Name != again[0].Name {
+				t.Fatalf("a new document behind the common head should go by affinity: %s then %s", first[0].Name, again[0].Name)
+			}
+			to[first[0].Name]++
+		}
+		if len(to) < 3 {
+			t.Fatalf("new documents should spread by what follows the common head, not all go where it points: %v", to)
+		}
+		// Prompts that share nothing beyond the head, a load interval apart.
+		seen := map[string]int{}
+		var last string
+		for i := 100; i < 116; i++ {
+			time.Sleep(n.cfg.LoadInterval)
+			ts, _ := n.Route("m", doc(i, 64), 0)
+			if i >= 108 {
+				if ts[0].Name == last {
+					t.Fatalf("two prompts in a row to %s", last)
+				}
+				seen[ts[0].Name]++
+			}
+			last = ts[0].Name
+		}
+		if len(seen) != 4 {
+			t.Fatalf("prompts that share nothing beyond the head not spread in turn: %v", seen)
+		}
+		// A hot prefix: every node holds the system prompt and the document.
+		for _, p := range peers {
+			p.summary = summaryOf(doc(7, 64), 20)
+		}
+		clear(seen)
+		for q := range 8 {
+			ts, _ := n.Route("m", append(doc(7, 64), int32(q), 1, 2, 3), 0)
+			seen[ts[0].Name]++
+		}
+		if len(seen) != 4 || seen["self"] != 2 {
+			t.Fatalf("hot prefix not spread in turn: %v", seen)
+		}
+	})
+}
+
+// TestHeadLearnedFromTraffic: at a cold start no node holds the system prompt yet,
+// so the head most prompts share is learned from the prompts themselves: new
+// documents behind it spread by what follows it, and a document most prompts share
+// is hot (spread in turn) before any node holds it.
+func TestHeadLearnedFromTraffic(t *testing.T) {
+	system := make([]int32, 16) // 4 blocks of 4 tokens
+	for i := range system {
+		system[i] = int32(9000 + i)
+	}
+	doc := func(i, n int) []int32 {
+		p := slices.Clone(system)
+		for j := range n {
+			p = append(p, int32(i*1000+j))
+		}
+		return p
+	}
+	h := func(p []int32) []kvcache.Hash { return kvcache.NewHasher(0, "m").Chain(p, 4) }
+	var r recentPrompts
+	for i := range 3 {
+		if got := r.head(h(doc(i, 64))); got != 0 {
+			t.Fatalf("prompt %d: head %d before a quorum of prompts shares one", i, got)
+		}
+	}
+	if got := r.head(h(doc(3, 64))); got != 4 {
+		t.Fatalf("the system prompt (4 blocks) should be the head once 4 prompts share it: %d", got)
+	}
+	for range 40 {
+		r.head(h(doc(7, 64)))
+	}
+	if got := r.head(h(append(doc(7, 64), 1, 2, 3, 4))); got != 20 {
+		t.Fatalf("a document most recent prompts share should be the head: %d blocks", got)
+	}
+
+	var peers []*peer
+	for _, name := range []string{"self", "b", "c", "d"} {
+		peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}})
+	}
+	n := routerWith(t, PrefixAware, peers...)
+	n.routeRate = 40
+	to := map[string]int{}
+	for i := range 16 {
+		ts, _ := n.Route("m", doc(i, 64), 0)
+		to[ts[0].Name]++
+	}
+	if len(to) < 3 {
+		t.Fatalf("new documents behind a system prompt nobody holds yet should spread by what follows it: %v", to)
+	}
+	clear(to)
+	// Once half the recent prompts are for one document (here the 16 before it
+	// were not), it goes in turn, though no node holds it yet.
+	for q := range 24 {
+		ts, _ := n.Route("m", append(doc(99, 64), int32(q), 1, 2, 3), 0)
+		if q >= 16 {
+			to[ts[0].Name]++
+		}
+	}
+	if len(to) != 4 || to["self"] != 2 {
+		t.Fatalf("a document most prompts share should go in turn before any node holds it: %v", to)
+	}
+}

@@ -126,13 +126,14 @@ type Node struct {
 
 	sentGen    uint64
 	sentSet    map[kvcache.Hash]struct{}
-	fanOutNext int           // owned by loop: where the next rotating fan-out starts
-	routed     atomic.Uint64 // Route calls, for routeRate
-	routedLast uint64        // owned by loop: routed at the last publish
-	routeRate  float64       // smoothed Route calls per second (under mu)
-	reuse      float64       // smoothed share of routed prompts some node holds part of (under mu)
-	reuseAt    time.Time     // when reuse was last updated (under mu)
-	joined     chan string   // members to send the full summary to
+	fanOutNext int                       // owned by loop: where the next rotating fan-out starts
+	routed     atomic.Uint64             // Route calls, for routeRate
+	routedLast uint64                    // owned by loop: routed at the last publish
+	routeRate  float64                   // smoothed Route calls per second (under mu)
+	reuse      float64                   // smoothed share of routed prompts some node holds part of (under mu)
+	reuseAt    time.Time                 // when reuse was last updated (under mu)
+	recent     map[string]*recentPrompts // per model: the last prompts routed (under mu)
+	joined     chan string               // members to send the full summary to
 	loadSeq    atomic.Uint64
 	rr         atomic.Uint64
 	stop       chan struct{}

@@ -168,26 +168,42 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		if len(hashes) == 0 {
 			break
 		}
-		// How often the prompts this router routes share something with what the
-		// cluster holds: the base rate for whether a prompt nobody holds yet will
-		// be shared by the ones after it. A prompt counts for less the sooner it
-		// follows the one before: a router learns where the others sent a new
-		// prefix only from the node's cache summary, a prefill and a load interval
-		// later, so a burst of new prompts (a cold cluster's first second) says
-		// nothing yet about whether they are shared.
-		some := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > 0 })
+		// What every candidate holds alike, or most prompts here start with (a
+		// chat template, a common system prompt, a hot document), says nothing
+		// about where this prompt belongs: the choice is made on what lies beyond
+		// it. A prompt that is mostly such a head is a hot prefix: spread it in
+		// turn, unless nodes differ in what they hold of it (then the scores
+		// decide, as for any prefix some hold).
+		held := commonHead(cands)
+		head := max(held, n.recentPrompts(model).head(hashes)*n.cfg.BlockTokens)
+		some := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > held })
+		beyond := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > head })
+		hot := head > 0 && 2*head >= len(tokens)
+		// How often the prompts this router routes share something beyond the
+		// head with what the cluster holds: the base rate for whether a prompt
+		// nobody holds yet will be shared by the ones after it. A prompt counts
+		// for less the sooner it follows the one before: a router learns where
+		// the others sent a new prefix only from the node's cache summary, a
+		// prefill and a load interval later, so a burst of new prompts (a cold
+		// cluster's first second) says nothing yet about whether they are shared.
 		w := min(now.Sub(n.reuseAt).Seconds()/n.cfg.LoadInterval.Seconds(), 1) / reuseWindow
-		n.reuse += w * (b2f(some) - n.reuse)
+		n.reuse += w * (b2f(beyond || hot) - n.reuse)
 		n.reuseAt = now
+		// The affinity key names the prompt's first blocks beyond the head: the
+		// document behind a shared system prompt, not the system prompt.
+		key := hashes[min(len(hashes), head/n.cfg.BlockTokens+affinityBlocks)-1]
 		switch {
-		case cachedEverywhere(cands):
+		case some:
+			preferAffine(cands, key)
+		case hot:
 			n.rotate(cands, hotSlack)
-		case some || n.reuse >= reuseRotateBelow:
-			preferAffine(cands, hashes[min(len(hashes), affinityBlocks)-1])
+		case n.reuse >= reuseRotateBelow:
+			preferAffine(cands, key)
 		default:
-			// Held nowhere, and prompts here rarely share anything: nothing to
-			// keep together, so spread in turn (affinity would spread by a hash of
-			// the prompt, i.e. at random, and random placement queues more).
+			// Held nowhere beyond the common head, and prompts here rarely share
+			// more: nothing to keep together, so spread in turn (affinity would
+			// spread by a hash of the prompt, i.e. at random, and random
+			// placement queues more).
 			n.rotate(cands, newSlack)
 		}
 	case PrefixOnly:
@@ -356,15 +372,77 @@ func b2f(b bool) float64 {
 	return 0
 }
 
-// cachedEverywhere: every candidate holds as much of the prompt, and that is some.
-// Then there is nothing to concentrate (a hot prefix): rotate, not affinity.
-func cachedEverywhere(cands []candidate) bool {
-	for _, c := range cands {
-		if c.cached != cands[0].cached {
-			return false
-		}
+// recentPrompts returns the prompts recently routed for model. Caller holds n.mu.
+func (n *Node) recentPrompts(model string) *recentPrompts {
+	if n.recent == nil {
+		n.recent = map[string]*recentPrompts{}
 	}
-	return cands[0].cached > 0
+	r := n.recent[model]
+	if r == nil {
+		r = &recentPrompts{}
+		n.recent[model] = r
+	}
+	return r
+}
+
+// recentPrompts keeps the first blocks of the last prompts a router routed, to learn
+// the head that most of them share (a system prompt, a hot document) from the
+// traffic itself: at a cold start no node holds it yet, and a head counted as the
+// prompt's own prefix would send every prompt behind it to the one node it points to.
+type recentPrompts struct {
+	ring [recentPromptsN][]kvcache.Hash
+	next int
+	full bool
+}
+
+// recentPromptsN is how many prompts the head is learned from, headBlocks how much
+// of each is kept, and headQuorum the fewest prompts, this one included, that make a
+// shared start a head (besides half of those kept): two or three prompts of one
+// document in a burst are not yet a head.
+const (
+	recentPromptsN = 32
+	headBlocks     = 512
+	headQuorum     = 4
+)
+
+// head is how many of hs's blocks at least half of the recent prompts (and with hs
+// at least headQuorum) share; then it records hs. Hashes are chained, so prompts
+// that agree on block i agree on every block before it.
+func (r *recentPrompts) head(hs []kvcache.Hash) int {
+	hs = hs[:min(len(hs), headBlocks)]
+	kept := r.next
+	if r.full {
+		kept = recentPromptsN
+	}
+	need := max(headQuorum-1, (kept+1)/2) // of those kept; hs is one more
+	var common [recentPromptsN]int
+	for i := range kept {
+		o := r.ring[i]
+		k := 0
+		for k < min(len(o), len(hs)) && o[k] == hs[k] {
+			k++
+		}
+		common[i] = k
+	}
+	head := 0
+	if kept >= need {
+		c := common[:kept]
+		slices.Sort(c)
+		head = c[kept-need] // need of them share at least this many blocks
+	}
+	r.ring[r.next] = append(r.ring[r.next][:0], hs...)
+	r.next = (r.next + 1) % recentPromptsN
+	r.full = r.full || r.next == 0
+	return head
+}
+
+// commonHead is how many prompt tokens every candidate holds.
+func commonHead(cands []candidate) int {
+	head := cands[0].cached
+	for _, c := range cands[1:] {
+		head = min(head, c.cached)
+	}
+	return head
 }
 
 // rendezvous is the weight of node for key in highest-random-weight hashing.

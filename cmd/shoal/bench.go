@@ -55,6 +55,7 @@ type benchSample struct {
 	Cached     int
 	Err        string
 	RetryAfter bool
+	Sent       time.Duration // when it went out, from the start of the run
 }
 
 // BenchResult is the JSON summary of a run.
@@ -76,6 +77,9 @@ type BenchResult struct {
 	TPOTms           Pcts    `json:"tpot_ms"`
 	ITLms            Pcts    `json:"itl_ms"`
 	E2Ems            Pcts    `json:"e2e_ms"`
+	// TTFTLateMS is TTFT over the requests sent in the second half of the run: the
+	// steady state, without the cold start (every prefix's first requests).
+	TTFTLateMS Pcts `json:"ttft_ms_late"`
 }
 
 // Pcts are percentiles in milliseconds.
@@ -310,15 +314,21 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 				<-ended[q.after]
 				sem <- struct{}{}
 				defer func() { <-sem }()
-				finish(i, c.one(client, url, q))
+				sent := time.Since(start)
+				s := c.one(client, url, q)
+				s.Sent = sent
+				finish(i, s)
 			})
 			continue
 		}
 		sem <- struct{}{}
+		sent := time.Since(start)
 		wg.Go(func() {
 			defer close(ended[i])
 			defer func() { <-sem }()
-			finish(i, c.one(client, url, q))
+			s := c.one(client, url, q)
+			s.Sent = sent
+			finish(i, s)
 		})
 	}
 	wg.Wait()
@@ -407,8 +417,12 @@ func (c benchConfig) one(client *http.Client, url string, q benchRequest) benchS
 
 func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResult {
 	res := BenchResult{Dataset: c.dataset, Requests: len(samples), Concurrency: c.concurrency, Rate: c.rate, DurationS: d.Seconds()}
-	var ttft, tpot, itl, e2e []float64
+	var ttft, late, tpot, itl, e2e []float64
 	var out, prompt, cached int
+	var last time.Duration
+	for _, s := range samples {
+		last = max(last, s.Sent)
+	}
 	for _, s := range samples {
 		switch {
 		case s.OK:
@@ -425,6 +439,9 @@ func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResul
 		prompt += s.Prompt
 		cached += s.Cached
 		ttft = append(ttft, ms(s.TTFT))
+		if s.Sent >= last/2 {
+			late = append(late, ms(s.TTFT))
+		}
 		e2e = append(e2e, ms(s.E2E))
 		if s.OutTokens > 1 {
 			tpot = append(tpot, ms(s.E2E-s.TTFT)/float64(s.OutTokens-1))
@@ -444,6 +461,7 @@ func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResul
 		res.CachedShare = float64(cached) / float64(prompt)
 	}
 	res.TTFTms, res.TPOTms, res.ITLms, res.E2Ems = pcts(ttft), pcts(tpot), pcts(itl), pcts(e2e)
+	res.TTFTLateMS = pcts(late)
 	return res
 }
 
@@ -469,12 +487,12 @@ func printBench(w io.Writer, r BenchResult) {
 		r.Dataset, r.Requests, r.Completed, r.Errors, r.Rejected429, r.DurationS)
 	fmt.Fprintf(w, "throughput: %.2f req/s, %.1f output tok/s, %.1f total tok/s; cached prompt tokens %.1f%%\n",
 		r.RequestsPerS, r.OutputTokensPerS, r.TotalTokensPerS, 100*r.CachedShare)
-	fmt.Fprintf(w, "%-6s %10s %10s %10s %10s\n", "ms", "mean", "p50", "p90", "p99")
+	fmt.Fprintf(w, "%-15s %10s %10s %10s %10s\n", "ms", "mean", "p50", "p90", "p99")
 	for _, row := range []struct {
 		n string
 		p Pcts
-	}{{"TTFT", r.TTFTms}, {"TPOT", r.TPOTms}, {"ITL", r.ITLms}, {"E2E", r.E2Ems}} {
-		fmt.Fprintf(w, "%-6s %10.1f %10.1f %10.1f %10.1f\n", row.n, row.p.Mean, row.p.P50, row.p.P90, row.p.P99)
+	}{{"TTFT", r.TTFTms}, {"TTFT, 2nd half", r.TTFTLateMS}, {"TPOT", r.TPOTms}, {"ITL", r.ITLms}, {"E2E", r.E2Ems}} {
+		fmt.Fprintf(w, "%-15s %10.1f %10.1f %10.1f %10.1f\n", row.n, row.p.Mean, row.p.P50, row.p.P90, row.p.P99)
 	}
 }
 
