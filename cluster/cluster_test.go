@@ -496,7 +496,10 @@ func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 	}
 	// Idle nodes, nothing cached: every router sends a prefix to the node rendezvous
 	// hashing ranks first (here, the same choice each time), and different prefixes
-	// spread.
+	// spread (after the router's first few prompts, which take the key deeper).
+	for g := range int32(headQuorum - 1) {
+		n.Route("m", prompt(500+g, 0), 0)
+	}
 	chosen := map[string]int{}
 	for g := range int32(16) {
 		first, _ := n.Route("m", prompt(g, 0), 0)
@@ -575,15 +578,26 @@ func TestHotPrefixGoesRoundRobin(t *testing.T) {
 	if len(seen) != 4 || seen["b"] != 2 {
 		t.Fatalf("hot prefix not spread in turn: %v", seen)
 	}
-	// d has a backlog: 20 requests queued behind full slots (2 s of finishes).
-	peers[3].load.Running, peers[3].load.Waiting = 8, 20
+	// d has a backlog (20 requests queued behind full slots): it still takes its
+	// turns (every router would pass it over at once and idle it), until its
+	// queue is full.
+	peers[3].load.Running, peers[3].load.Waiting, peers[3].load.MaxWaiting = 8, 20, 64
+	clear(seen)
+	for range 8 {
+		ts, _ := n.Route("m", prompt, 0)
+		seen[ts[0].Name]++
+	}
+	if seen["d"] != 2 {
+		t.Fatalf("a node with a backlog should take its turns: %v", seen)
+	}
+	peers[3].load.Waiting = 64
 	clear(seen)
 	for range 9 {
 		ts, _ := n.Route("m", prompt, 0)
 		seen[ts[0].Name]++
 	}
 	if seen["d"] != 0 || seen["self"] != 3 || seen["b"] != 3 || seen["c"] != 3 {
-		t.Fatalf("a node with a backlog should miss its turns: %v", seen)
+		t.Fatalf("a saturated node should miss its turns: %v", seen)
 	}
 }
 
@@ -607,7 +621,12 @@ func TestPromptsThatShareNothingGoInTurn(t *testing.T) {
 			}
 			return p
 		}
-		// A fresh router, and a burst: new prefixes go by affinity.
+		// A fresh router, and a burst: new prefixes go by affinity (after its
+		// first few prompts: before those it cannot tell a system prompt from a
+		// document and takes its affinity key deeper).
+		for i := range headQuorum - 1 {
+			n.Route("m", unique(200+i), 0)
+		}
 		for i := range 32 {
 			first, _ := n.Route("m", unique(i), 0)
 			again, _ := n.Route("m", unique(i), 0)
@@ -778,17 +797,17 @@ func TestHeadLearnedFromTraffic(t *testing.T) {
 	h := func(p []int32) []kvcache.Hash { return kvcache.NewHasher(0, "m").Chain(p, 4) }
 	var r recentPrompts
 	for i := range 3 {
-		if got := r.head(h(doc(i, 64))); got != 0 {
+		if got, _ := r.head(h(doc(i, 64))); got != 0 {
 			t.Fatalf("prompt %d: head %d before a quorum of prompts shares one", i, got)
 		}
 	}
-	if got := r.head(h(doc(3, 64))); got != 4 {
+	if got, _ := r.head(h(doc(3, 64))); got != 4 {
 		t.Fatalf("the system prompt (4 blocks) should be the head once 4 prompts share it: %d", got)
 	}
 	for range 40 {
 		r.head(h(doc(7, 64)))
 	}
-	if got := r.head(h(append(doc(7, 64), 1, 2, 3, 4))); got != 20 {
+	if got, _ := r.head(h(append(doc(7, 64), 1, 2, 3, 4))); got != 20 {
 		t.Fatalf("a document most recent prompts share should be the head: %d blocks", got)
 	}
 

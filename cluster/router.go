@@ -146,6 +146,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		return nil, ErrNoNode
 	}
 	slices.SortFunc(cands, byName)
+	how, headLog := string(n.cfg.Policy), 0 // for the debug log
 	switch n.cfg.Policy {
 	case Random:
 		rand.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
@@ -175,7 +176,8 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		// turn, unless nodes differ in what they hold of it (then the scores
 		// decide, as for any prefix some hold).
 		held := commonHead(cands)
-		head := max(held, n.recentPrompts(model).head(hashes)*n.cfg.BlockTokens)
+		learned, known := n.recentPrompts(model).head(hashes)
+		head := max(held, learned*n.cfg.BlockTokens)
 		some := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > held })
 		beyond := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > head })
 		hot := head > 0 && 2*head >= len(tokens)
@@ -191,27 +193,39 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		n.reuseAt = now
 		// The affinity key names the prompt's first blocks beyond the head: the
 		// document behind a shared system prompt, not the system prompt.
-		key := hashes[min(len(hashes), head/n.cfg.BlockTokens+affinityBlocks)-1]
+		// Until the router has seen enough prompts to learn that head, and while
+		// no node holds one, the key is taken deeper (a system prompt would
+		// otherwise send every prompt behind it to one node).
+		depth := head/n.cfg.BlockTokens + affinityBlocks
+		if !known && head == 0 {
+			depth = max(depth, coldKeyBlocks)
+		}
+		key := hashes[min(len(hashes), depth)-1]
 		switch {
 		case some:
+			how = "held"
 			preferAffine(cands, key)
 		case hot:
-			n.rotate(cands, hotSlack)
+			how = "hot"
+			n.rotate(cands)
 		case n.reuse >= reuseRotateBelow:
+			how = "new-affine"
 			preferAffine(cands, key)
 		default:
 			// Held nowhere beyond the common head, and prompts here rarely share
 			// more: nothing to keep together, so spread in turn (affinity would
 			// spread by a hash of the prompt, i.e. at random, and random
 			// placement queues more).
-			n.rotate(cands, newSlack)
+			how = "new-turn"
+			n.rotate(cands)
 		}
+		headLog = head
 	case PrefixOnly:
 		rand.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Compare(b.cached, a.cached) })
 	}
 	if n.log.Enabled(context.Background(), slog.LevelDebug) {
-		n.logRoute(cands, len(tokens), rate, others)
+		n.logRoute(cands, len(tokens), rate, others, how, headLog)
 	}
 	out := make([]Target, len(cands))
 	for i, c := range cands {
@@ -222,13 +236,13 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 
 // logRoute writes one routing decision with each candidate's terms, best first (at
 // debug level: for finding out why the router chose what it chose).
-func (n *Node) logRoute(cands []candidate, tokens int, rate, others float64) {
+func (n *Node) logRoute(cands []candidate, tokens int, rate, others float64, how string, head int) {
 	var b strings.Builder
 	for _, c := range cands {
 		fmt.Fprintf(&b, "%s:est=%.0f,score=%.0f,cached=%d,active=%d,run=%d,wait=%d,pend=%d,fps=%.1f,seq=%d ",
 			c.p.name, c.est, c.score, c.cached, c.active, c.p.load.Running, c.p.load.Waiting, c.p.load.PendingTokens, c.p.load.FinishPS, c.p.load.Seq)
 	}
-	n.log.Debug("route", "tokens", tokens, "rate", int(rate), "others", others, "reuse", n.reuse, "cands", b.String())
+	n.log.Debug("route", "how", how, "tokens", tokens, "head", head, "rate", int(rate), "others", others, "reuse", n.reuse, "cands", b.String())
 }
 
 // byName orders candidates by node name.
@@ -271,6 +285,11 @@ func missCost(cands []candidate, rate float64) {
 // group share it.
 const affinityBlocks = 4
 
+// coldKeyBlocks is how deep in a prompt (in blocks) a router that has not yet seen
+// enough prompts to learn their common head takes the affinity key: beyond most
+// system prompts.
+const coldKeyBlocks = 16
+
 // affinitySlack is how much longer (relative, plus a constant) an estimate may be
 // than the best one and still be taken for the sake of affinity.
 const (
@@ -304,52 +323,29 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 	}
 }
 
-// rotate is round robin that passes over nodes that stand out: it moves to the front
-// the next node, in this router's turn over the nodes by name, whose score is within
-// the slack of the median. For a prompt where nothing is to be gained from one node
-// over another (a prefix every node holds, or one none does and none will want)
-// that beats taking the best-scored node: routers that all act on the same load,
-// gossiped up to an interval ago, send their requests in bursts to whichever node
-// looked best, and near capacity the queues those bursts leave do not drain; round
-// robin's even spacing forms none. A node that is well behind the others (a
-// backlog, a slower machine) still misses its turns until it catches up. cands is
-// sorted by score.
-func (n *Node) rotate(cands []candidate, s slack) {
-	limit := math.Inf(1) // an infinite slack passes over none (and 0·∞ is no limit)
-	if !math.IsInf(s.rel, 1) {
-		limit = cands[len(cands)/2].score*(1+s.rel) + s.ms
-	}
-	var turn []candidate // those within the limit, by name: each takes its turn
-	for _, c := range cands {
-		if c.score <= limit {
-			turn = append(turn, c)
-		}
-	}
+// rotate moves to the front the next node in this router's turn over the nodes by
+// name: round robin among the candidates (saturated nodes are already filtered
+// out). For a prompt where nothing is to be gained from one node over another (a
+// prefix every node holds, or one none does and none will want) that beats taking
+// the best-scored node: routers that all act on the same load, gossiped up to an
+// interval ago, send their requests in bursts to whichever node looked best, and
+// near capacity the queues those bursts leave do not drain; round robin's even
+// spacing forms none. Passing over nodes that stand out does not help either: every
+// router sees the same node's estimate jump (a whole prompt's prefill, or a slot
+// queue) in the same gossip and passes it over at once, which idles it while the
+// rest take its share. Measured at round robin's saturation: no-reuse 0.90× round
+// robin's throughput passing over nodes above twice the median score (+100 ms),
+// 0.97× above 4× (+500 ms), 0.98× passing over none; hot-prefix TTFT p99 1.3-2×
+// round robin's passing over nodes above twice the median, equal at 1.2× and
+// 1.46× at 1.0× (the cold start) passing over none.
+func (n *Node) rotate(cands []candidate) {
+	turn := slices.Clone(cands)
 	slices.SortFunc(turn, byName)
 	c := turn[int(n.rr.Add(1)-1)%len(turn)]
 	i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
 	copy(cands[1:i+1], cands[:i])
 	cands[0] = c
 }
-
-// slack is how much longer (relative, plus milliseconds) than the median a node's
-// score may be and still take its turn in rotate.
-type slack struct{ rel, ms float64 }
-
-var (
-	// hotSlack, for a prefix every node holds: a node whose queue of cache hits is
-	// twice the others' (the first second of a hot prefix, before every node had
-	// computed it, leaves one) is left to drain, or at capacity it never would.
-	hotSlack = slack{1, 100}
-	// newSlack, for prompts nobody holds: none is passed over (the saturation
-	// filter still applies). Their prefill dominates every estimate, and a node's
-	// estimate jumps by a whole prompt's prefill with each request it gets, which
-	// every router sees at once (the same gossip): passing over a node at twice
-	// the median idles it while the rest take its share. Measured at round robin's
-	// saturation, no-reuse: 0.90× round robin's throughput with hotSlack, 0.97×
-	// with 4× the median + 500 ms, 0.98× with none.
-	newSlack = slack{rel: math.Inf(1)}
-)
 
 // reuseWindow is about how many routed prompts (or load intervals, when prompts
 // come faster) the reuse rate remembers, and reuseRotateBelow the rate under which
@@ -408,7 +404,7 @@ const (
 // head is how many of hs's blocks at least half of the recent prompts (and with hs
 // at least headQuorum) share; then it records hs. Hashes are chained, so prompts
 // that agree on block i agree on every block before it.
-func (r *recentPrompts) head(hs []kvcache.Hash) int {
+func (r *recentPrompts) head(hs []kvcache.Hash) (blocks int, known bool) {
 	hs = hs[:min(len(hs), headBlocks)]
 	kept := r.next
 	if r.full {
@@ -433,7 +429,7 @@ func (r *recentPrompts) head(hs []kvcache.Hash) int {
 	r.ring[r.next] = append(r.ring[r.next][:0], hs...)
 	r.next = (r.next + 1) % recentPromptsN
 	r.full = r.full || r.next == 0
-	return head
+	return head, kept >= headQuorum-1
 }
 
 // commonHead is how many prompt tokens every candidate holds.
