@@ -114,6 +114,7 @@ type seq struct {
 	uncached   int // prompt tokens not cached when it was queued
 	// sampleRow is the batch row whose logits give this sequence's next token.
 	sampleRow int
+	committed int // tokens decoded into its cells (computed() counts this step's too)
 }
 
 func (s *seq) computed() int {
@@ -325,9 +326,15 @@ func (s *Scheduler) step(ctx context.Context) {
 			s.prefill(q)
 		}
 	}
-	// 3. Admit waiting requests while budget, sequence slots and KV allow.
-	for s.budget() > 0 && len(s.queue) > 0 && len(s.running) < s.cfg.MaxRunning {
-		q := s.queue[0]
+	// 3. Admit waiting requests while budget, sequence slots and KV allow. One
+	// whose prompt starts with what a running sequence is computing waits for it
+	// (see sharesInProgress); those behind it may go first.
+	for i := 0; s.budget() > 0 && i < min(len(s.queue), maxPassedOver+1) && len(s.running) < s.cfg.MaxRunning; {
+		q := s.queue[i]
+		if s.sharesInProgress(q) {
+			i++ // it stays in the queue, in its place
+			continue
+		}
 		// Generation stops at max_tokens or when the context is full, whichever first.
 		need := min(q.maxNew-q.gen, s.MaxContext()-len(q.tokens))
 		if !s.pool.Fits(toInt32(q.tokens), need) {
@@ -348,7 +355,7 @@ func (s *Scheduler) step(ctx context.Context) {
 			s.failAll(fmt.Errorf("apply KV ops: %w", err))
 			return
 		}
-		s.queue = s.queue[1:]
+		s.queue = slices.Delete(s.queue, i, i+1)
 		s.waiting.Add(-1)
 		q.kv = kv
 		q.running = true
@@ -377,6 +384,48 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.decode(ctx)
 	s.publish()
 }
+
+// sharesInProgress reports whether a running sequence is still computing its prompt
+// and shares with q's prompt a block or more beyond what the cache holds now.
+// Admitted now, q would compute those tokens again in the same steps (a burst of
+// requests with one new prefix computes it once per request); a step or a few later,
+// once the other's blocks are committed, q finds them cached. The wait ends when the
+// other's prompt is computed (or it leaves the batch), cached or not.
+func (s *Scheduler) sharesInProgress(q *seq) bool {
+	if !s.cfg.KV.Caching {
+		return false
+	}
+	if q.gen > 0 || q.index > 0 || q.forkFrom != nil {
+		return false
+	}
+	B := s.pool.BlockTokens()
+	cached := -1
+	for _, r := range s.running {
+		if r.gen > 0 || r.index > 0 || r.committed >= len(r.tokens) {
+			continue // not computing a prompt
+		}
+		n := 0
+		for n < min(len(q.tokens), len(r.tokens)-1) && q.tokens[n] == r.tokens[n] {
+			n++
+		}
+		n = n / B * B // only whole blocks are shared
+		if n < B {
+			continue
+		}
+		if cached < 0 {
+			cached = s.pool.CachedPrefix(toInt32(q.tokens))
+		}
+		if n >= cached+B {
+			return true
+		}
+	}
+	return false
+}
+
+// maxPassedOver bounds how many waiting requests (each waiting for a prefix in
+// progress) one admission pass looks past: each costs a comparison with the prompts
+// being computed.
+const maxPassedOver = 16
 
 func (s *Scheduler) budget() int { return max(0, s.cfg.MaxBatchTokens-s.batch.Len()) }
 
@@ -461,6 +510,7 @@ func (s *Scheduler) victim() *seq {
 func (s *Scheduler) preempt(q *seq) {
 	s.removeFromBatch(q)
 	s.release(q)
+	q.committed = 0
 	s.removeFromRunning(q)
 	s.enqueue(q)
 	s.waiting.Add(1)
@@ -557,6 +607,7 @@ func (s *Scheduler) decode(ctx context.Context) {
 	for _, q := range s.running {
 		if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
 			s.pool.Commit(q.kv)
+			q.committed = q.computed()
 		}
 	}
 	// Fork pending choices from first choices whose prompt just completed, so they

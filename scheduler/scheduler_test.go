@@ -606,3 +606,31 @@ func TestRateStartsAtItsFirstSample(t *testing.T) {
 		t.Fatalf("steady: %v tokens/s, want 1000", got)
 	}
 }
+
+// TestBurstWithOneNewPrefixComputesItOnce: requests that arrive together with a
+// prefix nobody has computed yet do not each compute it: the later ones wait for the
+// first's blocks and reuse them, with the same outputs.
+func TestBurstWithOneNewPrefixComputesItOnce(t *testing.T) {
+	base := prompt(5, 200)
+	var reqs []*Request
+	for i := range 4 {
+		reqs = append(reqs, &Request{Prompt: append(slices.Clone(base[:192]), engine.Token(10+i), 11, 12), MaxTokens: 6})
+	}
+	reqs = append(reqs, &Request{Prompt: prompt(9, 50), MaxTokens: 6}) // unrelated: not held up
+	want := solo(t, reqs)
+	f := enginetest.New(4096, 64, 1024)
+	// A budget that holds every prompt at once: without the wait, one step would
+	// compute the prefix four times.
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens = 1024 })
+	got := runConcurrently(t, s, reqs)
+	cached := 0
+	for i := range reqs {
+		if !slices.Equal(got[i].tokens[0], want[i].tokens[0]) {
+			t.Fatalf("request %d: %v want %v", i, got[i].tokens[0], want[i].tokens[0])
+		}
+		cached += got[i].usage.CachedTokens
+	}
+	if cached != 3*192 {
+		t.Fatalf("cached prompt tokens %d over the burst, want 3×192 (the prefix computed once)", cached)
+	}
+}
