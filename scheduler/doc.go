@@ -10,7 +10,9 @@
 //  2. builds one batch within the token budget: a decode row for every running
 //     sequence, then chunks of pending prefills, then newly admitted requests (which
 //     take their cached prefix first and must fit prompt + max_tokens in free and
-//     evictable KV blocks);
+//     evictable KV blocks; one whose prompt starts with a prefix a running sequence
+//     is still computing waits until it is cached, so a burst with one new prefix
+//     computes it once);
 //  3. decodes, samples each output row with that request's parameters, applies stop
 //     conditions, detokenizes incrementally and appends events to each Stream, which
 //     buffers without limit so a slow reader never blocks the loop;
