@@ -320,6 +320,7 @@ func TestRoundRobinAndInflight(t *testing.T) {
 	}
 	n.cfg.Policy = PrefixAware
 	prompt := make([]int32, 100)
+	n.Route("m", prompt, 0) // a router's first prompt goes in turn; the next by estimate
 	// Requests this router just sent count against a node before gossip shows them.
 	done := n.Sent(Target{Name: "self", compute: 100})
 	done2 := n.Sent(Target{Name: "self", compute: 100})
@@ -734,6 +735,7 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 		}
 		n := routerWith(t, PrefixAware, peers...)
 		n.routeRate = 40
+		n.Route("m", doc(999, 64), 0) // a router's first prompt goes in turn
 		to := map[string]int{}
 		for i := range 16 {
 			first, _ := n.Route("m", doc(i, 64), 0)
@@ -796,13 +798,13 @@ func TestHeadLearnedFromTraffic(t *testing.T) {
 	}
 	h := func(p []int32) []kvcache.Hash { return kvcache.NewHasher(0, "m").Chain(p, 4) }
 	var r recentPrompts
-	for i := range 3 {
+	for i := range headQuorum - 1 {
 		if got, _ := r.head(h(doc(i, 64))); got != 0 {
 			t.Fatalf("prompt %d: head %d before a quorum of prompts shares one", i, got)
 		}
 	}
 	if got, _ := r.head(h(doc(3, 64))); got != 4 {
-		t.Fatalf("the system prompt (4 blocks) should be the head once 4 prompts share it: %d", got)
+		t.Fatalf("the system prompt (4 blocks) should be the head once %d prompts share it: %d", headQuorum, got)
 	}
 	for range 40 {
 		r.head(h(doc(7, 64)))

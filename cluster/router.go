@@ -193,13 +193,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		n.reuseAt = now
 		// The affinity key names the prompt's first blocks beyond the head: the
 		// document behind a shared system prompt, not the system prompt.
-		// Until the router has seen enough prompts to learn that head, and while
-		// no node holds one, the key is taken deeper (a system prompt would
-		// otherwise send every prompt behind it to one node).
 		depth := head/n.cfg.BlockTokens + affinityBlocks
-		if !known && head == 0 {
-			depth = max(depth, coldKeyBlocks)
-		}
 		key := hashes[min(len(hashes), depth)-1]
 		switch {
 		case some:
@@ -208,7 +202,9 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		case hot:
 			how = "hot"
 			n.rotate(cands)
-		case n.reuse >= reuseRotateBelow:
+		case n.reuse >= reuseRotateBelow && known:
+			// (A router's first prompt goes in turn: it cannot tell yet whether a
+			// system prompt or a hot document leads its prompts.)
 			how = "new-affine"
 			preferAffine(cands, key)
 		default:
@@ -284,11 +280,6 @@ func missCost(cands []candidate, rate float64) {
 // to tell documents and system prompts apart, little enough that the requests of a
 // group share it.
 const affinityBlocks = 4
-
-// coldKeyBlocks is how deep in a prompt (in blocks) a router that has not yet seen
-// enough prompts to learn their common head takes the affinity key: beyond most
-// system prompts.
-const coldKeyBlocks = 16
 
 // affinitySlack is how much longer (relative, plus a constant) an estimate may be
 // than the best one and still be taken for the sake of affinity.
@@ -393,12 +384,13 @@ type recentPrompts struct {
 
 // recentPromptsN is how many prompts the head is learned from, headBlocks how much
 // of each is kept, and headQuorum the fewest prompts, this one included, that make a
-// shared start a head (besides half of those kept): two or three prompts of one
-// document in a burst are not yet a head.
+// shared start a head (besides half of those kept). Two suffice: a hot document's
+// second request at a fresh router already goes in turn; a router's first prompts
+// of a workload with many shared documents may pair by chance (one copy).
 const (
 	recentPromptsN = 32
 	headBlocks     = 512
-	headQuorum     = 4
+	headQuorum     = 2
 )
 
 // head is how many of hs's blocks at least half of the recent prompts (and with hs
