@@ -327,8 +327,8 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 // rest take its share. Measured at round robin's saturation: no-reuse 0.90× round
 // robin's throughput passing over nodes above twice the median score (+100 ms),
 // 0.97× above 4× (+500 ms), 0.98× passing over none; hot-prefix TTFT p99 1.3-2×
-// round robin's passing over nodes above twice the median, equal at 1.2× and
-// 1.46× at 1.0× (the cold start) passing over none.
+// round robin's passing over nodes above twice the median, 1.17× at 1.0× (the
+// ranges of repeated runs overlap) and 0.90× at 1.2× passing over none.
 func (n *Node) rotate(cands []candidate) {
 	turn := slices.Clone(cands)
 	slices.SortFunc(turn, byName)
