@@ -712,23 +712,29 @@ func TestOverdueAndUnreachablePeersAreSuspect(t *testing.T) {
 	})
 }
 
+// systemAndDocs returns a 16-token system prompt (4 blocks of 4 tokens) and
+// doc(i, n): the system prompt followed by n tokens of document i.
+func systemAndDocs() ([]int32, func(i, n int) []int32) {
+	system := make([]int32, 16)
+	for i := range system {
+		system[i] = int32(9000 + i)
+	}
+	return system, func(i, n int) []int32 {
+		p := slices.Clone(system)
+		for j := range n {
+			p = append(p, int32(i*1000+j))
+		}
+		return p
+	}
+}
+
 // TestCommonHeadIsNotAPrefixToShare: when every node holds the same system prompt,
 // a new document behind it still goes by affinity (every router to one node, chosen
 // by the document, not the system prompt), prompts that share nothing beyond it go
 // in turn, and a prompt held alike almost whole everywhere (a hot prefix) goes in turn.
 func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		system := make([]int32, 16) // 4 blocks of 4 tokens
-		for i := range system {
-			system[i] = int32(9000 + i)
-		}
-		doc := func(i, n int) []int32 {
-			p := slices.Clone(system)
-			for j := range n {
-				p = append(p, int32(i*1000+j))
-			}
-			return p
-		}
+		system, doc := systemAndDocs()
 		var peers []*peer
 		for _, name := range []string{"self", "b", "c", "d"} {
 			peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(system, 4)})
@@ -787,17 +793,7 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 // documents behind it spread by what follows it, and a document most prompts share
 // is hot (spread in turn) before any node holds it.
 func TestHeadLearnedFromTraffic(t *testing.T) {
-	system := make([]int32, 16) // 4 blocks of 4 tokens
-	for i := range system {
-		system[i] = int32(9000 + i)
-	}
-	doc := func(i, n int) []int32 {
-		p := slices.Clone(system)
-		for j := range n {
-			p = append(p, int32(i*1000+j))
-		}
-		return p
-	}
+	_, doc := systemAndDocs()
 	h := func(p []int32) []kvcache.Hash { return kvcache.NewHasher(0, "m").Chain(p, 4) }
 	var r recentPrompts
 	for i := range headQuorum - 1 {
