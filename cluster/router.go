@@ -178,18 +178,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		held := commonHead(cands)
 		learned, known := n.recentPrompts(model).head(hashes)
 		head := max(held, learned*n.cfg.BlockTokens)
-		// Nodes differ in what they hold of it by enough to matter when the best
-		// holds at least half of what is left beyond what every one holds. A few
-		// blocks of a system prompt that one node has evicted are not worth
-		// concentrating on: by score the others are all about equal, and the tie
-		// would go by a hash of the prompt, i.e. at random (measured: no-reuse
-		// behind a system prompt, load spread 1.21 and TTFT p99 2.2× round
-		// robin's at half its saturation rate).
-		most := 0
-		for _, c := range cands {
-			most = max(most, c.cached)
-		}
-		some := most > held && 2*(most-held) >= len(tokens)-held
+		some := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > held })
 		beyond := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > head })
 		hot := head > 0 && 2*head >= len(tokens)
 		// How often the prompts this router routes share something beyond the
