@@ -836,3 +836,23 @@ func TestHeadLearnedFromTraffic(t *testing.T) {
 		t.Fatalf("a document most prompts share should go in turn before any node holds it: %v", to)
 	}
 }
+
+// TestHolderWinsTiesOverTheKey: when recomputing a prefix elsewhere costs less than
+// the slack (a fast prefill), the node that holds it still gets the request, not the
+// node the affinity key points to.
+func TestHolderWinsTiesOverTheKey(t *testing.T) {
+	prompt := make([]int32, 40)
+	for i := range prompt {
+		prompt[i] = int32(7 + i)
+	}
+	for _, holder := range []string{"self", "b"} {
+		a := &peer{name: "self", load: Load{PrefillTPS: 1e6}}
+		b := &peer{name: "b", load: Load{PrefillTPS: 1e6}}
+		n := routerWith(t, PrefixAware, a, b)
+		n.peers[holder].summary = summaryOf(prompt, 9)
+		n.Route("m", []int32{1, 2, 3, 4, 5}, 0) // a router's first prompt goes in turn
+		if ts, _ := n.Route("m", prompt, 0); ts[0].Name != holder {
+			t.Fatalf("prefix held by %s went to %s", holder, ts[0].Name)
+		}
+	}
+}

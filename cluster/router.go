@@ -289,7 +289,9 @@ const (
 )
 
 // preferAffine moves to the front, among the candidates whose score is within the
-// slack of the best, the one that rendezvous hashing of key ranks highest. Every
+// slack of the best and that hold the most of the prompt among those, the one that
+// rendezvous hashing of key ranks highest (a prefix that went elsewhere than its key
+// points, in turn or for load, stays where it is while that costs little). Every
 // router ranks alike, so a prefix that nobody holds yet goes to the same node from
 // every router (no copies from a burst of first requests), and a prefix held in
 // several places concentrates on one while it can take the load, so its other
@@ -298,12 +300,22 @@ const (
 // load. cands is sorted by score.
 func preferAffine(cands []candidate, key kvcache.Hash) {
 	limit := cands[0].score*(1+affinitySlackRel) + affinitySlackMS
-	best, bestW := 0, uint64(0)
+	most := 0 // within the slack, the most of the prompt one holds: ties go among those
+	for _, c := range cands {
+		if c.score > limit {
+			break
+		}
+		most = max(most, c.cached)
+	}
+	best, bestW := -1, uint64(0)
 	for i, c := range cands {
 		if c.score > limit {
 			break
 		}
-		if w := rendezvous(key, c.p.name); i == 0 || w > bestW {
+		if c.cached < most {
+			continue
+		}
+		if w := rendezvous(key, c.p.name); best < 0 || w > bestW {
 			best, bestW = i, w
 		}
 	}
