@@ -314,21 +314,15 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 				<-ended[q.after]
 				sem <- struct{}{}
 				defer func() { <-sem }()
-				sent := time.Since(start)
-				s := c.one(client, url, q)
-				s.Sent = sent
-				finish(i, s)
+				finish(i, c.one(client, url, q, start))
 			})
 			continue
 		}
 		sem <- struct{}{}
-		sent := time.Since(start)
 		wg.Go(func() {
 			defer close(ended[i])
 			defer func() { <-sem }()
-			s := c.one(client, url, q)
-			s.Sent = sent
-			finish(i, s)
+			finish(i, c.one(client, url, q, start))
 		})
 	}
 	wg.Wait()
@@ -336,8 +330,8 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 	return summarise(c, samples, time.Since(start))
 }
 
-// one sends a streamed completion and measures it.
-func (c benchConfig) one(client *http.Client, url string, q benchRequest) benchSample {
+// one sends a streamed completion and measures it (Sent counts from the run's start).
+func (c benchConfig) one(client *http.Client, url string, q benchRequest, start time.Time) benchSample {
 	body, _ := json.Marshal(map[string]any{
 		"model": c.model, "prompt": q.prompt, "max_tokens": q.out, "temperature": 0, "ignore_eos": true,
 		"stream": true, "stream_options": map[string]bool{"include_usage": true},
@@ -349,6 +343,7 @@ func (c benchConfig) one(client *http.Client, url string, q benchRequest) benchS
 	}
 	s := benchSample{Prompt: len(q.prompt)}
 	t0 := time.Now()
+	s.Sent = t0.Sub(start)
 	resp, err := client.Do(req)
 	if err != nil {
 		s.Err = err.Error()
