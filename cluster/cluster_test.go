@@ -250,6 +250,20 @@ func summaryOf(tokens []int32, blocks int) map[kvcache.Hash]struct{} {
 	return out
 }
 
+// firstChoices routes tokens k times and counts each node's first places.
+func firstChoices(t *testing.T, n *Node, tokens []int32, k int) map[string]int {
+	t.Helper()
+	seen := map[string]int{}
+	for range k {
+		ts, err := n.Route("m", tokens, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[ts[0].Name]++
+	}
+	return seen
+}
+
 func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 	prompt := make([]int32, 400)
 	for i := range prompt {
@@ -310,11 +324,7 @@ func TestRouterFiltersAndSaturation(t *testing.T) {
 
 func TestRoundRobinAndInflight(t *testing.T) {
 	n := routerWith(t, RoundRobin, &peer{name: "self"}, &peer{name: "b"}, &peer{name: "c"})
-	seen := map[string]int{}
-	for range 9 {
-		ts, _ := n.Route("m", nil, 0)
-		seen[ts[0].Name]++
-	}
+	seen := firstChoices(t, n, nil, 9)
 	if seen["self"] != 3 || seen["b"] != 3 || seen["c"] != 3 {
 		t.Fatalf("round robin: %v", seen)
 	}
@@ -568,14 +578,7 @@ func TestHotPrefixGoesRoundRobin(t *testing.T) {
 	peers[1].load.Running = 3 // a little busier than the rest: still takes its turn
 	n := routerWith(t, PrefixAware, peers...)
 	n.routeRate = 40
-	seen := map[string]int{}
-	for range 8 {
-		ts, err := n.Route("m", prompt, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		seen[ts[0].Name]++
-	}
+	seen := firstChoices(t, n, prompt, 8)
 	if len(seen) != 4 || seen["b"] != 2 {
 		t.Fatalf("hot prefix not spread in turn: %v", seen)
 	}
@@ -583,20 +586,12 @@ func TestHotPrefixGoesRoundRobin(t *testing.T) {
 	// turns (every router would pass it over at once and idle it), until its
 	// queue is full.
 	peers[3].load.Running, peers[3].load.Waiting, peers[3].load.MaxWaiting = 8, 20, 64
-	clear(seen)
-	for range 8 {
-		ts, _ := n.Route("m", prompt, 0)
-		seen[ts[0].Name]++
-	}
+	seen = firstChoices(t, n, prompt, 8)
 	if seen["d"] != 2 {
 		t.Fatalf("a node with a backlog should take its turns: %v", seen)
 	}
 	peers[3].load.Waiting = 64
-	clear(seen)
-	for range 9 {
-		ts, _ := n.Route("m", prompt, 0)
-		seen[ts[0].Name]++
-	}
+	seen = firstChoices(t, n, prompt, 9)
 	if seen["d"] != 0 || seen["self"] != 3 || seen["b"] != 3 || seen["c"] != 3 {
 		t.Fatalf("a saturated node should miss its turns: %v", seen)
 	}
@@ -676,17 +671,7 @@ func TestOverdueAndUnreachablePeersAreSuspect(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		b, c := &peer{name: "b", loadAt: time.Now()}, &peer{name: "c", loadAt: time.Now()}
 		n := routerWith(t, RoundRobin, &peer{name: "self"}, b, c)
-		routed := func() map[string]int {
-			seen := map[string]int{}
-			for range 6 {
-				ts, err := n.Route("m", nil, 0)
-				if err != nil {
-					t.Fatal(err)
-				}
-				seen[ts[0].Name]++
-			}
-			return seen
-		}
+		routed := func() map[string]int { return firstChoices(t, n, nil, 6) }
 		state := func(name string) string { m, _ := member(n, name); return m.State }
 		time.Sleep(n.loadOverdue() + time.Millisecond)
 		c.loadAt = time.Now() // c kept sending its load; b stopped
