@@ -272,21 +272,32 @@ func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 	warm := &peer{name: "self", load: Load{PrefillTPS: 1000}, summary: summaryOf(prompt, 99)}
 	cold := &peer{name: "cold", load: Load{PrefillTPS: 1000}}
 	n := routerWith(t, PrefixAware, warm, cold)
+	// Each route below stands for one of many distinct prompts that share the
+	// warm prefix: the router forgets the prompts it routed (one prompt routed
+	// again and again is hot by the traffic, and a hot prompt goes in turn).
+	route := func() []Target {
+		t.Helper()
+		n.recent = nil
+		ts, err := n.Route("m", prompt, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ts
+	}
 	// Self has no liveness entry from memberlist; routing treats it as alive.
-	ts, err := n.Route("m", prompt, 0)
-	if err != nil || ts[0].Name != "self" || ts[0].Cached != 396 || !ts[0].Local {
-		t.Fatalf("warm node not preferred: %+v %v", ts, err)
+	if ts := route(); ts[0].Name != "self" || ts[0].Cached != 396 || !ts[0].Local {
+		t.Fatalf("warm node not preferred: %+v", ts)
 	}
 	// A long queue on the warm node outweighs the 396 cached tokens.
 	warm.load.PendingTokens = 2000 // 2 s of prefill at 1,000 tokens/s
-	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "cold" {
+	if ts := route(); ts[0].Name != "cold" {
 		t.Fatalf("hot spot: the queue should send the request to the cold node: %+v", ts)
 	}
 	// When requests queue everywhere, a miss delays those behind it too: the
 	// same gap in queues no longer justifies recomputing the prefix.
 	warm.load.Waiting, cold.load.Waiting = 8, 8
 	cold.load.PendingTokens = 1000
-	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "self" {
+	if ts := route(); ts[0].Name != "self" {
 		t.Fatalf("saturated cluster: a miss should cost the requests queued behind it: %+v", ts)
 	}
 	warm.load.Waiting, cold.load.Waiting, cold.load.PendingTokens = 0, 0, 0
@@ -295,13 +306,13 @@ func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 	// second here): 2 s ahead, against 0.4 s to recompute the prefix on the cold
 	// node.
 	warm.load.Running, warm.load.Waiting, warm.load.PendingTokens, warm.load.FinishPS = 8, 7, 28, 4
-	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "cold" {
+	if ts := route(); ts[0].Name != "cold" {
 		t.Fatalf("hot prefix: a full node's slot queue should count: %+v", ts)
 	}
 	warm.load.Running, warm.load.Waiting, warm.load.PendingTokens, warm.load.FinishPS = 0, 0, 0, 0
 	// prefix-only ignores the queue (the ablation).
 	n.cfg.Policy = PrefixOnly
-	if ts, _ := n.Route("m", prompt, 0); ts[0].Name != "self" {
+	if ts := route(); ts[0].Name != "self" {
 		t.Fatalf("prefix-only: %+v", ts)
 	}
 }
@@ -767,6 +778,68 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 		}
 		if len(seen) != 4 || seen["self"] != 2 {
 			t.Fatalf("hot prefix not spread in turn: %v", seen)
+		}
+	})
+}
+
+// TestDifferencesWithinTheHeadSayNothing: nodes that differ only in holding the
+// head most prompts share (one evicted the system prompt; a hot document is on some
+// nodes and not yet on others) do not draw the prompts behind it: prompts that share
+// nothing beyond the head still go in turn, and so does the hot document once the
+// nodes that hold it are busy.
+func TestDifferencesWithinTheHeadSayNothing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		system, doc := systemAndDocs()
+		var peers []*peer
+		for _, name := range []string{"self", "b", "c", "d"} {
+			peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(system, 4)})
+		}
+		peers[2].summary = nil // c evicted the system prompt
+		n := routerWith(t, PrefixAware, peers...)
+		n.routeRate = 40
+		seen := map[string]int{}
+		for i := 100; i < 116; i++ {
+			time.Sleep(n.cfg.LoadInterval)
+			ts, _ := n.Route("m", doc(i, 64), 0)
+			if i >= 108 {
+				seen[ts[0].Name]++
+			}
+		}
+		if len(seen) != 4 || seen["c"] != 2 {
+			t.Fatalf("one node without the system prompt should not decide where prompts behind it go: %v", seen)
+		}
+		// A hot document, held by two nodes so far, under load (prefill queued
+		// everywhere): in turn.
+		peers[0].summary, peers[1].summary = summaryOf(doc(7, 64), 20), summaryOf(doc(7, 64), 20)
+		for _, p := range peers {
+			p.load.PendingTokens = 100
+		}
+		clear(seen)
+		for q := range 40 {
+			ts, _ := n.Route("m", append(doc(7, 64), int32(q), 1, 2, 3), 0)
+			if q >= 32 {
+				seen[ts[0].Name]++
+			}
+		}
+		if len(seen) != 4 || seen["c"] != 2 {
+			t.Fatalf("a hot document should go in turn while only some nodes hold it: %v", seen)
+		}
+		// While a node that holds it can start it at once, it goes there.
+		peers[1].load.PendingTokens = 0
+		clear(seen)
+		for q := range 4 {
+			ts, _ := n.Route("m", append(doc(7, 64), int32(q), 1, 2, 3), 0)
+			seen[ts[0].Name]++
+		}
+		if seen["b"] != 4 {
+			t.Fatalf("a hot document should go to an idle node that holds it: %v", seen)
+		}
+		peers[1].load.PendingTokens = 100
+		// A conversation on it that one node holds goes there.
+		peers[3].summary = summaryOf(append(doc(7, 64), 5, 5, 5, 5, 6, 6, 6, 6), 22)
+		ts, _ := n.Route("m", append(doc(7, 64), 5, 5, 5, 5, 6, 6, 6, 6, 1), 0)
+		if ts[0].Name != "d" {
+			t.Fatalf("a prompt held beyond the hot head should go to its holder: %+v", ts[0])
 		}
 	})
 }

@@ -130,6 +130,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		if need := c.active + 1 - capacity; need > 0 && p.load.FinishPS > 0 {
 			c.est = max(c.est, float64(need)/p.load.FinishPS*1000)
 		}
+		c.idle = c.est == 0 && c.active < capacity
 		c.est += float64(c.uncached) / rate * 1000
 		if p.load.DecodeTPS > 0 {
 			c.est += float64(p.load.Running+reqs) / p.load.DecodeTPS * 1000
@@ -172,13 +173,17 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		// What every candidate holds alike, or most prompts here start with (a
 		// chat template, a common system prompt, a hot document), says nothing
 		// about where this prompt belongs: the choice is made on what lies beyond
-		// it. A prompt that is mostly such a head is a hot prefix: spread it in
-		// turn, unless nodes differ in what they hold of it (then the scores
-		// decide, as for any prefix some hold).
+		// it, and so does a difference in holding it (a node that has evicted
+		// the system prompt makes the others hold more of every prompt, and a hot
+		// document placed on some nodes and not yet on others would draw its
+		// whole traffic to them). A prompt that is mostly such a head is a hot
+		// prefix: spread it in turn, as round robin does, unless some node holds
+		// more than the head (a conversation on the hot document) or a node that
+		// holds more of it than others can start it at once (nothing to balance
+		// yet: a cache hit, answered soonest).
 		held := commonHead(cands)
 		learned, known := n.recentPrompts(model).head(hashes)
 		head := max(held, learned*n.cfg.BlockTokens)
-		some := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > held })
 		beyond := slices.ContainsFunc(cands, func(c candidate) bool { return c.cached > head })
 		hot := head > 0 && 2*head >= len(tokens)
 		// How often the prompts this router routes share something beyond the
@@ -196,8 +201,11 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		depth := head/n.cfg.BlockTokens + affinityBlocks
 		key := hashes[min(len(hashes), depth)-1]
 		switch {
-		case some:
+		case beyond:
 			how = "held"
+			preferAffine(cands, key)
+		case hot && slices.ContainsFunc(cands, func(c candidate) bool { return c.idle && c.cached > held }):
+			how = "hot-idle"
 			preferAffine(cands, key)
 		case hot:
 			how = "hot"
@@ -254,6 +262,7 @@ type candidate struct {
 	compute  int // prompt tokens it may compute there: all its summary does not show
 	uncached int
 	cached   int
+	idle     bool // it can start the request at once: a free slot and no prefill ahead
 }
 
 // missCost adds to each candidate's estimate what sending the request there costs the
