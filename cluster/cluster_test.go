@@ -505,6 +505,37 @@ func FuzzDecoders(f *testing.F) {
 	})
 }
 
+// TestRoutersFedInTurnInterleave: routers that receive requests in turn (a load
+// balancer in front) each take their turns from their own place among the members,
+// so together they make one round robin: every four consecutive requests reach four
+// different nodes.
+func TestRoutersFedInTurnInterleave(t *testing.T) {
+	names := []string{"self", "b", "c", "d"}
+	var routers []*Node
+	for _, name := range names {
+		var peers []*peer
+		for _, p := range names {
+			peers = append(peers, &peer{name: p})
+		}
+		n := routerWith(t, RoundRobin, peers...)
+		n.cfg.Name = name
+		routers = append(routers, n)
+	}
+	for round := range 5 {
+		seen := map[string]bool{}
+		for _, n := range routers {
+			ts, err := n.Route("m", nil, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen[ts[0].Name] = true
+		}
+		if len(seen) != 4 {
+			t.Fatalf("round %d: four routers fed in turn reached %d nodes: %v", round, len(seen), seen)
+		}
+	}
+}
+
 func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 	a := &peer{name: "self", load: Load{PrefillTPS: 1000}}
 	b := &peer{name: "b", load: Load{PrefillTPS: 1000}}
@@ -518,8 +549,9 @@ func TestPrefixAwareAffinityAndSentPrefixes(t *testing.T) {
 	}
 	// Idle nodes, nothing cached: every router sends a prefix to the node rendezvous
 	// hashing ranks first (here, the same choice each time), and different prefixes
-	// spread (after the router's first few prompts, which take the key deeper).
-	for g := range int32(headQuorum - 1) {
+	// spread. (The router has routed other prompts before: at a fresh router a
+	// prompt that the one before shares is a hot prefix, which goes in turn.)
+	for g := range int32(recentPromptsN) {
 		n.Route("m", prompt(500+g, 0), 0)
 	}
 	chosen := map[string]int{}
@@ -628,10 +660,10 @@ func TestPromptsThatShareNothingGoInTurn(t *testing.T) {
 			}
 			return p
 		}
-		// A fresh router, and a burst: new prefixes go by affinity (after its
-		// first few prompts: before those it cannot tell a system prompt from a
-		// document and takes its affinity key deeper).
-		for i := range headQuorum - 1 {
+		// A burst: new prefixes go by affinity. (The router has routed other
+		// prompts before: at a fresh router a prompt that the one before shares
+		// is a hot prefix, which goes in turn.)
+		for i := range recentPromptsN {
 			n.Route("m", unique(200+i), 0)
 		}
 		for i := range 32 {
@@ -737,7 +769,9 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 		}
 		n := routerWith(t, PrefixAware, peers...)
 		n.routeRate = 40
-		n.Route("m", doc(999, 64), 0) // a router's first prompt goes in turn
+		for i := range recentPromptsN { // prompts routed before (see TestPromptsThatShareNothingGoInTurn)
+			n.Route("m", doc(900+i, 64), 0)
+		}
 		to := map[string]int{}
 		for i := range 16 {
 			first, _ := n.Route("m", doc(i, 64), 0)

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"io"
 	"log"
 	"log/slog"
@@ -135,7 +134,7 @@ type Node struct {
 	recent     map[string]*recentPrompts // per model: the last prompts routed (under mu)
 	joined     chan string               // members to send the full summary to
 	loadSeq    atomic.Uint64
-	rr         atomic.Uint64
+	turns      int // prompts routed by turn-taking policies, for the next turn (under mu)
 	stop       chan struct{}
 	stopOnce   sync.Once
 	wg         sync.WaitGroup
@@ -203,11 +202,6 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
 		sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
 		joined: make(chan string, 256), reuse: reuseStart}
-	// Every router cycles from its own offset: with all counters at 0, routers that
-	// each receive one request at a time would all pick the same first node.
-	h := fnv.New64a()
-	h.Write([]byte(cfg.Name))
-	n.rr.Store(h.Sum64() % 1024)
 	return n, nil
 }
 

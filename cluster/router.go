@@ -152,7 +152,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	case Random:
 		rand.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
 	case RoundRobin:
-		k := int(n.rr.Add(1)-1) % len(cands)
+		k := n.nextTurn() % len(cands)
 		cands = append(cands[k:], cands[:k]...)
 	case LeastLoaded:
 		// Power of two choices: two random candidates, the less loaded first; the
@@ -165,6 +165,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			slices.SortStableFunc(cands[1:], func(a, b candidate) int { return cmp.Compare(a.load, b.load) })
 		}
 	case PrefixAware:
+		turn := n.nextTurn() // every prompt takes a turn, whichever rule places it
 		missCost(cands, rate)
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.load, b.load)) })
 		if len(hashes) == 0 {
@@ -209,7 +210,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			preferAffine(cands, key)
 		case hot:
 			how = "hot"
-			n.rotate(cands)
+			rotate(cands, turn)
 		case n.reuse >= reuseRotateBelow && known:
 			// (A router's first prompt goes in turn: it cannot tell yet whether a
 			// system prompt or a hot document leads its prompts.)
@@ -221,7 +222,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			// spread by a hash of the prompt, i.e. at random, and random
 			// placement queues more).
 			how = "new-turn"
-			n.rotate(cands)
+			rotate(cands, turn)
 		}
 		headLog = head
 	case PrefixOnly:
@@ -335,7 +336,7 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 	}
 }
 
-// rotate moves to the front the next node in this router's turn over the nodes by
+// rotate moves to the front the node whose turn it is among the candidates by
 // name: round robin among the candidates (saturated nodes are already filtered
 // out). For a prompt where nothing is to be gained from one node over another (a
 // prefix every node holds, or one none does and none will want) that beats taking
@@ -350,13 +351,31 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 // 0.97× above 4× (+500 ms), 0.98× passing over none; hot-prefix TTFT p99 1.3-2×
 // round robin's passing over nodes above twice the median, 1.17× at 1.0× (the
 // ranges of repeated runs overlap) and 0.90× at 1.2× passing over none.
-func (n *Node) rotate(cands []candidate) {
-	turn := slices.Clone(cands)
-	slices.SortFunc(turn, byName)
-	c := turn[int(n.rr.Add(1)-1)%len(turn)]
+func rotate(cands []candidate, turn int) {
+	byTurn := slices.Clone(cands)
+	slices.SortFunc(byTurn, byName)
+	c := byTurn[turn%len(byTurn)]
 	i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
 	copy(cands[1:i+1], cands[:i])
 	cands[0] = c
+}
+
+// nextTurn returns this router's turn for the prompt it routes: its own place among
+// the members by name plus the prompts it has routed. Routers fed in turn (a load
+// balancer, a client that spreads its requests over the nodes) then interleave into
+// one round robin over the nodes, where counters that start anywhere collide: two
+// routers whose turns coincide send consecutive requests to one node, forever (at
+// round robin's saturation rate, measured: such collisions left one node a queue
+// that never drained). Caller holds n.mu.
+func (n *Node) nextTurn() int {
+	own := 0
+	for name := range n.peers {
+		if name < n.cfg.Name {
+			own++
+		}
+	}
+	n.turns++
+	return own + n.turns - 1
 }
 
 // reuseWindow is about how many routed prompts (or load intervals, when prompts
