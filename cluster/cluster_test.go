@@ -264,6 +264,23 @@ func firstChoices(t *testing.T, n *Node, tokens []int32, k int) map[string]int {
 	return seen
 }
 
+// questionChoices routes skip+k questions about doc (doc followed by a few tokens
+// of its own each) and counts the first places of the last k.
+func questionChoices(t *testing.T, n *Node, doc []int32, skip, k int) map[string]int {
+	t.Helper()
+	seen := map[string]int{}
+	for q := range skip + k {
+		ts, err := n.Route("m", append(slices.Clip(doc), int32(q), 1, 2, 3), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if q >= skip {
+			seen[ts[0].Name]++
+		}
+	}
+	return seen
+}
+
 func TestPrefixAwarePicksTheCacheUnlessItsQueueCostsMore(t *testing.T) {
 	prompt := make([]int32, 400)
 	for i := range prompt {
@@ -805,12 +822,7 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 		for _, p := range peers {
 			p.summary = summaryOf(doc(7, 64), 20)
 		}
-		clear(seen)
-		for q := range 8 {
-			ts, _ := n.Route("m", append(doc(7, 64), int32(q), 1, 2, 3), 0)
-			seen[ts[0].Name]++
-		}
-		if len(seen) != 4 || seen["self"] != 2 {
+		if seen := questionChoices(t, n, doc(7, 64), 0, 8); len(seen) != 4 || seen["self"] != 2 {
 			t.Fatalf("hot prefix not spread in turn: %v", seen)
 		}
 	})
@@ -848,24 +860,12 @@ func TestDifferencesWithinTheHeadSayNothing(t *testing.T) {
 		for _, p := range peers {
 			p.load.PendingTokens = 100
 		}
-		clear(seen)
-		for q := range 40 {
-			ts, _ := n.Route("m", append(doc(7, 64), int32(q), 1, 2, 3), 0)
-			if q >= 32 {
-				seen[ts[0].Name]++
-			}
-		}
-		if len(seen) != 4 || seen["c"] != 2 {
+		if seen := questionChoices(t, n, doc(7, 64), 32, 8); len(seen) != 4 || seen["c"] != 2 {
 			t.Fatalf("a hot document should go in turn while only some nodes hold it: %v", seen)
 		}
 		// While a node that holds it can start it at once, it goes there.
 		peers[1].load.PendingTokens = 0
-		clear(seen)
-		for q := range 4 {
-			ts, _ := n.Route("m", append(doc(7, 64), int32(q), 1, 2, 3), 0)
-			seen[ts[0].Name]++
-		}
-		if seen["b"] != 4 {
+		if seen := questionChoices(t, n, doc(7, 64), 0, 4); seen["b"] != 4 {
 			t.Fatalf("a hot document should go to an idle node that holds it: %v", seen)
 		}
 		peers[1].load.PendingTokens = 100
@@ -915,16 +915,9 @@ func TestHeadLearnedFromTraffic(t *testing.T) {
 	if len(to) < 3 {
 		t.Fatalf("new documents behind a system prompt nobody holds yet should spread by what follows it: %v", to)
 	}
-	clear(to)
 	// Once half the recent prompts are for one document (here the 16 before it
 	// were not), it goes in turn, though no node holds it yet.
-	for q := range 24 {
-		ts, _ := n.Route("m", append(doc(99, 64), int32(q), 1, 2, 3), 0)
-		if q >= 16 {
-			to[ts[0].Name]++
-		}
-	}
-	if len(to) != 4 || to["self"] != 2 {
+	if to := questionChoices(t, n, doc(99, 64), 16, 8); len(to) != 4 || to["self"] != 2 {
 		t.Fatalf("a document most prompts share should go in turn before any node holds it: %v", to)
 	}
 }
