@@ -364,9 +364,9 @@ func rotate(cands []candidate, turn int) {
 // the members by name plus the prompts it has routed. Routers fed in turn (a load
 // balancer, a client that spreads its requests over the nodes) then interleave into
 // one round robin over the nodes, where counters that start anywhere collide: two
-// routers whose turns coincide send consecutive requests to one node, forever (at
-// round robin's saturation rate, measured: such collisions left one node a queue
-// that never drained). Caller holds n.mu.
+// routers whose turns coincide send consecutive requests to one node, forever.
+// Measured on no-reuse at round robin's saturation rate: 0.92-0.93× its throughput
+// with turns from a hash of the name, 0.98-1.00× from the place. Caller holds n.mu.
 func (n *Node) nextTurn() int {
 	own := 0
 	for name := range n.peers {
