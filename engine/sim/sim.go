@@ -212,7 +212,11 @@ func (e *Engine) next(t engine.Token, p engine.Pos) []float32 {
 	h := fnv.New32a()
 	fmt.Fprint(h, t, ",", p)
 	l := make([]float32, e.vocab.n)
-	l[3+'a'+int(h.Sum32()%26)] = 10 // a lower-case letter
+	// A lower-case letter, so far above the rest (all 0) that no sampling setting
+	// picks another token: at 10, temperature 1 sampled one of the other 4,095
+	// tokens of a 4,096-token vocabulary about one time in six (4,095 / (e¹⁰ +
+	// 4,095)): some are byte tokens, whose text is not UTF-8.
+	l[3+'a'+int(h.Sum32()%26)] = 100
 	return l
 }
 
