@@ -773,19 +773,27 @@ func systemAndDocs() ([]int32, func(i, n int) []int32) {
 	}
 }
 
+// systemPromptCluster returns a prefix-aware router among four nodes (self, b, c,
+// d) that all hold the system prompt of systemAndDocs, the nodes, and doc.
+func systemPromptCluster(t *testing.T) (*Node, []*peer, func(i, n int) []int32) {
+	t.Helper()
+	system, doc := systemAndDocs()
+	var peers []*peer
+	for _, name := range []string{"self", "b", "c", "d"} {
+		peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(system, 4)})
+	}
+	n := routerWith(t, PrefixAware, peers...)
+	n.routeRate = 40
+	return n, peers, doc
+}
+
 // TestCommonHeadIsNotAPrefixToShare: when every node holds the same system prompt,
 // a new document behind it still goes by affinity (every router to one node, chosen
 // by the document, not the system prompt), prompts that share nothing beyond it go
 // in turn, and a prompt held alike almost whole everywhere (a hot prefix) goes in turn.
 func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		system, doc := systemAndDocs()
-		var peers []*peer
-		for _, name := range []string{"self", "b", "c", "d"} {
-			peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(system, 4)})
-		}
-		n := routerWith(t, PrefixAware, peers...)
-		n.routeRate = 40
+		n, peers, doc := systemPromptCluster(t)
 		for i := range recentPromptsN { // prompts routed before (see TestPromptsThatShareNothingGoInTurn)
 			n.Route("m", doc(900+i, 64), 0)
 		}
@@ -835,14 +843,8 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 // nodes that hold it are busy.
 func TestDifferencesWithinTheHeadSayNothing(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		system, doc := systemAndDocs()
-		var peers []*peer
-		for _, name := range []string{"self", "b", "c", "d"} {
-			peers = append(peers, &peer{name: name, load: Load{PrefillTPS: 1000, FinishPS: 10}, summary: summaryOf(system, 4)})
-		}
+		n, peers, doc := systemPromptCluster(t)
 		peers[2].summary = nil // c evicted the system prompt
-		n := routerWith(t, PrefixAware, peers...)
-		n.routeRate = 40
 		seen := map[string]int{}
 		for i := 100; i < 116; i++ {
 			time.Sleep(n.cfg.LoadInterval)
