@@ -165,7 +165,9 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 			slices.SortStableFunc(cands[1:], func(a, b candidate) int { return cmp.Compare(a.load, b.load) })
 		}
 	case PrefixAware:
-		turn := n.nextTurn() // every prompt takes a turn, whichever rule places it
+		// Whose turn it is (cands is by name here), for the rules that take turns;
+		// every prompt takes a turn, whichever rule places it.
+		turn := cands[n.nextTurn()%len(cands)].p
 		missCost(cands, rate)
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.load, b.load)) })
 		if len(hashes) == 0 {
@@ -336,8 +338,8 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 	}
 }
 
-// rotate moves to the front the node whose turn it is among the candidates by
-// name: round robin among the candidates (saturated nodes are already filtered
+// rotate moves turn, the node whose turn it is among the candidates by name, to the
+// front: round robin among the candidates (saturated nodes are already filtered
 // out). For a prompt where nothing is to be gained from one node over another (a
 // prefix every node holds, or one none does and none will want) that beats taking
 // the best-scored node: routers that all act on the same load, gossiped up to an
@@ -351,11 +353,9 @@ func preferAffine(cands []candidate, key kvcache.Hash) {
 // 0.97× above 4× (+500 ms), 0.98× passing over none; hot-prefix TTFT p99 1.3-2×
 // round robin's passing over nodes above twice the median, 1.17× at 1.0× (the
 // ranges of repeated runs overlap) and 0.90× at 1.2× passing over none.
-func rotate(cands []candidate, turn int) {
-	byTurn := slices.Clone(cands)
-	slices.SortFunc(byTurn, byName)
-	c := byTurn[turn%len(byTurn)]
-	i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == c.p })
+func rotate(cands []candidate, turn *peer) {
+	i := slices.IndexFunc(cands, func(x candidate) bool { return x.p == turn })
+	c := cands[i]
 	copy(cands[1:i+1], cands[:i])
 	cands[0] = c
 }
