@@ -32,7 +32,7 @@ for d in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda; do
 	fi
 done
 if [ -z "$nvcc" ]; then
-	need "nvcc (the CUDA compiler) is not installed or not on PATH: install the CUDA toolkit 12 or later (NVIDIA's cuda-toolkit-12-x package, or Debian/Ubuntu's nvidia-cuda-toolkit), or set CUDA_HOME"
+	need "nvcc (the CUDA compiler) is not installed or not on PATH: install the CUDA toolkit 11.8 or later (NVIDIA's cuda-toolkit-12-x package, or Debian/Ubuntu's nvidia-cuda-toolkit), or set CUDA_HOME"
 fi
 if [ -z "$src" ]; then
 	command -v go >/dev/null || need "no Go toolchain to find the ollama module: pass its source directory as the first argument"
@@ -50,10 +50,13 @@ jobs=$(nproc 2>/dev/null || echo 4)
 echo "build-cuda: ggml CUDA backend for architectures $archs with $nvcc ($("$nvcc" --version | grep -o 'release [0-9.]*'))," \
 	"$jobs jobs, from $src" >&2
 start=$(date +%s)
-# The library finds ggml-base and the CUDA runtime beside itself ($ORIGIN).
+mkdir -p "$(dirname "$build")"
+# The library finds ggml-base and the CUDA runtime beside itself ($ORIGIN). Vulkan and
+# HIP are kept out: the root CMakeLists adds their backends whenever it finds an SDK,
+# and gpu-check's source archive leaves their sources out.
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" \
 	-DCMAKE_CUDA_ARCHITECTURES="$archs" -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
-	-DGGML_CCACHE=OFF >"$build.configure.log" 2>&1 || { tail -30 "$build.configure.log" >&2; need "CMake configure failed (log: $build.configure.log)"; }
+	-DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=ON -DCMAKE_HIP_COMPILER=OFF -DGGML_CCACHE=OFF >"$build.configure.log" 2>&1 || { tail -30 "$build.configure.log" >&2; need "CMake configure failed (log: $build.configure.log)"; }
 cmake --build "$build" --target ggml-cuda -j "$jobs" >"$build.log" 2>&1 || { tail -40 "$build.log" >&2; need "build failed (log: $build.log)"; }
 mkdir -p "$dest"
 out=$build/lib/ollama
