@@ -24,7 +24,7 @@ func TestBuildCUDANamesWhatToInstall(t *testing.T) {
 	if err != nil {
 		t.Skip("no bash")
 	}
-	// A PATH of only the tools the script's checks use, plus a fake cmake.
+	// A PATH of only the tools the script's checks use; each case puts its fakes ahead.
 	bin := t.TempDir()
 	for _, tool := range []string{"dirname", "awk", "sort", "head"} {
 		p, err := exec.LookPath(tool)
@@ -35,23 +35,6 @@ func TestBuildCUDANamesWhatToInstall(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	fakeCMake := func(version string) {
-		script := "#!" + bash + "\necho 'cmake version " + version + "'\n"
-		if err := os.WriteFile(filepath.Join(bin, "cmake"), []byte(script), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	run := func() string {
-		t.Helper()
-		cmd := exec.Command(bash, "scripts/build-cuda.sh", t.TempDir(), filepath.Join(t.TempDir(), "lib"))
-		cmd.Env = []string{"PATH=" + bin, "BUILD_DIR=" + filepath.Join(t.TempDir(), "cuda")}
-		out, err := cmd.CombinedOutput()
-		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 1 {
-			t.Fatalf("build-cuda.sh: %v, want exit status 1; output:\n%s", err, out)
-		}
-		return string(out)
-	}
-
 	for _, c := range []struct {
 		cmake string // version of the fake cmake; "" for none
 		nvcc  bool   // a fake nvcc on PATH
@@ -62,16 +45,25 @@ func TestBuildCUDANamesWhatToInstall(t *testing.T) {
 		{"3.28.3", false, []string{"nvcc", "not installed", "CUDA toolkit 11.8 or later", "CUDA_HOME"}},
 		{"3.28.3", true, []string{"does not hold the ollama sources"}},
 	} {
-		os.Remove(filepath.Join(bin, "cmake"))
-		if c.cmake != "" {
-			fakeCMake(c.cmake)
-		}
-		if c.nvcc {
-			if err := os.WriteFile(filepath.Join(bin, "nvcc"), []byte("#!"+bash+"\nexit 0\n"), 0o755); err != nil {
+		fakes := t.TempDir() // this case's fake cmake and nvcc, ahead of the tools
+		fake := func(name, body string) {
+			if err := os.WriteFile(filepath.Join(fakes, name), []byte("#!"+bash+"\n"+body+"\n"), 0o755); err != nil {
 				t.Fatal(err)
 			}
 		}
-		out := run()
+		if c.cmake != "" {
+			fake("cmake", "echo 'cmake version "+c.cmake+"'")
+		}
+		if c.nvcc {
+			fake("nvcc", "exit 0")
+		}
+		cmd := exec.Command(bash, "scripts/build-cuda.sh", t.TempDir(), filepath.Join(t.TempDir(), "lib"))
+		cmd.Env = []string{"PATH=" + fakes + ":" + bin, "BUILD_DIR=" + filepath.Join(t.TempDir(), "cuda")}
+		raw, err := cmd.CombinedOutput()
+		out := string(raw)
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 1 {
+			t.Fatalf("cmake %q, nvcc %v: build-cuda.sh: %v, want exit status 1; output:\n%s", c.cmake, c.nvcc, err, out)
+		}
 		for _, w := range c.want {
 			if !strings.Contains(out, w) {
 				t.Errorf("cmake %q, nvcc %v: output lacks %q:\n%s", c.cmake, c.nvcc, w, out)
