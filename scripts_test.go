@@ -71,3 +71,107 @@ func TestBuildCUDANamesWhatToInstall(t *testing.T) {
 		}
 	}
 }
+
+// TestBuildCUDACopiesRuntimeLibraries runs scripts/build-cuda.sh with a fake CMake and
+// nvcc on a toolkit whose libraries lie outside the loader's path (as pip's nvidia-*
+// packages keep them, apart from nvcc): the script must configure without Vulkan
+// and HIP for the architectures asked, and install beside the backend the CUDA
+// libraries it needs, those the first ones need in turn (cuBLAS needs cuBLASLt)
+// included, found where CMake linked them, so that ldd resolves all of them.
+func TestBuildCUDACopiesRuntimeLibraries(t *testing.T) {
+	bash, err := exec.LookPath("bash")
+	if err != nil {
+		t.Skip("no bash")
+	}
+	gcc, err := exec.LookPath("gcc")
+	if err != nil {
+		t.Skip("no gcc to build the fake libraries")
+	}
+	if _, err := exec.LookPath("ldd"); err != nil {
+		t.Skip("no ldd")
+	}
+	dir := t.TempDir()
+	toolkit := filepath.Join(dir, "site-packages", "nvidia", "cu13", "lib")
+	built := filepath.Join(dir, "built") // what the fake CMake's build step leaves
+	src := filepath.Join(dir, "src")
+	fakes := filepath.Join(dir, "fakes")
+	for _, d := range []string{toolkit, built, filepath.Join(src, "ml/backend/ggml/ggml/src/ggml-cuda"), fakes} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(src, "CMakeLists.txt"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfile := filepath.Join(dir, "f.c")
+	if err := os.WriteFile(cfile, []byte("int f(void) { return 0; }\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// libggml-cuda.so needs libcudart.so.13 and libcublas.so.13; libcublas.so.13
+	// needs libcublasLt.so.13 and finds it beside itself.
+	for _, l := range []struct {
+		out  string
+		deps []string
+	}{
+		{filepath.Join(toolkit, "libcublasLt.so.13"), nil},
+		{filepath.Join(toolkit, "libcudart.so.13"), nil},
+		{filepath.Join(toolkit, "libcublas.so.13"), []string{"libcublasLt.so.13"}},
+		{filepath.Join(built, "libggml-cuda.so"), []string{"libcudart.so.13", "libcublas.so.13"}},
+	} {
+		args := []string{"-shared", "-fPIC", "-o", l.out, "-Wl,-soname," + filepath.Base(l.out), cfile, "-Wl,-rpath,$ORIGIN", "-Wl,--no-as-needed"}
+		for _, d := range l.deps {
+			args = append(args, filepath.Join(toolkit, d))
+		}
+		if out, err := exec.Command(gcc, args...).CombinedOutput(); err != nil {
+			t.Fatalf("gcc %s: %v\n%s", filepath.Base(l.out), err, out)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(built, "libggml-base.so"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := filepath.Join(dir, "cmake-args")
+	fake := func(name, body string) {
+		if err := os.WriteFile(filepath.Join(fakes, name), []byte("#!"+bash+"\n"+body+"\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fake("nvcc", "echo 'Cuda compilation tools, release 13.0, V13.0.88'")
+	fake("cmake", `case "$1" in
+--version) echo 'cmake version 3.28.3' ;;
+-S)
+	echo "$@" >`+args+`
+	while [ "$1" != -B ]; do shift; done
+	mkdir -p "$2"
+	echo 'CUDA_cudart_LIBRARY:FILEPATH=`+toolkit+`/libcudart.so' >"$2/CMakeCache.txt"
+	echo 'CUDA_cublas_LIBRARY:FILEPATH=`+toolkit+`/libcublas.so' >>"$2/CMakeCache.txt" ;;
+--build) mkdir -p "$2/lib/ollama" && cp `+built+`/* "$2/lib/ollama/" ;;
+esac`)
+	dest := filepath.Join(dir, "lib", "ollama")
+	cmd := exec.Command(bash, "scripts/build-cuda.sh", src, dest)
+	cmd.Env = append(os.Environ(), "PATH="+fakes+":"+os.Getenv("PATH"), "CUDA_ARCHS=90", "BUILD_DIR="+filepath.Join(dir, "build", "cuda"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("build-cuda.sh: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "still lacks") {
+		t.Errorf("build-cuda.sh warns of missing libraries:\n%s", out)
+	}
+	for _, l := range []string{"libggml-base.so", "libggml-cuda.so", "libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13"} {
+		if _, err := os.Stat(filepath.Join(dest, l)); err != nil {
+			t.Errorf("%s not installed: %v\n%s", l, err, out)
+		}
+	}
+	ldd, err := exec.Command("ldd", filepath.Join(dest, "libggml-cuda.so")).CombinedOutput()
+	if err != nil || strings.Contains(string(ldd), "not found") {
+		t.Errorf("ldd of the installed backend: %v\n%s", err, ldd)
+	}
+	configured, err := os.ReadFile(args)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []string{"-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=ON", "-DCMAKE_HIP_COMPILER=OFF", "-DCMAKE_CUDA_COMPILER=" + filepath.Join(fakes, "nvcc")} {
+		if !strings.Contains(string(configured), w) {
+			t.Errorf("cmake configured without %s: %s", w, configured)
+		}
+	}
+}

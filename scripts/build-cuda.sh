@@ -56,20 +56,29 @@ mkdir -p "$(dirname "$build")"
 # and gpu-check's source archive leaves their sources out.
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" \
 	-DCMAKE_CUDA_ARCHITECTURES="$archs" -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
-	-DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=ON -DCMAKE_HIP_COMPILER=OFF -DGGML_CCACHE=OFF >"$build.configure.log" 2>&1 || { tail -30 "$build.configure.log" >&2; need "CMake configure failed (log: $build.configure.log)"; }
+	-DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=ON -DCMAKE_HIP_COMPILER=OFF >"$build.configure.log" 2>&1 || { tail -30 "$build.configure.log" >&2; need "CMake configure failed (log: $build.configure.log)"; }
 cmake --build "$build" --target ggml-cuda -j "$jobs" >"$build.log" 2>&1 || { tail -40 "$build.log" >&2; need "build failed (log: $build.log)"; }
 mkdir -p "$dest"
 out=$build/lib/ollama
 cp -a "$out"/libggml-base.so* "$out"/libggml-cuda.so "$dest"/
 # The CUDA runtime libraries the backend needs, when the loader would not find them
-# (a toolkit outside the system library path).
-for lib in $(ldd "$dest/libggml-cuda.so" | awk '/not found/ {print $1}'); do
-	for d in "$(dirname "$nvcc")/../lib64" "$(dirname "$nvcc")/../lib" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
-		if [ -e "$d/$lib" ]; then
-			cp -aL "$d/$lib" "$dest/"
-			break
-		fi
+# (a toolkit outside the system library path): first where CMake found them to link
+# (a toolkit may keep them apart from nvcc, as pip's nvidia-* packages do).
+linked=$(sed -n -E 's/^CUDA_(cudart|cublas|cublasLt)_LIBRARY:FILEPATH=(.+)/\2/p' "$build/CMakeCache.txt" | xargs -r -n1 dirname | sort -u)
+# A copied library can need more (cuBLAS needs cuBLASLt), which ldd names only once
+# the first is found: look again, a few times at most.
+for _ in 1 2 3; do
+	copied=
+	for lib in $(ldd "$dest/libggml-cuda.so" | awk '/not found/ {print $1}'); do
+		for d in $linked "$(dirname "$nvcc")/../lib64" "$(dirname "$nvcc")/../lib" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+			if [ -e "$d/$lib" ]; then
+				cp -aL "$d/$lib" "$dest/"
+				copied=1
+				break
+			fi
+		done
 	done
+	[ -n "$copied" ] || break
 done
 missing=$(ldd "$dest/libggml-cuda.so" | awk '/not found/ {print $1}' | grep -v '^libcuda\.so' || true)
 [ -z "$missing" ] || echo "build-cuda: warning: $dest/libggml-cuda.so still lacks: $missing" >&2

@@ -8,9 +8,12 @@
 #      shared prefix == recomputed, the same through the scheduler, stories260K),
 #   3. measures the raw decode ceiling at batch 1/8/32/64/128 (generated 100M model),
 #   4. serves that model and runs shoal bench at concurrency 1/8/32/64,
-# and prints one table (also written to $OUT/gpu-check.md when $OUT is set). Meant to
-# finish within 8 minutes on 16 cores. GPU_CHECK_CPU=1 rehearses everything but the
-# CUDA build on a machine without a GPU (the same tests and table, on the CPU).
+# and prints one table. Device time is scarce and a run cut off at its limit returns
+# only what it had written, so every step gets a share of one budget
+# (GPU_CHECK_BUDGET seconds, default 480: 8 minutes) and the table is printed, and
+# written with the logs to $OUT (gpu-check.md, gpu-check-logs.tar.xz) when $OUT is
+# set, whatever step fails or runs out of time. GPU_CHECK_CPU=1 rehearses everything
+# but the CUDA build on a machine without a GPU (the same tests and table, on the CPU).
 set -euo pipefail
 cpu=${GPU_CHECK_CPU:-}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,15 +23,69 @@ if [ -z "$dir" ]; then
 fi
 dir=$(cd "$dir" && pwd)
 work=${WORK:-$dir/work}
-report=${OUT:-$work}/gpu-check.md
-mkdir -p "$work/bin" "$work/lib/ollama" "$work/src" "$(dirname "$report")"
+out=${OUT:-$work}
+mkdir -p "$work/bin" "$work/lib/ollama" "$work/src" "$out"
 t0=$(date +%s)
+deadline=$((t0 + ${GPU_CHECK_BUDGET:-480}))
 log() { echo "gpu-check [$(($(date +%s) - t0))s] $*" >&2; }
+# budget CAP RESERVE: seconds for the next step, at most CAP, leaving RESERVE for the
+# steps after it (at least 5, so a step out of time fails at once rather than never).
+budget() { local s=$((deadline - $(date +%s) - $2)); s=$((s < $1 ? s : $1)); echo $((s > 5 ? s : 5)); }
+get() { # get URL: its body on stdout; curl where the machine has it, else python3
+	if command -v curl >/dev/null; then curl -sf --max-time 10 "$1"; else
+		python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' "$1"
+	fi
+}
+build_s=- serve= gpu=unknown
+tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
+status=0
+
+# report: the table from whatever the steps left in $work, and the logs, into $out.
+report() {
+	local rc=$?
+	set +e
+	[ -z "$serve" ] || { kill "$serve" 2>/dev/null; wait "$serve" 2>/dev/null; }
+	{
+		echo "## GPU check: $gpu"
+		echo
+		echo "$(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device=[^ ]*\|gpu_layers=[0-9]*\|context=[0-9]*' "$work/serve.log" 2>/dev/null | head -3 | paste -sd' ')"
+		echo
+		echo "| check | result |"
+		echo "|---|---|"
+		# A row for every check, "(no result)" where a step failed or ran out of time.
+		for t in ${tests//|/ }; do
+			grep -E -- "^--- (PASS|FAIL|SKIP): $t " "$work/tests.txt" 2>/dev/null |
+				sed -E 's/^--- (PASS|FAIL|SKIP): ([A-Za-z0-9_]+) \(([0-9.]+s)\)/| \2 | \1 (\3) |/' | grep . || echo "| $t | (no result) |"
+		done
+		for b in 1 8 32 64 128; do
+			grep -E "^Benchmark.*/batch=$b(-[0-9]+)?\s" "$work/ceiling.txt" 2>/dev/null |
+				sed -E 's/.*\s([0-9.]+) tok\/s.*/| decode ceiling, batch '"$b"' | \1 tok\/s |/' | grep . || echo "| decode ceiling, batch $b | (no result) |"
+		done
+		for c in 1 8 32 64; do
+			python3 - "$work/bench-$c.json" "$c" <<'PY' 2>/dev/null || echo "| shoal bench, concurrency $c | (no result) |"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"| shoal bench, concurrency {sys.argv[2]} | {r['output_tokens_per_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms / p99 {r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['p50']:.2f} ms, {r['completed']}/{r['requests']} ok |")
+PY
+		done
+		echo
+		echo "Device metrics: $(paste -sd' ' "$work/device-metrics.txt" 2>/dev/null)"
+		echo "Total: $(($(date +%s) - t0)) s (budget ${GPU_CHECK_BUDGET:-480} s)"
+	} | tee "$out/gpu-check.md"
+	(cd "$work" && tar -cJf "$out/gpu-check-logs.tar.xz" --ignore-failed-read gpu.txt version.txt tests.txt ceiling.txt \
+		serve.log bench-*.json build.configure.log build.log 2>/dev/null)
+	if grep -q -- '^--- FAIL' "$work/tests.txt" 2>/dev/null; then
+		log "some engine tests failed on the GPU: $work/tests.txt"
+		status=1
+	fi
+	exit $((rc != 0 ? rc : status))
+}
+trap report EXIT
 
 if [ -n "$cpu" ]; then
 	echo "none (CPU rehearsal)" >"$work/gpu.txt"
 else
-	nvidia-smi --query-gpu=name,memory.total,compute_cap,driver_version --format=csv,noheader >"$work/gpu.txt"
+	nvidia-smi --query-gpu=name,memory.total,compute_cap,driver_version --format=csv,noheader >"$work/gpu.txt" || echo "unknown (nvidia-smi failed)" >"$work/gpu.txt"
 fi
 gpu=$(head -1 "$work/gpu.txt")
 log "GPU: $gpu"
@@ -37,21 +94,24 @@ xz -dc "$dir/llama.test.xz" >"$work/bin/llama.test"
 chmod +x "$work/bin/shoal" "$work/bin/llama.test"
 tar -C "$work/src" -xJf "$dir/ollama-src.tar.xz"
 
-# 1. The CUDA backend for this GPU only.
+# 1. The CUDA backend for this GPU only; the rest needs it, so its failure ends the check.
 tb=$(date +%s)
-[ -n "$cpu" ] || BUILD_DIR=$work/build bash "$dir/build-cuda.sh" "$work/src" "$work/lib/ollama"
+if [ -z "$cpu" ]; then
+	BUILD_DIR=$work/build timeout "$(budget 360 90)" bash "$dir/build-cuda.sh" "$work/src" "$work/lib/ollama" ||
+		{ log "FAIL: the CUDA build (logs: build.configure.log, build.log)"; exit 1; }
+fi
 build_s=$(($(date +%s) - tb))
 "$work/bin/shoal" version | tee "$work/version.txt" >&2
 [ -n "$cpu" ] || grep -q '^device CUDA' "$work/version.txt" || { log "FAIL: shoal sees no CUDA device with the library in $work/lib/ollama"; exit 1; }
 
 # 2. Engine tests on the GPU.
-tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
 export SHOAL_STORIES=$dir/stories260K.gguf
-(cd "$work" && timeout 180 bin/llama.test -test.run "$tests" -test.v -test.count 1) >"$work/tests.txt" 2>&1 || true
+(cd "$work" && timeout "$(budget 180 120)" bin/llama.test -test.run "$tests" -test.v -test.count 1) >"$work/tests.txt" 2>&1 || true
 log "tests: $(grep -c -- '^--- PASS' "$work/tests.txt") passed, $(grep -c -- '^--- FAIL' "$work/tests.txt") failed, $(grep -c -- '^--- SKIP' "$work/tests.txt") skipped"
 
 # 3. The raw decode ceiling.
-(cd "$work" && timeout 180 bin/llama.test -test.run '^$' -test.bench 'BenchmarkDecodeCeiling' -test.benchtime 3x) >"$work/ceiling.txt" 2>&1 || true
+(cd "$work" && timeout "$(budget 150 80)" bin/llama.test -test.run '^$' -test.bench 'BenchmarkDecodeCeiling' -test.benchtime 3x) >"$work/ceiling.txt" 2>&1 || true
+log "decode ceiling: $(grep -c '^Benchmark' "$work/ceiling.txt") batch sizes"
 
 # 4. shoal serve + shoal bench.
 model=$work/m100.gguf
@@ -61,44 +121,17 @@ model=$work/m100.gguf
 "$work/bin/shoal" serve --model "$model" --model-name m100 --addr 127.0.0.1:18080 --parallel 160 --max-running 64 --kv-memory 0.05 \
 	--log-level info >"$work/serve.log" 2>&1 &
 serve=$!
-trap 'kill $serve 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
-	curl -sf http://127.0.0.1:18080/ready >/dev/null 2>&1 && break
+for _ in $(seq 1 150); do
+	get http://127.0.0.1:18080/ready >/dev/null 2>&1 && break
 	sleep 0.2
 done
+left=4
 for c in 1 8 32 64; do
 	n=$((c * 4 > 32 ? c * 4 : 32))
-	timeout 120 "$work/bin/shoal" bench --url http://127.0.0.1:18080/v1 --dataset random --num-prompts "$n" --input-len 256 \
+	# Leaving 20 s for each concurrency still to run.
+	timeout "$(budget 120 $((15 + (left - 1) * 20)))" "$work/bin/shoal" bench --url http://127.0.0.1:18080/v1 --dataset random --num-prompts "$n" --input-len 256 \
 		--output-len 128 --concurrency "$c" --token-max 16000 --json "$work/bench-$c.json" >/dev/null 2>&1 || true
+	log "bench at concurrency $c: $([ -f "$work/bench-$c.json" ] && echo done || echo 'no result')"
+	left=$((left - 1))
 done
-curl -sf http://127.0.0.1:18080/metrics | grep -E '^shoal_(device|gpu_layers)' >"$work/device-metrics.txt" || true
-kill $serve 2>/dev/null || true
-wait $serve 2>/dev/null || true
-
-{
-	echo "## GPU check: $gpu"
-	echo
-	echo "$(grep '^shoal\|^llama.cpp' "$work/version.txt" | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device=[^ ]*\|gpu_layers=[0-9]*\|context=[0-9]*' "$work/serve.log" | head -3 | paste -sd' ')"
-	echo
-	echo "| check | result |"
-	echo "|---|---|"
-	grep -E -- '^--- (PASS|FAIL|SKIP)' "$work/tests.txt" | sed -E 's/^--- (PASS|FAIL|SKIP): ([A-Za-z0-9_]+) \(([0-9.]+s)\)/| \2 | \1 (\3) |/'
-	grep -E '^Benchmark' "$work/ceiling.txt" | sed -E 's/.*batch=([0-9]+)-?[0-9]*\s.*\s([0-9.]+) tok\/s.*/| decode ceiling, batch \1 | \2 tok\/s |/'
-	for c in 1 8 32 64; do
-		f=$work/bench-$c.json
-		if [ -f "$f" ]; then
-			python3 - "$f" "$c" <<'PY' 2>/dev/null || echo "| shoal bench, concurrency $c | (no result) |"
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"| shoal bench, concurrency {sys.argv[2]} | {r['output_tokens_per_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms / p99 {r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['p50']:.2f} ms, {r['completed']}/{r['requests']} ok |")
-PY
-		else
-			echo "| shoal bench, concurrency $c | (no result) |"
-		fi
-	done
-	echo
-	echo "Device metrics: $(paste -sd' ' "$work/device-metrics.txt")"
-	echo "Total: $(($(date +%s) - t0)) s"
-} | tee "$report"
-grep -q -- '^--- FAIL' "$work/tests.txt" && { log "some engine tests failed on the GPU: $work/tests.txt"; exit 1; }
-exit 0
+get http://127.0.0.1:18080/metrics | grep -E '^shoal_(device|gpu_layers)' >"$work/device-metrics.txt" || true
