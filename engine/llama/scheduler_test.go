@@ -81,11 +81,11 @@ func mixedPrompts(t testing.TB, e *Engine, n int) [][]engine.Token {
 	return out
 }
 
-// reference is a request's greedy output computed alone, with the margin between the
+// reference is a request's greedy output computed alone, with the gap between the
 // best and second-best logit at every step.
 type reference struct {
 	tokens  []engine.Token
-	margins []float32
+	margins []float64
 }
 
 func soloGreedy(t *testing.T, e *Engine, prompts [][]engine.Token, maxTokens []int) []reference {
@@ -95,30 +95,10 @@ func soloGreedy(t *testing.T, e *Engine, prompts [][]engine.Token, maxTokens []i
 		if err := e.ClearMemory(); err != nil {
 			t.Fatal(err)
 		}
-		var r reference
-		var b engine.Batch
-		for j, tk := range p {
-			b.Add(tk, engine.Pos(j), 0, j == len(p)-1)
-		}
-		for step := range maxTokens[i] {
-			if err := e.Decode(context.Background(), &b); err != nil {
-				t.Fatal(err)
-			}
-			var best, second float32 = -1e30, -1e30
-			var tok engine.Token
-			e.Logits(b.Len()-1, func(l []float32) {
-				for k, x := range l {
-					if x > best {
-						best, second, tok = x, best, engine.Token(k)
-					} else if x > second {
-						second = x
-					}
-				}
-			})
-			r.tokens = append(r.tokens, tok)
-			r.margins = append(r.margins, best-second)
-			b.Reset()
-			b.Add(tok, engine.Pos(len(p)+step), 0, true)
+		run := decodeGreedy(t, e, [][]engine.Token{p}, maxTokens[i], false)[0]
+		r := reference{tokens: run.tokens}
+		for step, l := range run.logits {
+			r.margins = append(r.margins, gapToNext(l, run.tokens[step]))
 		}
 		out = append(out, r)
 	}
@@ -126,25 +106,30 @@ func soloGreedy(t *testing.T, e *Engine, prompts [][]engine.Token, maxTokens []i
 	return out
 }
 
-// tieMargin is the logit gap below which two greedy choices are a numerical tie:
-// batches of different shapes take different kernel paths, whose float results
-// differ by ~1e-3, so a closer race may go either way (vLLM's tests compare outputs
-// the same way, accepting divergence only where the reference's choice was close).
-const tieMargin = 0.02
+// tieMargin is the logit gap below which two greedy choices are a numerical tie on
+// e's device: batches of other shapes take other kernel paths, which move every logit
+// by up to kernelNoise (about 5e-3 on the CPU), so a closer race may go either way
+// (vLLM's tests compare outputs the same way, accepting divergence only where the
+// reference's choice was close). Twice the noise with 2× headroom, and never below
+// 0.02. It leaves the engine's memory empty.
+func tieMargin(t *testing.T, e *Engine) float64 {
+	return max(0.02, 4*kernelNoise(t, e))
+}
 
 // sameGreedy compares got with the reference up to the first divergence, which is
-// accepted only at a numerical tie. It returns whether a tie decided a divergence.
-func sameGreedy(t *testing.T, name string, got []engine.Token, want reference) bool {
+// accepted only at a numerical tie (a gap under tie). It returns whether a tie
+// decided a divergence.
+func sameGreedy(t *testing.T, name string, got []engine.Token, want reference, tie float64) bool {
 	t.Helper()
 	for i := range want.tokens {
 		if i >= len(got) {
 			t.Fatalf("%s: %d tokens, want %d", name, len(got), len(want.tokens))
 		}
 		if got[i] != want.tokens[i] {
-			if want.margins[i] < tieMargin {
+			if want.margins[i] < tie {
 				return true
 			}
-			t.Fatalf("%s: token %d is %d, alone it is %d (margin %.3g)\ngot  %v\nwant %v", name, i, got[i], want.tokens[i], want.margins[i], got, want.tokens)
+			t.Fatalf("%s: token %d is %d, alone it is %d (margin %.3g, ties below %.3g)\ngot  %v\nwant %v", name, i, got[i], want.tokens[i], want.margins[i], tie, got, want.tokens)
 		}
 	}
 	return false
@@ -187,19 +172,22 @@ func testConcurrent(t *testing.T, unified bool) {
 	for i := range maxTokens {
 		maxTokens[i] = 4 + i*5%28
 	}
+	tie := tieMargin(t, e)
 	want := soloGreedy(t, e, prompts, maxTokens)
 	s := startSched(t, e, nil)
 	got := runAll(t, s, prompts, maxTokens)
 	ties := 0
 	for i := range prompts {
-		if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i]) {
+		if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i], tie) {
 			ties++
 		}
 	}
-	if ties > 2 {
+	// Ties are rare (about 1 in 32 requests on the CPU); many would mean the
+	// scheduler's batches move logits more than batch shapes do.
+	if ties > max(2, len(prompts)/8) {
 		t.Fatalf("%d of %d requests diverged at numerical ties", ties, len(prompts))
 	}
-	t.Logf("%d of %d requests diverged at a numerical tie (margin < %g)", ties, len(prompts), tieMargin)
+	t.Logf("%d of %d requests diverged at a numerical tie (margin < %.3g)", ties, len(prompts), tie)
 	if l := s.Load(); l.PrefixHits == 0 {
 		t.Errorf("shared prefixes among the prompts gave no cache hits: %+v", l)
 	}
@@ -216,6 +204,7 @@ func testCachedPrefix(t *testing.T, unified bool) {
 	base := tokenize(t, e, testPrompts[3]+" "+testPrompts[6]+" "+testPrompts[0])
 	prompts := [][]engine.Token{base, append(slices.Clone(base), tokenize(t, e, " and then")[1:]...)}
 	maxTokens := []int{12, 12}
+	tie := tieMargin(t, e)
 	for _, caching := range []bool{false, true} {
 		e.ClearMemory()
 		func() {
@@ -226,7 +215,7 @@ func testCachedPrefix(t *testing.T, unified bool) {
 			}
 			want := soloGreedy(t, e, prompts, maxTokens)
 			for i := range prompts {
-				if sameGreedy(t, fmt.Sprintf("caching=%v request %d", caching, i), results[i].tokens, want[i]) {
+				if sameGreedy(t, fmt.Sprintf("caching=%v request %d", caching, i), results[i].tokens, want[i], tie) {
 					t.Logf("caching=%v request %d diverged at a numerical tie", caching, i)
 				}
 			}
@@ -250,11 +239,12 @@ func TestSchedulerSmallPoolCompletesAll(t *testing.T) {
 	for i := range maxTokens {
 		maxTokens[i] = 40
 	}
+	tie := tieMargin(t, e)
 	want := soloGreedy(t, e, prompts, maxTokens)
 	s := startSched(t, e, func(c *scheduler.Config) { c.MaxBatchTokens = 128; c.MaxRunning = 16 })
 	got := runAll(t, s, prompts, maxTokens)
 	for i := range prompts {
-		sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i])
+		sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i], tie)
 	}
 	l := s.Load()
 	t.Logf("preemptions %d, prefix hits %d of %d", l.Preemptions, l.PrefixHits, l.PrefixQueries)
