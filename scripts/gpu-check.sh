@@ -65,7 +65,8 @@ report() {
 			python3 - "$work/bench-$c.json" "$c" <<'PY' 2>/dev/null || echo "| shoal bench, concurrency $c | (no result) |"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"| shoal bench, concurrency {sys.argv[2]} | {r['output_tokens_per_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms / p99 {r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['p50']:.2f} ms, {r['completed']}/{r['requests']} ok |")
+cut = f", cut off at its time share ({r['interrupted']} more planned)" if r.get("interrupted") else ""
+print(f"| shoal bench, concurrency {sys.argv[2]} | {r['output_tokens_per_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms / p99 {r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['p50']:.2f} ms, {r['completed']}/{r['requests']} ok{cut} |")
 PY
 		done
 		echo

@@ -12,10 +12,12 @@ import (
 	"math/rand"
 	"net/http"
 	"os"
+	"os/signal"
 	"slices"
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/term"
@@ -56,6 +58,9 @@ type benchSample struct {
 	Err        string
 	RetryAfter bool
 	Sent       time.Duration // when it went out, from the start of the run
+	// Ended: the request ran to an answer or an error; false for one a signal cut
+	// off or kept from being sent.
+	Ended bool
 }
 
 // BenchResult is the JSON summary of a run.
@@ -80,6 +85,10 @@ type BenchResult struct {
 	// TTFTLateMS is TTFT over the requests sent in the second half of the run: the
 	// steady state, without the cold start (every prefix's first requests).
 	TTFTLateMS Pcts `json:"ttft_ms_late"`
+	// Interrupted counts the planned requests that a signal (SIGINT, SIGTERM) cut off
+	// or kept from being sent; the other numbers are of the rest (Requests), up to the
+	// signal.
+	Interrupted int `json:"interrupted,omitempty"`
 }
 
 // Pcts are percentiles in milliseconds.
@@ -146,7 +155,15 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
-	res := c.run(client, reqs, stderr)
+	// A signal ends the run early with what it measured: in-flight requests are cut
+	// off and nothing more is sent.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	res := c.run(ctx, client, reqs, stderr)
+	if res.Interrupted > 0 {
+		fmt.Fprintf(stderr, "bench: interrupted: %d of %d requests ended before the signal; results are of those\n",
+			res.Requests, res.Requests+res.Interrupted)
+	}
 	printBench(stdout, res)
 	if c.jsonOut != "" {
 		b, _ := json.MarshalIndent(res, "", "  ")
@@ -279,12 +296,13 @@ func firstModel(client *http.Client, c benchConfig) (string, error) {
 }
 
 // run sends every request, closed-loop or Poisson, and summarises.
-func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Writer) BenchResult {
+func (c benchConfig) run(ctx context.Context, client *http.Client, reqs []benchRequest, stderr io.Writer) BenchResult {
 	samples := make([]benchSample, len(reqs))
 	var done int
 	var mu sync.Mutex
 	progress := newProgress(stderr, len(reqs))
 	finish := func(i int, s benchSample) {
+		s.Ended = s.OK || ctx.Err() == nil
 		mu.Lock()
 		samples[i] = s
 		done++
@@ -300,10 +318,15 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 	for i := range ended {
 		ended[i] = make(chan struct{})
 	}
+send:
 	for i, q := range reqs {
 		if c.rate > 0 {
 			next = next.Add(time.Duration(r.ExpFloat64() / c.rate * float64(time.Second)))
-			time.Sleep(time.Until(next))
+			select {
+			case <-time.After(time.Until(next)):
+			case <-ctx.Done():
+				break send
+			}
 		}
 		url := c.urls[i%len(c.urls)]
 		if q.after >= 0 {
@@ -311,18 +334,30 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 			// without holding up the arrivals of other sessions.
 			wg.Go(func() {
 				defer close(ended[i])
-				<-ended[q.after]
-				sem <- struct{}{}
+				select {
+				case <-ended[q.after]:
+				case <-ctx.Done():
+					return
+				}
+				select {
+				case sem <- struct{}{}:
+				case <-ctx.Done():
+					return
+				}
 				defer func() { <-sem }()
-				finish(i, c.one(client, url, q, start))
+				finish(i, c.one(ctx, client, url, q, start))
 			})
 			continue
 		}
-		sem <- struct{}{}
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			break send
+		}
 		wg.Go(func() {
 			defer close(ended[i])
 			defer func() { <-sem }()
-			finish(i, c.one(client, url, q, start))
+			finish(i, c.one(ctx, client, url, q, start))
 		})
 	}
 	wg.Wait()
@@ -331,12 +366,12 @@ func (c benchConfig) run(client *http.Client, reqs []benchRequest, stderr io.Wri
 }
 
 // one sends a streamed completion and measures it (Sent counts from the run's start).
-func (c benchConfig) one(client *http.Client, url string, q benchRequest, start time.Time) benchSample {
+func (c benchConfig) one(ctx context.Context, client *http.Client, url string, q benchRequest, start time.Time) benchSample {
 	body, _ := json.Marshal(map[string]any{
 		"model": c.model, "prompt": q.prompt, "max_tokens": q.out, "temperature": 0, "ignore_eos": true,
 		"stream": true, "stream_options": map[string]bool{"include_usage": true},
 	})
-	req, _ := http.NewRequestWithContext(context.Background(), "POST", strings.TrimSuffix(url, "/")+"/completions", bytes.NewReader(body))
+	req, _ := http.NewRequestWithContext(ctx, "POST", strings.TrimSuffix(url, "/")+"/completions", bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	if c.apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+c.apiKey)
@@ -411,7 +446,7 @@ func (c benchConfig) one(client *http.Client, url string, q benchRequest, start 
 }
 
 func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResult {
-	res := BenchResult{Dataset: c.dataset, Requests: len(samples), Concurrency: c.concurrency, Rate: c.rate, DurationS: d.Seconds()}
+	res := BenchResult{Dataset: c.dataset, Concurrency: c.concurrency, Rate: c.rate, DurationS: d.Seconds()}
 	var ttft, late, tpot, itl, e2e []float64
 	var out, prompt, cached int
 	var last time.Duration
@@ -419,6 +454,11 @@ func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResul
 		last = max(last, s.Sent)
 	}
 	for _, s := range samples {
+		if !s.Ended {
+			res.Interrupted++
+			continue
+		}
+		res.Requests++
 		switch {
 		case s.OK:
 			res.Completed++

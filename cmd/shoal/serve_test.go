@@ -413,6 +413,67 @@ func TestBenchAgainstNode(t *testing.T) {
 	}
 }
 
+// TestBenchInterrupted: SIGTERM (a timeout, Ctrl-C's SIGINT alike) ends shoal bench
+// early with the numbers of the requests that ended before it, written like a full
+// run's; the requests it cut off or never sent are counted apart, not as errors.
+func TestBenchInterrupted(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--ctx-size", "8192")
+	out := filepath.Join(t.TempDir(), "r.json")
+	const planned = 200
+	cmd := exec.Command(os.Args[0], "bench", "--url", n.url+"/v1", "--json", out, "--num-prompts", fmt.Sprint(planned),
+		"--input-len", "16", "--output-len", "64", "--concurrency", "2")
+	cmd.Env = append(os.Environ(), "SHOAL_TEST_BE_MAIN=1")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	for i := 0; ; i++ { // until the node has answered a few requests
+		if v := n.metric(t, "vllm:request_success_total"); v != "" && v != "0" && v != "1" {
+			break
+		}
+		if i == 3000 {
+			t.Fatal("the node answered fewer than 2 requests in 60 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("bench after SIGTERM: %v\n%s", err, stderr.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("bench did not end within 30 s of SIGTERM")
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatalf("no results written: %v\n%s", err, stderr.String())
+	}
+	var r BenchResult
+	if err := json.Unmarshal(b, &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Interrupted == 0 || r.Requests < 2 || r.Requests+r.Interrupted != planned || r.Completed != r.Requests || r.Errors != 0 ||
+		r.OutputTokensPerS <= 0 || r.TTFTms.P50 <= 0 {
+		t.Fatalf("interrupted run: %+v\n%s", r, stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "interrupted") {
+		t.Errorf("stderr does not say the run was interrupted:\n%s", stderr.String())
+	}
+	t.Logf("%d requests ended before SIGTERM, %d cut off or not sent", r.Requests, r.Interrupted)
+}
+
 func TestParseKVMemory(t *testing.T) {
 	for in, want := range map[string]float64{"auto": -1, "": -1, "0": 0, "0.9": 0.9, "1": 1, "8GiB": 8 << 30,
 		"512 MiB": 512 << 20, "2GB": 2e9, "1048576": 1 << 20} {
