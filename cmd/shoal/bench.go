@@ -156,9 +156,10 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	// A signal ends the run early with what it measured: in-flight requests are cut
-	// off and nothing more is sent.
+	// off and nothing more is sent. A second signal kills as usual.
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	context.AfterFunc(ctx, stop)
 	res := c.run(ctx, client, reqs, stderr)
 	if res.Interrupted > 0 {
 		fmt.Fprintf(stderr, "bench: interrupted: %d of %d requests ended before the signal; results are of those\n",
