@@ -57,6 +57,10 @@ report() {
 			grep -E -- "^--- (PASS|FAIL|SKIP): $t " "$work/tests.txt" 2>/dev/null |
 				sed -E 's/^--- (PASS|FAIL|SKIP): ([A-Za-z0-9_]+) \(([0-9.]+s)\)/| \2 | \1 (\3) |/' | grep . || echo "| $t | (no result) |"
 		done
+		# How far this device's logits move when only batch shapes change: what the
+		# exactness tests measure against.
+		noise=$(grep -o 'kernel noise: logits move by up to [0-9.e+-]*' "$work/tests.txt" 2>/dev/null | awk '{print $NF}' | sort -g | tail -1)
+		echo "| kernel noise (largest logit change from batch shapes alone) | ${noise:-(no result)} |"
 		for b in 1 8 32 64 128; do
 			grep -E "^Benchmark.*/batch=$b(-[0-9]+)?\s" "$work/ceiling.txt" 2>/dev/null |
 				sed -E 's/.*\s([0-9.]+) tok\/s.*/| decode ceiling, batch '"$b"' | \1 tok\/s |/' | grep . || echo "| decode ceiling, batch $b | (no result) |"
