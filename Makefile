@@ -38,7 +38,7 @@ endif
 gpu-check-inputs: build
 	@bash scripts/gpu-check-prepare.sh
 
-test: test-pure test-engine
+test: test-pure lint test-engine
 
 test-pure:
 	@bash scripts/test-deps.sh
