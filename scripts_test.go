@@ -8,6 +8,15 @@ import (
 	"testing"
 )
 
+// writeFake writes an executable bash script called name into dir: a stand-in for a
+// tool the script under test runs.
+func writeFake(t *testing.T, bash, dir, name, body string) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(dir, name), []byte("#!"+bash+"\n"+body+"\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestBuildCUDANamesWhatToInstall runs scripts/build-cuda.sh (make build GPU=cuda) on a
 // PATH that lacks CMake, carries an old one, lacks nvcc, then is given a directory
 // without the ollama sources: each time it must stop with exit status 1 and say what
@@ -46,16 +55,11 @@ func TestBuildCUDANamesWhatToInstall(t *testing.T) {
 		{"3.28.3", true, []string{"does not hold the ollama sources"}},
 	} {
 		fakes := t.TempDir() // this case's fake cmake and nvcc, ahead of the tools
-		fake := func(name, body string) {
-			if err := os.WriteFile(filepath.Join(fakes, name), []byte("#!"+bash+"\n"+body+"\n"), 0o755); err != nil {
-				t.Fatal(err)
-			}
-		}
 		if c.cmake != "" {
-			fake("cmake", "echo 'cmake version "+c.cmake+"'")
+			writeFake(t, bash, fakes, "cmake", "echo 'cmake version "+c.cmake+"'")
 		}
 		if c.nvcc {
-			fake("nvcc", "exit 0")
+			writeFake(t, bash, fakes, "nvcc", "exit 0")
 		}
 		cmd := exec.Command(bash, "scripts/build-cuda.sh", t.TempDir(), filepath.Join(t.TempDir(), "lib"))
 		cmd.Env = []string{"PATH=" + fakes + ":" + bin, "BUILD_DIR=" + filepath.Join(t.TempDir(), "cuda")}
@@ -130,13 +134,8 @@ func TestBuildCUDACopiesRuntimeLibraries(t *testing.T) {
 		t.Fatal(err)
 	}
 	args := filepath.Join(dir, "cmake-args")
-	fake := func(name, body string) {
-		if err := os.WriteFile(filepath.Join(fakes, name), []byte("#!"+bash+"\n"+body+"\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	fake("nvcc", "echo 'Cuda compilation tools, release 13.0, V13.0.88'")
-	fake("cmake", `case "$1" in
+	writeFake(t, bash, fakes, "nvcc", "echo 'Cuda compilation tools, release 13.0, V13.0.88'")
+	writeFake(t, bash, fakes, "cmake", `case "$1" in
 --version) echo 'cmake version 3.28.3' ;;
 -S)
 	echo "$@" >`+args+`

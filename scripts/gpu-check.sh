@@ -38,7 +38,6 @@ get() { # get URL: its body on stdout; curl where the machine has it, else pytho
 }
 build_s=- serve= gpu=unknown
 tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
-status=0
 
 # report: the table from whatever the steps left in $work, and the logs, into $out.
 report() {
@@ -81,9 +80,9 @@ PY
 		serve.log bench-*.json build.configure.log build.log 2>/dev/null)
 	if grep -q -- '^--- FAIL' "$work/tests.txt" 2>/dev/null; then
 		log "some engine tests failed on the GPU: $work/tests.txt"
-		status=1
+		[ "$rc" != 0 ] || rc=1
 	fi
-	exit $((rc != 0 ? rc : status))
+	exit "$rc"
 }
 trap report EXIT
 
