@@ -104,8 +104,15 @@ func TestBuildCUDACopiesRuntimeLibraries(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := os.WriteFile(filepath.Join(src, "CMakeLists.txt"), nil, 0o644); err != nil {
-		t.Fatal(err)
+	// The function build-cuda.sh patches, as the pinned sources have it.
+	cu := filepath.Join("ml/backend/ggml/ggml/src/ggml-cuda", "ggml-cuda.cu")
+	free := "static void ggml_backend_cuda_free(ggml_backend_t backend) {\n" +
+		"    ggml_backend_cuda_context * cuda_ctx = (ggml_backend_cuda_context *)backend->context;\n\n" +
+		"    delete cuda_ctx;\n    delete backend;\n}\n"
+	for name, body := range map[string]string{"CMakeLists.txt": "", "CMakePresets.json": "{}", cu: free} {
+		if err := os.WriteFile(filepath.Join(src, name), []byte(body), 0o444); err != nil {
+			t.Fatal(err)
+		}
 	}
 	cfile := filepath.Join(dir, "f.c")
 	if err := os.WriteFile(cfile, []byte("int f(void) { return 0; }\n"), 0o644); err != nil {
@@ -167,6 +174,28 @@ esac`)
 	configured, err := os.ReadFile(args)
 	if err != nil {
 		t.Fatal(err)
+	}
+	// CMake builds a patched copy: the CUDA backend's free keeps its handle, without
+	// reset, for ggml_backend_sched_free; the sources themselves are left alone.
+	copied := filepath.Join(dir, "build", "cuda.src")
+	if !strings.Contains(string(configured), "-S "+copied+" ") {
+		t.Errorf("cmake configured from elsewhere than the patched copy %s: %s", copied, configured)
+	}
+	patched, err := os.ReadFile(filepath.Join(copied, cu))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := string(patched); strings.Contains(p, "delete backend;") || !strings.Contains(p, "backend->iface.reset = nullptr;") {
+		t.Errorf("ggml_backend_cuda_free not patched:\n%s", p)
+	}
+	if orig, _ := os.ReadFile(filepath.Join(src, cu)); string(orig) != free {
+		t.Errorf("the sources were changed:\n%s", orig)
+	}
+	// Building again reuses the patched copy.
+	again := exec.Command(bash, "scripts/build-cuda.sh", src, dest)
+	again.Env = cmd.Env
+	if out, err := again.CombinedOutput(); err != nil {
+		t.Errorf("build-cuda.sh a second time: %v\n%s", err, out)
 	}
 	for _, w := range []string{"-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=ON", "-DCMAKE_HIP_COMPILER=OFF", "-DCMAKE_CUDA_COMPILER=" + filepath.Join(fakes, "nvcc")} {
 		if !strings.Contains(string(configured), w) {

@@ -51,6 +51,25 @@ echo "build-cuda: ggml CUDA backend for architectures $archs with $nvcc ($("$nvc
 	"$jobs jobs, from $src" >&2
 start=$(date +%s)
 mkdir -p "$(dirname "$build")"
+# A copy of the sources CMake needs, patched (the module cache is read-only):
+# ollama's patch 0020 makes ggml_backend_sched_free call each backend's reset, and
+# llama_context frees its backends before its scheduler, so freeing a context (which
+# llama.cpp also does when creating one fails) reads the freed CUDA backend and
+# crashes. Ollama's own runner never frees a context; shoal does. The patched
+# ggml_backend_cuda_free frees the backend's state but keeps its small handle, with
+# no reset, for the scheduler to read.
+copy=$build.src
+mkdir -p "$copy/ml/backend/ggml"
+cp -a -u "$src/CMakeLists.txt" "$src/CMakePresets.json" "$copy/"
+cp -a -u "$src/ml/backend/ggml/ggml" "$copy/ml/backend/ggml/"
+chmod -R u+w "$copy"
+cu=$copy/ml/backend/ggml/ggml/src/ggml-cuda/ggml-cuda.cu
+if ! grep -q 'shoal: keep the handle' "$cu"; then
+	[ "$(grep -c '^    delete backend;$' "$cu")" = 1 ] ||
+		need "$cu: ggml_backend_cuda_free is not as expected (pinned module changed?): review the patch in build-cuda.sh"
+	sed -i 's|^    delete backend;$|    // shoal: keep the handle (a few hundred bytes) for ggml_backend_sched_free, which\n    // llama_context runs after freeing its backends and which calls reset on each.\n    backend->context = nullptr;\n    backend->iface.reset = nullptr;|' "$cu"
+fi
+src=$copy
 # The library finds ggml-base and the CUDA runtime beside itself ($ORIGIN). Vulkan and
 # HIP are kept out: the root CMakeLists adds their backends whenever it finds an SDK,
 # and gpu-check's source archive leaves their sources out.

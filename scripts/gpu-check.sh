@@ -77,7 +77,7 @@ PY
 		echo "Total: $(($(date +%s) - t0)) s (budget ${GPU_CHECK_BUDGET:-480} s)"
 	} | tee "$out/gpu-check.md"
 	(cd "$work" && tar -cJf "$out/gpu-check-logs.tar.xz" --ignore-failed-read gpu.txt version.txt tests.txt ceiling.txt \
-		serve.log bench-*.json build.configure.log build.log 2>/dev/null)
+		serve.log metrics.txt bench-*.json build.configure.log build.log 2>/dev/null)
 	if grep -q -- '^--- FAIL' "$work/tests.txt" 2>/dev/null; then
 		log "some engine tests failed on the GPU: $work/tests.txt"
 		[ "$rc" != 0 ] || rc=1
@@ -138,4 +138,5 @@ for c in 1 8 32 64; do
 	log "bench at concurrency $c: $([ -f "$work/bench-$c.json" ] && echo done || echo 'no result')"
 	left=$((left - 1))
 done
-get http://127.0.0.1:18080/metrics | grep -E '^shoal_(device|gpu_layers)' >"$work/device-metrics.txt" || true
+get http://127.0.0.1:18080/metrics >"$work/metrics.txt" || true
+grep -E '^shoal_(device|gpu_layers)' "$work/metrics.txt" >"$work/device-metrics.txt" || true

@@ -8,6 +8,7 @@ import "C"
 
 import (
 	"fmt"
+	"math"
 	"os"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -104,18 +105,32 @@ func describe(ds []engine.Device) string {
 	return s
 }
 
+// maskCells is the most KV cells a context can have with micro-batches of ubatch
+// tokens. llama.cpp builds an attention mask of cells × ubatch f32 values for every
+// micro-batch, and ggml's CUDA copy (which casts it to f16 for flash attention)
+// asserts at most INT_MAX bytes: with 512-token micro-batches, one cell under 1Mi
+// aborts the process while the context is created (seen on an H200 with 128
+// sequences of a model trained on 8192 tokens).
+func maskCells(ubatch int) int {
+	n := math.MaxInt32 / (4 * max(ubatch, 1))
+	return n - n%256
+}
+
 // kvCells sizes the KV pool from cfg.KVMemory once the weights are loaded: a fraction
 // of the free memory where the cache lives (the GPUs when layers are offloaded, else
 // the host), or a number of bytes. It returns cfg.ContextCells when no size applies.
+// Either way the pool stays within maskCells.
 func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
+	limit := maskCells(cfg.MicroBatchTokens)
 	mem := cfg.KVMemory
-	if mem < 0 { // auto
-		if !offloaded {
-			return cfg.ContextCells, nil
-		}
+	if mem < 0 && offloaded { // auto
 		mem = DefaultKVFraction
 	}
-	if mem == 0 {
+	if mem <= 0 {
+		if cfg.ContextCells > limit {
+			return 0, fmt.Errorf("context of %d cells with %d-token micro-batches: llama.cpp's attention mask (cells × micro-batch × 4 bytes) must stay under 2 GiB, so at most %d cells; use fewer cells or smaller micro-batches",
+				cfg.ContextCells, cfg.MicroBatchTokens, limit)
+		}
 		return cfg.ContextCells, nil
 	}
 	perCell, err := e.kvBytesPerCell(cfg.KVType)
@@ -140,6 +155,7 @@ func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
 	if most := cfg.MaxSeqs * max(int(C.llama_model_n_ctx_train(e.model)), 1); cells > most {
 		cells = most
 	}
+	cells = min(cells, limit)
 	cells -= cells % 256
 	if cells < max(256, 16*cfg.MaxSeqs) {
 		return 0, fmt.Errorf("KV memory %s holds only %d cells at %.0f bytes each: give more (--kv-memory) or fewer sequences (--parallel)",

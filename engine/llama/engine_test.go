@@ -847,6 +847,19 @@ func TestDevicesAndKVMemory(t *testing.T) {
 	if len(e.Info().Devices) == 0 || e.Info().GPULayers != wantLayers {
 		t.Fatalf("info devices %+v, GPU layers %d, want %d", e.Info().Devices, e.Info().GPULayers, wantLayers)
 	}
+	// However much memory there is, the pool stays under llama.cpp's 2 GiB attention
+	// mask: 1 GiB of tiny's KV is 4Mi cells and 256 sequences of 4096 tokens are 1Mi,
+	// one more than 512-token micro-batches allow (the H200's crash at start).
+	big := DefaultConfig("")
+	big.KVMemory, big.MaxSeqs = 1<<30, 256
+	if got, err := e.kvCells(big, false); err != nil || got != maskCells(512) || got*512*4 > math.MaxInt32 {
+		t.Fatalf("1 GiB of KV for 256 sequences: %d cells (%v), want %d", got, err, maskCells(512))
+	}
+	// Asked for by count, such a pool is a clear error.
+	big.KVMemory, big.ContextCells = 0, 1<<20
+	if _, err := e.kvCells(big, false); err == nil || !strings.Contains(err.Error(), "attention mask") {
+		t.Fatalf("a context of 1Mi cells with 512-token micro-batches: %v, want the mask limit", err)
+	}
 	// Too little memory for the sequences is an error at open, not a crash.
 	// small: 4 layers × 4 KV heads × (32+32) × 2 bytes = 2 KiB per cell.
 	cfg := DefaultConfig(genModel(t, models.Small()))
