@@ -120,7 +120,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.ubatch, "ubatch-size", lc.MicroBatchTokens, "physical micro-batch in tokens (llama.cpp n_ubatch)")
 	fs.IntVar(&f.threads, "threads", 0, "decode threads (0: all cores)")
 	fs.IntVar(&f.threadsBatch, "threads-batch", 0, "prompt-processing threads (0: same as --threads)")
-	fs.BoolVar(&f.unified, "kv-unified", lc.Unified, "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy)")
+	fs.BoolVar(&f.unified, "kv-unified", lc.Unified, "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy); unset: one stream per sequence when the pool is sized from GPU memory and every stream gets min(trained context, 8192) cells, else one pool")
 	fs.StringVar(&f.flash, "flash-attn", lc.FlashAttention, "flash attention: auto, on or off")
 	fs.StringVar(&f.kvType, "kv-type", lc.KVType, "KV cache type: f16, q8_0 or q4_0 (quantized V needs flash attention)")
 	fs.IntVar(&f.gpuLayers, "n-gpu-layers", lc.GPULayers, "layers to offload when a GPU backend is installed (-1: all)")
@@ -190,6 +190,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	lc.Embeddings, lc.Pooling = f.embeddings, f.pooling
 	setFlags := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
+	// Unless asked for either, the engine splits a pool sized from GPU memory when
+	// every stream gets the model's context (faster attention, memory to spare).
+	lc.AutoUnified = !setFlags["kv-unified"]
 	if lc.KVMemory, err = parseKVMemory(f.kvMemory); err != nil {
 		return err
 	}

@@ -105,15 +105,22 @@ func describe(ds []engine.Device) string {
 	return s
 }
 
-// maskCells is the most KV cells a context can have with micro-batches of ubatch
-// tokens. llama.cpp builds an attention mask of cells × ubatch f32 values for every
-// micro-batch, and ggml's CUDA copy (which casts it to f16 for flash attention)
-// asserts at most INT_MAX bytes: with 512-token micro-batches, one cell under 1Mi
-// aborts the process while the context is created (seen on an H200 with 128
-// sequences of a model trained on 8192 tokens).
-func maskCells(ubatch int) int {
-	n := math.MaxInt32 / (4 * max(ubatch, 1))
-	return n - n%256
+// maskCells is the most KV cells a context of cfg's shape can have. llama.cpp sizes
+// its compute buffers with a worst-case micro-batch of cfg.MicroBatchTokens rounded up
+// to a multiple of cfg.MaxSeqs tokens, whose attention mask holds cells × tokens f32
+// values (per stream when the KV is split, one stream per sequence), and ggml's CUDA
+// copy, which casts the mask to f16 for flash attention, aborts the process above
+// INT_MAX bytes. Seen on an H200: 1Mi cells for 128 sequences (512 tokens), and
+// 1,048,320 for 160 (640 tokens), both aborted while the context was created.
+func maskCells(cfg Config) int {
+	seqs := max(cfg.MaxSeqs, 1)
+	tokens := (max(cfg.MicroBatchTokens, 1) + seqs - 1) / seqs * seqs
+	stream := math.MaxInt32 / (4 * tokens)
+	stream -= stream % 256
+	if cfg.Unified {
+		return stream
+	}
+	return stream * seqs
 }
 
 // kvCells sizes the KV pool from cfg.KVMemory once the weights are loaded: a fraction
@@ -121,15 +128,15 @@ func maskCells(ubatch int) int {
 // the host), or a number of bytes. It returns cfg.ContextCells when no size applies.
 // Either way the pool stays within maskCells.
 func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
-	limit := maskCells(cfg.MicroBatchTokens)
+	limit := maskCells(cfg)
 	mem := cfg.KVMemory
 	if mem < 0 && offloaded { // auto
 		mem = DefaultKVFraction
 	}
 	if mem <= 0 {
 		if cfg.ContextCells > limit {
-			return 0, fmt.Errorf("context of %d cells with %d-token micro-batches: llama.cpp's attention mask (cells × micro-batch × 4 bytes) must stay under 2 GiB, so at most %d cells; use fewer cells or smaller micro-batches",
-				cfg.ContextCells, cfg.MicroBatchTokens, limit)
+			return 0, fmt.Errorf("context of %d cells for %d sequences with %d-token micro-batches: llama.cpp's attention mask must stay under 2 GiB, which allows at most %d cells; use fewer cells, sequences or smaller micro-batches",
+				cfg.ContextCells, cfg.MaxSeqs, cfg.MicroBatchTokens, limit)
 		}
 		return cfg.ContextCells, nil
 	}

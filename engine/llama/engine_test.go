@@ -816,6 +816,59 @@ func TestPooledEmbeddings(t *testing.T) {
 	}
 }
 
+// TestMaskCells: the largest pools whose worst-case attention mask (cells × the
+// reserved micro-batch, rounded up to a multiple of the sequences, × 4 bytes) stays
+// within INT_MAX; the first two are the shapes that aborted on an H200.
+func TestMaskCells(t *testing.T) {
+	for _, c := range []struct {
+		seqs, ubatch int
+		unified      bool
+		tokens, want int
+	}{
+		{128, 512, true, 512, 1048320},
+		{160, 512, true, 640, 838656}, // 512 tokens rounded up to 4 per sequence
+		{1, 512, true, 512, 1048320},
+		{4, 2048, true, 2048, 261888},
+		{160, 512, false, 640, 160 * 838656}, // split: each stream's cells × all 640 tokens
+	} {
+		cfg := DefaultConfig("")
+		cfg.MaxSeqs, cfg.MicroBatchTokens, cfg.Unified = c.seqs, c.ubatch, c.unified
+		got := maskCells(cfg)
+		stream := got
+		if !c.unified {
+			stream = got / c.seqs
+		}
+		if got != c.want || got%256 != 0 || stream*c.tokens*4 > math.MaxInt32 || (stream+256)*c.tokens*4 <= math.MaxInt32 {
+			t.Errorf("%d sequences, %d-token micro-batches, unified %v: %d cells, want %d", c.seqs, c.ubatch, c.unified, got, c.want)
+		}
+	}
+}
+
+// TestAutoSplit: with AutoUnified, a pool sized from GPU memory is split into one
+// stream per sequence when each stream gets the trained context (up to 8192 cells).
+func TestAutoSplit(t *testing.T) {
+	for _, c := range []struct {
+		name                 string
+		auto, unified        bool
+		kvMemory             float64
+		seqs, cells, trained int
+		want                 bool
+	}{
+		{"H200 defaults, 100m", true, true, -1, 160, 160 * 8192, 8192, true},
+		{"long trained context: 8192 per stream is enough", true, true, 0.8, 16, 16 * 8192, 131072, true},
+		{"too little memory per stream", true, true, -1, 160, 160 * 4096, 8192, false},
+		{"cells asked for by count", true, true, 0, 160, 160 * 8192, 8192, false},
+		{"not auto", false, true, -1, 160, 160 * 8192, 8192, false},
+		{"split asked for already", true, false, -1, 160, 160 * 8192, 8192, false},
+	} {
+		cfg := DefaultConfig("")
+		cfg.AutoUnified, cfg.Unified, cfg.KVMemory, cfg.MaxSeqs = c.auto, c.unified, c.kvMemory, c.seqs
+		if got := autoSplit(cfg, c.cells, c.trained); got != c.want {
+			t.Errorf("%s: split %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
 func TestDevicesAndKVMemory(t *testing.T) {
 	devs := Devices()
 	cpu := false
@@ -849,11 +902,11 @@ func TestDevicesAndKVMemory(t *testing.T) {
 	}
 	// However much memory there is, the pool stays under llama.cpp's 2 GiB attention
 	// mask: 1 GiB of tiny's KV is 4Mi cells and 256 sequences of 4096 tokens are 1Mi,
-	// one more than 512-token micro-batches allow (the H200's crash at start).
+	// one block more than 512-token micro-batches allow (the H200's abort at start).
 	big := DefaultConfig("")
 	big.KVMemory, big.MaxSeqs = 1<<30, 256
-	if got, err := e.kvCells(big, false); err != nil || got != maskCells(512) || got*512*4 > math.MaxInt32 {
-		t.Fatalf("1 GiB of KV for 256 sequences: %d cells (%v), want %d", got, err, maskCells(512))
+	if got, err := e.kvCells(big, false); err != nil || got != maskCells(big) || got*512*4 > math.MaxInt32 {
+		t.Fatalf("1 GiB of KV for 256 sequences: %d cells (%v), want %d", got, err, maskCells(big))
 	}
 	// Asked for by count, such a pool is a clear error.
 	big.KVMemory, big.ContextCells = 0, 1<<20
