@@ -7,7 +7,8 @@
 #   2. runs the engine tests that matter on the GPU (batched == sequential greedy,
 #      shared prefix == recomputed, the same through the scheduler, stories260K),
 #   3. measures the raw decode ceiling at batch 1/8/32/64/128 (generated 100M model),
-#   4. serves that model and runs shoal bench at concurrency 1/8/32/64,
+#   4. serves that model with serve's defaults and runs shoal bench at concurrency
+#      1/8/32/64, then at 64 with one unified pool at the default size,
 # and prints one table. Device time is scarce and a run cut off at its limit returns
 # only what it had written, so every step gets a share of one budget
 # (GPU_CHECK_BUDGET seconds, default 480: 8 minutes) and the table is printed, and
@@ -39,6 +40,18 @@ get() { # get URL: its body on stdout; curl where the machine has it, else pytho
 build_s=- serve= gpu=unknown
 tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
 
+# layout NAME: the KV pool serve NAME reported (cells, cells per sequence, unified).
+layout() { grep -o 'context=[0-9]*\|per_seq=[0-9]*\|unified=[a-z]*' "$work/serve-$1.log" 2>/dev/null | head -3 | paste -sd' '; }
+# bench_row FILE LABEL: a table row from shoal bench's JSON.
+bench_row() {
+	python3 - "$1" "$2" <<'PY' 2>/dev/null || echo "| $2 | (no result) |"
+import json, sys
+r = json.load(open(sys.argv[1]))
+cut = f", cut off at its time share ({r['interrupted']} more planned)" if r.get("interrupted") else ""
+print(f"| {sys.argv[2]} | {r['output_tokens_per_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms / p99 {r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['p50']:.2f} ms, {r['completed']}/{r['requests']} ok{cut} |")
+PY
+}
+
 # report: the table from whatever the steps left in $work, and the logs, into $out.
 report() {
 	local rc=$?
@@ -47,7 +60,7 @@ report() {
 	{
 		echo "## GPU check: $gpu"
 		echo
-		echo "$(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device=[^ ]*\|gpu_layers=[0-9]*\|context=[0-9]*' "$work/serve.log" 2>/dev/null | head -3 | paste -sd' ')"
+		echo "$(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device="[^"]*"\|device=[^ "]*\|gpu_layers=[0-9]*' "$work/serve-default.log" 2>/dev/null | head -2 | paste -sd' ')"
 		echo
 		echo "| check | result |"
 		echo "|---|---|"
@@ -65,19 +78,16 @@ report() {
 				sed -E 's/.*\s([0-9.]+) tok\/s.*/| decode ceiling, batch '"$b"' | \1 tok\/s |/' | grep . || echo "| decode ceiling, batch $b | (no result) |"
 		done
 		for c in 1 8 32 64; do
-			python3 - "$work/bench-$c.json" "$c" <<'PY' 2>/dev/null || echo "| shoal bench, concurrency $c | (no result) |"
-import json, sys
-r = json.load(open(sys.argv[1]))
-cut = f", cut off at its time share ({r['interrupted']} more planned)" if r.get("interrupted") else ""
-print(f"| shoal bench, concurrency {sys.argv[2]} | {r['output_tokens_per_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms / p99 {r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['p50']:.2f} ms, {r['completed']}/{r['requests']} ok{cut} |")
-PY
+			bench_row "$work/bench-default-$c.json" "shoal bench, concurrency $c (defaults: $(layout default))"
 		done
+		bench_row "$work/bench-unified-64.json" "shoal bench, concurrency 64, --kv-unified=true ($(layout unified))"
+		echo "| shoal serve's exit status after SIGTERM | defaults: $(cat "$work/exit-default.txt" 2>/dev/null || echo '(none)'), --kv-unified=true: $(cat "$work/exit-unified.txt" 2>/dev/null || echo '(none)') |"
 		echo
 		echo "Device metrics: $(paste -sd' ' "$work/device-metrics.txt" 2>/dev/null)"
 		echo "Total: $(($(date +%s) - t0)) s (budget ${GPU_CHECK_BUDGET:-480} s)"
 	} | tee "$out/gpu-check.md"
 	(cd "$work" && tar -cJf "$out/gpu-check-logs.tar.xz" --ignore-failed-read gpu.txt version.txt tests.txt ceiling.txt \
-		serve.log metrics.txt bench-*.json build.configure.log build.log 2>/dev/null)
+		serve-*.log metrics-*.txt exit-*.txt bench-*.json build.configure.log build.log 2>/dev/null)
 	if grep -q -- '^--- FAIL' "$work/tests.txt" 2>/dev/null; then
 		log "some engine tests failed on the GPU: $work/tests.txt"
 		[ "$rc" != 0 ] || rc=1
@@ -117,26 +127,38 @@ log "tests: $(grep -c -- '^--- PASS' "$work/tests.txt") passed, $(grep -c -- '^-
 (cd "$work" && timeout "$(budget 150 80)" bin/llama.test -test.run '^$' -test.bench 'BenchmarkDecodeCeiling' -test.benchtime 3x) >"$work/ceiling.txt" 2>&1 || true
 log "decode ceiling: $(grep -c '^Benchmark' "$work/ceiling.txt") batch sizes"
 
-# 4. shoal serve + shoal bench.
+# 4. shoal serve + shoal bench, with serve's defaults (the KV pool sized from the GPU's
+# free memory, its layout chosen for it), then with one unified pool at the default size.
 model=$work/m100.gguf
 [ -f "$model" ] || "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
-# --kv-memory 0.05: the pool sized from the GPU's free memory (5%: room for 100k+
-# cells of this model on any data-centre GPU without a huge attention span).
-"$work/bin/shoal" serve --model "$model" --model-name m100 --addr 127.0.0.1:18080 --parallel 160 --max-running 64 --kv-memory 0.05 \
-	--log-level info >"$work/serve.log" 2>&1 &
-serve=$!
-for _ in $(seq 1 150); do
-	get http://127.0.0.1:18080/ready >/dev/null 2>&1 && break
-	sleep 0.2
-done
-left=4
-for c in 1 8 32 64; do
-	n=$((c * 4 > 32 ? c * 4 : 32))
-	# Leaving 20 s for each concurrency still to run.
-	timeout "$(budget 120 $((15 + (left - 1) * 20)))" "$work/bin/shoal" bench --url http://127.0.0.1:18080/v1 --dataset random --num-prompts "$n" --input-len 256 \
-		--output-len 128 --concurrency "$c" --token-max 16000 --json "$work/bench-$c.json" >/dev/null 2>&1 || true
-	log "bench at concurrency $c: $([ -f "$work/bench-$c.json" ] && echo done || echo 'no result')"
-	left=$((left - 1))
-done
-get http://127.0.0.1:18080/metrics >"$work/metrics.txt" || true
-grep -E '^shoal_(device|gpu_layers)' "$work/metrics.txt" >"$work/device-metrics.txt" || true
+left=5 # benches still to run, each leaving 20 s for those after it
+# serve_bench NAME PORT CONCURRENCIES [FLAGS]: shoal serve with FLAGS, shoal bench at
+# each concurrency, the metrics, then SIGTERM and serve's exit status (so a crash on
+# shutdown shows).
+serve_bench() {
+	local name=$1 port=$2 cs=$3 st
+	shift 3
+	"$work/bin/shoal" serve --model "$model" --model-name m100 --addr "127.0.0.1:$port" --parallel 160 --max-running 64 \
+		--log-level info "$@" >"$work/serve-$name.log" 2>&1 &
+	serve=$!
+	for _ in $(seq 1 300); do
+		get "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && break
+		kill -0 "$serve" 2>/dev/null || break
+		sleep 0.2
+	done
+	for c in $cs; do
+		left=$((left - 1))
+		timeout "$(budget 120 $((15 + left * 20)))" "$work/bin/shoal" bench --url "http://127.0.0.1:$port/v1" --dataset random \
+			--num-prompts $((c * 4 > 32 ? c * 4 : 32)) --input-len 256 --output-len 128 --concurrency "$c" --token-max 16000 \
+			--json "$work/bench-$name-$c.json" >/dev/null 2>&1 || true
+		log "bench $name at concurrency $c: $([ -f "$work/bench-$name-$c.json" ] && echo done || echo 'no result')"
+	done
+	get "http://127.0.0.1:$port/metrics" >"$work/metrics-$name.txt" 2>/dev/null || true
+	kill "$serve" 2>/dev/null || true
+	wait "$serve" && st=0 || st=$?
+	echo "$st" >"$work/exit-$name.txt"
+	serve=
+}
+serve_bench default 18080 "1 8 32 64"
+serve_bench unified 18081 64 --kv-unified=true
+grep -E '^shoal_(device|gpu_layers)' "$work/metrics-default.txt" >"$work/device-metrics.txt" || true
