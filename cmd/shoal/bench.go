@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -89,6 +90,9 @@ type BenchResult struct {
 	// or kept from being sent; the other numbers are of the rest (Requests), up to the
 	// signal.
 	Interrupted int `json:"interrupted,omitempty"`
+	// FirstError is the first failed request's error (the server's message), so that
+	// a run with errors says why.
+	FirstError string `json:"first_error,omitempty"`
 }
 
 // Pcts are percentiles in milliseconds.
@@ -467,6 +471,9 @@ func summarise(c benchConfig, samples []benchSample, d time.Duration) BenchResul
 			res.Rejected429++
 		default:
 			res.Errors++
+			if res.FirstError == "" {
+				res.FirstError = cmp.Or(s.Err, fmt.Sprintf("status %d", s.Status))
+			}
 		}
 		if !s.OK {
 			continue
@@ -521,6 +528,9 @@ func pcts(xs []float64) Pcts {
 func printBench(w io.Writer, r BenchResult) {
 	fmt.Fprintf(w, "dataset %s: %d requests, %d completed, %d errors, %d rejected (429) in %.1fs\n",
 		r.Dataset, r.Requests, r.Completed, r.Errors, r.Rejected429, r.DurationS)
+	if r.FirstError != "" {
+		fmt.Fprintf(w, "first error: %s\n", r.FirstError)
+	}
 	fmt.Fprintf(w, "throughput: %.2f req/s, %.1f output tok/s, %.1f total tok/s; cached prompt tokens %.1f%%\n",
 		r.RequestsPerS, r.OutputTokensPerS, r.TotalTokensPerS, 100*r.CachedShare)
 	fmt.Fprintf(w, "%-15s %10s %10s %10s %10s\n", "ms", "mean", "p50", "p90", "p99")
