@@ -1,8 +1,10 @@
 package sample
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -224,17 +226,116 @@ func TestSelectTop(t *testing.T) {
 	}
 }
 
+// BenchmarkSample: one draw per op over vocabularies of 32k and 128k tokens with
+// N(0, 3) logits (flatter than a model's: the hard case for top-p) and with a
+// model-like spread (most tokens 10-25 below the best).
 func BenchmarkSample(b *testing.B) {
-	l := randomLogits(1, 32000)
-	for _, c := range []struct {
-		name string
-		p    Params
-	}{{"greedy", Params{}}, {"topk40", Params{Temperature: 0.8, TopK: 40}}, {"topp0.9", Params{Temperature: 0.8, TopP: 0.9}}} {
-		b.Run(c.name, func(b *testing.B) {
-			s, _ := New(c.p, nil)
-			for b.Loop() {
-				_, _ = s.Sample(l)
+	for _, n := range []int{32000, 128256} {
+		flat := randomLogits(1, n)
+		peaky := make([]float32, n)
+		r := rand.New(rand.NewPCG(2, 1))
+		for i := range peaky {
+			peaky[i] = float32(-15 + 4*r.NormFloat64())
+		}
+		for i := range 20 {
+			peaky[r.IntN(n)] = float32(-float64(i) / 2)
+		}
+		for _, c := range []struct {
+			name string
+			p    Params
+		}{{"greedy", Params{}}, {"t1", Params{Temperature: 1}}, {"topk40", Params{Temperature: 0.8, TopK: 40}},
+			{"topp0.95", Params{Temperature: 0.8, TopP: 0.95}}} {
+			for _, l := range []struct {
+				name string
+				l    []float32
+			}{{"flat", flat}, {"peaky", peaky}} {
+				b.Run(fmt.Sprintf("vocab=%d/%s/%s", n, l.name, c.name), func(b *testing.B) {
+					s, _ := New(c.p, nil)
+					for b.Loop() {
+						_, _ = s.Sample(l.l)
+					}
+				})
 			}
-		})
+		}
+	}
+}
+
+// TestTopPKeepsTheShortestSortedPrefix: over a flat 128k vocabulary, where the 256
+// most likely tokens fall short of the mass and top-p buckets the rest, the kept set
+// is exactly the shortest prefix of the fully sorted candidates reaching the target.
+func TestTopPKeepsTheShortestSortedPrefix(t *testing.T) {
+	for _, c := range []struct {
+		seed  uint64
+		n     int
+		sigma float64
+		topP  float64
+	}{{1, 128256, 3, 0.9}, {2, 32000, 1, 0.5}, {3, 4000, 0.2, 0.99}, {4, 128256, 8, 0.95}, {5, 1000, 3, 0.999999}} {
+		r := rand.New(rand.NewPCG(c.seed, 7))
+		cands := make([]engine.TokenLogit, c.n)
+		var total float64
+		for i := range cands {
+			p := math.Exp(r.NormFloat64() * c.sigma)
+			if i%97 == 0 && i > 0 { // ties across and inside buckets
+				p = float64(cands[i-1].Logit)
+			}
+			cands[i] = engine.TokenLogit{Token: engine.Token(i), Logit: float32(p)}
+			total += float64(float32(p))
+		}
+		ref := slices.Clone(cands)
+		slices.SortFunc(ref, better)
+		var acc float64
+		want := len(ref)
+		for i, x := range ref {
+			acc += float64(x.Logit)
+			if acc >= c.topP*total {
+				want = i + 1
+				break
+			}
+		}
+		s := mustNew(t, Params{Temperature: 1, TopP: float32(c.topP)}, nil)
+		got, mass := s.topP(cands, c.topP*total)
+		if len(got) != want {
+			t.Fatalf("seed %d: kept %d candidates, want %d", c.seed, len(got), want)
+		}
+		kept := map[engine.Token]bool{}
+		var sum float64
+		for _, x := range got {
+			kept[x.Token] = true
+			sum += float64(x.Logit)
+		}
+		for _, x := range ref[:want] {
+			if !kept[x.Token] {
+				t.Fatalf("seed %d: token %d (p %v) of the sorted prefix not kept", c.seed, x.Token, x.Logit)
+			}
+		}
+		if math.Abs(sum-mass) > 1e-9*total || mass < c.topP*total*(1-1e-12) {
+			t.Fatalf("seed %d: mass %v, kept %v, target %v", c.seed, mass, sum, c.topP*total)
+		}
+	}
+}
+
+// TestNegligibleTokensDropped: a token 30 temperatures below the best is never drawn,
+// and the rest keep their probabilities.
+func TestNegligibleTokensDropped(t *testing.T) {
+	l := []float32{0, -0.5, -61, -1}
+	s := mustNew(t, Params{Temperature: 2, Seed: 9}, nil)
+	counts := map[engine.Token]int{}
+	const n = 20000
+	for range n {
+		x, err := s.Sample(l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts[x.Token]++
+	}
+	if counts[2] != 0 {
+		t.Fatalf("negligible token drawn %d times", counts[2])
+	}
+	z := 1 + math.Exp(-0.25) + math.Exp(-0.5)
+	for tok, lg := range map[engine.Token]float64{0: 0, 1: -0.5, 3: -1} {
+		want := math.Exp(lg/2) / z
+		if got := float64(counts[tok]) / n; math.Abs(got-want) > 0.015 {
+			t.Errorf("token %d drawn with frequency %.3f, want %.3f", tok, got, want)
+		}
 	}
 }
