@@ -124,6 +124,17 @@ func (b *Batch) Reset() {
 	b.Tokens, b.Pos, b.Seq, b.Output = b.Tokens[:0], b.Pos[:0], b.Seq[:0], b.Output[:0]
 }
 
+// LogitsViewer is implemented by engines whose logits can be read by several
+// goroutines at once, so that a scheduler can sample many sequences in parallel.
+//
+// Concurrency: only the Engine's owner calls LogitsView, like any other method. The
+// slice it returns is a read-only view of engine memory that stays valid, and may be
+// read from any goroutine, until the owner's next call of Decode or Close.
+type LogitsViewer interface {
+	// LogitsView returns the logits of output row i of the last Decode (as Logits).
+	LogitsView(i int) ([]float32, error)
+}
+
 // Engine is a loaded model with one inference context.
 //
 // Concurrency: an Engine is owned by one goroutine (the scheduler); none of its methods

@@ -38,6 +38,11 @@ type Config struct {
 	// KV is the block pool's configuration; Cells and MaxSeqs are filled in from the
 	// engine by New when zero.
 	KV kvcache.Config
+	// SampleWorkers is how many goroutines sample a step's rows in parallel when the
+	// engine is an engine.LogitsViewer (a draw over a 128k-token vocabulary costs
+	// milliseconds at temperature > 0, so one goroutine caps a large batch); 0:
+	// GOMAXPROCS, 1: every row on the scheduler's goroutine.
+	SampleWorkers int
 }
 
 // DefaultConfig returns the defaults above with prefix caching on.
@@ -62,6 +67,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("scheduler: max waiting %d must be positive", c.MaxWaiting)
 	case c.DefaultMaxTokens < 1:
 		return fmt.Errorf("scheduler: default max tokens %d must be positive", c.DefaultMaxTokens)
+	case c.SampleWorkers < 0:
+		return fmt.Errorf("scheduler: sample workers %d must not be negative", c.SampleWorkers)
 	case c.MaxBatchTokens < c.MaxRunning:
 		return fmt.Errorf("scheduler: max batch tokens %d cannot hold a decode row for each of %d running sequences", c.MaxBatchTokens, c.MaxRunning)
 	}

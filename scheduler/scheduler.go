@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -624,15 +625,17 @@ func (s *Scheduler) decode(ctx context.Context) {
 	}
 	// Sequences with a row sample (forked choices use their first choice's row);
 	// embedding requests read their pooled vector instead.
+	var sampling []*seq
 	for _, q := range slices.Clone(s.running) {
 		switch {
 		case !q.running || q.sampleRow < 0:
 		case q.g.req.Embed:
 			s.emitEmbedding(q)
 		default:
-			s.sampleAndEmit(q, q.sampleRow)
+			sampling = append(sampling, q)
 		}
 	}
+	s.sampleRows(sampling)
 	// This step's finishes (and cancellations since the last step) against its time.
 	s.stats.FinishPS = s.finishPS.add(s.ended, elapsed)
 	s.endedAny = s.endedAny || s.ended > 0
@@ -710,22 +713,69 @@ func (s *Scheduler) emitEmbedding(q *seq) {
 	s.finish(q, FinishStop, "")
 }
 
-// sampleAndEmit samples q's next token from batch row row and publishes it.
-func (s *Scheduler) sampleAndEmit(q *seq, row int) {
-	g := q.g
-	if q.sampler == nil {
-		if err := s.newSampler(q); err != nil {
-			s.fail(g, err)
-			return
+// sampled is one sequence's draw of a step.
+type sampled struct {
+	view []float32 // the row's logits, for a parallel draw
+	out  engine.Sampled
+	err  error
+}
+
+// sampleRows draws the next token of each of qs from its batch row, then publishes
+// them in order. With an engine.LogitsViewer and more than one worker, the draws run
+// in parallel (each sequence has its own sampler; rows are read-only views), except
+// those with a grammar, which calls into the engine; publishing stays on this
+// goroutine.
+func (s *Scheduler) sampleRows(qs []*seq) {
+	res := make([]sampled, len(qs))
+	viewer, _ := s.eng.(engine.LogitsViewer)
+	workers := s.cfg.SampleWorkers
+	if workers == 0 {
+		workers = runtime.GOMAXPROCS(0)
+	}
+	var parallel []int
+	for i, q := range qs {
+		if q.sampler == nil {
+			if err := s.newSampler(q); err != nil {
+				res[i].err = err
+				continue
+			}
+		}
+		if viewer != nil && workers > 1 && len(qs) > 1 && q.g.req.Grammar == "" {
+			if res[i].view, res[i].err = viewer.LogitsView(q.sampleRow); res[i].err == nil {
+				parallel = append(parallel, i)
+			}
+			continue
+		}
+		if err := s.eng.Logits(q.sampleRow, func(l []float32) { res[i].out, res[i].err = q.sampler.Sample(l) }); err != nil {
+			res[i].err = err
 		}
 	}
-	var out engine.Sampled
-	var serr error
-	if err := s.eng.Logits(row, func(l []float32) { out, serr = q.sampler.Sample(l) }); err != nil {
-		serr = err
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range min(workers, len(parallel)) {
+		wg.Go(func() {
+			for k := int(next.Add(1) - 1); k < len(parallel); k = int(next.Add(1) - 1) {
+				r := &res[parallel[k]]
+				r.out, r.err = qs[parallel[k]].sampler.Sample(r.view)
+			}
+		})
 	}
+	wg.Wait()
+	for i, q := range qs {
+		if q.running && !q.done { // an earlier failure of its group ended it
+			s.emitSampled(q, res[i].out, res[i].err)
+		}
+	}
+}
+
+// emitSampled publishes q's drawn token (or fails its request on err).
+func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
+	g := q.g
 	if serr != nil {
-		s.fail(g, fmt.Errorf("sample: %w", serr))
+		if !errors.Is(serr, ErrInvalid) {
+			serr = fmt.Errorf("sample: %w", serr)
+		}
+		s.fail(g, serr)
 		return
 	}
 	tok := out.Token

@@ -14,6 +14,7 @@ import (
 
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/enginetest"
+	"github.com/shoal-ai/shoal/engine/sample"
 )
 
 type result struct {
@@ -135,6 +136,51 @@ func TestConcurrentEqualsSolo(t *testing.T) {
 		if b.Rows > 64 {
 			t.Fatalf("batch %d has %d rows, budget 64", i, b.Rows)
 		}
+	}
+}
+
+// TestParallelSamplingEqualsSerial: drawing a step's rows on several goroutines gives
+// every request the tokens it gets when the scheduler draws them one by one (each has
+// its own seeded sampler), n > 1 choices and log-probabilities included; a request
+// whose sampler cannot be made fails alone.
+func TestParallelSamplingEqualsSerial(t *testing.T) {
+	reqs := func() []*Request {
+		var out []*Request
+		for i := range 24 {
+			out = append(out, &Request{Prompt: prompt(i, 5+i*11%70), MaxTokens: 4 + i*5%30, N: 1 + i%3,
+				Sampling: sample.Params{Temperature: 1.5, TopP: 0.95, TopK: 20 * (i % 2), Seed: uint64(i), Logprobs: i%4 == 0, TopLogprobs: i % 5}})
+		}
+		out[7].Grammar = "root ::= \"x\"" // the fake has no grammars: this request fails
+		return out
+	}
+	run := func(workers int) []result {
+		f := enginetest.New(8192, 64, 512)
+		s, _ := startScheduler(t, f, func(c *Config) { c.SampleWorkers = workers; c.MaxRunning = 32 })
+		return runConcurrently(t, s, reqs())
+	}
+	serial, parallel := run(1), run(4)
+	diverged := 0
+	for i := range serial {
+		if i == 7 {
+			if !errors.Is(serial[i].err, ErrInvalid) || !errors.Is(parallel[i].err, ErrInvalid) {
+				t.Fatalf("request with a grammar: serial %v, parallel %v; want ErrInvalid", serial[i].err, parallel[i].err)
+			}
+			continue
+		}
+		if serial[i].err != nil || parallel[i].err != nil {
+			t.Fatalf("request %d: serial %v, parallel %v", i, serial[i].err, parallel[i].err)
+		}
+		for c := range serial[i].tokens {
+			if !slices.Equal(serial[i].tokens[c], parallel[i].tokens[c]) {
+				t.Fatalf("request %d choice %d: parallel %v, serial %v", i, c, parallel[i].tokens[c], serial[i].tokens[c])
+			}
+			if !slices.Equal(serial[i].tokens[c], solo(t, []*Request{{Prompt: reqs()[i].Prompt, MaxTokens: reqs()[i].MaxTokens}})[0].tokens[0]) {
+				diverged++
+			}
+		}
+	}
+	if diverged == 0 {
+		t.Fatal("no choice left the greedy path: the test draws nothing")
 	}
 }
 

@@ -8,7 +8,8 @@
 #      shared prefix == recomputed, the same through the scheduler, stories260K),
 #   3. measures the raw decode ceiling at batch 1/8/32/64/128 (generated 100M model),
 #   4. serves that model with serve's defaults and runs shoal bench at concurrency
-#      1/8/32/64, then at 64 with one unified pool at the default size,
+#      1/8/32/64 (greedy) and 64 (temperature 1, top-p 0.95), then at 64 with one
+#      unified pool at the default size,
 # and prints one table. Device time is scarce and a run cut off at its limit returns
 # only what it had written, so every step gets a share of one budget
 # (GPU_CHECK_BUDGET seconds, default 480: 8 minutes) and the table is printed, and
@@ -80,6 +81,7 @@ report() {
 		for c in 1 8 32 64; do
 			bench_row "$work/bench-default-$c.json" "shoal bench, concurrency $c (defaults: $(layout default))"
 		done
+		bench_row "$work/bench-default-64-t1.json" "shoal bench, concurrency 64, temperature 1, top-p 0.95 (rows sampled on every core)"
 		bench_row "$work/bench-unified-64.json" "shoal bench, concurrency 64, --kv-unified=true ($(layout unified))"
 		echo "| shoal serve's exit status after SIGTERM | defaults: $(cat "$work/exit-default.txt" 2>/dev/null || echo '(none)'), --kv-unified=true: $(cat "$work/exit-unified.txt" 2>/dev/null || echo '(none)') |"
 		echo
@@ -131,7 +133,7 @@ log "decode ceiling: $(grep -c '^Benchmark' "$work/ceiling.txt") batch sizes"
 # free memory, its layout chosen for it), then with one unified pool at the default size.
 model=$work/m100.gguf
 [ -f "$model" ] || "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
-left=5 # benches still to run, each leaving 20 s for those after it
+left=6 # benches still to run, each leaving 20 s for those after it
 # serve_bench NAME PORT CONCURRENCIES [FLAGS]: shoal serve with FLAGS, shoal bench at
 # each concurrency, the metrics, then SIGTERM and serve's exit status (so a crash on
 # shutdown shows).
@@ -146,12 +148,14 @@ serve_bench() {
 		kill -0 "$serve" 2>/dev/null || break
 		sleep 0.2
 	done
-	for c in $cs; do
+	for c in $cs; do # CONCURRENCY, or CONCURRENCY:t1 to sample at temperature 1, top-p 0.95
 		left=$((left - 1))
+		local n=${c%%:*} sampling=()
+		[ "$c" = "${c%:t1}" ] || sampling=(--temperature 1 --top-p 0.95)
 		timeout "$(budget 120 $((15 + left * 20)))" "$work/bin/shoal" bench --url "http://127.0.0.1:$port/v1" --dataset random \
-			--num-prompts $((c * 4 > 32 ? c * 4 : 32)) --input-len 256 --output-len 128 --concurrency "$c" --token-max 16000 \
-			--json "$work/bench-$name-$c.json" >/dev/null 2>&1 || true
-		log "bench $name at concurrency $c: $([ -f "$work/bench-$name-$c.json" ] && echo done || echo 'no result')"
+			--num-prompts $((n * 4 > 32 ? n * 4 : 32)) --input-len 256 --output-len 128 --concurrency "$n" --token-max 16000 \
+			"${sampling[@]}" --json "$work/bench-$name-${c/:/-}.json" >/dev/null 2>&1 || true
+		log "bench $name at concurrency $c: $([ -f "$work/bench-$name-${c/:/-}.json" ] && echo done || echo 'no result')"
 	done
 	get "http://127.0.0.1:$port/metrics" >"$work/metrics-$name.txt" 2>/dev/null || true
 	kill "$serve" 2>/dev/null || true
@@ -159,6 +163,6 @@ serve_bench() {
 	echo "$st" >"$work/exit-$name.txt"
 	serve=
 }
-serve_bench default 18080 "1 8 32 64"
+serve_bench default 18080 "1 8 32 64 64:t1"
 serve_bench unified 18081 64 --kv-unified=true
 grep -E '^shoal_(device|gpu_layers)' "$work/metrics-default.txt" >"$work/device-metrics.txt" || true

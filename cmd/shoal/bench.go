@@ -33,6 +33,7 @@ type benchConfig struct {
 	sessions, turns, maxRequests      int
 	systemLen                         int
 	zipf, rate                        float64
+	temperature, topP                 float64
 	concurrency, vocabLo, vocabHi     int
 	seed                              int64
 	timeout                           time.Duration
@@ -113,6 +114,8 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.numPrompts, "num-prompts", 64, "requests (random dataset)")
 	fs.IntVar(&c.inputLen, "input-len", 128, "prompt tokens (random dataset)")
 	fs.IntVar(&c.outputLen, "output-len", 64, "output tokens per request (ignore_eos is set)")
+	fs.Float64Var(&c.temperature, "temperature", 0, "sampling temperature of every request (0: greedy)")
+	fs.Float64Var(&c.topP, "top-p", 1, "nucleus sampling mass of every request (1: off)")
 	fs.IntVar(&c.groups, "groups", 8, "shared-prefix: prefix groups")
 	fs.IntVar(&c.perGroup, "prompts-per-group", 8, "shared-prefix: requests per group")
 	fs.IntVar(&c.prefixLen, "prefix-len", 512, "shared-prefix: tokens of each group's prefix")
@@ -373,8 +376,8 @@ send:
 // one sends a streamed completion and measures it (Sent counts from the run's start).
 func (c benchConfig) one(ctx context.Context, client *http.Client, url string, q benchRequest, start time.Time) benchSample {
 	body, _ := json.Marshal(map[string]any{
-		"model": c.model, "prompt": q.prompt, "max_tokens": q.out, "temperature": 0, "ignore_eos": true,
-		"stream": true, "stream_options": map[string]bool{"include_usage": true},
+		"model": c.model, "prompt": q.prompt, "max_tokens": q.out, "temperature": c.temperature, "top_p": c.topP,
+		"ignore_eos": true, "stream": true, "stream_options": map[string]bool{"include_usage": true},
 	})
 	req, _ := http.NewRequestWithContext(ctx, "POST", strings.TrimSuffix(url, "/")+"/completions", bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")

@@ -383,7 +383,7 @@ func TestStructuredOutputAndLogprobs(t *testing.T) {
 func TestBenchAgainstNode(t *testing.T) {
 	n := startNode(t, "--model", smallModel(t), "--ctx-size", "8192")
 	for _, args := range [][]string{
-		{"--dataset", "random", "--num-prompts", "12", "--input-len", "40", "--output-len", "6", "--concurrency", "4"},
+		{"--dataset", "random", "--num-prompts", "12", "--input-len", "40", "--output-len", "6", "--concurrency", "4", "--temperature", "1", "--top-p", "0.9"},
 		{"--dataset", "shared-prefix", "--groups", "2", "--prompts-per-group", "6", "--prefix-len", "64", "--question-len", "8",
 			"--output-len", "4", "--rate", "50", "--zipf", "1.1"},
 		{"--dataset", "multi-turn", "--sessions", "4", "--turns", "3", "--prefix-len", "48", "--question-len", "8",

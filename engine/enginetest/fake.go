@@ -143,12 +143,22 @@ func (f *Fake) next(s engine.SeqID, pos engine.Pos) []float32 {
 }
 
 func (f *Fake) Logits(i int, fn func([]float32)) error {
-	l, ok := f.logits[i]
-	if !ok {
-		return fmt.Errorf("fake: row %d has no logits: %w", i, engine.ErrInvalidInput)
+	l, err := f.LogitsView(i)
+	if err != nil {
+		return err
 	}
 	fn(l)
 	return nil
+}
+
+// LogitsView implements engine.LogitsViewer: the row's logits, left alone until the
+// next Decode.
+func (f *Fake) LogitsView(i int) ([]float32, error) {
+	l, ok := f.logits[i]
+	if !ok {
+		return nil, fmt.Errorf("fake: row %d has no logits: %w", i, engine.ErrInvalidInput)
+	}
+	return l, nil
 }
 
 func (f *Fake) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {

@@ -544,18 +544,30 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 // Logits calls fn with a view of the logits of batch row i of the last Decode (the row
 // must have had Output set). The view is valid only during fn.
 func (e *Engine) Logits(i int, fn func([]float32)) error {
+	l, err := e.LogitsView(i)
+	if err != nil {
+		return err
+	}
+	fn(l)
+	return nil
+}
+
+// LogitsView returns a read-only view of the logits of batch row i of the last
+// Decode, valid until the next Decode or Close (engine.LogitsViewer). llama.cpp
+// reallocates its output buffer only while decoding, and llama_get_logits_ith first
+// waits for the pass to finish, which is why only the owner may call this.
+func (e *Engine) LogitsView(i int) ([]float32, error) {
 	if e.closed.Load() {
-		return engine.ErrClosed
+		return nil, engine.ErrClosed
 	}
 	if i < 0 || i >= int(e.batch.n_tokens) {
-		return fmt.Errorf("logits of row %d: outside the last batch of %d rows: %w", i, int(e.batch.n_tokens), engine.ErrInvalidInput)
+		return nil, fmt.Errorf("logits of row %d: outside the last batch of %d rows: %w", i, int(e.batch.n_tokens), engine.ErrInvalidInput)
 	}
 	p := C.llama_get_logits_ith(e.ctx, C.int32_t(i))
 	if p == nil {
-		return fmt.Errorf("logits of row %d: not an output row: %w", i, engine.ErrInvalidInput)
+		return nil, fmt.Errorf("logits of row %d: not an output row: %w", i, engine.ErrInvalidInput)
 	}
-	fn(unsafe.Slice((*float32)(unsafe.Pointer(p)), e.vocab.Size()))
-	return nil
+	return unsafe.Slice((*float32)(unsafe.Pointer(p)), e.vocab.Size()), nil
 }
 
 // Embeddings returns the pooled embedding of sequence s.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/sample"
 	"github.com/shoal-ai/shoal/models"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -70,44 +71,80 @@ func benchSchedulerDecode(b *testing.B, path string, threads int, unified bool) 
 			b.Run(fmt.Sprintf("model=100m/threads=%d/unified=%v/batch=%d/engine=scheduler", threads, unified, n), func(b *testing.B) {
 				e.ClearMemory()
 				s := startSched(b, e, func(c *scheduler.Config) { c.MaxRunning = 64; c.MaxBatchTokens = 2048; c.KV.Caching = false })
-				var tokens int
-				var window time.Duration
-				for b.Loop() {
-					times := make([][]time.Time, n)
-					var wg sync.WaitGroup
-					for i := range n {
-						p := make([]engine.Token, benchPrompt)
-						for j := range p {
-							p[j] = engine.Token(10 + (i*131+j*7+b.N)%16000)
-						}
-						wg.Go(func() {
-							ts, _, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: benchSteps + 1, IgnoreEOS: true})
-							if err != nil {
-								b.Error(err)
-							}
-							times[i] = ts
-						})
+				benchSchedRate(b, s, n, func(i int) *scheduler.Request {
+					p := make([]engine.Token, benchPrompt)
+					for j := range p {
+						p[j] = engine.Token(10 + (i*131+j*7+b.N)%16000)
 					}
-					wg.Wait()
-					var start, end time.Time
-					for _, ts := range times {
-						if ts[0].After(start) {
-							start = ts[0]
-						}
-						if ts[len(ts)-1].After(end) {
-							end = ts[len(ts)-1]
-						}
-					}
-					for _, ts := range times {
-						for _, x := range ts {
-							if x.After(start) {
-								tokens++
-							}
-						}
-					}
-					window += end.Sub(start)
+					return &scheduler.Request{Prompt: p, MaxTokens: benchSteps + 1, IgnoreEOS: true}
+				})
+			})
+		}
+	}
+}
+
+// benchSchedRate submits n requests (req(i)) at once per round and reports the
+// tokens produced after the last request's first token (all n decoding together) per
+// second of that window.
+func benchSchedRate(b *testing.B, s *scheduler.Scheduler, n int, req func(i int) *scheduler.Request) {
+	var tokens int
+	var window time.Duration
+	for b.Loop() {
+		times := make([][]time.Time, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			r := req(i)
+			wg.Go(func() {
+				ts, _, err := tokenTimes(s, r)
+				if err != nil {
+					b.Error(err)
 				}
-				b.ReportMetric(float64(tokens)/window.Seconds(), "tok/s")
+				times[i] = ts
+			})
+		}
+		wg.Wait()
+		var start, end time.Time
+		for _, ts := range times {
+			if ts[0].After(start) {
+				start = ts[0]
+			}
+			if ts[len(ts)-1].After(end) {
+				end = ts[len(ts)-1]
+			}
+		}
+		for _, ts := range times {
+			for _, x := range ts {
+				if x.After(start) {
+					tokens++
+				}
+			}
+		}
+		window += end.Sub(start)
+	}
+	b.ReportMetric(float64(tokens)/window.Seconds(), "tok/s")
+}
+
+// BenchmarkSchedulerSampling: 32 requests drawing at temperature 1 with top-p 0.95
+// (the 100m model's 16,384-token vocabulary), their rows sampled on the scheduler's
+// goroutine (workers=1) or on GOMAXPROCS goroutines (workers=0), alternately.
+func BenchmarkSchedulerSampling(b *testing.B) {
+	const n = 32
+	e := openBench(b, genModel(b, models.Bench100M()), 2, false, 64, 256)
+	for round := range 2 {
+		for _, workers := range []int{1, 0} {
+			b.Run(fmt.Sprintf("model=100m/batch=%d/workers=%d/round=%d", n, workers, round), func(b *testing.B) {
+				e.ClearMemory()
+				s := startSched(b, e, func(c *scheduler.Config) {
+					c.MaxRunning, c.MaxBatchTokens, c.KV.Caching, c.SampleWorkers = 64, 2048, false, workers
+				})
+				benchSchedRate(b, s, n, func(i int) *scheduler.Request {
+					p := make([]engine.Token, benchPrompt)
+					for j := range p {
+						p[j] = engine.Token(10 + (i*131+j*7)%16000)
+					}
+					return &scheduler.Request{Prompt: p, MaxTokens: benchSteps + 1, IgnoreEOS: true,
+						Sampling: sample.Params{Temperature: 1, TopP: 0.95, Seed: uint64(i)}}
+				})
 			})
 		}
 	}
