@@ -135,6 +135,16 @@ type LogitsViewer interface {
 	LogitsView(i int) ([]float32, error)
 }
 
+// ViewLogits implements Engine.Logits for a LogitsViewer: fn gets row i's view.
+func ViewLogits(v LogitsViewer, i int, fn func(logits []float32)) error {
+	l, err := v.LogitsView(i)
+	if err != nil {
+		return err
+	}
+	fn(l)
+	return nil
+}
+
 // Engine is a loaded model with one inference context.
 //
 // Concurrency: an Engine is owned by one goroutine (the scheduler); none of its methods

@@ -143,12 +143,7 @@ func (f *Fake) next(s engine.SeqID, pos engine.Pos) []float32 {
 }
 
 func (f *Fake) Logits(i int, fn func([]float32)) error {
-	l, err := f.LogitsView(i)
-	if err != nil {
-		return err
-	}
-	fn(l)
-	return nil
+	return engine.ViewLogits(f, i, fn)
 }
 
 // LogitsView implements engine.LogitsViewer: the row's logits, left alone until the

@@ -544,12 +544,7 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 // Logits calls fn with a view of the logits of batch row i of the last Decode (the row
 // must have had Output set). The view is valid only during fn.
 func (e *Engine) Logits(i int, fn func([]float32)) error {
-	l, err := e.LogitsView(i)
-	if err != nil {
-		return err
-	}
-	fn(l)
-	return nil
+	return engine.ViewLogits(e, i, fn)
 }
 
 // LogitsView returns a read-only view of the logits of batch row i of the last
