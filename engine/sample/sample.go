@@ -406,9 +406,15 @@ func better(a, b engine.TokenLogit) int {
 	return cmp.Or(cmp.Compare(b.Logit, a.Logit), cmp.Compare(a.Token, b.Token))
 }
 
-// selectTop moves the k best candidates (by better) to c[:k], in no particular order:
-// quickselect with a median-of-three pivot, deterministic for equal input.
+// selectTop moves the k best candidates (by better) to c[:k], in no particular order,
+// and the rest to c[k:]; c holds no NaN. A few of many (top-k 40 of a vocabulary)
+// go through a heap of k, which rejects most candidates with one comparison;
+// otherwise quickselect with a median-of-three pivot. Both are deterministic.
 func selectTop(c []engine.TokenLogit, k int) {
+	if k > 0 && k <= len(c)/8 {
+		heapTop(c, k)
+		return
+	}
 	lo, hi := 0, len(c)-1
 	for lo < hi {
 		mid := lo + (hi-lo)/2
@@ -444,6 +450,43 @@ func selectTop(c []engine.TokenLogit, k int) {
 		default:
 			return
 		}
+	}
+}
+
+// worse reports whether a ranks below b in better's order (for NaN-free logits).
+func worse(a, b engine.TokenLogit) bool {
+	return a.Logit < b.Logit || a.Logit == b.Logit && a.Token > b.Token
+}
+
+// heapTop keeps the k best of c in c[:k] as a heap with the worst of them at the
+// root, swapping each candidate that beats the root into it.
+func heapTop(c []engine.TokenLogit, k int) {
+	h := c[:k]
+	for i := k/2 - 1; i >= 0; i-- {
+		siftDown(h, i)
+	}
+	for j := k; j < len(c); j++ {
+		if worse(h[0], c[j]) {
+			h[0], c[j] = c[j], h[0]
+			siftDown(h, 0)
+		}
+	}
+}
+
+func siftDown(h []engine.TokenLogit, i int) {
+	for {
+		m := 2*i + 1
+		if m >= len(h) {
+			return
+		}
+		if r := m + 1; r < len(h) && worse(h[r], h[m]) {
+			m = r
+		}
+		if !worse(h[m], h[i]) {
+			return
+		}
+		h[i], h[m] = h[m], h[i]
+		i = m
 	}
 }
 

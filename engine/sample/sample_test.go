@@ -205,23 +205,35 @@ func TestValidate(t *testing.T) {
 	}
 }
 
+// TestSelectTop: the k best by better's order (logit, then lower id) end up in
+// c[:k] and the rest in c[k:], on both paths (heap for k <= n/8, quickselect), with
+// ties.
 func TestSelectTop(t *testing.T) {
-	for seed := range uint64(20) {
-		l := randomLogits(seed, 300)
+	for seed := range uint64(40) {
+		n := []int{300, 5000, 128256}[seed%3]
+		l := randomLogits(seed, n)
+		for i := range l {
+			if i%5 == 0 {
+				l[i] = float32(int(l[i])) // ties
+			}
+		}
 		c := make([]engine.TokenLogit, len(l))
 		for i, v := range l {
 			c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: v}
 		}
-		k := int(seed*13)%299 + 1
+		k := []int{1, 40, int(seed*13)%(n-1) + 1, n / 8, n/8 + 1}[seed%5]
+		ref := slices.Clone(c)
+		slices.SortFunc(ref, better)
 		selectTop(c, k)
-		minTop := float32(math.Inf(1))
-		for _, x := range c[:k] {
-			minTop = min(minTop, x.Logit)
+		got := slices.Clone(c[:k])
+		slices.SortFunc(got, better)
+		if !slices.Equal(got, ref[:k]) {
+			t.Fatalf("seed %d n %d k %d: top set differs from a full sort", seed, n, k)
 		}
-		for _, x := range c[k:] {
-			if x.Logit > minTop {
-				t.Fatalf("seed %d k %d: %v outside top beats %v", seed, k, x.Logit, minTop)
-			}
+		all := slices.Clone(c)
+		slices.SortFunc(all, better)
+		if !slices.Equal(all, ref) {
+			t.Fatalf("seed %d n %d k %d: c is no longer a permutation", seed, n, k)
 		}
 	}
 }
