@@ -351,3 +351,17 @@ func TestNegligibleTokensDropped(t *testing.T) {
 		}
 	}
 }
+
+// TestExpNeg: over the whole range draw uses, expNeg is within 1e-8 of math.Exp
+// (float32, in which probabilities are kept, resolves 6e-8).
+func TestExpNeg(t *testing.T) {
+	worst := 0.0
+	for i := 0; i <= 1_000_000; i++ {
+		x := -negligible * float64(i) / 1_000_000
+		worst = max(worst, math.Abs(expNeg(x)/math.Exp(x)-1))
+	}
+	if worst > 1e-8 {
+		t.Fatalf("expNeg is off by up to %.3g of math.Exp", worst)
+	}
+}
+
