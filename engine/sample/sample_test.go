@@ -364,4 +364,3 @@ func TestExpNeg(t *testing.T) {
 		t.Fatalf("expNeg is off by up to %.3g of math.Exp", worst)
 	}
 }
-
