@@ -732,6 +732,7 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 	if workers == 0 {
 		workers = runtime.GOMAXPROCS(0)
 	}
+	fanOut := viewer != nil && workers > 1 && len(qs) > 1
 	var parallel []int
 	for i, q := range qs {
 		if q.sampler == nil {
@@ -740,7 +741,7 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 				continue
 			}
 		}
-		if viewer != nil && workers > 1 && len(qs) > 1 && q.g.req.Grammar == "" {
+		if fanOut && q.g.req.Grammar == "" {
 			if res[i].view, res[i].err = viewer.LogitsView(q.sampleRow); res[i].err == nil {
 				parallel = append(parallel, i)
 			}

@@ -259,8 +259,8 @@ func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
 }
 
 // draw applies top-k, temperature, min-p and top-p to c (reordering it) and draws.
-// Only top-p needs an order; it sorts the few hundred most likely candidates, and the
-// whole vocabulary only when those do not reach the requested mass.
+// Only top-p needs an order; it sorts the few hundred most likely candidates, and
+// when those do not reach the requested mass, one bucket of probability (see topP).
 func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 	// One pass drops banned (-inf) and NaN logits (x > -inf is false for both) and
 	// finds the best.
