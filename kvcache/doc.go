@@ -8,8 +8,16 @@
 // sequence id, which becomes a holder. A new sequence takes the longest cached prefix
 // by copying block ranges from their holders (llama.cpp's seq_cp, which only shares
 // cells in a unified pool) and computes the rest. Unreferenced cached blocks are
-// evicted least recently used, leaves first, by trimming the holder sequence, so every
-// eviction is a physical removal the scheduler applies to the engine.
+// evicted least recently used, leaves first, blocks no later sequence reused before
+// those that were, by trimming the holder sequence, so every eviction is a physical
+// removal the scheduler applies to the engine.
+//
+// In one pool every decoded token attends over the cells up to the highest in use, so
+// a cached block costs every step something until it is hit. Pool therefore keeps
+// unreferenced blocks within a budget: Config.CacheFloor of the pool at least, more
+// only after a prompt misses blocks evicted recently (the pool remembers the hashes
+// of as many evicted blocks as it has blocks), less again as blocks nobody reused are
+// evicted. SplitPool has no such cost (a stream attends over its own cells).
 //
 // Every method that changes the pool returns the engine operations (Ops) that make
 // llama.cpp's cells match the accounting; the caller applies them in order before its

@@ -32,23 +32,47 @@ type Config struct {
 	// Caching keeps finished sequences' full blocks for reuse. Off, every block is
 	// private and freed when its sequence ends.
 	Caching bool
+	// CacheFloor is the share of the pool that cached blocks no running sequence
+	// uses may always keep. In one pool every decoded token attends over every cell
+	// up to the highest in use, so blocks kept for a reuse that never comes slow
+	// every step. Beyond the floor they are kept only as far as lookups show it pays:
+	// a prompt whose prefix was evicted a while ago raises the budget to twice what
+	// would have kept it, and the budget falls back by one block for every four
+	// blocks evicted that nobody reused. 1 keeps every block until the pool is full.
+	CacheFloor float64
 }
+
+// DefaultCacheFloor is measured in docs/benchmarks.md ("A one-pool node's cache").
+const DefaultCacheFloor = 0.125
 
 // DefaultConfig returns a Config with caching on and 16-token blocks; Cells and
 // MaxSeqs come from the engine.
 func DefaultConfig() Config {
-	return Config{BlockTokens: DefaultBlockTokens, Caching: true}
+	return Config{BlockTokens: DefaultBlockTokens, Caching: true, CacheFloor: DefaultCacheFloor}
 }
 
 // Validate rejects impossible sizes.
 func (c Config) Validate() error {
+	if err := c.ValidatePolicy(); err != nil {
+		return err
+	}
 	switch {
-	case c.BlockTokens < 1:
-		return fmt.Errorf("kvcache: block tokens %d must be positive", c.BlockTokens)
 	case c.Cells < c.BlockTokens:
 		return fmt.Errorf("kvcache: %d cells hold no block of %d tokens", c.Cells, c.BlockTokens)
 	case c.MaxSeqs < 1:
 		return fmt.Errorf("kvcache: max sequences %d must be positive", c.MaxSeqs)
+	}
+	return nil
+}
+
+// ValidatePolicy checks what does not depend on the engine's sizes (Cells and
+// MaxSeqs), so that a bad setting is refused before a model loads.
+func (c Config) ValidatePolicy() error {
+	switch {
+	case c.BlockTokens < 1:
+		return fmt.Errorf("kvcache: block tokens %d must be positive", c.BlockTokens)
+	case !(c.CacheFloor >= 0 && c.CacheFloor <= 1):
+		return fmt.Errorf("kvcache: prefix cache floor %v must be a fraction of the pool in [0, 1]", c.CacheFloor)
 	}
 	return nil
 }
@@ -95,6 +119,7 @@ type block struct {
 	children int32  // indexed blocks whose parent this is
 	holder   SeqID  // indexed: the sequence that physically keeps it
 	ref      int32  // running sequences using it
+	reused   bool   // taken by a sequence other than the one that computed it
 	lastUse  uint64 // pool clock when last referenced or released
 	lru      *list.Element
 }
@@ -122,6 +147,7 @@ type Stats struct {
 	Free        int    // never used or evicted
 	Used        int    // referenced by running sequences
 	Cached      int    // resident, unreferenced, evictable
+	CacheBudget int    // most Cached blocks kept now (see Config.CacheFloor)
 	Queries     uint64 // prompt tokens looked up
 	HitTokens   uint64 // of which found in the cache
 	Evictions   uint64 // blocks evicted
@@ -139,15 +165,23 @@ type Summary struct {
 
 // Pool is the block allocator. See the package doc for the concurrency rule.
 type Pool struct {
-	cfg     Config
-	hasher  Hasher
-	blocks  []block
-	free    []int32 // free block ids (stack)
-	index   map[Hash]*block
-	lru     *list.List // indexed blocks with ref 0, least recently used first
-	seqs    []seqState
-	holders map[SeqID]int // indexed blocks held per sequence id
-	running int
+	cfg    Config
+	hasher Hasher
+	blocks []block
+	free   []int32 // free block ids (stack)
+	index  map[Hash]*block
+	// Indexed blocks with ref 0, least recently used first: never reused
+	// (probation), and reused at least once (protected). Eviction takes probation
+	// first.
+	probation, protected *list.List
+	// budget is how many of them may stay (see Config.CacheFloor); decay counts
+	// evictions of never-reused blocks since it last fell. ghosts remember recently
+	// evicted blocks.
+	budget, floor, decay int
+	ghosts               ghosts
+	seqs                 []seqState
+	holders              map[SeqID]int // indexed blocks held per sequence id
+	running              int
 
 	queries, hits, evictions uint64
 	generation               uint64
@@ -171,15 +205,19 @@ func New(cfg Config) (*Pool, error) {
 	}
 	n := cfg.Cells / cfg.BlockTokens
 	p := &Pool{
-		cfg:     cfg,
-		hasher:  NewHasher(cfg.Seed, cfg.Model),
-		blocks:  make([]block, n),
-		free:    make([]int32, 0, n),
-		index:   map[Hash]*block{},
-		lru:     list.New(),
-		seqs:    make([]seqState, cfg.MaxSeqs),
-		holders: map[SeqID]int{},
+		cfg:       cfg,
+		hasher:    NewHasher(cfg.Seed, cfg.Model),
+		blocks:    make([]block, n),
+		free:      make([]int32, 0, n),
+		index:     map[Hash]*block{},
+		probation: list.New(),
+		protected: list.New(),
+		seqs:      make([]seqState, cfg.MaxSeqs),
+		holders:   map[SeqID]int{},
 	}
+	p.floor = int(cfg.CacheFloor * float64(n))
+	p.budget = p.floor
+	p.ghosts = newGhosts(n)
 	for i := n - 1; i >= 0; i-- {
 		p.blocks[i].id = int32(i)
 		p.free = append(p.free, int32(i))
@@ -199,7 +237,9 @@ func (p *Pool) TotalBlocks() int { return len(p.blocks) }
 func (p *Pool) FreeBlocks() int { return len(p.free) }
 
 // EvictableBlocks counts unreferenced cached blocks.
-func (p *Pool) EvictableBlocks() int { return p.lru.Len() }
+func (p *Pool) EvictableBlocks() int { return p.evictable() }
+
+func (p *Pool) evictable() int { return p.probation.Len() + p.protected.Len() }
 
 func (p *Pool) blocksFor(tokens int) int {
 	return (tokens + p.cfg.BlockTokens - 1) / p.cfg.BlockTokens
@@ -244,7 +284,7 @@ func (p *Pool) Fits(prompt []int32, maxNew int) bool {
 		}
 	}
 	need := p.blocksFor(len(prompt)+maxNew) - len(m)
-	return need <= len(p.free)+p.lru.Len()-reusable
+	return need <= len(p.free)+p.evictable()-reusable
 }
 
 // Start begins a sequence for prompt: it takes a sequence id and the longest cached
@@ -262,6 +302,7 @@ func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
 	m := p.match(prompt)
 	for i, b := range m {
 		p.ref(b)
+		b.reused = true
 		s.blocks = append(s.blocks, b)
 		// One copy per run of blocks with the same holder.
 		p0, p1 := int32(i*p.cfg.BlockTokens), int32((i+1)*p.cfg.BlockTokens)
@@ -276,6 +317,9 @@ func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
 	s.cached = s.len
 	if len(m) > 0 {
 		s.parent = m[len(m)-1].hash
+	}
+	if p.cfg.Caching {
+		p.missedGhosts(prompt, len(m), s.parent)
 	}
 	p.hits += uint64(s.cached)
 	p.seqs[id] = seqRunning
@@ -374,7 +418,7 @@ func (p *Pool) evictHolder(h SeqID, ops []Op) []Op {
 // new blocks become shareable only after Commit, once the engine has computed them.
 func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	need := p.blocksFor(s.len+len(toks)) - len(s.blocks)
-	if need > len(p.free)+p.lru.Len() {
+	if need > len(p.free)+p.evictable() {
 		return nil, ErrNoSpace
 	}
 	var ops []Op
@@ -427,6 +471,7 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 			return // the chain is broken by a private duplicate: keep this one private
 		}
 	}
+	p.ghosts.forget(h)
 	b.state, b.hash, b.holder, b.parent = stateIndexed, h, s.ID, parent
 	if parent != nil {
 		parent.children++
@@ -455,7 +500,15 @@ func (p *Pool) alloc(ops []Op) (*block, []Op, error) {
 }
 
 func (p *Pool) evictOne(ops []Op) ([]Op, bool) {
-	for e := p.lru.Front(); e != nil; e = e.Next() {
+	if ops, ok := p.evictLeaf(p.probation, ops); ok {
+		return ops, true
+	}
+	return p.evictLeaf(p.protected, ops)
+}
+
+// evictLeaf evicts the least recently used block of l that no other block extends.
+func (p *Pool) evictLeaf(l *list.List, ops []Op) ([]Op, bool) {
+	for e := l.Front(); e != nil; e = e.Next() {
 		if b := e.Value.(*block); b.children == 0 {
 			return p.evict(b, ops), true
 		}
@@ -463,12 +516,72 @@ func (p *Pool) evictOne(ops []Op) ([]Op, bool) {
 	return ops, false
 }
 
+// lruOf is the list that holds b while it is unreferenced.
+func (p *Pool) lruOf(b *block) *list.List {
+	if b.reused {
+		return p.protected
+	}
+	return p.probation
+}
+
+// trim evicts cached blocks beyond the budget: never reused first, least recently
+// used first.
+func (p *Pool) trim(ops []Op) []Op {
+	for p.evictable() > p.budget {
+		var ok bool
+		if ops, ok = p.evictOne(ops); !ok {
+			break // cannot happen while the invariants hold (see errNoLeaf)
+		}
+	}
+	return ops
+}
+
+// wasted notes that a block was evicted that no later sequence used: the budget
+// decays towards the floor.
+func (p *Pool) wasted() {
+	if p.decay++; p.decay == 4 {
+		p.decay = 0
+		p.budget = max(p.floor, p.budget-1)
+	}
+}
+
+// missedGhosts raises the budget when the blocks of tokens after its first
+// cached blocks were evicted recently: to twice what would have kept them all (a
+// working set that grows, such as chats, outgrows just enough at once).
+func (p *Pool) missedGhosts(tokens []int32, cached int, parent Hash) {
+	if p.budget >= len(p.blocks) {
+		return
+	}
+	B := p.cfg.BlockTokens
+	oldest := uint64(0)
+	for i := cached; i < (len(tokens)-1)/B; i++ {
+		h := p.hasher.Block(parent, tokens[i*B:(i+1)*B])
+		at, ok := p.ghosts.at(h)
+		if !ok {
+			break
+		}
+		if oldest == 0 || at < oldest {
+			oldest = at
+		}
+		parent = h
+	}
+	if oldest > 0 {
+		need := p.evictable() + int(p.evictions-oldest) + 1
+		p.budget = min(len(p.blocks), max(p.budget, 2*need))
+	}
+}
+
 // evict removes an unreferenced leaf from the index and trims it from its holder.
 func (p *Pool) evict(b *block, ops []Op) []Op {
 	B := int32(p.cfg.BlockTokens)
-	p.lru.Remove(b.lru)
+	p.lruOf(b).Remove(b.lru)
 	b.lru = nil
 	delete(p.index, b.hash)
+	p.evictions++
+	p.ghosts.add(b.hash, p.evictions)
+	if !b.reused {
+		p.wasted()
+	}
 	if b.parent != nil {
 		b.parent.children--
 	}
@@ -482,7 +595,6 @@ func (p *Pool) evict(b *block, ops []Op) []Op {
 	}
 	*b = block{id: b.id}
 	p.free = append(p.free, b.id)
-	p.evictions++
 	p.generation++
 	return ops
 }
@@ -491,7 +603,7 @@ func (p *Pool) ref(b *block) {
 	p.clock++
 	b.lastUse = p.clock
 	if b.ref == 0 && b.lru != nil {
-		p.lru.Remove(b.lru)
+		p.lruOf(b).Remove(b.lru)
 		b.lru = nil
 	}
 	b.ref++
@@ -526,7 +638,7 @@ func (p *Pool) Release(s *Seq) []Op {
 			p.clock++
 			b.lastUse = p.clock
 			if b.ref--; b.ref == 0 {
-				b.lru = p.lru.PushBack(b)
+				b.lru = p.lruOf(b).PushBack(b)
 			}
 		}
 	}
@@ -538,7 +650,7 @@ func (p *Pool) Release(s *Seq) []Op {
 		ops = []Op{{Kind: OpRemove, Seq: s.ID, P0: 0, P1: -1}}
 	}
 	s.blocks, s.tail = nil, nil
-	return ops
+	return p.trim(ops)
 }
 
 // Fork starts a new sequence that shares everything s has so far (for n > 1). Its
@@ -551,14 +663,14 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 			private++
 		}
 	}
-	if private > len(p.free)+p.lru.Len() {
+	if private > len(p.free)+p.evictable() {
 		return nil, nil, ErrNoSpace
 	}
 	id, ops, err := p.takeSeqID(nil)
 	if err != nil {
 		return nil, nil, err
 	}
-	if private > len(p.free)+p.lru.Len() { // taking the id may not free blocks, but check again
+	if private > len(p.free)+p.evictable() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
 	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached}
@@ -585,7 +697,7 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 // Publish refreshes the snapshots read by Stats and Summary. The owner calls it once
 // per scheduling step; the summary is rebuilt only when the resident set changed.
 func (p *Pool) Publish() {
-	used, cached := 0, p.lru.Len()
+	used, cached := 0, p.evictable()
 	for i := range p.blocks {
 		if b := &p.blocks[i]; b.state != stateFree && b.ref > 0 {
 			used++
@@ -598,7 +710,7 @@ func (p *Pool) Publish() {
 		}
 	}
 	publish(&p.snapshots, Stats{
-		Blocks: len(p.blocks), Free: len(p.free), Used: used, Cached: cached,
+		Blocks: len(p.blocks), Free: len(p.free), Used: used, Cached: cached, CacheBudget: p.budget,
 		Queries: p.queries, HitTokens: p.hits, Evictions: p.evictions,
 		Holders: holders, Running: p.running, BlockTokens: p.cfg.BlockTokens, Generation: p.generation,
 	}, p.index)

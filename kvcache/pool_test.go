@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"container/list"
 	"errors"
 	"fmt"
 	"testing"
@@ -107,8 +108,18 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 	if free+used+cached != len(p.blocks) {
 		t.Fatalf("free %d + used %d + cached %d != total %d", free, used, cached, len(p.blocks))
 	}
-	if cached != p.lru.Len() {
-		t.Fatalf("cached %d but LRU holds %d", cached, p.lru.Len())
+	if cached != p.evictable() {
+		t.Fatalf("cached %d but the LRU lists hold %d", cached, p.evictable())
+	}
+	for _, l := range []*list.List{p.probation, p.protected} {
+		for e := l.Front(); e != nil; e = e.Next() {
+			if b := e.Value.(*block); p.lruOf(b) != l || b.lru != e {
+				t.Fatalf("block %d (reused %v) in the wrong LRU list", b.id, b.reused)
+			}
+		}
+	}
+	if p.evictable() > p.budget || p.budget < p.floor || p.budget > len(p.blocks) {
+		t.Fatalf("%d blocks cached, budget %d (floor %d, pool %d)", p.evictable(), p.budget, p.floor, len(p.blocks))
 	}
 	children := map[*block]int32{}
 	for h, b := range p.index {
@@ -288,20 +299,25 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 	}
 }
 
-func fuzzConfig(small bool) Config {
+// floors are the cache floors the workloads run with: none, the default, and the
+// whole pool.
+var floors = []float64{0, DefaultCacheFloor, 1}
+
+func fuzzConfig(small bool, floor byte) Config {
 	cfg := DefaultConfig()
 	cfg.Cells, cfg.MaxSeqs, cfg.Model = 512, 12, "m"
 	if small {
 		cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens = 96, 5, 8
 	}
+	cfg.CacheFloor = floors[int(floor)%len(floors)]
 	return cfg
 }
 
 func FuzzPool(f *testing.F) {
-	f.Add([]byte{0, 1, 40, 3, 5, 2, 0, 7, 0, 1, 40, 3, 5, 3, 0, 0, 1, 40, 3, 5, 4, 0}, false)
-	f.Add([]byte("a fairly long seed that drives many starts and forks and releases"), true)
-	f.Fuzz(func(t *testing.T, data []byte, small bool) {
-		drive(t, data, fuzzConfig(small))
+	f.Add([]byte{0, 1, 40, 3, 5, 2, 0, 7, 0, 1, 40, 3, 5, 3, 0, 0, 1, 40, 3, 5, 4, 0}, false, byte(1))
+	f.Add([]byte("a fairly long seed that drives many starts and forks and releases"), true, byte(2))
+	f.Fuzz(func(t *testing.T, data []byte, small bool, floor byte) {
+		drive(t, data, fuzzConfig(small, floor))
 	})
 }
 
@@ -315,35 +331,45 @@ func TestPoolRandomWorkloads(t *testing.T) {
 			x ^= x << 5
 			data[i] = byte(x)
 		}
-		t.Run(fmt.Sprint(seed), func(t *testing.T) { drive(t, data, fuzzConfig(seed%2 == 0)) })
+		t.Run(fmt.Sprint(seed), func(t *testing.T) { drive(t, data, fuzzConfig(seed%2 == 0, byte(seed/2))) })
 	}
+}
+
+// computeSeq starts a sequence for prompt on p and computes the uncached rest.
+func computeSeq(t *testing.T, p *Pool, sim *simCells, prompt []int32) *Seq {
+	t.Helper()
+	s, ops, err := p.Start(prompt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim.apply(t, ops)
+	from := s.Len()
+	ops, err = p.Grow(s, prompt[from:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim.apply(t, ops)
+	sim.decode(t, s.ID, from, s.Len())
+	p.Commit(s)
+	return s
+}
+
+// seqPrompt is n tokens counting up from first.
+func seqPrompt(first, n int) []int32 {
+	out := make([]int32, n)
+	for i := range out {
+		out[i] = int32(first + i)
+	}
+	return out
 }
 
 func TestPrefixReuseAndEviction(t *testing.T) {
 	cfg := DefaultConfig()
-	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens = 64, 4, 4
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 64, 4, 4, 1
 	p, _ := New(cfg)
 	sim := newSim(cfg.Cells)
-	prompt := make([]int32, 18) // 4 full blocks + 2
-	for i := range prompt {
-		prompt[i] = int32(i + 1)
-	}
-	run := func(prompt []int32) *Seq {
-		s, ops, err := p.Start(prompt)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sim.apply(t, ops)
-		from := s.Len()
-		ops, err = p.Grow(s, prompt[from:])
-		if err != nil {
-			t.Fatal(err)
-		}
-		sim.apply(t, ops)
-		sim.decode(t, s.ID, from, s.Len())
-		p.Commit(s)
-		return s
-	}
+	prompt := seqPrompt(1, 18) // 4 full blocks + 2
+	run := func(prompt []int32) *Seq { return computeSeq(t, p, sim, prompt) }
 	a := run(prompt)
 	if a.Cached() != 0 {
 		t.Fatalf("cold start cached %d", a.Cached())
@@ -367,11 +393,7 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 		t.Fatalf("summary %+v", p.Summary())
 	}
 	// Fill the pool with other prompts: the cached chain is evicted leaf first.
-	other := make([]int32, 60)
-	for i := range other {
-		other[i] = int32(1000 + i)
-	}
-	c := run(other)
+	c := run(seqPrompt(1000, 60))
 	checkInvariants(t, p, sim, []*running{{seq: c}})
 	p.Publish()
 	st = p.Stats()
@@ -384,6 +406,81 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 	}
 	if _, err := p.Grow(c, make([]int32, 8)); !errors.Is(err, ErrNoSpace) {
 		t.Fatalf("grow past capacity: %v", err)
+	}
+}
+
+// TestCacheBudget: cached blocks beyond the floor go as their sequences end, never
+// reused ones first; a prompt that misses blocks evicted a while ago raises the
+// budget to what would have kept them, and it falls back as blocks nobody reused
+// are evicted.
+func TestCacheBudget(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 128, 8, 4, 0.125 // 32 blocks, floor 4
+	p, _ := New(cfg)
+	sim := newSim(cfg.Cells)
+	run := func(prompt []int32) *Seq { return computeSeq(t, p, sim, prompt) }
+	a, b := seqPrompt(1, 18), seqPrompt(100, 18) // 4 full blocks each
+	sim.apply(t, p.Release(run(a)))
+	if s := run(a); s.Cached() != 16 {
+		t.Fatalf("a again: cached %d, want 16", s.Cached())
+	} else {
+		sim.apply(t, p.Release(s)) // a's blocks were reused: they go last
+	}
+	sim.apply(t, p.Release(run(b))) // over the floor: b's never-reused blocks go
+	checkInvariants(t, p, sim, nil)
+	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
+		t.Fatalf("after b: a %d and b %d tokens cached, want 16 and 0", p.CachedPrefix(a), p.CachedPrefix(b))
+	}
+	// b again misses the 4 blocks evicted 3 to 0 evictions ago: twice 4 cached + 3 + 1.
+	s := run(b)
+	if s.Cached() != 0 || p.budget != 16 {
+		t.Fatalf("b again: cached %d, budget %d; want 0 and 16", s.Cached(), p.budget)
+	}
+	sim.apply(t, p.Release(s))
+	checkInvariants(t, p, sim, nil)
+	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 16 {
+		t.Fatalf("budget 16: a %d and b %d tokens cached, want both 16", p.CachedPrefix(a), p.CachedPrefix(b))
+	}
+	// 16 prompts nobody reuses cache 64 blocks: the budget falls back to the floor,
+	// and the reused blocks are the ones that stay.
+	for i := range 16 {
+		sim.apply(t, p.Release(run(seqPrompt(1000+100*i, 18))))
+		checkInvariants(t, p, sim, nil)
+	}
+	if p.budget != p.floor || p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
+		t.Fatalf("after 16 unique prompts: budget %d (floor %d), a %d and b %d tokens cached", p.budget, p.floor, p.CachedPrefix(a), p.CachedPrefix(b))
+	}
+
+	// Floor 0: a block nobody reused goes with its sequence, cells and all.
+	cfg.CacheFloor = 0
+	p, _ = New(cfg)
+	sim = newSim(cfg.Cells)
+	sim.apply(t, p.Release(computeSeq(t, p, sim, a)))
+	checkInvariants(t, p, sim, nil)
+	if n := len(sim.cells); n != 0 || p.CachedPrefix(a) != 0 {
+		t.Fatalf("floor 0: %d cells and %d tokens cached after release", n, p.CachedPrefix(a))
+	}
+}
+
+func TestGhostsForgetTheOldest(t *testing.T) {
+	g := newGhosts(3)
+	g.add(1, 1)
+	g.add(2, 2)
+	g.add(1, 3) // evicted again: the newer record counts
+	g.add(4, 4) // overwrites 1's first record, not its newer one
+	if at, ok := g.at(1); !ok || at != 3 {
+		t.Fatalf("1: %d %v, want 3", at, ok)
+	}
+	g.add(5, 5) // overwrites 2
+	if _, ok := g.at(2); ok {
+		t.Fatal("2 outlived the ring")
+	}
+	g.forget(4)
+	if _, ok := g.at(4); ok {
+		t.Fatal("4 forgotten but remembered")
+	}
+	if at, ok := g.at(5); !ok || at != 5 {
+		t.Fatalf("5: %d %v, want 5", at, ok)
 	}
 }
 
@@ -404,7 +501,8 @@ func TestHashChain(t *testing.T) {
 }
 
 func TestConfigValidate(t *testing.T) {
-	for _, c := range []Config{{}, {Cells: 8, BlockTokens: 16, MaxSeqs: 1}, {Cells: 64, BlockTokens: 16}} {
+	for _, c := range []Config{{}, {Cells: 8, BlockTokens: 16, MaxSeqs: 1}, {Cells: 64, BlockTokens: 16},
+		{Cells: 64, BlockTokens: 16, MaxSeqs: 1, CacheFloor: 1.5}, {Cells: 64, BlockTokens: 16, MaxSeqs: 1, CacheFloor: -0.1}} {
 		if _, err := New(c); err == nil {
 			t.Errorf("%+v: want error", c)
 		}

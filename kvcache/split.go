@@ -313,7 +313,7 @@ func (p *SplitPool) Publish() {
 	}
 	total := p.TotalBlocks()
 	publish(&p.snapshots, Stats{
-		Blocks: total, Free: total - used - cached, Used: used, Cached: cached,
+		Blocks: total, Free: total - used - cached, Used: used, Cached: cached, CacheBudget: total,
 		Queries: p.queries, HitTokens: p.hits, Evictions: p.evictions,
 		Holders: holders, Running: running, BlockTokens: B, Generation: p.generation,
 	}, p.index)

@@ -124,7 +124,7 @@ func checkSplit(t *testing.T, p *SplitPool, sim *splitSim, live []*running) {
 }
 
 func driveSplit(t *testing.T, data []byte, small bool) {
-	cfg := fuzzConfig(small)
+	cfg := fuzzConfig(small, 0)
 	perStream := 160
 	if small {
 		perStream = 48

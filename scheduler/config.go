@@ -72,7 +72,7 @@ func (c Config) Validate() error {
 	case c.MaxBatchTokens < c.MaxRunning:
 		return fmt.Errorf("scheduler: max batch tokens %d cannot hold a decode row for each of %d running sequences", c.MaxBatchTokens, c.MaxRunning)
 	}
-	return nil
+	return c.KV.ValidatePolicy()
 }
 
 // Errors Submit returns; the API maps them to HTTP status codes.

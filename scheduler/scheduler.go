@@ -25,6 +25,7 @@ type Load struct {
 	Running        int
 	KVBlocksUsed   int
 	KVBlocksCached int
+	KVCacheBudget  int // most cached blocks kept now (kvcache.Stats.CacheBudget)
 	KVBlocksTotal  int
 	KVBlockTokens  int
 	// PrefillTokensPS is the smoothed prefill speed: prompt tokens per second in
@@ -962,6 +963,7 @@ func (s *Scheduler) publish() {
 	l.Waiting = int(s.waiting.Load())
 	l.Running = len(s.running)
 	l.KVBlocksUsed, l.KVBlocksCached, l.KVBlocksTotal, l.KVBlockTokens = st.Used, st.Cached, st.Blocks, st.BlockTokens
+	l.KVCacheBudget = st.CacheBudget
 	l.PrefixQueries, l.PrefixHits, l.CacheGeneration = st.Queries, st.HitTokens, st.Generation
 	pending := 0
 	for _, q := range s.queue {

@@ -680,3 +680,20 @@ func TestBurstWithOneNewPrefixComputesItOnce(t *testing.T) {
 		t.Fatalf("cached prompt tokens %d over the burst, want 3×192 (the prefix computed once)", cached)
 	}
 }
+
+func TestConfigValidateRefusesBadCachePolicy(t *testing.T) {
+	for _, mod := range []func(*Config){
+		func(c *Config) { c.KV.CacheFloor = 2 },
+		func(c *Config) { c.KV.CacheFloor = -0.5 },
+		func(c *Config) { c.KV.BlockTokens = 0 },
+	} {
+		c := DefaultConfig()
+		mod(&c)
+		if err := c.Validate(); err == nil {
+			t.Errorf("%+v: want an error before any engine is sized", c.KV)
+		}
+	}
+	if err := DefaultConfig().Validate(); err != nil {
+		t.Fatal(err)
+	}
+}

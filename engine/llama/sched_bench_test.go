@@ -13,6 +13,7 @@ import (
 
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/sample"
+	"github.com/shoal-ai/shoal/kvcache"
 	"github.com/shoal-ai/shoal/models"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -90,38 +91,52 @@ func benchSchedRate(b *testing.B, s *scheduler.Scheduler, n int, req func(i int)
 	var tokens int
 	var window time.Duration
 	for b.Loop() {
-		times := make([][]time.Time, n)
-		var wg sync.WaitGroup
-		for i := range n {
-			r := req(i)
-			wg.Go(func() {
-				ts, _, err := tokenTimes(s, r)
-				if err != nil {
-					b.Error(err)
-				}
-				times[i] = ts
-			})
+		reqs := make([]*scheduler.Request, n)
+		for i := range reqs {
+			reqs[i] = req(i)
 		}
-		wg.Wait()
-		var start, end time.Time
-		for _, ts := range times {
-			if ts[0].After(start) {
-				start = ts[0]
-			}
-			if ts[len(ts)-1].After(end) {
-				end = ts[len(ts)-1]
-			}
-		}
-		for _, ts := range times {
-			for _, x := range ts {
-				if x.After(start) {
-					tokens++
-				}
-			}
-		}
-		window += end.Sub(start)
+		t, w := decodeWindow(b, s, reqs)
+		tokens, window = tokens+t, window+w
 	}
 	b.ReportMetric(float64(tokens)/window.Seconds(), "tok/s")
+}
+
+// decodeWindow runs reqs at once and returns the tokens produced after the last
+// request's first token (all of them decoding together) and the length of that window.
+func decodeWindow(b *testing.B, s *scheduler.Scheduler, reqs []*scheduler.Request) (int, time.Duration) {
+	times := make([][]time.Time, len(reqs))
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Go(func() {
+			ts, _, err := tokenTimes(s, r)
+			if err != nil {
+				b.Error(err)
+			}
+			times[i] = ts
+		})
+	}
+	wg.Wait()
+	var start, end time.Time
+	for _, ts := range times {
+		if len(ts) == 0 {
+			return 0, 0
+		}
+		if ts[0].After(start) {
+			start = ts[0]
+		}
+		if ts[len(ts)-1].After(end) {
+			end = ts[len(ts)-1]
+		}
+	}
+	tokens := 0
+	for _, ts := range times {
+		for _, x := range ts {
+			if x.After(start) {
+				tokens++
+			}
+		}
+	}
+	return tokens, end.Sub(start)
 }
 
 // BenchmarkSchedulerSampling: 32 requests drawing at temperature 1 with top-p 0.95
@@ -152,7 +167,8 @@ func BenchmarkSchedulerSampling(b *testing.B) {
 
 // BenchmarkSchedulerSharedPrefix: 32 groups × 4 requests, each a 1,024-token group
 // prefix plus a 32-token question, 64 output tokens, 16 in flight, in random order;
-// prefix caching on and off, unified and split pools.
+// prefix caching on and off, unified and split pools, and a unified pool that keeps
+// every cached block until it is full (cache floor 1).
 func BenchmarkSchedulerSharedPrefix(b *testing.B) {
 	const (
 		groups, perGroup, prefixLen, questionLen, outLen, conc = 32, 4, 1024, 32, 64, 16
@@ -185,14 +201,25 @@ func BenchmarkSchedulerSharedPrefix(b *testing.B) {
 		} else {
 			e = openBench(b, path, 2, false, seqs, (perSeq+255)/256*256)
 		}
-		for _, caching := range []bool{false, true} {
-			b.Run(fmt.Sprintf("model=100m/unified=%v/caching=%v", unified, caching), func(b *testing.B) {
+		type policy struct {
+			caching bool
+			floor   float64
+			name    string
+		}
+		policies := []policy{{false, 0, "caching=false"}, {true, kvcache.DefaultCacheFloor, "caching=true"}}
+		if unified { // the floor bounds only a shared pool's cache
+			policies = append(policies, policy{true, 1, "caching=true/floor=1"})
+		}
+		for _, pol := range policies {
+			b.Run(fmt.Sprintf("model=100m/unified=%v/%s", unified, pol.name), func(b *testing.B) {
 				var ttftHit, ttftMiss []float64
 				var outTokens, cached, promptTokens int
 				var wall time.Duration
 				for b.Loop() {
 					e.ClearMemory()
-					s := startSched(b, e, func(c *scheduler.Config) { c.MaxRunning = conc; c.MaxBatchTokens = 512; c.KV.Caching = caching })
+					s := startSched(b, e, func(c *scheduler.Config) {
+						c.MaxRunning, c.MaxBatchTokens, c.KV.Caching, c.KV.CacheFloor = conc, 512, pol.caching, pol.floor
+					})
 					work := make(chan []engine.Token)
 					var mu sync.Mutex
 					var wg sync.WaitGroup
