@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-scheduler run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-scheduler bench-cache run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -56,6 +56,10 @@ bench-engine: build
 # Scheduler throughput vs. the ceiling, and the shared-prefix workload (docs/benchmarks.md).
 bench-scheduler: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 120m ./engine/llama | tee bench-scheduler.txt
+
+# A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
+bench-cache: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler(CacheFill|Conversations)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-cache.txt
 
 run: build
 	@if [ -z "$(MODEL)" ]; then \
