@@ -96,6 +96,8 @@ type Capacity struct {
 	// sequences (PrefixReuse in a unified pool). Without it a prefix is reused by
 	// copying a whole stream.
 	PrefixSharing bool
+	// CellBytes is the size of one cell's K and V over every layer (0: unknown).
+	CellBytes float64
 }
 
 // Batch is one forward pass: row i puts Tokens[i] at Pos[i] of sequence Seq[i], and

@@ -15,9 +15,9 @@
 // In one pool every decoded token attends over the cells up to the highest in use, so
 // a cached block costs every step something until it is hit. Pool therefore keeps
 // unreferenced blocks within a budget: Config.CacheFloor of the pool at least, more
-// only after a prompt misses blocks evicted recently (the pool remembers the hashes
-// of as many evicted blocks as it has blocks), less again as blocks nobody reused are
-// evicted. SplitPool has no such cost (a stream attends over its own cells).
+// after a prompt misses blocks evicted recently (the pool remembers the hashes of as
+// many evicted blocks as it has blocks) and as cached blocks are reused for the first
+// time, less again as blocks nobody reused are evicted. SplitPool has no such cost (a stream attends over its own cells).
 //
 // Every method that changes the pool returns the engine operations (Ops) that make
 // llama.cpp's cells match the accounting; the caller applies them in order before its

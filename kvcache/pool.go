@@ -32,14 +32,21 @@ type Config struct {
 	// Caching keeps finished sequences' full blocks for reuse. Off, every block is
 	// private and freed when its sequence ends.
 	Caching bool
-	// CacheFloor is the share of the pool that cached blocks no running sequence
-	// uses may always keep. In one pool every decoded token attends over every cell
-	// up to the highest in use, so blocks kept for a reuse that never comes slow
-	// every step. Beyond the floor they are kept only as far as lookups show it pays:
-	// a prompt whose prefix was evicted a while ago raises the budget to twice what
-	// would have kept it, and the budget falls back by one block for every four
-	// blocks evicted that nobody reused. 1 keeps every block until the pool is full.
+	// CacheFloor is the share of the pool, or of WeightCells when they are fewer,
+	// that cached blocks no running sequence uses may always keep. In one pool
+	// every decoded token attends over every cell up to the highest in use, so
+	// blocks kept for a reuse that never comes slow every step. Beyond the floor
+	// they are kept only as far as lookups show it pays: a prompt whose prefix was
+	// evicted a while ago raises the budget to twice what would have kept it, each
+	// cached block a later sequence takes for the first time raises it by one, and
+	// it falls back by one block for every four blocks evicted that nobody reused.
+	// 1 keeps every block until the pool is full.
 	CacheFloor float64
+	// WeightCells is how many cells hold as many bytes of KV as the model has
+	// weights (0: unknown). A decode step reads the weights once and the cells in
+	// use, so the floor's cells cost at most CacheFloor of that traffic however
+	// large the pool.
+	WeightCells int
 }
 
 // DefaultCacheFloor is measured in docs/benchmarks.md ("A one-pool node's cache").
@@ -215,7 +222,14 @@ func New(cfg Config) (*Pool, error) {
 		seqs:      make([]seqState, cfg.MaxSeqs),
 		holders:   map[SeqID]int{},
 	}
-	p.floor = int(cfg.CacheFloor * float64(n))
+	p.floor = n
+	if cfg.CacheFloor < 1 {
+		base := n
+		if cfg.WeightCells > 0 {
+			base = min(n, cfg.WeightCells/cfg.BlockTokens)
+		}
+		p.floor = int(cfg.CacheFloor * float64(base))
+	}
 	p.budget = p.floor
 	p.ghosts = newGhosts(n)
 	for i := n - 1; i >= 0; i-- {
@@ -301,6 +315,11 @@ func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
 	p.queries += uint64(len(prompt))
 	m := p.match(prompt)
 	for i, b := range m {
+		if b.lru != nil && !b.reused {
+			// Kept unused until a later sequence asked for it: keeping paid, and a
+			// working set that grows (chats) grows the budget with it.
+			p.budget = min(len(p.blocks), p.budget+1)
+		}
 		p.ref(b)
 		b.reused = true
 		s.blocks = append(s.blocks, b)

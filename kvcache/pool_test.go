@@ -410,45 +410,49 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 }
 
 // TestCacheBudget: cached blocks beyond the floor go as their sequences end, never
-// reused ones first; a prompt that misses blocks evicted a while ago raises the
-// budget to what would have kept them, and it falls back as blocks nobody reused
-// are evicted.
+// reused ones first; the first reuse of a cached block and a prompt that misses
+// blocks evicted a while ago raise the budget, and it falls back as blocks nobody
+// reused are evicted.
 func TestCacheBudget(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 128, 8, 4, 0.125 // 32 blocks, floor 4
 	p, _ := New(cfg)
 	sim := newSim(cfg.Cells)
 	run := func(prompt []int32) *Seq { return computeSeq(t, p, sim, prompt) }
-	a, b := seqPrompt(1, 18), seqPrompt(100, 18) // 4 full blocks each
-	sim.apply(t, p.Release(run(a)))
-	if s := run(a); s.Cached() != 16 {
-		t.Fatalf("a again: cached %d, want 16", s.Cached())
-	} else {
-		sim.apply(t, p.Release(s)) // a's blocks were reused: they go last
-	}
-	sim.apply(t, p.Release(run(b))) // over the floor: b's never-reused blocks go
-	checkInvariants(t, p, sim, nil)
-	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
-		t.Fatalf("after b: a %d and b %d tokens cached, want 16 and 0", p.CachedPrefix(a), p.CachedPrefix(b))
-	}
-	// b again misses the 4 blocks evicted 3 to 0 evictions ago: twice 4 cached + 3 + 1.
-	s := run(b)
-	if s.Cached() != 0 || p.budget != 16 {
-		t.Fatalf("b again: cached %d, budget %d; want 0 and 16", s.Cached(), p.budget)
-	}
-	sim.apply(t, p.Release(s))
-	checkInvariants(t, p, sim, nil)
-	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 16 {
-		t.Fatalf("budget 16: a %d and b %d tokens cached, want both 16", p.CachedPrefix(a), p.CachedPrefix(b))
-	}
-	// 16 prompts nobody reuses cache 64 blocks: the budget falls back to the floor,
-	// and the reused blocks are the ones that stay.
-	for i := range 16 {
-		sim.apply(t, p.Release(run(seqPrompt(1000+100*i, 18))))
+	release := func(s *Seq) {
+		sim.apply(t, p.Release(s))
 		checkInvariants(t, p, sim, nil)
 	}
+	a, b, c := seqPrompt(1, 18), seqPrompt(100, 18), seqPrompt(200, 18) // 4 full blocks each
+	release(run(a))
+	s := run(a)
+	if s.Cached() != 16 || p.budget != 8 {
+		t.Fatalf("a again: cached %d, budget %d; want 16 and 4 + 4 first reuses", s.Cached(), p.budget)
+	}
+	release(s)
+	release(run(b))
+	release(run(c)) // over the budget: b's never-reused blocks go first
+	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
+		t.Fatalf("after c: a %d and b %d tokens cached, want 16 and 0", p.CachedPrefix(a), p.CachedPrefix(b))
+	}
+	// b again misses 4 blocks evicted a few evictions ago: the budget grows to twice
+	// what would have kept them, and b stays this time.
+	before := p.budget
+	if s := run(b); s.Cached() != 0 || p.budget < 2*(p.evictable()+4) || p.budget <= before {
+		t.Fatalf("b again: cached %d, budget %d (was %d, %d cached)", s.Cached(), p.budget, before, p.evictable())
+	} else {
+		release(s)
+	}
+	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 16 {
+		t.Fatalf("budget %d: a %d and b %d tokens cached, want both 16", p.budget, p.CachedPrefix(a), p.CachedPrefix(b))
+	}
+	// 24 prompts nobody reuses cache 96 blocks: the budget falls back to the floor,
+	// and the reused blocks are the ones that stay.
+	for i := range 24 {
+		release(run(seqPrompt(1000+100*i, 18)))
+	}
 	if p.budget != p.floor || p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
-		t.Fatalf("after 16 unique prompts: budget %d (floor %d), a %d and b %d tokens cached", p.budget, p.floor, p.CachedPrefix(a), p.CachedPrefix(b))
+		t.Fatalf("after 24 unique prompts: budget %d (floor %d), a %d and b %d tokens cached", p.budget, p.floor, p.CachedPrefix(a), p.CachedPrefix(b))
 	}
 
 	// Floor 0: a block nobody reused goes with its sequence, cells and all.
@@ -459,6 +463,25 @@ func TestCacheBudget(t *testing.T) {
 	checkInvariants(t, p, sim, nil)
 	if n := len(sim.cells); n != 0 || p.CachedPrefix(a) != 0 {
 		t.Fatalf("floor 0: %d cells and %d tokens cached after release", n, p.CachedPrefix(a))
+	}
+}
+
+// TestCacheFloorFollowsTheWeights: in a pool much larger than the model, the floor
+// is a share of the cells whose KV is as large as the weights.
+func TestCacheFloorFollowsTheWeights(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.CacheFloor = 1<<16, 8, 0.5 // 4,096 blocks
+	for _, c := range []struct {
+		weightCells, floor int
+	}{{0, 2048}, {1 << 12, 128}, {1 << 20, 2048}} {
+		cfg.WeightCells = c.weightCells
+		if p, _ := New(cfg); p.floor != c.floor || p.Stats().CacheBudget != c.floor {
+			t.Errorf("weight cells %d: floor %d, published budget %d; want %d", c.weightCells, p.floor, p.Stats().CacheBudget, c.floor)
+		}
+	}
+	cfg.CacheFloor, cfg.WeightCells = 1, 1<<12
+	if p, _ := New(cfg); p.floor != p.TotalBlocks() {
+		t.Errorf("floor 1: %d blocks always kept of %d", p.floor, p.TotalBlocks())
 	}
 }
 

@@ -147,6 +147,9 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	if !c.PrefixReuse {
 		cfg.KV.Caching = false // every sequence computes its own prompt
 	}
+	if cfg.KV.WeightCells == 0 && c.CellBytes > 0 {
+		cfg.KV.WeightCells = int(float64(eng.Info().SizeBytes) / c.CellBytes)
+	}
 	var pool kvcache.Allocator
 	var err error
 	if c.Unified {

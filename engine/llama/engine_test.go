@@ -893,6 +893,9 @@ func TestDevicesAndKVMemory(t *testing.T) {
 	if got := e.Capacity().Cells; got != want || got != 16384 {
 		t.Fatalf("4 MiB of KV at %v bytes per cell: %d cells, want %d", per, got, want)
 	}
+	if got := e.Capacity().CellBytes; got != 256 {
+		t.Fatalf("capacity reports %v bytes per cell, want 256", got)
+	}
 	wantLayers := 0
 	if len(gpus(devs)) > 0 {
 		wantLayers = e.Info().Layers // everything offloaded by default

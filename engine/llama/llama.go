@@ -395,6 +395,9 @@ func (e *Engine) newContext(cfg Config) error {
 		PrefixReuse:   !recurrent && !swa && e.mem != nil,
 		PrefixSharing: cfg.Unified && !recurrent && !swa && e.mem != nil,
 	}
+	if per, err := e.kvBytesPerCell(cfg.KVType); err == nil {
+		e.cap.CellBytes = per
+	}
 	return nil
 }
 
