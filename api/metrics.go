@@ -74,7 +74,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		counter("shoal_preemptions_total", "Sequences preempted for KV space (resumed by recompute).", func(l scheduler.Load) float64 { return float64(l.Preemptions) }),
 		counter("shoal_scheduler_steps_total", "Forward passes run by the scheduler.", func(l scheduler.Load) float64 { return float64(l.Steps) }),
 		gauge("shoal_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse.", func(l scheduler.Load) float64 { return float64(l.KVBlocksCached) }),
-		gauge("shoal_kv_cache_budget_blocks", "Most unreferenced KV blocks kept for prefix reuse now (one pool: between --prefix-cache-floor and the pool, as misses on recently evicted prefixes show).", func(l scheduler.Load) float64 { return float64(l.KVCacheBudget) }),
+		gauge("shoal_kv_cache_budget_blocks", "Most unreferenced KV blocks kept for prefix reuse now (one pool: between --prefix-cache-floor and the pool, as reuse shows it pays).", func(l scheduler.Load) float64 { return float64(l.KVCacheBudget) }),
 		gauge("shoal_kv_blocks_capacity", "KV blocks in the pool.", func(l scheduler.Load) float64 { return float64(l.KVBlocksTotal) }),
 		gauge("shoal_prefill_tokens_per_second", "Smoothed prefill speed: prompt tokens per second in steps that are mostly prefill.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
 		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),

@@ -137,7 +137,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this")
 	fs.IntVar(&f.blockTokens, "block-tokens", sc.KV.BlockTokens, "KV block size in tokens (prefix-cache granularity)")
 	fs.BoolVar(&f.caching, "prefix-caching", true, "reuse the KV cache of common prompt prefixes")
-	fs.Float64Var(&f.cacheFloor, "prefix-cache-floor", sc.KV.CacheFloor, "with one KV pool: share of the pool (or, when fewer, of the cells whose KV is as large as the model's weights) that cached prefixes nobody is using always keep; beyond it they are kept as far as misses on recently evicted prefixes show it pays (1: keep until the pool is full)")
+	fs.Float64Var(&f.cacheFloor, "prefix-cache-floor", sc.KV.CacheFloor, "with one KV pool: share of the pool (or, when fewer, of the cells whose KV is as large as the model's weights) that cached prefixes nobody is using always keep; beyond it they are kept as far as reuse shows it pays: misses on recently evicted prefixes, first hits on cached ones (1: keep until the pool is full)")
 	fs.Uint64Var(&f.hashSeed, "hash-seed", 0, "seed of the prefix block hashes (equal on every node of a cluster)")
 	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
