@@ -9,7 +9,8 @@
 #   3. measures the raw decode ceiling at batch 1/8/32/64/128 (generated 100M model),
 #   4. serves that model with serve's defaults and runs shoal bench at concurrency
 #      1/8/32/64 (greedy) and 64 (temperature 1, top-p 0.95), then at 64 with one
-#      unified pool at the default size,
+#      unified pool at the default size, with its cache budget and keeping every
+#      cached block (--prefix-cache-floor 1),
 # and prints one table. Device time is scarce and a run cut off at its limit returns
 # only what it had written, so every step gets a share of one budget
 # (GPU_CHECK_BUDGET seconds, default 480: 8 minutes) and the table is printed, and
@@ -82,8 +83,9 @@ report() {
 			bench_row "$work/bench-default-$c.json" "shoal bench, concurrency $c (defaults: $(layout default))"
 		done
 		bench_row "$work/bench-default-64-t1.json" "shoal bench, concurrency 64, temperature 1, top-p 0.95 (rows sampled on every core)"
-		bench_row "$work/bench-unified-64.json" "shoal bench, concurrency 64, --kv-unified=true ($(layout unified))"
-		echo "| shoal serve's exit status after SIGTERM | defaults: $(cat "$work/exit-default.txt" 2>/dev/null || echo '(none)'), --kv-unified=true: $(cat "$work/exit-unified.txt" 2>/dev/null || echo '(none)') |"
+		bench_row "$work/bench-unified-64.json" "shoal bench, concurrency 64, --kv-unified=true ($(layout unified); cache budget)"
+		bench_row "$work/bench-unified-keep-64.json" "shoal bench, concurrency 64, --kv-unified=true --prefix-cache-floor 1 (every cached block kept)"
+		echo "| shoal serve's exit status after SIGTERM | defaults: $(cat "$work/exit-default.txt" 2>/dev/null || echo '(none)'), --kv-unified=true: $(cat "$work/exit-unified.txt" 2>/dev/null || echo '(none)'), --prefix-cache-floor 1: $(cat "$work/exit-unified-keep.txt" 2>/dev/null || echo '(none)') |"
 		echo
 		echo "Device metrics: $(paste -sd' ' "$work/device-metrics.txt" 2>/dev/null)"
 		echo "Total: $(($(date +%s) - t0)) s (budget ${GPU_CHECK_BUDGET:-480} s)"
@@ -133,7 +135,7 @@ log "decode ceiling: $(grep -c '^Benchmark' "$work/ceiling.txt") batch sizes"
 # free memory, its layout chosen for it), then with one unified pool at the default size.
 model=$work/m100.gguf
 [ -f "$model" ] || "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
-left=6 # benches still to run, each leaving 20 s for those after it
+left=7 # benches still to run, each leaving 20 s for those after it
 # serve_bench NAME PORT CONCURRENCIES [FLAGS]: shoal serve with FLAGS, shoal bench at
 # each concurrency, the metrics, then SIGTERM and serve's exit status (so a crash on
 # shutdown shows).
@@ -165,4 +167,5 @@ serve_bench() {
 }
 serve_bench default 18080 "1 8 32 64 64:t1"
 serve_bench unified 18081 64 --kv-unified=true
+serve_bench unified-keep 18082 64 --kv-unified=true --prefix-cache-floor 1
 grep -E '^shoal_(device|gpu_layers)' "$work/metrics-default.txt" >"$work/device-metrics.txt" || true
