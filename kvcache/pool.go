@@ -251,9 +251,7 @@ func (p *Pool) TotalBlocks() int { return len(p.blocks) }
 func (p *Pool) FreeBlocks() int { return len(p.free) }
 
 // EvictableBlocks counts unreferenced cached blocks.
-func (p *Pool) EvictableBlocks() int { return p.evictable() }
-
-func (p *Pool) evictable() int { return p.probation.Len() + p.protected.Len() }
+func (p *Pool) EvictableBlocks() int { return p.probation.Len() + p.protected.Len() }
 
 func (p *Pool) blocksFor(tokens int) int {
 	return (tokens + p.cfg.BlockTokens - 1) / p.cfg.BlockTokens
@@ -298,7 +296,7 @@ func (p *Pool) Fits(prompt []int32, maxNew int) bool {
 		}
 	}
 	need := p.blocksFor(len(prompt)+maxNew) - len(m)
-	return need <= len(p.free)+p.evictable()-reusable
+	return need <= len(p.free)+p.EvictableBlocks()-reusable
 }
 
 // Start begins a sequence for prompt: it takes a sequence id and the longest cached
@@ -437,7 +435,7 @@ func (p *Pool) evictHolder(h SeqID, ops []Op) []Op {
 // new blocks become shareable only after Commit, once the engine has computed them.
 func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	need := p.blocksFor(s.len+len(toks)) - len(s.blocks)
-	if need > len(p.free)+p.evictable() {
+	if need > len(p.free)+p.EvictableBlocks() {
 		return nil, ErrNoSpace
 	}
 	var ops []Op
@@ -546,7 +544,7 @@ func (p *Pool) lruOf(b *block) *list.List {
 // trim evicts cached blocks beyond the budget: never reused first, least recently
 // used first.
 func (p *Pool) trim(ops []Op) []Op {
-	for p.evictable() > p.budget {
+	for p.EvictableBlocks() > p.budget {
 		var ok bool
 		if ops, ok = p.evictOne(ops); !ok {
 			break // cannot happen while the invariants hold (see errNoLeaf)
@@ -585,7 +583,7 @@ func (p *Pool) missedGhosts(tokens []int32, cached int, parent Hash) {
 		parent = h
 	}
 	if oldest > 0 {
-		need := p.evictable() + int(p.evictions-oldest) + 1
+		need := p.EvictableBlocks() + int(p.evictions-oldest) + 1
 		p.budget = min(len(p.blocks), max(p.budget, 2*need))
 	}
 }
@@ -682,14 +680,14 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 			private++
 		}
 	}
-	if private > len(p.free)+p.evictable() {
+	if private > len(p.free)+p.EvictableBlocks() {
 		return nil, nil, ErrNoSpace
 	}
 	id, ops, err := p.takeSeqID(nil)
 	if err != nil {
 		return nil, nil, err
 	}
-	if private > len(p.free)+p.evictable() { // taking the id may not free blocks, but check again
+	if private > len(p.free)+p.EvictableBlocks() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
 	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached}
@@ -716,7 +714,7 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 // Publish refreshes the snapshots read by Stats and Summary. The owner calls it once
 // per scheduling step; the summary is rebuilt only when the resident set changed.
 func (p *Pool) Publish() {
-	used, cached := 0, p.evictable()
+	used, cached := 0, p.EvictableBlocks()
 	for i := range p.blocks {
 		if b := &p.blocks[i]; b.state != stateFree && b.ref > 0 {
 			used++

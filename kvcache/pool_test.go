@@ -108,8 +108,8 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 	if free+used+cached != len(p.blocks) {
 		t.Fatalf("free %d + used %d + cached %d != total %d", free, used, cached, len(p.blocks))
 	}
-	if cached != p.evictable() {
-		t.Fatalf("cached %d but the LRU lists hold %d", cached, p.evictable())
+	if cached != p.EvictableBlocks() {
+		t.Fatalf("cached %d but the LRU lists hold %d", cached, p.EvictableBlocks())
 	}
 	for _, l := range []*list.List{p.probation, p.protected} {
 		for e := l.Front(); e != nil; e = e.Next() {
@@ -118,8 +118,8 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 			}
 		}
 	}
-	if p.evictable() > p.budget || p.budget < p.floor || p.budget > len(p.blocks) {
-		t.Fatalf("%d blocks cached, budget %d (floor %d, pool %d)", p.evictable(), p.budget, p.floor, len(p.blocks))
+	if p.EvictableBlocks() > p.budget || p.budget < p.floor || p.budget > len(p.blocks) {
+		t.Fatalf("%d blocks cached, budget %d (floor %d, pool %d)", p.EvictableBlocks(), p.budget, p.floor, len(p.blocks))
 	}
 	children := map[*block]int32{}
 	for h, b := range p.index {
@@ -438,8 +438,8 @@ func TestCacheBudget(t *testing.T) {
 	// b again misses 4 blocks evicted a few evictions ago: the budget grows to twice
 	// what would have kept them, and b stays this time.
 	before := p.budget
-	if s := run(b); s.Cached() != 0 || p.budget < 2*(p.evictable()+4) || p.budget <= before {
-		t.Fatalf("b again: cached %d, budget %d (was %d, %d cached)", s.Cached(), p.budget, before, p.evictable())
+	if s := run(b); s.Cached() != 0 || p.budget < 2*(p.EvictableBlocks()+4) || p.budget <= before {
+		t.Fatalf("b again: cached %d, budget %d (was %d, %d cached)", s.Cached(), p.budget, before, p.EvictableBlocks())
 	} else {
 		release(s)
 	}

@@ -176,19 +176,10 @@ func BenchmarkSchedulerSharedPrefix(b *testing.B) {
 	path := genModel(b, models.Bench100M())
 	rng := rand.New(rand.NewPCG(1, 2))
 	var prompts [][]engine.Token
-	prefixes := make([][]engine.Token, groups)
-	for g := range prefixes {
-		for range prefixLen {
-			prefixes[g] = append(prefixes[g], engine.Token(10+rng.IntN(16000)))
-		}
-	}
+	prefixes := randomPrompts(rng, groups, prefixLen)
 	for g := range groups {
 		for range perGroup {
-			p := slices.Clone(prefixes[g])
-			for range questionLen {
-				p = append(p, engine.Token(10+rng.IntN(16000)))
-			}
-			prompts = append(prompts, p)
+			prompts = append(prompts, slices.Concat(prefixes[g], randomPrompts(rng, 1, questionLen)[0]))
 		}
 	}
 	rng.Shuffle(len(prompts), func(i, j int) { prompts[i], prompts[j] = prompts[j], prompts[i] })
