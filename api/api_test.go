@@ -176,6 +176,11 @@ func TestErrors(t *testing.T) {
 		{"no route", "/v2/nothing", `{}`, auth, 404, "not_found"},
 		{"embeddings", "/v1/embeddings", `{"input":"x"}`, auth, 400, ""},
 		{"bad schema", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}}`, auth, 400, ""},
+		{"tools", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}`, auth, 400, ""},
+		{"tools auto", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto"}`, auth, 400, ""},
+		{"tool choice required", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}`, auth, 400, ""},
+		{"functions", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}`, auth, 400, ""},
+		{"tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]}]}`, auth, 400, ""},
 		{"logit bias key", "/v1/completions", `{"prompt":"x","logit_bias":{"abc":1}}`, auth, 400, ""},
 	}
 	for _, c := range cases {
@@ -196,6 +201,21 @@ func TestErrors(t *testing.T) {
 				t.Fatalf("code %v, want %s", e.Error.Code, c.code)
 			}
 		})
+	}
+}
+
+// TestToolsWithToolChoiceNone: tools the model may not call anyway are accepted,
+// so a client that always sends its tool list can still ask for plain answers.
+func TestToolsWithToolChoiceNone(t *testing.T) {
+	s := newTestServer(t, nil)
+	for _, body := range []string{
+		`{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"none"}`,
+		`{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[],"tool_choice":"auto"}`,
+		`{"messages":[{"role":"assistant","content":"a","tool_calls":[]},{"role":"user","content":"x"}],"max_tokens":2,"tools":null}`,
+	} {
+		if w := s.do(t, "POST", "/v1/chat/completions", body); w.Code != 200 {
+			t.Errorf("%s: status %d: %s", body, w.Code, w.Body)
+		}
 	}
 }
 
@@ -288,6 +308,7 @@ func FuzzRequests(f *testing.F) {
 		`{"prompt":"abc","max_tokens":2,"n":2,"stop":"b"}`,
 		`{"prompt":[[1,2],[3]],"max_tokens":1,"logprobs":3}`,
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"response_format":{"type":"json_object"},"max_tokens":2}`,
+		`{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}],"tool_choice":{"type":"function"}}`,
 		`{"prompt":"\xff\xfe","max_tokens":1e309}`, `{"n":-1}`, `[]`, `null`, `{"logit_bias":{"3":1e40}}`,
 	} {
 		f.Add(b, uint8(0))

@@ -233,6 +233,10 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, invalid("messages", "messages must not be empty"))
 		return
 	}
+	if err := refuseTools(&req); err != nil {
+		abort(c, err)
+		return
+	}
 	msgs := make([]engine.ChatMessage, len(req.Messages))
 	for i, m := range req.Messages {
 		switch m.Role {
@@ -271,6 +275,40 @@ func (s *Server) chat(c *gin.Context) {
 	}
 	p.logprobs = req.Logprobs
 	s.routeOrRun(c, b, &p, forwarded, toks)
+}
+
+// refuseTools answers a request that asks for tool calls with 400: this server
+// has no tool-call parser, and answering as if no tools were offered would
+// silently change what the client asked for (llama.cpp's server and vLLM refuse
+// too unless started with tool support). Tools with tool_choice "none" are
+// accepted and not shown to the model, since the model may not call them anyway.
+func refuseTools(req *ChatRequest) error {
+	given := func(raw json.RawMessage) bool {
+		s := strings.TrimSpace(string(raw))
+		return s != "" && s != "null" && s != "[]"
+	}
+	isNone := func(raw json.RawMessage) bool {
+		var s string
+		return json.Unmarshal(raw, &s) == nil && s == "none"
+	}
+	const unsupported = "tool calling is not supported by this server"
+	switch {
+	case given(req.Tools) && !isNone(req.ToolChoice):
+		return invalid("tools", "%s; send tool_choice \"none\" to answer without tools", unsupported)
+	case given(req.ToolChoice) && !isNone(req.ToolChoice) && !given(req.Tools):
+		var s string
+		if json.Unmarshal(req.ToolChoice, &s) != nil || s != "auto" {
+			return invalid("tool_choice", "%s; tool_choice must be \"none\" or \"auto\" without tools", unsupported)
+		}
+	case given(req.Functions) && !isNone(req.FunctionCall):
+		return invalid("functions", "%s; send function_call \"none\" to answer without functions", unsupported)
+	}
+	for i, m := range req.Messages {
+		if given(m.ToolCalls) || given(m.FunctionCall) {
+			return invalid(fmt.Sprintf("messages[%d].tool_calls", i), "%s: a history with tool calls cannot be rendered for this model", unsupported)
+		}
+	}
+	return nil
 }
 
 // routeOrRun serves the request here unless routing sends it elsewhere.

@@ -107,6 +107,10 @@ type Message struct {
 	Content    Content `json:"content"`
 	Name       string  `json:"name,omitempty"`
 	ToolCallID string  `json:"tool_call_id,omitempty"`
+	// ToolCalls and FunctionCall are read only to refuse them: a history with
+	// calls this server cannot render must not lose them silently.
+	ToolCalls    json.RawMessage `json:"tool_calls,omitempty"`
+	FunctionCall json.RawMessage `json:"function_call,omitempty"`
 }
 
 // StreamOptions is OpenAI's stream_options.
@@ -154,6 +158,12 @@ type ChatRequest struct {
 	MaxCompletionTokens *int      `json:"max_completion_tokens"`
 	Logprobs            bool      `json:"logprobs"`
 	TopLogprobs         *int      `json:"top_logprobs"`
+	// Tool calling is not supported; these are read to refuse it with a clear
+	// error rather than answer as if no tools were offered.
+	Tools        json.RawMessage `json:"tools"`
+	ToolChoice   json.RawMessage `json:"tool_choice"`
+	Functions    json.RawMessage `json:"functions"`
+	FunctionCall json.RawMessage `json:"function_call"`
 }
 
 // CompletionRequest is the body of POST /v1/completions.
