@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-scheduler bench-cache run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -52,6 +52,10 @@ test-engine: build
 # Raw decode/prefill ceiling of the engine (see docs/benchmarks.md).
 bench-engine: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'Benchmark(Decode|Prefill)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-engine.txt
+
+# The 100M model's weight types side by side: f16, q8_0, q4_k_m (docs/benchmarks.md).
+bench-quant: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkQuantized' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-quant.txt
 
 # Scheduler throughput vs. the ceiling, and the shared-prefix workload (docs/benchmarks.md).
 bench-scheduler: build

@@ -50,6 +50,9 @@ type ModelInfo struct {
 	EmbeddingSize   int
 	Layers          int
 	HasChatTemplate bool
+	// ChatTemplate is the chat format in use: "model" (the model's own template), or
+	// the built-in format's name or the template text used instead.
+	ChatTemplate string
 	// Pooling is true for embedding models whose context pools one vector per sequence.
 	Pooling bool
 	// Devices are the compute devices the engine found; GPULayers of Layers (plus the

@@ -1,6 +1,7 @@
 package models
 
 import (
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -30,6 +31,8 @@ type Spec struct {
 	ContextLen int
 	// F16 stores the matrices as float16 (norms stay float32), halving the file size.
 	F16 bool
+	// ChatTemplate is written as tokenizer.chat_template ("": the ChatML ChatTemplate).
+	ChatTemplate string
 }
 
 // Tiny is a ~0.23M-parameter model for unit tests: it loads in milliseconds.
@@ -151,7 +154,7 @@ func Generate(path string, spec Spec) (err error) {
 		"tokenizer.ggml.unknown_token_id": uint32(TokenUnknown),
 		"tokenizer.ggml.add_bos_token":    true,
 		"tokenizer.ggml.add_eos_token":    false,
-		"tokenizer.chat_template":         ChatTemplate,
+		"tokenizer.chat_template":         cmp.Or(spec.ChatTemplate, ChatTemplate),
 	}
 
 	e, v, ff := uint64(spec.Embd), uint64(spec.Vocab), uint64(spec.FFN)

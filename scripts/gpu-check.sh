@@ -5,7 +5,8 @@
 # directory when it holds them, else ./gpu-check). It
 #   1. builds ggml's CUDA backend there for this GPU's architecture only,
 #   2. runs the engine tests that matter on the GPU (batched == sequential greedy,
-#      shared prefix == recomputed, the same through the scheduler, stories260K),
+#      shared prefix == recomputed, both again on q8_0 and q4_k_m weights, the same
+#      through the scheduler, stories260K),
 #   3. measures the raw decode ceiling at batch 1/8/32/64/128 (generated 100M model),
 #   4. serves that model with serve's defaults and runs shoal bench at concurrency
 #      1/8/32/64 (greedy) and 64 (temperature 1, top-p 0.95), then at 64 with one
@@ -40,7 +41,7 @@ get() { # get URL: its body on stdout; curl where the machine has it, else pytho
 	fi
 }
 build_s=- serve= gpu=unknown
-tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
+tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestQuantizedModels|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
 
 # layout NAME: the KV pool serve NAME reported (cells, cells per sequence, unified).
 layout() { grep -o 'context=[0-9]*\|per_seq=[0-9]*\|unified=[a-z]*' "$work/serve-$1.log" 2>/dev/null | head -3 | paste -sd' '; }

@@ -28,6 +28,7 @@ func commands() []command {
 		{"version", "print shoal's version, the llama.cpp commit and the CPU features of its kernels", runVersion},
 		{"calibrate", "measure the engine on this machine and write a profile for simulated nodes (serve --sim)", runCalibrate},
 		{"gen-model", "write a generated llama-architecture test model (random weights) to a GGUF file", runGenModel},
+		{"quantize", "write a copy of a GGUF model with quantized weights (q8_0, q4_k_m, ...), as llama-quantize does", runQuantize},
 	}
 }
 

@@ -49,3 +49,28 @@ func TestGenModel(t *testing.T) {
 		t.Fatalf("unknown preset: exit %d", code)
 	}
 }
+
+func TestQuantizeCommand(t *testing.T) {
+	dir := t.TempDir()
+	src, q := filepath.Join(dir, "m.gguf"), filepath.Join(dir, "m-q8_0.gguf")
+	var out, errb bytes.Buffer
+	if code := run([]string{"gen-model", "--preset", "tiny", "--out", src}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model: exit %d: %s", code, errb.String())
+	}
+	out.Reset()
+	if code := run([]string{"quantize", "--model", src, "--out", q, "--type", "q8_0", "--threads", "1"}, &out, &errb); code != 0 {
+		t.Fatalf("quantize: exit %d: %s", code, errb.String())
+	}
+	if !strings.Contains(out.String(), "wrote "+q+": q8_0") {
+		t.Fatalf("quantize said %q", out.String())
+	}
+	for _, args := range [][]string{
+		{"quantize", "--model", src},
+		{"quantize", "--model", src, "--out", q, "--type", "q1"},
+	} {
+		errb.Reset()
+		if code := run(args, &out, &errb); code != 1 || errb.Len() == 0 {
+			t.Errorf("%v: exit %d, stderr %q; want 1 and a message", args, code, errb.String())
+		}
+	}
+}

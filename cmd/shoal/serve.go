@@ -85,7 +85,7 @@ type serveFlags struct {
 	kvMemory                                                              string
 	simSpeed, cacheFloor                                                  float64
 	embeddings                                                            bool
-	pooling                                                               string
+	pooling, chatTemplate                                                 string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU   int
 	unified, mmap, caching                                                bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens int
@@ -130,6 +130,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
+	fs.StringVar(&f.chatTemplate, "chat-template", "", "chat format: a built-in name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, ChatML when it has none)")
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
 	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
@@ -188,7 +189,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
 	lc.Threads, lc.BatchThreads, lc.Unified, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.unified, f.flash, f.kvType
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
-	lc.Embeddings, lc.Pooling = f.embeddings, f.pooling
+	lc.Embeddings, lc.Pooling, lc.ChatTemplate = f.embeddings, f.pooling, f.chatTemplate
 	setFlags := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
 	// Unless asked for either, the engine splits a pool sized from GPU memory when
@@ -299,7 +300,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	device := deviceSummary(info, f.sim != "")
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
 		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
-		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse)
+		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse,
+		"chat_template", abbrev(info.ChatTemplate, 40))
 	sched, err := scheduler.New(sc, eng, log)
 	if err != nil {
 		return err
@@ -423,4 +425,12 @@ func newLogger(w io.Writer, level string) (*slog.Logger, error) {
 		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}
+
+// abbrev shortens s to at most n bytes for a log line, marking the cut.
+func abbrev(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
 }

@@ -586,3 +586,42 @@ func TestEmbeddingNode(t *testing.T) {
 		t.Fatalf("generation on an embedding node: %v", err)
 	}
 }
+
+// TestServeQuantizedModel: what a user does with a downloaded f16 GGUF: quantize it,
+// serve the copy with a chosen chat format, and talk to it with an OpenAI client.
+// Tool calls, which this server cannot parse, are refused rather than ignored.
+func TestServeQuantizedModel(t *testing.T) {
+	q := filepath.Join(t.TempDir(), "small-q4_k_m.gguf")
+	var out, errb strings.Builder
+	if code := run([]string{"quantize", "--model", smallModel(t), "--out", q, "--threads", "2"}, &out, &errb); code != 0 {
+		t.Fatalf("quantize: exit %d: %s", code, errb.String())
+	}
+	n := startNode(t, "--model", q, "--ctx-size", "2048", "--chat-template", "llama3")
+	if !strings.Contains(n.log(), "chat_template=llama3") {
+		t.Errorf("the log does not name the chat format:\n%s", n.log())
+	}
+	c := n.client("")
+	ctx := context.Background()
+	params := openai.ChatCompletionNewParams{
+		Model:       "small-q4_k_m",
+		Messages:    []openai.ChatCompletionMessageParamUnion{openai.UserMessage("Say hello.")},
+		MaxTokens:   openai.Int(8),
+		Temperature: openai.Float(0),
+	}
+	chat, err := c.Chat.Completions.New(ctx, params)
+	if err != nil || chat.Usage.CompletionTokens == 0 {
+		t.Fatalf("chat on the q4_k_m copy: %+v, %v", chat, err)
+	}
+	params.Tools = []openai.ChatCompletionToolUnionParam{openai.ChatCompletionFunctionTool(openai.FunctionDefinitionParam{Name: "get_weather"})}
+	_, err = c.Chat.Completions.New(ctx, params)
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 || !strings.Contains(apiErr.Message, "tool calling is not supported") {
+		t.Fatalf("tools: %v", err)
+	}
+
+	// A format llama.cpp does not know is refused before the model loads.
+	errb.Reset()
+	if code := run([]string{"serve", "--model", q, "--chat-template", "llama-9"}, &out, &errb); code != 1 || !strings.Contains(errb.String(), "llama3") {
+		t.Fatalf("unknown chat format: exit %d: %s", code, errb.String())
+	}
+}

@@ -147,24 +147,28 @@ func BenchmarkDecodeLong(b *testing.B) {
 
 // BenchmarkPrefill measures prompt tokens/s for one 512-token prompt.
 func BenchmarkPrefill(b *testing.B) {
-	const p = 512
 	for _, m := range benchModels(b) {
 		for _, threads := range []int{1, 2} {
 			for _, unified := range []bool{true, false} {
-				e := openBench(b, m.path, threads, unified, 1, 768)
-				b.Run(fmt.Sprintf("model=%s/threads=%d/unified=%v/prompt=%d", m.name, threads, unified, p), func(b *testing.B) {
-					var total time.Duration
-					for b.Loop() {
-						b.StopTimer()
-						e.ClearMemory()
-						b.StartTimer()
-						start := time.Now()
-						prefill(b, e, 1, p)
-						total += time.Since(start)
-					}
-					b.ReportMetric(float64(p*b.N)/total.Seconds(), "tok/s")
-				})
+				benchPrefill(b, m.name, m.path, threads, unified)
 			}
 		}
 	}
+}
+
+func benchPrefill(b *testing.B, name, path string, threads int, unified bool) {
+	const p = 512
+	e := openBench(b, path, threads, unified, 1, 768)
+	b.Run(fmt.Sprintf("model=%s/threads=%d/unified=%v/prompt=%d", name, threads, unified, p), func(b *testing.B) {
+		var total time.Duration
+		for b.Loop() {
+			b.StopTimer()
+			e.ClearMemory()
+			b.StartTimer()
+			start := time.Now()
+			prefill(b, e, 1, p)
+			total += time.Since(start)
+		}
+		b.ReportMetric(float64(p*b.N)/total.Seconds(), "tok/s")
+	})
 }

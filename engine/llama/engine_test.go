@@ -55,7 +55,13 @@ func genModel(t testing.TB, spec models.Spec) string {
 
 func openTest(t testing.TB, spec models.Spec, mod func(*Config)) *Engine {
 	t.Helper()
-	cfg := DefaultConfig(genModel(t, spec))
+	return openFile(t, genModel(t, spec), mod)
+}
+
+// openFile opens the model at path with the tests' small sizes.
+func openFile(t testing.TB, path string, mod func(*Config)) *Engine {
+	t.Helper()
+	cfg := DefaultConfig(path)
 	cfg.ContextCells = 2048
 	cfg.MaxSeqs = 16
 	cfg.BatchTokens = 512
@@ -232,7 +238,13 @@ func kernelNoise(t testing.TB, e *Engine) float64 {
 // and a greedy choice may differ only where the best two logits are within twice the
 // step's change: a tie at this precision, after which the runs go apart.
 func TestBatchedGreedyEqualsSequential(t *testing.T) {
-	e := openTest(t, models.Small(), nil)
+	batchedEqualsSequential(t, openTest(t, models.Small(), nil))
+}
+
+// batchedEqualsSequential decodes the test prompts greedily in one batch and each
+// alone, and holds their logits to four times e's own kernel noise.
+func batchedEqualsSequential(t *testing.T, e *Engine) {
+	t.Helper()
 	tol := max(4*kernelNoise(t, e), 1e-3)
 	var prompts [][]engine.Token
 	for _, p := range testPrompts {
@@ -263,7 +275,13 @@ func TestBatchedGreedyEqualsSequential(t *testing.T) {
 }
 
 func TestSharedPrefixEqualsRecomputed(t *testing.T) {
-	e := openTest(t, models.Small(), nil)
+	sharedPrefixEqualsRecomputed(t, openTest(t, models.Small(), nil))
+}
+
+// sharedPrefixEqualsRecomputed holds a sequence that borrows 1, 2 and 4 blocks of
+// another's cells to the logits of computing the prompt itself.
+func sharedPrefixEqualsRecomputed(t *testing.T, e *Engine) {
+	t.Helper()
 	toks := tokenize(t, e, strings.Repeat("The cat sat on the mat and looked at the dog. ", 8))
 	if len(toks) < 70 {
 		t.Fatalf("prompt too short: %d", len(toks))
@@ -492,6 +510,7 @@ func TestConfigValidation(t *testing.T) {
 		func(c *Config) { c.MaxSeqs = 0 },
 		func(c *Config) { c.MicroBatchTokens = c.BatchTokens * 2 },
 		func(c *Config) { c.Unified = false; c.ContextCells = 64; c.MaxSeqs = 8 },
+		func(c *Config) { c.ChatTemplate = "no-such-format" },
 	}
 	for i, mod := range bad {
 		cfg := DefaultConfig(p)
@@ -649,8 +668,31 @@ func TestChatTemplate(t *testing.T) {
 	if got != want {
 		t.Fatalf("got %q", got)
 	}
-	if !e.Info().HasChatTemplate {
-		t.Fatal("generated model should have a template")
+	if !e.Info().HasChatTemplate || e.Info().ChatTemplate != "model" {
+		t.Fatalf("generated model should use its own template, info says %q", e.Info().ChatTemplate)
+	}
+
+	// A built-in format chosen by name replaces the model's.
+	e = openTest(t, models.Tiny(), func(c *Config) { c.ChatTemplate = "llama3" })
+	got, err = e.Vocab().ApplyChatTemplate(msgs, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(got, "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>") || e.Info().ChatTemplate != "llama3" {
+		t.Fatalf("llama3 format: %q (info %q)", got, e.Info().ChatTemplate)
+	}
+
+	// A model whose template llama.cpp does not recognise: chat is refused with what
+	// to do, and a chosen format serves it.
+	spec := models.Tiny()
+	spec.Name, spec.ChatTemplate = "shoal-tiny-odd-template", "{{ messages[0]['content'] }} and nothing familiar"
+	e = openTest(t, spec, nil)
+	if _, err := e.Vocab().ApplyChatTemplate(msgs, true); !errors.Is(err, engine.ErrUnsupported) || !strings.Contains(err.Error(), "--chat-template") {
+		t.Fatalf("unsupported template: %v", err)
+	}
+	e = openTest(t, spec, func(c *Config) { c.ChatTemplate = "chatml" })
+	if got, err := e.Vocab().ApplyChatTemplate(msgs, true); err != nil || got != want {
+		t.Fatalf("chatml chosen for an unsupported template: %q, %v", got, err)
 	}
 }
 

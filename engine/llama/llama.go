@@ -64,6 +64,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/cgo"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -135,6 +136,10 @@ type Config struct {
 	// (an embedding node). Pooling is "" (the model's own), mean, cls or last.
 	Embeddings bool
 	Pooling    string
+	// ChatTemplate overrides the model's chat template: a built-in format's name
+	// (ChatTemplateNames: llama3, chatml, mistral-v7, ...) or a template text that
+	// llama.cpp recognises. "" uses the model's, or ChatML when it has none.
+	ChatTemplate string
 
 	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
 	Progress func(float32)
@@ -186,6 +191,14 @@ func (c Config) Validate() error {
 	}
 	if _, err := poolingType(c.Pooling); err != nil {
 		return err
+	}
+	if c.ChatTemplate != "" {
+		ct := C.CString(c.ChatTemplate)
+		defer C.free(unsafe.Pointer(ct))
+		if !chatTemplateWorks(ct) {
+			return fmt.Errorf("chat template %q: not a built-in format (%s) nor a template llama.cpp recognises",
+				c.ChatTemplate, strings.Join(ChatTemplateNames(), ", "))
+		}
 	}
 	return nil
 }
@@ -324,7 +337,11 @@ func Open(cfg Config) (*Engine, error) {
 		C.llama_model_free(model)
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
-	e.vocab = newVocab(model)
+	e.vocab = newVocab(model, cfg.ChatTemplate)
+	if e.vocab.unsupported {
+		logger.Load().Warn("llama.cpp does not support this model's chat template: chat requests will be refused until a built-in format is chosen (shoal serve --chat-template)",
+			"formats", strings.Join(ChatTemplateNames(), ","))
+	}
 	e.info = e.readInfo(cfg.ModelPath)
 	e.info.Devices, e.info.GPULayers = devs, offloaded
 	return e, nil
@@ -413,6 +430,7 @@ func (e *Engine) readInfo(path string) engine.ModelInfo {
 		EmbeddingSize:   int(C.llama_model_n_embd(m)),
 		Layers:          int(C.llama_model_n_layer(m)),
 		HasChatTemplate: C.llama_model_chat_template(m, nil) != nil,
+		ChatTemplate:    e.vocab.ChatTemplate(),
 		Pooling:         C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_NONE && C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_UNSPECIFIED,
 	}
 	var buf [256]C.char

@@ -20,14 +20,65 @@ type Vocab struct {
 	model *C.struct_llama_model
 	v     *C.struct_llama_vocab
 	n     int
-	tmpl  *C.char // the model's chat template, or nil (then ChatML)
+	tmpl  *C.char // the model's chat template, when it is the one used
+	// named is the chat format used instead: a built-in name or a template text
+	// (Config.ChatTemplate, or ChatML for a model without a template).
+	named string
+	// unsupported: the model's own template is one llama.cpp does not recognise.
+	unsupported bool
 }
 
 var _ engine.Vocab = (*Vocab)(nil)
 
-func newVocab(m *C.struct_llama_model) *Vocab {
+// newVocab reads m's vocabulary and picks the chat format: chatTemplate when set,
+// else the model's own template, else ChatML.
+func newVocab(m *C.struct_llama_model, chatTemplate string) *Vocab {
 	v := C.llama_model_get_vocab(m)
-	return &Vocab{model: m, v: v, n: int(C.llama_vocab_n_tokens(v)), tmpl: C.llama_model_chat_template(m, nil)}
+	voc := &Vocab{model: m, v: v, n: int(C.llama_vocab_n_tokens(v))}
+	switch own := C.llama_model_chat_template(m, nil); {
+	case chatTemplate != "":
+		voc.named = chatTemplate
+	case own == nil:
+		voc.named = chatMLTemplate
+	default:
+		voc.tmpl = own
+		voc.unsupported = !chatTemplateWorks(own)
+	}
+	return voc
+}
+
+// ChatTemplate names the chat format messages are rendered in: "model" (the model's
+// own template), or the built-in name or template text used instead.
+func (v *Vocab) ChatTemplate() string {
+	if v.tmpl != nil {
+		return "model"
+	}
+	return v.named
+}
+
+// chatTemplateWorks reports whether llama.cpp renders a chat with tmpl, a built-in
+// format's name or a template text it recognises.
+func chatTemplateWorks(tmpl *C.char) bool {
+	role, content := C.CString("user"), C.CString("hi")
+	defer C.free(unsafe.Pointer(role))
+	defer C.free(unsafe.Pointer(content))
+	msg := C.struct_llama_chat_message{role: role, content: content}
+	return C.llama_chat_apply_template(tmpl, &msg, 1, true, nil, 0) >= 0
+}
+
+// ChatTemplateNames lists llama.cpp's built-in chat formats (Config.ChatTemplate).
+func ChatTemplateNames() []string {
+	n := C.llama_chat_builtin_templates(nil, 0)
+	if n <= 0 {
+		return nil
+	}
+	names := make([]*C.char, n)
+	C.llama_chat_builtin_templates(&names[0], C.size_t(n))
+	out := make([]string, n)
+	for i, c := range names {
+		out[i] = C.GoString(c)
+	}
+	return out
 }
 
 // Size is the number of tokens.
@@ -116,13 +167,17 @@ func (v *Vocab) Detokenize(tokens []engine.Token, removeSpecial, unparseSpecial 
 // the name and renders ChatML, the format most chat-tuned open models use.
 const chatMLTemplate = "chatml"
 
-// ApplyChatTemplate renders messages with the model's template, or ChatML if it has none.
-// llama.cpp matches the template against its built-in formats; a template it does not
-// recognise is an error rather than a silent fallback.
+// ApplyChatTemplate renders messages in the format ChatTemplate names. llama.cpp
+// matches a template against its built-in formats; a model template it does not
+// recognise is an error rather than a silent fallback (Open logs a warning, and
+// Config.ChatTemplate chooses a format).
 func (v *Vocab) ApplyChatTemplate(msgs []engine.ChatMessage, addAssistant bool) (string, error) {
+	if v.unsupported {
+		return "", fmt.Errorf("apply chat template: llama.cpp does not support this model's template; choose a built-in chat format for it (shoal serve --chat-template): %w", engine.ErrUnsupported)
+	}
 	tmpl := v.tmpl
 	if tmpl == nil {
-		tmpl = C.CString(chatMLTemplate)
+		tmpl = C.CString(v.named)
 		defer C.free(unsafe.Pointer(tmpl))
 	}
 	n := len(msgs)
