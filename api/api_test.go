@@ -58,7 +58,7 @@ func newTestServer(t testing.TB, mod func(*Config, *scheduler.Config)) *testServ
 	}
 	s.now = func() time.Time { return time.Unix(1700000000, 0) }
 	s.newID = func(p string) string { return p + "-test" }
-	s.SetBackend(&Backend{Generator: sched, Vocab: f.Vocab(), Info: f.Info()})
+	s.SetBackend(&Backend{Generator: sched, Vocab: f.Vocab(), Info: f.Info(), Capacity: f.Capacity()})
 	return &testServer{Server: s, sched: sched, fake: f, reg: reg}
 }
 
@@ -292,7 +292,7 @@ func TestMetricsNames(t *testing.T) {
 		"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
 		`vllm:request_success_total{finished_reason="length",model_name="fake"} 1`, "vllm:time_to_first_token_seconds_bucket",
 		"vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info{",
-		`num_gpu_blocks="`, `shoal_device_info{description="fake",device="CPU",kind="cpu"} 1`, `shoal_gpu_layers{model_name="fake"} 0`} {
+		`num_gpu_blocks="`, `kv_unified="true"`, `shoal_device_info{description="fake",device="CPU",kind="cpu"} 1`, `shoal_gpu_layers{model_name="fake"} 0`} {
 		if !strings.Contains(w.Body.String(), name) {
 			t.Errorf("metrics lack %s", name)
 		}

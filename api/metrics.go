@@ -80,7 +80,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),
 		gauge("shoal_queue_wait_estimate_seconds", "Estimated wait before a new request is scheduled.", func(l scheduler.Load) float64 { return l.QueueWait.Seconds() }),
 		infoCollector{s: s, cacheInfo: prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration (value 1).",
-			[]string{"num_gpu_blocks"}, prometheus.Labels(s.cfg.CacheInfo))},
+			[]string{"num_gpu_blocks", "kv_unified"}, prometheus.Labels(s.cfg.CacheInfo))},
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
@@ -112,7 +112,7 @@ func (m *metrics) rejected(err error) {
 // Before that it reports nothing (an unchecked collector).
 type infoCollector struct {
 	s         *Server
-	cacheInfo *prometheus.Desc // its labels are the configuration's, fixed at start
+	cacheInfo *prometheus.Desc // its constant labels are the configuration's, fixed at start; the pool's size and layout come with the engine
 }
 
 var (
@@ -131,7 +131,7 @@ func (c infoCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	l := b.Generator.Load()
-	ch <- prometheus.MustNewConstMetric(c.cacheInfo, prometheus.GaugeValue, 1, strconv.Itoa(l.KVBlocksTotal))
+	ch <- prometheus.MustNewConstMetric(c.cacheInfo, prometheus.GaugeValue, 1, strconv.Itoa(l.KVBlocksTotal), strconv.FormatBool(b.Capacity.Unified))
 	for _, d := range b.Info.Devices {
 		ch <- prometheus.MustNewConstMetric(deviceInfoDesc, prometheus.GaugeValue, 1, d.Name, d.Description, d.Kind)
 		ch <- prometheus.MustNewConstMetric(deviceMemDesc, prometheus.GaugeValue, float64(d.MemoryTotal), d.Name, "total")

@@ -84,6 +84,7 @@ type Backend struct {
 	Generator Generator
 	Vocab     engine.Vocab
 	Info      engine.ModelInfo
+	Capacity  engine.Capacity // as the engine opened (its layout may be chosen at load)
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.

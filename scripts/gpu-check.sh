@@ -11,7 +11,8 @@
 #   4. serves that model with serve's defaults and runs shoal bench at concurrency
 #      1/8/32/64 (greedy) and 64 (temperature 1, top-p 0.95), then at 64 with one
 #      unified pool at the default size, with its cache budget and keeping every
-#      cached block (--prefix-cache-floor 1),
+#      cached block (--prefix-cache-floor 1), and at 1 and 64 on a q4_k_m copy of
+#      the model (shoal quantize, there),
 # and prints one table. Device time is scarce and a run cut off at its limit returns
 # only what it had written, so every step gets a share of one budget
 # (GPU_CHECK_BUDGET seconds, default 480: 8 minutes) and the table is printed, and
@@ -86,13 +87,16 @@ report() {
 		bench_row "$work/bench-default-64-t1.json" "shoal bench, concurrency 64, temperature 1, top-p 0.95 (rows sampled on every core)"
 		bench_row "$work/bench-unified-64.json" "shoal bench, concurrency 64, --kv-unified=true ($(layout unified); cache budget)"
 		bench_row "$work/bench-unified-keep-64.json" "shoal bench, concurrency 64, --kv-unified=true --prefix-cache-floor 1 (every cached block kept)"
-		echo "| shoal serve's exit status after SIGTERM | defaults: $(cat "$work/exit-default.txt" 2>/dev/null || echo '(none)'), --kv-unified=true: $(cat "$work/exit-unified.txt" 2>/dev/null || echo '(none)'), --prefix-cache-floor 1: $(cat "$work/exit-unified-keep.txt" 2>/dev/null || echo '(none)') |"
+		for c in 1 64; do
+			bench_row "$work/bench-q4km-$c.json" "shoal bench, concurrency $c, q4_k_m weights (shoal quantize), defaults: $(layout q4km)"
+		done
+		echo "| shoal serve's exit status after SIGTERM | defaults: $(cat "$work/exit-default.txt" 2>/dev/null || echo '(none)'), --kv-unified=true: $(cat "$work/exit-unified.txt" 2>/dev/null || echo '(none)'), --prefix-cache-floor 1: $(cat "$work/exit-unified-keep.txt" 2>/dev/null || echo '(none)'), q4_k_m: $(cat "$work/exit-q4km.txt" 2>/dev/null || echo '(none)') |"
 		echo
 		echo "Device metrics: $(paste -sd' ' "$work/device-metrics.txt" 2>/dev/null)"
 		echo "Total: $(($(date +%s) - t0)) s (budget ${GPU_CHECK_BUDGET:-480} s)"
 	} | tee "$out/gpu-check.md"
 	(cd "$work" && tar -cJf "$out/gpu-check-logs.tar.xz" --ignore-failed-read gpu.txt version.txt tests.txt ceiling.txt \
-		serve-*.log metrics-*.txt exit-*.txt bench-*.json build.configure.log build.log 2>/dev/null)
+		serve-*.log metrics-*.txt exit-*.txt bench-*.json quantize.txt build.configure.log build.log 2>/dev/null)
 	if grep -q -- '^--- FAIL' "$work/tests.txt" 2>/dev/null; then
 		log "some engine tests failed on the GPU: $work/tests.txt"
 		[ "$rc" != 0 ] || rc=1
@@ -136,7 +140,7 @@ log "decode ceiling: $(grep -c '^Benchmark' "$work/ceiling.txt") batch sizes"
 # free memory, its layout chosen for it), then with one unified pool at the default size.
 model=$work/m100.gguf
 [ -f "$model" ] || "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
-left=7 # benches still to run, each leaving 20 s for those after it
+left=9 # benches still to run, each leaving 20 s for those after it
 # serve_bench NAME PORT CONCURRENCIES [FLAGS]: shoal serve with FLAGS, shoal bench at
 # each concurrency, the metrics, then SIGTERM and serve's exit status (so a crash on
 # shutdown shows).
@@ -169,4 +173,8 @@ serve_bench() {
 serve_bench default 18080 "1 8 32 64 64:t1"
 serve_bench unified 18081 64 --kv-unified=true
 serve_bench unified-keep 18082 64 --kv-unified=true --prefix-cache-floor 1
+# The same defaults on a 4-bit copy, as users serve downloaded models.
+qmodel=$work/m100-q4_k_m.gguf
+"$work/bin/shoal" quantize --model "$model" --out "$qmodel" --type q4_k_m >"$work/quantize.txt" 2>&1 || log "quantize failed: $(tail -1 "$work/quantize.txt")"
+[ ! -f "$qmodel" ] || model=$qmodel serve_bench q4km 18083 "1 64"
 grep -E '^shoal_(device|gpu_layers)' "$work/metrics-default.txt" >"$work/device-metrics.txt" || true

@@ -81,37 +81,35 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 }
 
 type serveFlags struct {
-	model, addr, modelName, logLevel, flash, kvType, tensorSplit, sim     string
-	kvMemory                                                              string
-	simSpeed, cacheFloor                                                  float64
-	embeddings                                                            bool
-	pooling, chatTemplate                                                 string
-	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU   int
-	unified, mmap, caching                                                bool
-	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens int
-	maxTokensCap                                                          int
-	hashSeed                                                              uint64
-	maxBody                                                               int64
-	drainTimeout                                                          time.Duration
-	apiKeys                                                               listFlag
-	cluster                                                               *clusterFlags
+	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
+	kvMemory                                                                string
+	simSpeed, cacheFloor                                                    float64
+	embeddings                                                              bool
+	pooling, chatTemplate                                                   string
+	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
+	port                                                                    int
+	unified, mmap, caching                                                  bool
+	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens   int
+	maxTokensCap                                                            int
+	hashSeed                                                                uint64
+	maxBody                                                                 int64
+	drainTimeout                                                            time.Duration
+	apiKeys                                                                 listFlag
+	cluster                                                                 *clusterFlags
 }
 
 func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs := newFlags("serve", stdout)
 	f := &serveFlags{}
 	lc := llama.DefaultConfig("")
-	setFlags := map[string]bool{}
-	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
-	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
-		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
-	}
 	sc := scheduler.DefaultConfig()
 	ac := api.DefaultConfig()
 	fs.StringVar(&f.model, "model", "", "path to a GGUF model file (required unless --sim)")
 	fs.StringVar(&f.sim, "sim", "", "serve a simulated engine timed by this calibration profile (shoal calibrate) instead of a model")
 	fs.Float64Var(&f.simSpeed, "sim-speed", 1, "with --sim: run this many times faster than the profile")
 	fs.StringVar(&f.addr, "addr", "127.0.0.1:8080", "HTTP listen address HOST:PORT")
+	fs.StringVar(&f.host, "host", "", "the HOST of --addr (llama-server's and vLLM's flag), e.g. 0.0.0.0")
+	fs.IntVar(&f.port, "port", 0, "the PORT of --addr (llama-server's and vLLM's flag)")
 	fs.StringVar(&f.modelName, "model-name", "", "model id clients send as \"model\" (default: the file's base name without .gguf)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.IntVar(&f.ctx, "ctx-size", lc.ContextCells, "KV cells (tokens) in the pool; with --kv-unified=false, split evenly among --parallel streams")
@@ -157,6 +155,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if err := applyEnv(fs, os.Getenv); err != nil {
+		return err
+	}
+	if err := f.hostPort(); err != nil {
 		return err
 	}
 	if k := os.Getenv("SHOAL_API_KEYS"); k != "" && len(f.apiKeys) == 0 {
@@ -224,7 +225,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}
 	ac.CacheInfo = map[string]string{"block_size": strconv.Itoa(f.blockTokens), "cache_dtype": f.kvType,
-		"enable_prefix_caching": strconv.FormatBool(f.caching), "kv_unified": strconv.FormatBool(f.unified)}
+		"enable_prefix_caching": strconv.FormatBool(f.caching)}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv, err := api.New(ac, reg, log)
@@ -321,7 +322,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
 	}
-	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info})
+	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity})
 	scheme := "http"
 	if serverTLS != nil {
 		scheme = "https"
@@ -425,6 +426,28 @@ func newLogger(w io.Writer, level string) (*slog.Logger, error) {
 		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}
+
+// hostPort folds --host and --port into --addr.
+func (f *serveFlags) hostPort() error {
+	if f.host == "" && f.port == 0 {
+		return nil
+	}
+	host, port, err := net.SplitHostPort(f.addr)
+	if err != nil {
+		return fmt.Errorf("--addr %q: %w", f.addr, err)
+	}
+	if f.port < 0 || f.port > 65535 {
+		return fmt.Errorf("--port %d: want 0-65535", f.port)
+	}
+	if f.host != "" {
+		host = f.host
+	}
+	if f.port != 0 {
+		port = strconv.Itoa(f.port)
+	}
+	f.addr = net.JoinHostPort(host, port)
+	return nil
 }
 
 // abbrev shortens s to at most n bytes for a log line, marking the cut.

@@ -503,6 +503,33 @@ func TestParseKVMemory(t *testing.T) {
 	}
 }
 
+func TestHostPort(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "127.0.0.1:8080"},
+		{[]string{"--port", "9000"}, "127.0.0.1:9000"},
+		{[]string{"--host", "0.0.0.0", "--port", "9000"}, "0.0.0.0:9000"},
+		{[]string{"--addr", "[::1]:81", "--host", "::"}, "[::]:81"},
+	} {
+		fs, f := serveFlagSet(io.Discard)
+		if err := fs.Parse(c.args); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.hostPort(); err != nil || f.addr != c.want {
+			t.Errorf("%v: addr %q, %v; want %q", c.args, f.addr, err, c.want)
+		}
+	}
+	fs, f := serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--port", "70000"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.hostPort(); err == nil {
+		t.Error("--port 70000 accepted")
+	}
+}
+
 func TestDeviceSummary(t *testing.T) {
 	cpu := engine.Device{Name: "CPU", Description: "AMD EPYC", Kind: "cpu", MemoryTotal: 64 << 30}
 	gpu := engine.Device{Name: "CUDA0", Description: "NVIDIA H200", Kind: "gpu", MemoryTotal: 140 << 30}
