@@ -180,6 +180,7 @@ func TestErrors(t *testing.T) {
 		{"tools auto", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto"}`, auth, 400, ""},
 		{"tool choice required", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}`, auth, 400, ""},
 		{"functions", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}`, auth, 400, ""},
+		{"functions with tool choice auto", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto","functions":[{"name":"f"}]}`, auth, 400, ""},
 		{"tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]}]}`, auth, 400, ""},
 		{"logit bias key", "/v1/completions", `{"prompt":"x","logit_bias":{"abc":1}}`, auth, 400, ""},
 	}

@@ -292,15 +292,16 @@ func refuseTools(req *ChatRequest) error {
 		return json.Unmarshal(raw, &s) == nil && s == "none"
 	}
 	const unsupported = "tool calling is not supported by this server"
-	switch {
-	case given(req.Tools) && !isNone(req.ToolChoice):
+	if given(req.Tools) && !isNone(req.ToolChoice) {
 		return invalid("tools", "%s; send tool_choice \"none\" to answer without tools", unsupported)
-	case given(req.ToolChoice) && !isNone(req.ToolChoice) && !given(req.Tools):
+	}
+	if given(req.ToolChoice) && !given(req.Tools) {
 		var s string
-		if json.Unmarshal(req.ToolChoice, &s) != nil || s != "auto" {
+		if json.Unmarshal(req.ToolChoice, &s) != nil || s != "none" && s != "auto" {
 			return invalid("tool_choice", "%s; tool_choice must be \"none\" or \"auto\" without tools", unsupported)
 		}
-	case given(req.Functions) && !isNone(req.FunctionCall):
+	}
+	if given(req.Functions) && !isNone(req.FunctionCall) {
 		return invalid("functions", "%s; send function_call \"none\" to answer without functions", unsupported)
 	}
 	for i, m := range req.Messages {

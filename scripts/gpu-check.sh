@@ -155,6 +155,14 @@ serve_bench() {
 		kill -0 "$serve" 2>/dev/null || break
 		sleep 0.2
 	done
+	if ! kill -0 "$serve" 2>/dev/null; then # e.g. its port taken: bench nothing else
+		wait "$serve" && st=0 || st=$?
+		echo "$st (exited before it was ready: $(tail -1 "$work/serve-$name.log"))" >"$work/exit-$name.txt"
+		serve=
+		for _ in $cs; do left=$((left - 1)); done
+		log "serve $name exited before it was ready; its benches are skipped"
+		return 0
+	fi
 	for c in $cs; do # CONCURRENCY, or CONCURRENCY:t1 to sample at temperature 1, top-p 0.95
 		left=$((left - 1))
 		local n=${c%%:*} sampling=()

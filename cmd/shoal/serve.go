@@ -168,6 +168,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	var profile sim.Profile
 	if f.sim != "" {
+		if f.chatTemplate != "" {
+			return errors.New("--chat-template has no effect with --sim: simulated nodes render ChatML")
+		}
 		var err error
 		if profile, err = sim.Load(f.sim); err != nil {
 			return err

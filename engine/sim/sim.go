@@ -154,7 +154,7 @@ func New(p Profile, cfg Config) (*Engine, error) {
 }
 
 func (e *Engine) Info() engine.ModelInfo {
-	return engine.ModelInfo{Name: e.p.Model, Architecture: "sim", VocabSize: e.vocab.n, TrainedContext: e.cap.CellsPerSeq, HasChatTemplate: true}
+	return engine.ModelInfo{Name: e.p.Model, Architecture: "sim", VocabSize: e.vocab.n, TrainedContext: e.cap.CellsPerSeq, HasChatTemplate: true, ChatTemplate: "chatml"}
 }
 func (e *Engine) Capacity() engine.Capacity { return e.cap }
 func (e *Engine) Vocab() engine.Vocab       { return e.vocab }
