@@ -220,6 +220,64 @@ func TestToolsWithToolChoiceNone(t *testing.T) {
 	}
 }
 
+// TestCompletionTextOffsets: text_offset indexes the choice's text, echoed prompt
+// included, streamed or whole (as OpenAI and vLLM count it).
+func TestCompletionTextOffsets(t *testing.T) {
+	s := newTestServer(t, nil)
+	var whole CompletionResponse
+	w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"echo":true,"temperature":0}`)
+	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || len(whole.Choices) != 1 {
+		t.Fatalf("%v: %s", err, w.Body)
+	}
+	lp := whole.Choices[0].Logprobs
+	text := whole.Choices[0].Text
+	for i, off := range lp.TextOffset {
+		if !strings.HasPrefix(text[off:], lp.Tokens[i]) {
+			t.Fatalf("token %d %q at offset %d of %q", i, lp.Tokens[i], off, text)
+		}
+	}
+	if lp.TextOffset[0] != len("abc") {
+		t.Fatalf("first generated token at %d, after the echoed prompt %q", lp.TextOffset[0], "abc")
+	}
+	w = s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"stream":true,"temperature":0}`)
+	var streamed strings.Builder
+	for _, line := range strings.Split(w.Body.String(), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var chunk CompletionResponse
+		if err := json.Unmarshal([]byte(data), &chunk); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range chunk.Choices {
+			if c.Logprobs != nil && c.Logprobs.TextOffset[0] != streamed.Len() {
+				t.Fatalf("chunk %q at text_offset %d, after %d characters", c.Text, c.Logprobs.TextOffset[0], streamed.Len())
+			}
+			streamed.WriteString(c.Text)
+		}
+	}
+}
+
+// TestTokenizeMessagesLikeChat: /tokenize renders messages as chat does.
+func TestTokenizeMessagesLikeChat(t *testing.T) {
+	s := newTestServer(t, nil)
+	count := func(role string) (int, int) {
+		w := s.do(t, "POST", "/tokenize", `{"messages":[{"role":"`+role+`","content":"be brief"},{"role":"user","content":"hi"}]}`)
+		var r TokenizeResponse
+		json.Unmarshal(w.Body.Bytes(), &r)
+		return w.Code, r.Count
+	}
+	codeDev, dev := count("developer")
+	codeSys, sys := count("system")
+	if codeDev != 200 || codeSys != 200 || dev != sys {
+		t.Fatalf("developer: %d (%d tokens), system: %d (%d tokens)", codeDev, dev, codeSys, sys)
+	}
+	if code, _ := count("robot"); code != 400 {
+		t.Fatalf("unknown role: %d", code)
+	}
+}
+
 func TestContextLengthError(t *testing.T) {
 	s := newTestServer(t, nil)
 	prompt := strings.TrimSuffix(strings.Repeat("5,", 4200), ",")

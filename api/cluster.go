@@ -18,7 +18,7 @@ const maxForwardTries = 3
 // and forwarded at most one hop with fwd; secret authenticates forwarded requests.
 func (s *Server) SetCluster(node *cluster.Node, fwd *cluster.Forwarder, secret []byte) {
 	s.node, s.fwd, s.secret = node, fwd, secret
-	s.engine.GET("/cluster", s.clusterInfo)
+	s.engine.GET("/cluster", s.auth, s.clusterInfo)
 }
 
 func (s *Server) clusterInfo(c *gin.Context) {

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/gin-gonic/gin"
 
@@ -198,25 +199,24 @@ func (s *Server) grammarFor(rf *ResponseFormat) (string, error) {
 	return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
 }
 
-// generationBackend is readyBackend for the generation endpoints: an embedding node
-// answers them with 400.
-func (s *Server) generationBackend(c *gin.Context) (*Backend, bool) {
-	b, ok := s.readyBackend(c)
-	if ok && b.Info.Pooling {
+// generates refuses a generation request for this node's model when it is an
+// embedding model (requests for other models were routed by begin).
+func generates(c *gin.Context, b *Backend) bool {
+	if b.Info.Pooling {
 		abort(c, invalid("model", "this node serves an embedding model: use /v1/embeddings"))
-		return nil, false
+		return false
 	}
-	return b, ok
+	return true
 }
 
 func (s *Server) chat(c *gin.Context) {
-	b, ok := s.generationBackend(c)
+	b, ok := s.readyBackend(c)
 	if !ok {
 		return
 	}
 	var req ChatRequest
 	forwarded, ok := s.begin(c, &req, &req.SamplingFields)
-	if !ok {
+	if !ok || !generates(c, b) {
 		return
 	}
 	maxTokens := req.MaxTokens
@@ -237,19 +237,10 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	msgs := make([]engine.ChatMessage, len(req.Messages))
-	for i, m := range req.Messages {
-		switch m.Role {
-		case "system", "user", "assistant", "tool", "developer":
-		default:
-			abort(c, invalid(fmt.Sprintf("messages[%d].role", i), "unknown role %q: want system, developer, user, assistant or tool", m.Role))
-			return
-		}
-		role := m.Role
-		if role == "developer" {
-			role = "system"
-		}
-		msgs[i] = engine.ChatMessage{Role: role, Content: string(m.Content)}
+	msgs, err := chatMessages(req.Messages)
+	if err != nil {
+		abort(c, err)
+		return
 	}
 	text, err := b.Vocab.ApplyChatTemplate(msgs, true)
 	if err != nil {
@@ -277,21 +268,48 @@ func (s *Server) chat(c *gin.Context) {
 	s.routeOrRun(c, b, &p, forwarded, toks)
 }
 
+// chatMessages checks the roles and maps them as the chat template expects
+// (developer is OpenAI's newer name for system); chat and /tokenize share it so that
+// /tokenize counts the prompt chat builds.
+func chatMessages(in []Message) ([]engine.ChatMessage, error) {
+	msgs := make([]engine.ChatMessage, len(in))
+	for i, m := range in {
+		switch m.Role {
+		case "system", "user", "assistant", "tool", "developer":
+		default:
+			return nil, invalid(fmt.Sprintf("messages[%d].role", i), "unknown role %q: want system, developer, user, assistant or tool", m.Role)
+		}
+		if given(m.ToolCalls) || given(m.FunctionCall) {
+			return nil, invalid(fmt.Sprintf("messages[%d].tool_calls", i), "%s: a history with tool calls cannot be rendered for this model", toolsUnsupported)
+		}
+		role := m.Role
+		if role == "developer" {
+			role = "system"
+		}
+		msgs[i] = engine.ChatMessage{Role: role, Content: string(m.Content)}
+	}
+	return msgs, nil
+}
+
+// given reports whether a raw JSON field holds something (not absent, null or []).
+func given(raw json.RawMessage) bool {
+	s := strings.TrimSpace(string(raw))
+	return s != "" && s != "null" && s != "[]"
+}
+
+const toolsUnsupported = "tool calling is not supported by this server"
+
 // refuseTools answers a request that asks for tool calls with 400: this server
 // has no tool-call parser, and answering as if no tools were offered would
 // silently change what the client asked for (llama.cpp's server and vLLM refuse
 // too unless started with tool support). Tools with tool_choice "none" are
 // accepted and not shown to the model, since the model may not call them anyway.
 func refuseTools(req *ChatRequest) error {
-	given := func(raw json.RawMessage) bool {
-		s := strings.TrimSpace(string(raw))
-		return s != "" && s != "null" && s != "[]"
-	}
 	isNone := func(raw json.RawMessage) bool {
 		var s string
 		return json.Unmarshal(raw, &s) == nil && s == "none"
 	}
-	const unsupported = "tool calling is not supported by this server"
+	const unsupported = toolsUnsupported
 	if given(req.Tools) && !isNone(req.ToolChoice) {
 		return invalid("tools", "%s; send tool_choice \"none\" to answer without tools", unsupported)
 	}
@@ -304,12 +322,7 @@ func refuseTools(req *ChatRequest) error {
 	if given(req.Functions) && !isNone(req.FunctionCall) {
 		return invalid("functions", "%s; send function_call \"none\" to answer without functions", unsupported)
 	}
-	for i, m := range req.Messages {
-		if given(m.ToolCalls) || given(m.FunctionCall) {
-			return invalid(fmt.Sprintf("messages[%d].tool_calls", i), "%s: a history with tool calls cannot be rendered for this model", unsupported)
-		}
-	}
-	return nil
+	return nil // a history with tool calls is refused by chatMessages
 }
 
 // routeOrRun serves the request here unless routing sends it elsewhere.
@@ -325,13 +338,13 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool,
 }
 
 func (s *Server) completions(c *gin.Context) {
-	b, ok := s.generationBackend(c)
+	b, ok := s.readyBackend(c)
 	if !ok {
 		return
 	}
 	var req CompletionRequest
 	forwarded, ok := s.begin(c, &req, &req.SamplingFields)
-	if !ok {
+	if !ok || !generates(c, b) {
 		return
 	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, req.MaxTokens)
@@ -402,12 +415,25 @@ func (s *Server) begin(c *gin.Context, req any, f *SamplingFields) (forwarded, o
 	if forwarded, ok = s.checkHop(c); !ok {
 		return forwarded, false
 	}
-	if !forwarded && s.elsewhere(f.Model) {
-		_, done := s.route(c, f.Model, nil, priorityOf(f.Priority))
-		done()
-		return false, false
+	return forwarded, s.routeElsewhere(c, forwarded, f.Model, priorityOf(f.Priority))
+}
+
+// routeElsewhere sends a request for a model this node does not serve to a node
+// that does, and answers false when it did (or refused it). A forwarded request
+// has made its one hop: if this node does not serve its model (the router's view
+// was stale), it gets 404 rather than another model's answer.
+func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, priority int) bool {
+	if !s.elsewhere(model) {
+		return true
 	}
-	return forwarded, true
+	if forwarded {
+		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
+			Message: fmt.Sprintf("the model %q was forwarded to this node, which serves %q", model, s.cfg.ModelName)})
+		return false
+	}
+	_, done := s.route(c, model, nil, priority)
+	done()
+	return false
 }
 
 // checkHop verifies a forwarded request's credential; ok is false when it was refused.
@@ -492,6 +518,7 @@ type choiceState struct {
 	text     strings.Builder
 	finish   string
 	logprobs []TokenLogprob
+	echoed   int // characters of echoed prompt text at the start of text
 }
 
 func finishString(f scheduler.FinishReason) string {
@@ -510,6 +537,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		if pi < len(p.echo) {
 			for j := range p.n {
 				choices[sub.base+j].text.WriteString(p.echo[pi])
+				choices[sub.base+j].echoed = utf8.RuneCountInString(p.echo[pi])
 			}
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
@@ -551,7 +579,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		f := choices[i].finish
 		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f}
 		if p.logprobs {
-			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0)
+			cc.Logprobs = legacyLogprobs(choices[i].logprobs, choices[i].echoed)
 		}
 		resp.Choices = append(resp.Choices, cc)
 	}
@@ -633,7 +661,9 @@ func pieceString(v engine.Vocab, t engine.Token) string {
 	return strings.ToValidUTF8(string(p), "\uFFFD")
 }
 
-// legacyLogprobs converts chat-style logprobs to the completions format.
+// legacyLogprobs converts chat-style logprobs to the completions format; offset is
+// where the first token's text starts in the choice's text, in characters (as
+// OpenAI's and vLLM's text_offset count).
 func legacyLogprobs(ls []TokenLogprob, offset int) *CompletionLogprobs {
 	out := &CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []float32{}, TopLogprobs: []map[string]float32{}, TextOffset: []int{}}
 	for _, l := range ls {
@@ -645,7 +675,7 @@ func legacyLogprobs(ls []TokenLogprob, offset int) *CompletionLogprobs {
 		}
 		out.TopLogprobs = append(out.TopLogprobs, top)
 		out.TextOffset = append(out.TextOffset, offset)
-		offset += len(l.Token)
+		offset += utf8.RuneCountInString(l.Token)
 	}
 	return out
 }

@@ -103,6 +103,8 @@ func (m *metrics) rejected(err error) {
 		reason = "too_long"
 	case errors.Is(err, scheduler.ErrClosed):
 		reason = "draining"
+	case errors.Is(err, errSaturatedMarker):
+		reason = "cluster_saturated"
 	}
 	m.rejects.WithLabelValues(reason).Inc()
 }

@@ -299,17 +299,34 @@ func (s *Server) embeddings(c *gin.Context) {
 		return
 	}
 	ctx := c.Request.Context()
+	// Inputs are submitted as a window that moves on as results come back: all at
+	// once, 2,048 inputs would overflow a queue of --max-waiting 1,024 on an idle
+	// node and earn a 429 that no retry could ever get past.
+	window := embedWindow
+	if mw := b.Generator.Load().MaxWaiting; mw > 0 {
+		window = max(1, min(window, mw/2))
+	}
 	streams := make([]*scheduler.Stream, len(inputs))
-	for i, toks := range inputs {
-		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: toks, Embed: true})
+	submit := func(i int) bool {
+		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: inputs[i], Embed: true})
 		if err != nil {
+			s.metrics.rejected(err)
 			abort(c, err)
-			return
+			return false
 		}
 		streams[i] = st
+		return true
+	}
+	for i := range min(window, len(inputs)) {
+		if !submit(i) {
+			return
+		}
 	}
 	resp := EmbeddingResponse{Object: "list", Model: s.cfg.ModelName}
 	for i, st := range streams {
+		if j := i + window; j < len(inputs) && !submit(j) {
+			return
+		}
 		var vec []float32
 		for {
 			ev, ok := st.Next(ctx)
@@ -340,6 +357,10 @@ func (s *Server) embeddings(c *gin.Context) {
 	resp.Usage.TotalTokens = resp.Usage.PromptTokens
 	c.JSON(http.StatusOK, resp)
 }
+
+// embedWindow is how many inputs of one embeddings request wait in the scheduler at
+// most: enough to fill a batch.
+const embedWindow = 64
 
 // normalize scales v to unit length, as OpenAI's and llama-server's embeddings are.
 func normalize(v []float32) []float32 {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/gin-gonic/gin"
 
@@ -71,6 +72,8 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return nil
 	}
+	// Characters of text sent per choice so far: where a chunk's text_offset starts.
+	sentChars := map[int]int{}
 	send := func(index int, text *string, finish *string, lp *TokenLogprob, role string) {
 		if p.chat {
 			ch := ChatChunkChoice{Index: index, Delta: ChatDelta{Role: role, Content: text}, FinishReason: finish}
@@ -87,8 +90,9 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		ch := CompletionChoice{Index: index, Text: t, FinishReason: finish}
 		if lp != nil {
-			ch.Logprobs = legacyLogprobs([]TokenLogprob{*lp}, 0)
+			ch.Logprobs = legacyLogprobs([]TokenLogprob{*lp}, sentChars[index])
 		}
+		sentChars[index] += utf8.RuneCountInString(t)
 		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
 			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
 	}

@@ -9,7 +9,9 @@ import (
 )
 
 // decodeFor returns the backend after decoding req and checking its model; ok is
-// false when the request was answered (not ready, bad body, unknown model).
+// false when the request was answered (not ready, bad body, unknown model, or
+// forwarded to the node that serves its model: the answer must come from that
+// model's vocabulary or weights).
 func (s *Server) decodeFor(c *gin.Context, req any, model *string) (*Backend, bool) {
 	b, ok := s.readyBackend(c)
 	if !ok {
@@ -17,6 +19,10 @@ func (s *Server) decodeFor(c *gin.Context, req any, model *string) (*Backend, bo
 	}
 	if err := decodeBody(c, req); err != nil {
 		abort(c, err)
+		return nil, false
+	}
+	forwarded, ok := s.checkHop(c)
+	if !ok || !s.routeElsewhere(c, forwarded, *model, 0) {
 		return nil, false
 	}
 	if err := s.checkModel(*model); err != nil {
@@ -41,11 +47,11 @@ func (s *Server) tokenize(c *gin.Context) {
 	case req.Prompt != nil && len(req.Messages) == 0:
 		text = *req.Prompt
 	case req.Prompt == nil && len(req.Messages) > 0:
-		msgs := make([]engine.ChatMessage, len(req.Messages))
-		for i, m := range req.Messages {
-			msgs[i] = engine.ChatMessage{Role: m.Role, Content: string(m.Content)}
+		msgs, err := chatMessages(req.Messages)
+		if err != nil {
+			abort(c, err)
+			return
 		}
-		var err error
 		if text, err = b.Vocab.ApplyChatTemplate(msgs, true); err != nil {
 			abort(c, invalid("messages", "chat template: %v", err))
 			return

@@ -22,6 +22,7 @@ import (
 // Load is a snapshot of the scheduler's state, published after every step.
 type Load struct {
 	Waiting        int
+	MaxWaiting     int // Config.MaxWaiting: beyond it Submit fails with ErrQueueFull
 	Running        int
 	KVBlocksUsed   int
 	KVBlocksCached int
@@ -963,7 +964,7 @@ func (s *Scheduler) publish() {
 	s.pool.Publish()
 	st := s.pool.Stats()
 	l := s.stats
-	l.Waiting = int(s.waiting.Load())
+	l.Waiting, l.MaxWaiting = int(s.waiting.Load()), s.cfg.MaxWaiting
 	l.Running = len(s.running)
 	l.KVBlocksUsed, l.KVBlocksCached, l.KVBlocksTotal, l.KVBlockTokens = st.Used, st.Cached, st.Blocks, st.BlockTokens
 	l.KVCacheBudget = st.CacheBudget

@@ -314,51 +314,64 @@ func TestDifferentPrefixesSpread(t *testing.T) {
 	}
 }
 
-// TestTLSAndManyModels: two nodes serving different models over TLS; either node
-// answers for both models, forwarding over verified TLS.
+// TestTLSAndManyModels: two nodes serving different models over TLS, behind an API
+// key; either node answers for both models (generation and /tokenize), forwarding
+// over verified TLS with the client's key, and /cluster needs the key too.
 func TestTLSAndManyModels(t *testing.T) {
 	dir := t.TempDir()
 	cert, key, ca := writeTestCert(t, dir)
 	model := smallModel(t)
 	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 	g1 := freeAddr(t)
-	tlsArgs := []string{"--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--gossip-key", gk, "--model", model, "--threads", "1"}
+	tlsArgs := []string{"--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--gossip-key", gk, "--model", model, "--threads", "1", "--api-key", "k1"}
 	x := startNode(t, append([]string{"--gossip-addr", g1, "--model-name", "x"}, tlsArgs...)...)
 	y := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--model-name", "y", "--join", g1}, tlsArgs...)...)
 	if !strings.HasPrefix(x.url, "https://") || !strings.HasPrefix(y.url, "https://") {
 		t.Fatalf("nodes not on TLS: %s %s", x.url, y.url)
 	}
 	client := tlsClient(t, ca)
-	get := func(url string) string {
-		resp, err := client.Get(url)
+	do := func(method, url, body, key string) (*http.Response, string) {
+		req, err := http.NewRequest(method, url, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		resp, err := client.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
-		return string(b)
+		return resp, string(b)
 	}
-	waitFor(t, "x lists y's model", func() bool { return strings.Contains(get(x.url+"/v1/models"), `"id":"y"`) })
+	waitFor(t, "x lists y's model", func() bool {
+		_, b := do("GET", x.url+"/v1/models", "", "k1")
+		return strings.Contains(b, `"id":"y"`)
+	})
 	for _, m := range []string{"x", "y"} {
-		resp, err := client.Post(x.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"`+m+`","prompt":"hi","max_tokens":2}`))
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
+		resp, b := do("POST", x.url+"/v1/completions", `{"model":"`+m+`","prompt":"hi","max_tokens":2}`, "k1")
 		if resp.StatusCode != 200 {
 			t.Fatalf("model %s via x: %d %s", m, resp.StatusCode, b)
 		}
 		if by := resp.Header.Get("X-Shoal-Served-By"); (m == "y") != (by != "") {
 			t.Fatalf("model %s served by %q", m, by)
 		}
+		// /tokenize answers from the vocabulary of the node that serves the model.
+		resp, b = do("POST", x.url+"/tokenize", `{"model":"`+m+`","prompt":"hi"}`, "k1")
+		if resp.StatusCode != 200 || (m == "y") != (resp.Header.Get("X-Shoal-Served-By") != "") {
+			t.Fatalf("tokenize for %s via x: %d %s (served by %q)", m, resp.StatusCode, b, resp.Header.Get("X-Shoal-Served-By"))
+		}
 	}
-	resp, err := client.Post(x.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"z","prompt":"hi"}`))
-	if err != nil {
-		t.Fatal(err)
+	if resp, b := do("POST", x.url+"/v1/completions", `{"model":"z","prompt":"hi"}`, "k1"); resp.StatusCode != 404 {
+		t.Fatalf("unknown model: %d %s", resp.StatusCode, b)
 	}
-	resp.Body.Close()
-	if resp.StatusCode != 404 {
-		t.Fatalf("unknown model: %d", resp.StatusCode)
+	if resp, _ := do("GET", x.url+"/cluster", "", ""); resp.StatusCode != 401 {
+		t.Fatalf("/cluster without the API key: %d", resp.StatusCode)
+	}
+	if resp, b := do("GET", x.url+"/cluster", "", "k1"); resp.StatusCode != 200 || !strings.Contains(b, `"members"`) {
+		t.Fatalf("/cluster with the API key: %d %s", resp.StatusCode, b)
 	}
 }
