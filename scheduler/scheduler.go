@@ -179,7 +179,9 @@ func (s *Scheduler) Load() Load { return *s.load.Load() }
 
 // MaxContext is the longest sequence (prompt + generated) one request may have.
 func (s *Scheduler) MaxContext() int {
-	return min(s.cap.CellsPerSeq, s.pool.TotalBlocks()*s.pool.BlockTokens())
+	// In whole blocks: a split stream of 1,365 cells holds 85 blocks of 16.
+	B := s.pool.BlockTokens()
+	return min(s.cap.CellsPerSeq/B*B, s.pool.TotalBlocks()*B)
 }
 
 // Submit queues req. The stream ends with EventDone or EventError; cancelling ctx
@@ -290,9 +292,19 @@ func (s *Scheduler) takeInbox() {
 func (s *Scheduler) enqueue(q *seq) {
 	// What it will cost to prefill, given the cache now: the queue-wait estimate that
 	// routers read counts this, not the whole prompt.
-	q.uncached = len(q.tokens) - s.pool.CachedPrefix(toInt32(q.tokens))
+	q.uncached = len(q.tokens) - len(s.cachedPrompt(q))
 	i, _ := slices.BinarySearchFunc(s.queue, q, queueOrder)
 	s.queue = slices.Insert(s.queue, i, q)
+}
+
+// cachedPrompt is what q may take from the prefix cache: its prompt, or nothing
+// for an embedding, which is pooled over its whole prompt in one pass (a cached
+// prefix would leave the pooling only the tail).
+func (s *Scheduler) cachedPrompt(q *seq) []int32 {
+	if q.g.req.Embed {
+		return nil
+	}
+	return toInt32(q.tokens)
 }
 
 func queueOrder(a, b *seq) int {
@@ -343,7 +355,8 @@ func (s *Scheduler) step(ctx context.Context) {
 		}
 		// Generation stops at max_tokens or when the context is full, whichever first.
 		need := min(q.maxNew-q.gen, s.MaxContext()-len(q.tokens))
-		if !s.pool.Fits(toInt32(q.tokens), need) {
+		prompt := s.cachedPrompt(q)
+		if !s.pool.Fits(prompt, need+len(q.tokens)-len(prompt)) {
 			if len(s.running) == 0 {
 				// Nothing running will free more: the request can never fit.
 				s.fail(q.g, fmt.Errorf("%w: %d tokens plus %d to generate exceed the KV pool", ErrPromptTooLong, len(q.tokens), need))
@@ -351,7 +364,7 @@ func (s *Scheduler) step(ctx context.Context) {
 			}
 			break
 		}
-		kv, ops, err := s.pool.Start(toInt32(q.tokens))
+		kv, ops, err := s.pool.Start(prompt)
 		if err != nil {
 			break // no sequence id: wait for one to finish
 		}
@@ -401,7 +414,7 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 	if !s.cfg.KV.Caching {
 		return false
 	}
-	if q.gen > 0 || q.index > 0 || q.forkFrom != nil {
+	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.Embed {
 		return false
 	}
 	B := s.pool.BlockTokens()
@@ -579,8 +592,11 @@ func (s *Scheduler) decode(ctx context.Context) {
 		if errors.Is(err, engine.ErrNoKVSpace) {
 			// The engine could not place the batch although the pool had room
 			// (fragmentation): free room by preempting, and retry next step.
-			if v := s.victim(); v != nil {
-				s.undoBatch()
+			// undoBatch requeues every sequence in the batch; the victim is
+			// preempted only if it was not among them (it still holds its KV).
+			v := s.victim()
+			s.undoBatch()
+			if v != nil && v.kv != nil {
 				s.preempt(v)
 			}
 			return
@@ -658,6 +674,7 @@ func (s *Scheduler) undoBatch() {
 	}
 	for q := range seen {
 		s.release(q)
+		q.committed = 0
 		s.removeFromRunning(q)
 		s.enqueue(q)
 		s.waiting.Add(1)
@@ -666,13 +683,22 @@ func (s *Scheduler) undoBatch() {
 
 // fork starts choice c as a copy of q, whose prompt has just been computed.
 func (s *Scheduler) fork(q, c *seq) {
-	kv, ops, err := s.pool.Fork(q.kv)
-	if err == nil {
-		err = s.apply(ops)
+	var kv *kvcache.Seq
+	var ops []kvcache.Op
+	err := errRunningFull
+	if len(s.running) < s.cfg.MaxRunning {
+		if kv, ops, err = s.pool.Fork(q.kv); err == nil {
+			if err = s.apply(ops); err != nil {
+				if rerr := s.apply(s.pool.Release(kv)); rerr != nil {
+					s.log.Error("release a failed fork", "err", rerr)
+				}
+			}
+		}
 	}
 	if err != nil {
-		// No room to fork now: the choice computes its own prompt later (it is
-		// already counted as waiting).
+		// No room to fork now (no slot, no blocks, or the copy failed): the choice
+		// computes its own prompt later, mostly from the cache (it is already
+		// counted as waiting).
 		c.forkFrom = nil
 		s.enqueue(c)
 		return
@@ -683,6 +709,9 @@ func (s *Scheduler) fork(q, c *seq) {
 	s.running = append(s.running, c)
 	s.waiting.Add(-1)
 }
+
+// errRunningFull: every running slot (Config.MaxRunning) is taken.
+var errRunningFull = errors.New("scheduler: every running slot is taken")
 
 // rate is an exponentially weighted moving average of events per second over the
 // time the scheduler steps, weighted by each step's duration (half-life
@@ -791,7 +820,8 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	g.usage.CompletionTokens++
 
 	if !g.req.IgnoreEOS && s.vocab.IsEOG(tok) {
-		s.finish(q, FinishStop, "")
+		// Text held back as the possible start of a stop string is output after all.
+		s.finish(q, FinishStop, q.held+q.detok.Flush())
 		return
 	}
 	q.tokens = append(q.tokens, tok)

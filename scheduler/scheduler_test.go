@@ -697,3 +697,96 @@ func TestConfigValidateRefusesBadCachePolicy(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestNoKVSpaceRequeuesOnce: when the engine cannot place a batch, every sequence
+// in it is requeued once (the victim too, when it was in the batch): none is started
+// twice, which leaked its first sequence id and blocks for good.
+func TestNoKVSpaceRequeuesOnce(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	calls := 0
+	f.Failing = func(b *engine.Batch) error {
+		if calls++; calls == 3 {
+			return engine.ErrNoKVSpace
+		}
+		return nil
+	}
+	s, _ := startScheduler(t, f, nil)
+	for i, r := range runConcurrently(t, s, []*Request{{Prompt: prompt(1, 10), MaxTokens: 10}, {Prompt: prompt(2, 10), MaxTokens: 10}}) {
+		if r.err != nil || len(r.tokens[0]) != 10 {
+			t.Fatalf("request %d: %d tokens, %v", i, len(r.tokens[0]), r.err)
+		}
+	}
+	waitIdle(t, s)
+}
+
+// TestEmbeddingIgnoresCachedPrefix: an embedding is pooled over its whole prompt in
+// one pass, even when its prefix is cached.
+func TestEmbeddingIgnoresCachedPrefix(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	p := prompt(1, 40)
+	for range 2 {
+		st, err := s.Submit(context.Background(), &Request{Prompt: p, Embed: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		collect(context.Background(), st, 1) // the fake has no embeddings: an error
+		bs := f.Batches()
+		if last := bs[len(bs)-1]; last.Rows != len(p) {
+			t.Fatalf("an embedding of %d tokens pooled over %d rows", len(p), last.Rows)
+		}
+	}
+}
+
+// TestForksRespectMaxRunning: n choices fork only into free running slots; the rest
+// wait and compute their prompt from the cache, so no step exceeds the batch.
+func TestForksRespectMaxRunning(t *testing.T) {
+	f := enginetest.New(4096, 64, 8)
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens, c.MaxRunning = 8, 8 })
+	r := runConcurrently(t, s, []*Request{{Prompt: prompt(1, 5), MaxTokens: 4, N: 16}})[0]
+	if r.err != nil {
+		t.Fatalf("n=16 with 8 running slots: %v", r.err)
+	}
+	for i, toks := range r.tokens {
+		if len(toks) != 4 {
+			t.Fatalf("choice %d: %d tokens", i, len(toks))
+		}
+	}
+	for _, b := range f.Batches() {
+		if len(b.Seqs) > 8 {
+			t.Fatalf("a step ran %d sequences with 8 running slots", len(b.Seqs))
+		}
+	}
+	waitIdle(t, s)
+}
+
+// TestSplitContextInWholeBlocks: with streams that are not a whole number of blocks,
+// a request limited by the context generates until its stream's blocks are full.
+func TestSplitContextInWholeBlocks(t *testing.T) {
+	f := enginetest.NewSplit(100, 4, 512) // 100 cells a stream: 6 blocks of 16
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxRunning = 4 })
+	if got := s.MaxContext(); got != 96 {
+		t.Fatalf("MaxContext %d, want 96", got)
+	}
+	st, err := s.Submit(context.Background(), &Request{Prompt: prompt(1, 50), MaxTokens: 200, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := collect(context.Background(), st, 1); r.err != nil || r.finish[0] != FinishLength || len(r.tokens[0]) != 46 {
+		t.Fatalf("%d tokens, finish %v, %v", len(r.tokens[0]), r.finish[0], r.err)
+	}
+}
+
+// TestHeldTextSurvivesEOS: text held back as the possible start of a stop string is
+// output when generation ends with EOS instead.
+func TestHeldTextSurvivesEOS(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	f.EOSAt = 16
+	s, _ := startScheduler(t, f, nil)
+	p := prompt(1, 10)
+	want := runConcurrently(t, s, []*Request{{Prompt: p, MaxTokens: 50}})[0].text[0]
+	got := runConcurrently(t, s, []*Request{{Prompt: p, MaxTokens: 50, Stop: []string{want[len(want)-1:] + "#"}}})[0]
+	if got.err != nil || got.text[0] != want {
+		t.Fatalf("text %q (%v), want %q", got.text[0], got.err, want)
+	}
+}

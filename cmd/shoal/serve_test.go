@@ -586,9 +586,18 @@ func TestMultiTurnPlan(t *testing.T) {
 }
 
 func TestEmbeddingNode(t *testing.T) {
-	n := startNode(t, "--model", smallModel(t), "--embeddings", "--pooling", "mean")
+	n := startNode(t, "--model", smallModel(t), "--embeddings", "--pooling", "mean", "--max-waiting", "8")
 	c := n.client("")
 	ctx := context.Background()
+	// More inputs than the queue holds: submitted as a window, not all at once.
+	many := make([]string, 40)
+	for i := range many {
+		many[i] = fmt.Sprintf("input number %d", i)
+	}
+	big, err := c.Embeddings.New(ctx, openai.EmbeddingNewParams{Model: "small", Input: openai.EmbeddingNewParamsInputUnion{OfArrayOfStrings: many}})
+	if err != nil || len(big.Data) != 40 || big.Data[39].Index != 39 {
+		t.Fatalf("40 inputs with --max-waiting 8: %v", err)
+	}
 	r, err := c.Embeddings.New(ctx, openai.EmbeddingNewParams{
 		Model: "small",
 		Input: openai.EmbeddingNewParamsInputUnion{OfArrayOfStrings: []string{"the cat sat", "a dog ran", "the cat sat"}},
