@@ -472,24 +472,87 @@ func asRetryable(err error, re **RetryableError) bool {
 }
 
 func TestLoadWireVersions(t *testing.T) {
-	l := Load{Waiting: 3, Running: 16, PrefillTPS: 10, Seq: 9, FinishPS: 12.5}
+	l := Load{Waiting: 3, Running: 16, PrefillTPS: 10, Seq: 9, FinishPS: 12.5, Boot: 1234}
 	b := encodeLoad("n", l)
 	if name, got, err := decodeLoad(b); err != nil || name != "n" || got != l {
 		t.Fatalf("round trip: %q %+v %v", name, got, err)
 	}
-	// A node of the previous release sends 11 fields: the rest read as zero.
-	old := b[:len(b)-8]
+	// Nodes of earlier releases send 11 or 12 fields: the rest read as zero.
 	want := l
+	want.Boot = 0
+	if _, got, err := decodeLoad(b[:len(b)-8]); err != nil || got != want {
+		t.Fatalf("12-field load: %+v %v", got, err)
+	}
 	want.FinishPS = 0
-	if _, got, err := decodeLoad(old); err != nil || got != want {
+	if _, got, err := decodeLoad(b[:len(b)-16]); err != nil || got != want {
 		t.Fatalf("11-field load: %+v %v", got, err)
 	}
 	// A newer node may append fields: they are ignored; a torn field is refused.
 	if _, got, err := decodeLoad(append(slices.Clone(b), make([]byte, 8)...)); err != nil || got != l {
-		t.Fatalf("13-field load: %+v %v", got, err)
+		t.Fatalf("14-field load: %+v %v", got, err)
 	}
 	if _, _, err := decodeLoad(append(slices.Clone(b), 1)); err == nil {
 		t.Fatal("a load message with a partial field was accepted")
+	}
+	// A wait no node measures (it would overflow a time.Duration) is refused.
+	if _, _, err := decodeLoad(encodeLoad("n", Load{QueueWaitMS: 1e300})); err == nil {
+		t.Fatal("a load message with a wait of 1e300 ms was accepted")
+	}
+}
+
+// TestRestartedPeer: a node that restarts under the same name starts its load
+// sequence again; its first load replaces the old process's (which had counted far
+// higher) and drops the old cache summary, and the old process's late messages are
+// ignored.
+func TestRestartedPeer(t *testing.T) {
+	n := routerWith(t, PrefixAware, &peer{name: "self"}, &peer{name: "b"})
+	d := &delegate{n: n}
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 100000, Waiting: 5, Boot: 1}))
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 3, []kvcache.Hash{42}))
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Waiting: 0, Boot: 2})) // restarted
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 100001, Waiting: 7, Boot: 1})) // the old process, late
+	n.mu.Lock()
+	p := n.peers["b"]
+	load, sum := p.load, len(p.summary)
+	n.mu.Unlock()
+	if load.Boot != 2 || load.Seq != 1 || load.Waiting != 0 || sum != 0 {
+		t.Fatalf("after a restart: load %+v, %d cached blocks", load, sum)
+	}
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 2, Waiting: 1, Boot: 2}))
+	n.mu.Lock()
+	load = n.peers["b"].load
+	n.mu.Unlock()
+	if load.Seq != 2 || load.Waiting != 1 {
+		t.Fatalf("the restarted process's next load was dropped: %+v", load)
+	}
+}
+
+// TestPeersStayBounded: names heard from without a join (spoofed, or members long
+// gone) neither grow the peers map without bound nor count in routing.
+func TestPeersStayBounded(t *testing.T) {
+	n := routerWith(t, PrefixAware, &peer{name: "self"})
+	d := &delegate{n: n}
+	for i := range 1000 {
+		d.NotifyMsg(encodeLoad(fmt.Sprintf("ghost-%d", i), Load{Seq: 1, FinishPS: 100}))
+	}
+	n.mu.Lock()
+	size, others, overdue := len(n.peers), n.othersPerOwn(), n.loadOverdue()
+	n.mu.Unlock()
+	if size > maxPlaceholders+1 || others != 1 || overdue != overdueRounds*n.cfg.LoadInterval {
+		t.Fatalf("after 1000 unknown names: %d peers, others per own %v, load overdue %v", size, others, overdue)
+	}
+	n.mu.Lock()
+	n.prune(time.Now().Add(placeholderLimit + time.Second))
+	size = len(n.peers)
+	n.mu.Unlock()
+	if size != 1 {
+		t.Fatalf("%d peers after pruning placeholders, want 1 (self)", size)
+	}
+	d.NotifyMsg(encodeLoad("late", Load{Seq: 1}))
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.peers["late"] == nil {
+		t.Fatal("no room for a placeholder after pruning")
 	}
 }
 

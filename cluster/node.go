@@ -134,10 +134,13 @@ type Node struct {
 	recent     map[string]*recentPrompts // per model: the last prompts routed (under mu)
 	joined     chan string               // members to send the full summary to
 	loadSeq    atomic.Uint64
-	turns      int // prompts routed by turn-taking policies, for the next turn (under mu)
-	stop       chan struct{}
-	stopOnce   sync.Once
-	wg         sync.WaitGroup
+	boot       uint64 // this process's Load.Boot
+	// placeholders counts peers heard from before their join event (under mu).
+	placeholders int
+	turns        int // prompts routed by turn-taking policies, for the next turn (under mu)
+	stop         chan struct{}
+	stopOnce     sync.Once
+	wg           sync.WaitGroup
 }
 
 // peer is what this node knows of another (or of itself).
@@ -146,6 +149,7 @@ type peer struct {
 	gossip    string
 	state     string    // from memberlist's events: alive, dead or left (see status)
 	aliveAt   time.Time // when it (re)joined
+	changedAt time.Time // when its state last changed (or, a placeholder, was created)
 	failedAt  time.Time // when a forward to it last could not connect
 	meta      Meta
 	metaOK    bool
@@ -201,7 +205,7 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
 		sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
-		joined: make(chan string, 256), reuse: reuseStart}
+		joined: make(chan string, 256), reuse: reuseStart, boot: uint64(time.Now().UnixNano())}
 	return n, nil
 }
 
@@ -256,6 +260,7 @@ func (n *Node) Start() error {
 	}
 	n.wg.Add(1)
 	go n.loop()
+	go n.summaries()
 	return nil
 }
 
@@ -287,9 +292,23 @@ func (n *Node) loop() {
 		select {
 		case <-n.stop:
 			return
+		case <-t.C:
+		}
+	}
+}
+
+// summaries sends this node's full summary to each newcomer, apart from the load
+// loop: a TCP send to a member that vanished waits for memberlist's TCP timeout
+// (10 s on a LAN), and meanwhile the load must keep going out, or every peer would
+// mark this node suspect. Leave does not wait for it: memberlist's shutdown ends a
+// send in progress.
+func (n *Node) summaries() {
+	for {
+		select {
+		case <-n.stop:
+			return
 		case name := <-n.joined:
 			n.sendSummary(name)
-		case <-t.C:
 		}
 	}
 }
@@ -334,7 +353,7 @@ func (p *peer) node() *memberlist.Node {
 // publishLocal refreshes this node's own entry and queues its load and new hashes.
 func (n *Node) publishLocal() {
 	l := n.local.Load()
-	l.Seq = n.loadSeq.Add(1)
+	l.Seq, l.Boot = n.loadSeq.Add(1), n.boot
 	sum := n.local.Summary()
 	routed := n.routed.Load()
 	n.mu.Lock()
@@ -344,6 +363,7 @@ func (n *Node) publishLocal() {
 	n.routeRate += routeRateWeight * (inst - n.routeRate)
 	self := n.peers[n.cfg.Name]
 	self.load, self.loadAt = l, time.Now()
+	n.prune(self.loadAt)
 	var added, evicted []kvcache.Hash
 	if sum != nil && sum.Generation != n.sentGen {
 		now := make(map[kvcache.Hash]struct{}, len(sum.Hashes))
@@ -479,8 +499,8 @@ func (d *delegate) NotifyMsg(b []byte) {
 			return
 		}
 		n.mu.Lock()
-		if p := n.peerLocked(name); l.Seq > p.load.Seq {
-			p.load, p.loadAt = l, time.Now()
+		if p := n.peerLocked(name); p != nil {
+			p.takeLoad(l, time.Now())
 		}
 		n.mu.Unlock()
 	case msgPrefix, msgEvict:
@@ -490,6 +510,10 @@ func (d *delegate) NotifyMsg(b []byte) {
 		}
 		n.mu.Lock()
 		p := n.peerLocked(name)
+		if p == nil {
+			n.mu.Unlock()
+			return
+		}
 		if b[1] == msgEvict {
 			for _, h := range hs {
 				delete(p.summary, h)
@@ -540,22 +564,69 @@ func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 		set[h] = struct{}{}
 	}
 	n.mu.Lock()
-	p := n.peerLocked(name)
-	p.summary, p.sumGen = set, gen
+	if p := n.peerLocked(name); p != nil {
+		p.summary, p.sumGen = set, gen
+	}
 	n.mu.Unlock()
+}
+
+// takeLoad records l as p's load if it is newer: a later Seq of the same process,
+// or the first load of a new process under p's name (a restart), whose cache and
+// load start afresh. Caller holds n.mu.
+func (p *peer) takeLoad(l Load, now time.Time) {
+	switch {
+	case l.Boot > p.load.Boot:
+		if p.load.Boot != 0 {
+			p.summary, p.sumGen = nil, 0 // the old process's cache is gone
+			for _, f := range p.flights {
+				f.seq = 0 // the new process's sequence numbers start again
+			}
+		}
+	case l.Boot < p.load.Boot || l.Seq <= p.load.Seq:
+		return // an older process's, or not newer
+	}
+	p.load, p.loadAt = l, now
 }
 
 // peerLocked returns the entry for name, creating a placeholder when a message from
 // a member arrives before memberlist's join event for it (messages and events travel
 // separately). Placeholders are neither listed nor routed to until the join event
-// fills in their metadata. n.mu must be held.
+// fills in their metadata, at most maxPlaceholders exist at a time, and prune drops
+// those no join followed; nil when there is no room for another. n.mu must be held.
 func (n *Node) peerLocked(name string) *peer {
 	p := n.peers[name]
 	if p == nil {
-		p = &peer{name: name}
+		if n.placeholders >= maxPlaceholders {
+			return nil
+		}
+		p = &peer{name: name, changedAt: time.Now()}
 		n.peers[name] = p
+		n.placeholders++
 	}
 	return p
+}
+
+// Limits on what the peers map keeps of nodes that are not alive members.
+const (
+	maxPlaceholders  = 64               // names heard from before their join event
+	placeholderLimit = 30 * time.Second // how long a placeholder waits for its join
+	goneLimit        = 5 * time.Minute  // how long a dead or left member stays listed
+)
+
+// prune drops placeholders no join event followed and members dead or gone for
+// longer than goneLimit: name churn (address-based names, restarts on new
+// addresses) must not grow the map, and routing counts only what is there. Caller
+// holds n.mu.
+func (n *Node) prune(now time.Time) {
+	for name, p := range n.peers {
+		switch {
+		case p.state == "" && now.Sub(p.changedAt) > placeholderLimit:
+			delete(n.peers, name)
+			n.placeholders--
+		case (p.state == "dead" || p.state == "left") && now.Sub(p.changedAt) > goneLimit:
+			delete(n.peers, name)
+		}
+	}
 }
 
 // events tracks membership. memberlist calls it from one goroutine at a time.
@@ -595,10 +666,15 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	if p == nil {
 		p = &peer{name: m.Name}
 		n.peers[m.Name] = p
+	} else if p.state == "" {
+		n.placeholders-- // joined: no longer a placeholder
 	}
 	p.gossip = net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
 	if state == "alive" && p.state != "alive" {
 		p.aliveAt = time.Now()
+	}
+	if state != p.state {
+		p.changedAt = time.Now()
 	}
 	p.state = state
 	if err == nil && state == "alive" {
@@ -638,8 +714,21 @@ func (n *Node) status(p *peer, now time.Time) string {
 // few of the rounds in which every node sends its load to every other (one
 // interval, or more beyond FanOut peers, which take turns). Caller holds n.mu.
 func (n *Node) loadOverdue() time.Duration {
-	rounds := max((len(n.peers)-1+n.cfg.FanOut-1)/n.cfg.FanOut, 1)
+	rounds := max((n.aliveCount()-1+n.cfg.FanOut-1)/n.cfg.FanOut, 1)
 	return time.Duration(overdueRounds*rounds) * n.cfg.LoadInterval
+}
+
+// aliveCount is how many members memberlist last reported alive, this node
+// included: dead and left members and placeholders take no part in the rounds or
+// in routing's sums. Caller holds n.mu.
+func (n *Node) aliveCount() int {
+	c := 0
+	for _, p := range n.peers {
+		if p.state == "alive" {
+			c++
+		}
+	}
+	return c
 }
 
 // overdueRounds is how many load rounds a peer may miss before it is suspect

@@ -369,8 +369,8 @@ func rotate(cands []candidate, turn *peer) {
 // with turns from a hash of the name, 0.98-1.00× from the place. Caller holds n.mu.
 func (n *Node) nextTurn() int {
 	own := 0
-	for name := range n.peers {
-		if name < n.cfg.Name {
+	for name, p := range n.peers {
+		if p.state == "alive" && name < n.cfg.Name {
 			own++
 		}
 	}
@@ -494,14 +494,17 @@ func rendezvous(key kvcache.Hash, node string) uint64 {
 // gossip has not seen any traffic yet should spread, not pile onto whichever node
 // every router ranks first. Caller holds n.mu.
 func (n *Node) othersPerOwn() float64 {
-	total := 0.0
+	total, nodes := 0.0, 0
 	for _, p := range n.peers {
-		total += p.load.FinishPS
+		if p.state == "alive" {
+			total += p.load.FinishPS
+			nodes++
+		}
 	}
 	if n.routeRate <= 0 || total <= 0 {
-		return float64(len(n.peers))
+		return float64(nodes)
 	}
-	return min(max(total/n.routeRate, 1), float64(len(n.peers)))
+	return min(max(total/n.routeRate, 1), float64(nodes))
 }
 
 // clusterPrefillRate is the median prefill rate (tokens/s) gossiped by the nodes
@@ -509,7 +512,7 @@ func (n *Node) othersPerOwn() float64 {
 func (n *Node) clusterPrefillRate(model string) float64 {
 	var rates []float64
 	for _, p := range n.peers {
-		if p.metaOK && slices.Contains(p.meta.Models, model) && p.load.PrefillTPS > 0 {
+		if p.state == "alive" && p.metaOK && slices.Contains(p.meta.Models, model) && p.load.PrefillTPS > 0 {
 			rates = append(rates, p.load.PrefillTPS)
 		}
 	}

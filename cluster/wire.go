@@ -80,6 +80,10 @@ type Load struct {
 	// FinishPS is how many sequences leave its running batch per second of work:
 	// with every slot taken, a queued request waits for finishes, not for prefill.
 	FinishPS float64 `json:"finish_ps"`
+	// Boot identifies the node's process (its start, in Unix nanoseconds): Seq starts
+	// again with a new process under the same name, and a later Boot means a
+	// restart, whose cache starts empty.
+	Boot uint64 `json:"boot"`
 }
 
 // loadMsg is a load update on the wire: header, node name, then fixed-width fields.
@@ -100,13 +104,18 @@ func encodeLoad(node string, l Load) []byte {
 	u(uint64(l.PendingTokens))
 	u(l.Seq)
 	f(l.FinishPS)
+	u(l.Boot)
 	return b
 }
 
 // minLoadFields is how many fields a load message carries at least (encodeLoad writes
-// 12); a decoder reads the fields it knows, leaves those a node of an older release
+// 13); a decoder reads the fields it knows, leaves those a node of an older release
 // does not send at zero, and ignores those a newer one appends.
 const minLoadFields = 11
+
+// maxLoadValue bounds a load message's rates and waits (a wait of 1e12 ms is 30
+// years).
+const maxLoadValue = 1e12
 
 func decodeLoad(b []byte) (string, Load, error) {
 	var l Load
@@ -130,8 +139,13 @@ func decodeLoad(b []byte) (string, Load, error) {
 	if fields >= 12 { // FinishPS, the twelfth
 		l.FinishPS = f()
 	}
+	if fields >= 13 { // Boot
+		l.Boot = u()
+	}
 	for _, x := range []float64{l.KVUsed, l.PrefillTPS, l.DecodeTPS, l.QueueWaitMS, l.FinishPS} {
-		if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 {
+		// Beyond maxLoadValue a number is no measurement (and a wait in
+		// milliseconds that large would overflow a time.Duration).
+		if math.IsNaN(x) || math.IsInf(x, 0) || x < 0 || x > maxLoadValue {
 			return "", l, errors.New("cluster: load message with an invalid number")
 		}
 	}
