@@ -509,7 +509,7 @@ func TestRestartedPeer(t *testing.T) {
 	d := &delegate{n: n}
 	d.NotifyMsg(encodeLoad("b", Load{Seq: 100000, Waiting: 5, Boot: 1}))
 	d.NotifyMsg(encodeHashes(msgPrefix, "b", 3, []kvcache.Hash{42}))
-	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Waiting: 0, Boot: 2})) // restarted
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Waiting: 0, Boot: 2}))      // restarted
 	d.NotifyMsg(encodeLoad("b", Load{Seq: 100001, Waiting: 7, Boot: 1})) // the old process, late
 	n.mu.Lock()
 	p := n.peers["b"]
