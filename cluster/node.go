@@ -682,9 +682,10 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	} else if err != nil && state == "alive" {
 		n.log.Warn("peer metadata unreadable", "peer", m.Name, "err", err)
 	}
-	if state != "alive" {
-		p.summary = nil // a dead node's cache is gone
-	}
+	// A dead or left member's summary is kept: routing passes over it while it is
+	// not alive, a member wrongly declared dead (a long pause, lost packets) comes
+	// back with its cache, which it would not send again, and a restarted process is
+	// told apart by its load's Boot, which drops the old summary (takeLoad).
 }
 
 // status is p's state as routing and GET /cluster see it. memberlist's events say
