@@ -606,7 +606,9 @@ func addUsage(u *Usage, x scheduler.Usage) {
 // drain reads a stream to its end, calling fn for token and finish events and
 // recording metrics. It returns the usage or the stream's error.
 func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, fn func(scheduler.Event)) (scheduler.Usage, error) {
-	var first, last time.Time
+	// Per choice, from the scheduler's timestamps: choices of one prompt are read in
+	// turn, and prompts one after another.
+	last := map[int]time.Time{}
 	for {
 		ev, ok := sub.stream.Next(ctx)
 		if !ok {
@@ -617,20 +619,18 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
-			now := time.Now()
-			if first.IsZero() {
-				first = now
-				s.metrics.ttft.Observe(now.Sub(sub.start).Seconds())
+			if prev, ok := last[ev.Index]; !ok {
+				s.metrics.ttft.Observe(ev.At.Sub(sub.start).Seconds())
 			} else {
-				s.metrics.itl.Observe(now.Sub(last).Seconds())
+				s.metrics.itl.Observe(ev.At.Sub(prev).Seconds())
 			}
-			last = now
+			last[ev.Index] = ev.At
 			fn(ev)
 		case scheduler.EventFinish:
 			s.metrics.finished(ev.Finish)
 			fn(ev)
 		case scheduler.EventDone:
-			s.metrics.e2e.Observe(time.Since(sub.start).Seconds())
+			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())
 			s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
 			return ev.Usage, nil
 		case scheduler.EventError:

@@ -55,6 +55,9 @@ type Event struct {
 	Usage   Usage
 	Err     error
 	Vector  []float32
+	// At is when the scheduler produced the event: latency metrics read it, not the
+	// time a reader (busy with another choice, or a slow client) got to it.
+	At time.Time
 }
 
 // Stream delivers a request's events in order. The scheduler appends without ever
@@ -78,6 +81,9 @@ func (s *Stream) push(ev Event) {
 	if s.closed {
 		s.mu.Unlock()
 		return
+	}
+	if ev.At.IsZero() {
+		ev.At = time.Now()
 	}
 	s.buf = append(s.buf, ev)
 	final := ev.Kind == EventDone || ev.Kind == EventError
