@@ -93,6 +93,7 @@ type Server struct {
 	log      *slog.Logger
 	backend  atomic.Pointer[Backend]
 	draining atomic.Bool
+	inflight atomic.Int64
 	metrics  *metrics
 	engine   *gin.Engine
 	started  time.Time
@@ -130,13 +131,13 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	if g, ok := reg.(prometheus.Gatherer); ok {
 		r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(g, promhttp.HandlerOpts{})))
 	}
-	v1 := r.Group("/v1", s.auth)
+	v1 := r.Group("/v1", s.counted, s.auth)
 	v1.GET("/models", s.models)
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
 	v1.POST("/embeddings", s.embeddings)
-	r.POST("/tokenize", s.auth, s.tokenize)
-	r.POST("/detokenize", s.auth, s.detokenize)
+	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
+	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.NoRoute(func(c *gin.Context) {
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
 			Message: fmt.Sprintf("no route %s %s", c.Request.Method, c.Request.URL.Path)})
@@ -158,6 +159,18 @@ func (s *Server) SetBackend(b *Backend) { s.backend.Store(b) }
 
 // Drain makes the server refuse new generation requests with 503.
 func (s *Server) Drain() { s.draining.Store(true) }
+
+// InFlight is how many API requests are being answered now: served here, being
+// forwarded to a peer, or still being read. A draining node waits for it to reach 0
+// (its scheduler alone does not see forwarded requests).
+func (s *Server) InFlight() int { return int(s.inflight.Load()) }
+
+// counted keeps InFlight for the handlers after it.
+func (s *Server) counted(c *gin.Context) {
+	s.inflight.Add(1)
+	defer s.inflight.Add(-1)
+	c.Next()
+}
 
 func (s *Server) ready(c *gin.Context) {
 	switch {

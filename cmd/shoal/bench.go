@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -91,6 +92,9 @@ type BenchResult struct {
 	// or kept from being sent; the other numbers are of the rest (Requests), up to the
 	// signal.
 	Interrupted int `json:"interrupted,omitempty"`
+	// CappedArrivals counts Poisson arrivals (--rate) that waited for a slot of
+	// --concurrency: the run was partly closed-loop and the offered rate not reached.
+	CappedArrivals int `json:"capped_arrivals,omitempty"`
 	// FirstError is the first failed request's error (the server's message), so that
 	// a run with errors says why.
 	FirstError string `json:"first_error,omitempty"`
@@ -125,7 +129,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.systemLen, "system-len", 0, "tokens every prompt starts with (a common system prompt), before the dataset's own")
 	fs.IntVar(&c.maxRequests, "max-requests", 0, "send only the first N planned requests (0: all)")
 	fs.Float64Var(&c.zipf, "zipf", 0, "shared-prefix: Zipf exponent of group popularity (> 1; 0: uniform, every group equally often)")
-	fs.IntVar(&c.concurrency, "concurrency", 8, "requests in flight (closed loop); with --rate, the most in flight")
+	fs.IntVar(&c.concurrency, "concurrency", 8, "requests in flight (closed loop); with --rate, the most in flight (default with --rate: no limit)")
 	fs.Float64Var(&c.rate, "rate", 0, "Poisson arrival rate in requests/s (0: closed loop at --concurrency)")
 	fs.Int64Var(&c.seed, "seed", 1, "seed of the dataset and arrivals")
 	fs.IntVar(&c.vocabLo, "token-min", 100, "smallest random token id")
@@ -138,6 +142,8 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if len(c.urls) == 0 {
 		c.urls = listFlag{"http://127.0.0.1:8080/v1"}
 	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	switch {
 	case c.concurrency < 1:
 		return errors.New("--concurrency must be at least 1")
@@ -156,6 +162,10 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if c.rate > 0 && !given["concurrency"] {
+		// Open loop: arrivals must not wait for answers (vLLM's default too).
+		c.concurrency = max(len(reqs), 1)
+	}
 	client := &http.Client{Timeout: c.timeout}
 	if c.model == "" {
 		if c.model, err = firstModel(client, c); err != nil {
@@ -172,7 +182,15 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stderr, "bench: interrupted: %d of %d requests ended before the signal; results are of those\n",
 			res.Requests, res.Requests+res.Interrupted)
 	}
-	printBench(stdout, res)
+	if res.CappedArrivals > 0 {
+		fmt.Fprintf(stderr, "bench: %d arrivals waited for a free slot of --concurrency %d: the offered rate was not reached\n",
+			res.CappedArrivals, c.concurrency)
+	}
+	table := stdout
+	if c.jsonOut == "-" {
+		table = stderr // stdout is the JSON alone
+	}
+	printBench(table, res)
 	if c.jsonOut != "" {
 		b, _ := json.MarshalIndent(res, "", "  ")
 		if c.jsonOut == "-" {
@@ -319,6 +337,7 @@ func (c benchConfig) run(ctx context.Context, client *http.Client, reqs []benchR
 	}
 	start := time.Now()
 	sem := make(chan struct{}, c.concurrency)
+	capped := 0
 	var wg sync.WaitGroup
 	r := rand.New(rand.NewSource(c.seed + 1))
 	next := start
@@ -359,8 +378,13 @@ send:
 		}
 		select {
 		case sem <- struct{}{}:
-		case <-ctx.Done():
-			break send
+		default:
+			capped++ // an arrival waits for an answer: no longer open loop
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+				break send
+			}
 		}
 		wg.Go(func() {
 			defer close(ended[i])
@@ -370,7 +394,11 @@ send:
 	}
 	wg.Wait()
 	progress.end()
-	return summarise(c, samples, time.Since(start))
+	res := summarise(c, samples, time.Since(start))
+	if c.rate > 0 {
+		res.CappedArrivals = capped
+	}
+	return res
 }
 
 // one sends a streamed completion and measures it (Sent counts from the run's start).

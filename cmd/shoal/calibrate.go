@@ -30,6 +30,9 @@ func runCalibrate(args []string, stdout, stderr io.Writer) error {
 	if *model == "" || *out == "" {
 		return fmt.Errorf("--model and --out are required")
 	}
+	if *steps < 1 {
+		return fmt.Errorf("--steps %d: want at least 1", *steps)
+	}
 	log, _ := newLogger(stderr, "warn")
 	llama.SetLogger(log)
 	batches, contexts := []int{1, 8, 32}, []int{64, 256}

@@ -11,11 +11,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/hashicorp/go-sockaddr"
 
 	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/kvcache"
@@ -137,13 +140,19 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	if err != nil {
 		return nil, nil, err
 	}
-	cc := cluster.DefaultConfig()
-	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, cf.advertise, cf.join, key, secret
-	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
-	adv := cf.httpAdvertise
-	if adv == "" {
-		adv = httpAddr
+	// Peers need addresses they can reach: a wildcard listen address (0.0.0.0, ::)
+	// is advertised as this machine's private IP, as memberlist itself would.
+	gossipAdv, err := reachable(cmp.Or(cf.advertise, cf.gossip), "--advertise")
+	if err != nil {
+		return nil, nil, err
 	}
+	adv, err := reachable(cmp.Or(cf.httpAdvertise, httpAddr), "--http-advertise")
+	if err != nil {
+		return nil, nil, err
+	}
+	cc := cluster.DefaultConfig()
+	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, gossipAdv, cf.join, key, secret
+	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
 	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device}
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
 	if err != nil {
@@ -154,6 +163,24 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	}
 	log.Info("joined cluster", "node", node.Name(), "gossip", node.GossipAddr(), "route", policy, "peers", len(node.Members())-1)
 	return node, secret, nil
+}
+
+// reachable returns addr with a wildcard or empty host replaced by this machine's
+// private IP (the one memberlist would pick); flag names what to set when it has
+// none.
+func reachable(addr, flag string) (string, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", fmt.Errorf("address %q: %w", addr, err)
+	}
+	if ip := net.ParseIP(host); host != "" && (ip == nil || !ip.IsUnspecified()) {
+		return addr, nil
+	}
+	private, err := sockaddr.GetPrivateIP()
+	if err != nil || private == "" {
+		return "", fmt.Errorf("%s listens on every interface and this machine has no private IP to advertise: set %s HOST:PORT, the address other nodes reach it at", addr, flag)
+	}
+	return net.JoinHostPort(private, port), nil
 }
 
 func runStatus(args []string, stdout, _ io.Writer) error {

@@ -61,13 +61,19 @@ func floatList(s string) ([]float32, error) {
 // envPrefix: every flag --some-flag can also be set as SHOAL_SOME_FLAG.
 const envPrefix = "SHOAL_"
 
+// notFromEnv are flags applyEnv leaves alone. --host and --port: --addr is
+// SHOAL_ADDR, and Kubernetes sets SHOAL_PORT=tcp://IP:PORT for a Service named
+// shoal, which must neither stop the server nor move it. --api-key: keys come from
+// SHOAL_API_KEYS (and SHOAL_API_KEY, which bench and status read), joined.
+var notFromEnv = map[string]bool{"host": true, "port": true, "api-key": true}
+
 // applyEnv sets flags not given on the command line from the environment.
 func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	var err error
 	fs.VisitAll(func(f *flag.Flag) {
-		if given[f.Name] || err != nil {
+		if given[f.Name] || notFromEnv[f.Name] || err != nil {
 			return
 		}
 		key := envPrefix + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
@@ -160,9 +166,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if err := f.hostPort(); err != nil {
 		return err
 	}
-	if k := os.Getenv("SHOAL_API_KEYS"); k != "" && len(f.apiKeys) == 0 {
-		_ = f.apiKeys.Set(k)
-	}
+	f.envKeys(os.Getenv)
 	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
 	}
@@ -170,6 +174,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if f.sim != "" {
 		if f.chatTemplate != "" {
 			return errors.New("--chat-template has no effect with --sim: simulated nodes render ChatML")
+		}
+		if f.embeddings {
+			return errors.New("--embeddings with --sim: simulated nodes generate; they have no pooled embeddings")
 		}
 		var err error
 		if profile, err = sim.Load(f.sim); err != nil {
@@ -284,10 +291,16 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	case sig := <-sigs:
-		log.Info("signal during model load; exiting", "signal", sig.String())
+		log.Info("signal during model load; exiting once the load returns (a second signal exits now)", "signal", sig.String())
 		hs.Close()
-		if err := <-loaded; err == nil {
-			eng.Close()
+		select {
+		case err := <-loaded:
+			if err == nil {
+				eng.Close()
+			}
+		case sig := <-sigs:
+			// llama.cpp's load cannot be interrupted; nothing is served yet.
+			log.Warn("second signal during model load: exiting now", "signal", sig.String())
 		}
 		return nil
 	}
@@ -348,10 +361,17 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	srv.Drain()
 	deadline := time.Now().Add(f.drainTimeout)
 	for time.Now().Before(deadline) {
-		if l := sched.Load(); l.Running == 0 && l.Waiting == 0 {
+		// The API's count covers what the scheduler cannot see: requests being
+		// forwarded to peers, and those not submitted yet.
+		if l := sched.Load(); l.Running == 0 && l.Waiting == 0 && srv.InFlight() == 0 {
 			break
 		}
-		time.Sleep(20 * time.Millisecond)
+		select {
+		case sig := <-sigs:
+			log.Warn("second signal while draining: stopping now", "signal", sig.String())
+			deadline = time.Now()
+		case <-time.After(20 * time.Millisecond):
+		}
 	}
 	stopSched() // cancels whatever is still running
 	<-schedDone
@@ -429,6 +449,17 @@ func newLogger(w io.Writer, level string) (*slog.Logger, error) {
 		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}
+
+// envKeys takes the API keys from SHOAL_API_KEYS and SHOAL_API_KEY (both, joined)
+// when none were given on the command line.
+func (f *serveFlags) envKeys(getenv func(string) string) {
+	if len(f.apiKeys) > 0 {
+		return
+	}
+	for _, k := range []string{getenv("SHOAL_API_KEYS"), getenv("SHOAL_API_KEY")} {
+		_ = f.apiKeys.Set(k) // splits on commas, skips empty entries
+	}
 }
 
 // hostPort folds --host and --port into --addr.

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -527,6 +528,55 @@ func TestHostPort(t *testing.T) {
 	}
 	if err := f.hostPort(); err == nil {
 		t.Error("--port 70000 accepted")
+	}
+}
+
+// TestServeEnv: SHOAL_<FLAG> fills flags not given, except --host and --port
+// (Kubernetes sets SHOAL_PORT=tcp://IP:PORT for a Service named shoal) and the API
+// keys, which come from SHOAL_API_KEYS and SHOAL_API_KEY together.
+func TestServeEnv(t *testing.T) {
+	env := map[string]string{"SHOAL_PORT": "tcp://10.96.0.1:8080", "SHOAL_HOST": "10.0.0.9", "SHOAL_CTX_SIZE": "1024",
+		"SHOAL_API_KEYS": "a,b", "SHOAL_API_KEY": "c"}
+	fs, f := serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--addr", "10.0.0.1:9000"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyEnv(fs, func(k string) string { return env[k] }); err != nil {
+		t.Fatal(err)
+	}
+	f.envKeys(func(k string) string { return env[k] })
+	if err := f.hostPort(); err != nil || f.addr != "10.0.0.1:9000" || f.ctx != 1024 {
+		t.Fatalf("addr %q ctx %d, %v", f.addr, f.ctx, err)
+	}
+	if !slices.Equal(f.apiKeys, listFlag{"a", "b", "c"}) {
+		t.Fatalf("API keys %v", f.apiKeys)
+	}
+	fs, f = serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--api-key", "x"}); err != nil {
+		t.Fatal(err)
+	}
+	f.envKeys(func(k string) string { return env[k] })
+	if !slices.Equal(f.apiKeys, listFlag{"x"}) {
+		t.Fatalf("a key on the command line wins: %v", f.apiKeys)
+	}
+}
+
+func TestReachable(t *testing.T) {
+	if got, err := reachable("127.0.0.1:7946", "--advertise"); err != nil || got != "127.0.0.1:7946" {
+		t.Fatalf("a specific address changed: %q %v", got, err)
+	}
+	for _, wild := range []string{"0.0.0.0:7946", "[::]:7946", ":7946"} {
+		got, err := reachable(wild, "--advertise")
+		if err != nil {
+			if !strings.Contains(err.Error(), "--advertise") {
+				t.Fatalf("%s: %v", wild, err)
+			}
+			continue // no private IP here: the error says what to set
+		}
+		host, port, _ := net.SplitHostPort(got)
+		if ip := net.ParseIP(host); ip == nil || ip.IsUnspecified() || port != "7946" {
+			t.Fatalf("%s advertised as %q", wild, got)
+		}
 	}
 }
 
