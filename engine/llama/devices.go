@@ -142,7 +142,11 @@ func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
 	}
 	perCell, err := e.kvBytesPerCell(cfg.KVType)
 	if err != nil {
-		return 0, err
+		// Hybrid models (attention and recurrent layers) report no KV heads for
+		// their first layer: the pool keeps its cell count.
+		logger.Load().Warn("cannot size the KV pool from memory; using the context size", "err", err, "cells", cfg.ContextCells)
+		cfg.KVMemory = 0
+		return e.kvCells(cfg, offloaded)
 	}
 	budget := mem
 	if mem <= 1 {
@@ -164,6 +168,11 @@ func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
 	}
 	cells = min(cells, limit)
 	cells -= cells % 256
+	if !cfg.Unified {
+		// llama.cpp rounds each stream up to a multiple of 256 cells: round down
+		// here, or the pool outgrows the memory it was sized for.
+		cells = cells / cfg.MaxSeqs / 256 * 256 * cfg.MaxSeqs
+	}
 	if cells < max(256, 16*cfg.MaxSeqs) {
 		return 0, fmt.Errorf("KV memory %s holds only %d cells at %.0f bytes each: give more (--kv-memory) or fewer sequences (--parallel)",
 			engine.FormatBytes(uint64(budget)), int(budget/perCell), perCell)

@@ -938,6 +938,12 @@ func TestDevicesAndKVMemory(t *testing.T) {
 	if got := e.Capacity().CellBytes; got != 256 {
 		t.Fatalf("capacity reports %v bytes per cell, want 256", got)
 	}
+	// Split into streams, each is a whole number of 256 cells (llama.cpp pads a
+	// stream up to one), so the pool stays within the bytes: 5 streams of 3,072.
+	split := openTest(t, models.Tiny(), func(c *Config) { c.KVMemory, c.Unified, c.MaxSeqs = 4<<20, false, 5 })
+	if c := split.Capacity(); c.CellsPerSeq != 3072 || c.Cells != 5*3072 {
+		t.Fatalf("4 MiB split among 5 streams: %d cells, %d a stream; want 5 × 3072", c.Cells, c.CellsPerSeq)
+	}
 	wantLayers := 0
 	if len(gpus(devs)) > 0 {
 		wantLayers = e.Info().Layers // everything offloaded by default
@@ -967,5 +973,57 @@ func TestDevicesAndKVMemory(t *testing.T) {
 		t.Fatal("1 MiB of KV for 256 sequences should be refused")
 	} else {
 		t.Log(err)
+	}
+}
+
+// TestRejectedBatchKeepsMemory: a batch llama.cpp refuses before running it (here,
+// positions that do not follow the sequence's) leaves the sequence's cells alone;
+// other calls that llama.cpp would abort the process on are refused or mapped.
+func TestRejectedBatchKeepsMemory(t *testing.T) {
+	e := openTest(t, models.Tiny(), nil)
+	ctx := context.Background()
+	var b engine.Batch
+	for i := range 20 {
+		b.Add(engine.Token(10+i), engine.Pos(i), 0, i == 19)
+	}
+	if err := e.Decode(ctx, &b); err != nil {
+		t.Fatal(err)
+	}
+	b.Reset()
+	b.Add(10, 10, 0, true) // position 10 again: not 20
+	if err := e.Decode(ctx, &b); !errors.Is(err, engine.ErrInvalidInput) {
+		t.Fatalf("decode at a used position: %v", err)
+	}
+	if lo, hi, ok := e.SeqPosRange(0); !ok || lo != 0 || hi != 19 {
+		t.Fatalf("after a rejected batch sequence 0 holds [%d, %d] (%v), want [0, 19]", lo, hi, ok)
+	}
+	if err := e.SeqRemove(-2, 0, -1); err != nil { // any negative id means all
+		t.Fatal(err)
+	}
+	if _, _, ok := e.SeqPosRange(0); ok {
+		t.Fatal("SeqRemove(-2) left sequence 0")
+	}
+	// An end of generation before the grammar is complete is refused, not fatal.
+	g, err := e.NewGrammar(`root ::= "ab"`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	g.Accept(e.Vocab().EOS())
+	if gr := g.(*Grammar); gr.err == nil {
+		t.Fatal("an early end of generation was accepted")
+	}
+}
+
+// TestEmbeddingsNeedPooling: an embedding engine whose model pools nothing is
+// refused at open (llama.cpp would hand back no vector, or a reranker's scores).
+func TestEmbeddingsNeedPooling(t *testing.T) {
+	cfg := DefaultConfig(genModel(t, models.Tiny()))
+	cfg.ContextCells, cfg.Embeddings = 256, true
+	if e, err := Open(cfg); !errors.Is(err, engine.ErrUnsupported) {
+		if err == nil {
+			e.Close()
+		}
+		t.Fatalf("embeddings from a model without pooling: %v", err)
 	}
 }

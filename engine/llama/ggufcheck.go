@@ -141,6 +141,10 @@ func checkGGUFReader(r io.Reader, size int64) error {
 // maxLayers is llama.cpp's LLAMA_MAX_LAYERS.
 const maxLayers = 512
 
+// recurrentArchs are the architectures without attention layers, whose GGUFs
+// carry attention.head_count = 0.
+var recurrentArchs = map[string]bool{"mamba": true, "mamba2": true, "rwkv6": true, "rwkv6qwen2": true, "rwkv7": true, "arwkv7": true}
+
 // checkHeads rejects attention shapes that ggml's graph code asserts on instead of
 // reporting: heads must divide the embedding, and KV heads the heads.
 func checkHeads(arch string, u32 map[string]uint32) error {
@@ -154,6 +158,8 @@ func checkHeads(arch string, u32 map[string]uint32) error {
 	switch {
 	case !hasE || !hasH || hasKeyLen:
 		return nil
+	case h == 0 && recurrentArchs[arch]:
+		return nil // no attention: Mamba and RWKV write a head count of 0
 	case h == 0 || e%h != 0:
 		return fmt.Errorf("%d attention heads do not divide the embedding of %d", h, e)
 	case hasKV && (kv == 0 || h%kv != 0):

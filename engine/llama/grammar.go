@@ -22,6 +22,7 @@ import (
 // Grammar is llama.cpp's GBNF grammar sampler for one request.
 type Grammar struct {
 	s    *C.struct_llama_sampler
+	v    *Vocab
 	data *C.llama_token_data // scratch for Apply, grown on demand
 	cap  int
 	err  error // set once the grammar has failed; later calls are no-ops
@@ -47,7 +48,7 @@ func newGrammar(v *Vocab, gbnf string) (*Grammar, error) {
 	if s == nil {
 		return nil, fmt.Errorf("grammar: llama.cpp could not parse it (GBNF with a root rule expected): %w", engine.ErrInvalidInput)
 	}
-	return &Grammar{s: s}, nil
+	return &Grammar{s: s, v: v}, nil
 }
 
 // Apply sets the logits of forbidden candidates to -Inf.
@@ -82,6 +83,15 @@ func (g *Grammar) Apply(cands []engine.TokenLogit) {
 func (g *Grammar) Accept(t engine.Token) {
 	if g.s == nil || g.err != nil {
 		return
+	}
+	if g.v != nil && g.v.IsEOG(t) {
+		// llama.cpp aborts the process (not a C++ exception) on an end of
+		// generation the grammar does not allow yet: ask it first.
+		c := []engine.TokenLogit{{Token: t}}
+		if g.Apply(c); math.IsInf(float64(c[0].Logit), -1) || g.err != nil {
+			g.err = fmt.Errorf("grammar: end of generation (token %d) before the grammar is complete", t)
+			return
+		}
 	}
 	if C.shoal_grammar_accept(g.s, C.llama_token(t)) != 0 {
 		g.err = fmt.Errorf("grammar rejected token %d", t)

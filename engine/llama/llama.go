@@ -344,6 +344,16 @@ func Open(cfg Config) (*Engine, error) {
 	}
 	e.info = e.readInfo(cfg.ModelPath)
 	e.info.Devices, e.info.GPULayers = devs, offloaded
+	switch {
+	case cfg.Embeddings && !e.info.Pooling:
+		e.Close()
+		return nil, fmt.Errorf("open engine: this model pools no embedding (a reranker's scores, or no pooling: give --pooling mean, cls or last): %w", engine.ErrUnsupported)
+	case !cfg.Embeddings && e.mem == nil:
+		// An encoder (BERT and the like) keeps no KV cache and computes a
+		// sequence in one micro-batch; it embeds, it does not generate.
+		e.Close()
+		return nil, fmt.Errorf("open engine: this model keeps no KV cache (an encoder): serve it as an embedding model (--embeddings): %w", engine.ErrUnsupported)
+	}
 	return e, nil
 }
 
@@ -431,7 +441,7 @@ func (e *Engine) readInfo(path string) engine.ModelInfo {
 		Layers:          int(C.llama_model_n_layer(m)),
 		HasChatTemplate: C.llama_model_chat_template(m, nil) != nil,
 		ChatTemplate:    e.vocab.ChatTemplate(),
-		Pooling:         C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_NONE && C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_UNSPECIFIED,
+		Pooling:         embeddingPooling(C.llama_pooling_type(e.ctx)),
 	}
 	var buf [256]C.char
 	if n := C.llama_model_desc(m, &buf[0], C.size_t(len(buf))); n > 0 {
@@ -441,6 +451,16 @@ func (e *Engine) readInfo(path string) engine.ModelInfo {
 		info.Name = filepath.Base(path)
 	}
 	return info
+}
+
+// embeddingPooling reports whether a context pools one embedding of n_embd floats
+// per sequence. Rank pooling (rerankers) gives a score per class instead.
+func embeddingPooling(t C.enum_llama_pooling_type) bool {
+	switch t {
+	case C.LLAMA_POOLING_TYPE_MEAN, C.LLAMA_POOLING_TYPE_CLS, C.LLAMA_POOLING_TYPE_LAST:
+		return true
+	}
+	return false
 }
 
 func metaString(m *C.struct_llama_model, key string) string {
@@ -509,6 +529,10 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 		return nil
 	case rc == 1:
 		return fmt.Errorf("decode %d tokens: %w", n, engine.ErrNoKVSpace)
+	case rc == -1:
+		// Refused before any micro-batch ran (e.g. positions that do not follow
+		// the sequence's): memory is untouched, and undo would cut what it holds.
+		return fmt.Errorf("decode: llama.cpp rejected the batch: %w", engine.ErrInvalidInput)
 	}
 	e.undo(b)
 	switch {
@@ -516,8 +540,6 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 		return fmt.Errorf("decode: %w: %w", engine.ErrAborted, ctx.Err())
 	case rc == 2:
 		return fmt.Errorf("decode: %w", engine.ErrAborted)
-	case rc == -1:
-		return fmt.Errorf("decode: llama.cpp rejected the batch: %w", engine.ErrInvalidInput)
 	}
 	return fmt.Errorf("decode %d tokens: llama.cpp failed with status %d", n, int(rc))
 }

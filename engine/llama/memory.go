@@ -37,6 +37,8 @@ func (e *Engine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
 		if err := e.checkSeq(s); err != nil {
 			return fmt.Errorf("seq remove: %w", err)
 		}
+	} else {
+		s = -1 // "all": llama.cpp asserts on any other negative id
 	}
 	if !C.llama_memory_seq_rm(e.mem, C.llama_seq_id(s), C.llama_pos(p0), C.llama_pos(p1)) {
 		// Only recurrent memory refuses, when asked to cut a sequence in the middle.
@@ -87,6 +89,11 @@ func (e *Engine) SeqShift(s engine.SeqID, p0, p1, delta engine.Pos) error {
 	}
 	if !C.llama_memory_can_shift(e.mem) {
 		return fmt.Errorf("seq shift: %w", engine.ErrUnsupported)
+	}
+	// Multi-axis RoPE (vision-language models) positions cannot be shifted:
+	// llama.cpp asserts instead of refusing.
+	if rt := C.llama_model_rope_type(e.model); rt == C.LLAMA_ROPE_TYPE_MROPE || rt == C.LLAMA_ROPE_TYPE_IMROPE {
+		return fmt.Errorf("seq shift: multi-axis RoPE: %w", engine.ErrUnsupported)
 	}
 	C.llama_memory_seq_add(e.mem, C.llama_seq_id(s), C.llama_pos(p0), C.llama_pos(p1), C.llama_pos(delta))
 	return nil
