@@ -41,10 +41,16 @@ type Params struct {
 	TopP        float32 // 0 or 1: off
 	MinP        float32 // 0: off
 
-	RepeatPenalty    float32 // 1 or 0: off; llama.cpp's rule (divide positive logits, multiply negative)
-	FrequencyPenalty float32 // subtract count × this (OpenAI)
-	PresencePenalty  float32 // subtract this once a token appeared (OpenAI)
-	RepeatLastN      int     // window for the penalties; 0: DefaultRepeatLastN, -1: whole sequence
+	// RepeatPenalty follows llama.cpp: positive logits of tokens among the last
+	// RepeatLastN of the prompt and output are divided by it, negative ones
+	// multiplied. 1 or 0: off.
+	RepeatPenalty float32
+	// FrequencyPenalty and PresencePenalty follow OpenAI (and vLLM): a token
+	// generated n times so far loses n × FrequencyPenalty + PresencePenalty
+	// (n > 0), counting every generated token and no prompt token.
+	FrequencyPenalty float32
+	PresencePenalty  float32
+	RepeatLastN      int // RepeatPenalty's window; 0: DefaultRepeatLastN, -1: whole sequence
 
 	LogitBias map[engine.Token]float32 // added to the logit; -100 or less bans the token
 
@@ -89,8 +95,10 @@ func isNaN(f float32) bool { return f != f }
 func (p Params) greedy() bool { return p.Temperature <= 0 }
 
 func (p Params) penalised() bool {
-	return (p.RepeatPenalty != 0 && p.RepeatPenalty != 1) || p.FrequencyPenalty != 0 || p.PresencePenalty != 0
+	return p.repeatPenalised() || p.FrequencyPenalty != 0 || p.PresencePenalty != 0
 }
+
+func (p Params) repeatPenalised() bool { return p.RepeatPenalty != 0 && p.RepeatPenalty != 1 }
 
 // ErrNoCandidates means the grammar, bias or penalties ruled out every token.
 var ErrNoCandidates = errors.New("sampling: no allowed token")
@@ -101,10 +109,11 @@ type Sampler struct {
 	grammar engine.Grammar // may be nil; owned (closed) by the sampler
 	rng     *rand.Rand
 
-	history []engine.Token       // recent tokens for the penalties (ring of RepeatLastN)
-	counts  map[engine.Token]int // occurrences within history
-	cands   []engine.TokenLogit  // scratch, reused across steps
-	mass    []float64            // scratch for top-p over the whole vocabulary (lazily made)
+	history   []engine.Token       // recent tokens for RepeatPenalty (ring of RepeatLastN)
+	counts    map[engine.Token]int // occurrences within history
+	generated map[engine.Token]int // occurrences among generated tokens (OpenAI penalties)
+	cands     []engine.TokenLogit  // scratch, reused across steps
+	mass      []float64            // scratch for top-p over the whole vocabulary (lazily made)
 }
 
 var _ engine.Sampler = (*Sampler)(nil)
@@ -121,10 +130,11 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 		p.RepeatLastN = DefaultRepeatLastN
 	}
 	return &Sampler{
-		p:       p,
-		grammar: grammar,
-		rng:     rand.New(rand.NewPCG(p.Seed, p.Seed^0x9E3779B97F4A7C15)),
-		counts:  map[engine.Token]int{},
+		p:         p,
+		grammar:   grammar,
+		rng:       rand.New(rand.NewPCG(p.Seed, p.Seed^0x9E3779B97F4A7C15)),
+		counts:    map[engine.Token]int{},
+		generated: map[engine.Token]int{},
 	}, nil
 }
 
@@ -133,7 +143,10 @@ func (s *Sampler) Accept(t engine.Token, generated bool) {
 	if generated && s.grammar != nil {
 		s.grammar.Accept(t)
 	}
-	if !s.p.penalised() {
+	if generated && (s.p.FrequencyPenalty != 0 || s.p.PresencePenalty != 0) {
+		s.generated[t]++
+	}
+	if !s.p.repeatPenalised() {
 		return
 	}
 	s.history = append(s.history, t)
@@ -196,48 +209,18 @@ func (s *Sampler) allowed(t engine.Token, logit float32) bool {
 
 // sampleAll runs the full pipeline over every token.
 func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
-	c := s.cands[:0]
-	for i, l := range logits {
-		c = append(c, engine.TokenLogit{Token: engine.Token(i), Logit: l})
-	}
-	s.cands = c
-	for t, b := range s.p.LogitBias {
-		if int(t) < len(c) {
-			if b <= -100 {
-				c[t].Logit = float32(math.Inf(-1))
-			} else {
-				c[t].Logit += b
-			}
-		}
-	}
-	if s.p.penalised() {
-		for t, n := range s.counts {
-			if int(t) >= len(c) {
-				continue
-			}
-			l := c[t].Logit
-			if rp := s.p.RepeatPenalty; rp != 0 && rp != 1 {
-				if l > 0 {
-					l /= rp
-				} else {
-					l *= rp
-				}
-			}
-			l -= float32(n)*s.p.FrequencyPenalty + s.p.PresencePenalty
-			c[t].Logit = l
-		}
-	}
+	c := s.candidates(logits)
 	if !s.p.greedy() {
 		// Draw first and check only the drawn token against the grammar, as llama.cpp's
 		// common sampler does; fall back to masking the whole vocabulary when it fails.
 		if t, ok := s.draw(c); ok && (s.grammar == nil || s.allowed(t, logits[t])) {
 			return t, nil
 		}
+		if s.grammar != nil {
+			c = s.candidates(logits) // draw reordered c and turned logits into probabilities
+		}
 	}
 	if s.grammar != nil {
-		for i := range c {
-			c[i].Token = engine.Token(i)
-		}
 		s.grammar.Apply(c)
 	}
 	if s.p.greedy() {
@@ -256,6 +239,42 @@ func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
 		return t, nil
 	}
 	return 0, ErrNoCandidates
+}
+
+// candidates is every token with its logit after bias and penalties, in token order
+// (in the sampler's scratch).
+func (s *Sampler) candidates(logits []float32) []engine.TokenLogit {
+	c := s.cands[:0]
+	for i, l := range logits {
+		c = append(c, engine.TokenLogit{Token: engine.Token(i), Logit: l})
+	}
+	s.cands = c
+	for t, b := range s.p.LogitBias {
+		if int(t) < len(c) {
+			if b <= -100 {
+				c[t].Logit = float32(math.Inf(-1))
+			} else {
+				c[t].Logit += b
+			}
+		}
+	}
+	if rp := s.p.RepeatPenalty; rp != 0 && rp != 1 {
+		for t := range s.counts {
+			if int(t) < len(c) {
+				if l := c[t].Logit; l > 0 {
+					c[t].Logit = l / rp
+				} else {
+					c[t].Logit = l * rp
+				}
+			}
+		}
+	}
+	for t, n := range s.generated {
+		if int(t) < len(c) {
+			c[t].Logit -= float32(n)*s.p.FrequencyPenalty + s.p.PresencePenalty
+		}
+	}
+	return c
 }
 
 // draw applies top-k, temperature, min-p and top-p to c (reordering it) and draws.

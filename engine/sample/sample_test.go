@@ -364,3 +364,50 @@ func TestExpNeg(t *testing.T) {
 		t.Fatalf("expNeg is off by up to %.3g of math.Exp", worst)
 	}
 }
+
+// TestGrammarFallbackDrawsFromTheModel: when the first draw breaks the grammar, the
+// second is drawn from the model's (biased, penalised) distribution over the allowed
+// tokens, not from what the first draw left in the scratch (probabilities in place
+// of logits, reordered, banned tokens back).
+func TestGrammarFallbackDrawsFromTheModel(t *testing.T) {
+	s := mustNew(t, Params{Temperature: 1, Seed: 1}, &evenGrammar{})
+	n0 := 0
+	for range 2000 {
+		x, err := s.Sample([]float32{-5, 10, 0, -10}) // allowed: 0 (-5), 2 (0): P(0) ≈ 0.0067
+		if err != nil {
+			t.Fatal(err)
+		}
+		if x.Token == 0 {
+			n0++
+		}
+	}
+	if n0 > 100 {
+		t.Errorf("token 0 drawn %d times of 2000, expected about 13", n0)
+	}
+	s = mustNew(t, Params{Temperature: 1, Seed: 1, LogitBias: map[engine.Token]float32{0: -100}}, &evenGrammar{})
+	for range 1000 {
+		if x, err := s.Sample([]float32{1, 10, 0, 9}); err != nil || x.Token == 0 {
+			t.Fatalf("banned token drawn (%v)", err)
+		}
+	}
+}
+
+// TestOpenAIPenaltiesCountGeneratedTokens: presence and frequency penalties count
+// every generated token (no window) and no prompt token, as OpenAI and vLLM do.
+func TestOpenAIPenaltiesCountGeneratedTokens(t *testing.T) {
+	s := mustNew(t, Params{PresencePenalty: 2}, nil)
+	s.Accept(1, false) // a prompt token
+	if x, _ := s.Sample([]float32{0, 1.5}); x.Token != 1 {
+		t.Errorf("a prompt token was penalised: got %d", x.Token)
+	}
+	s = mustNew(t, Params{FrequencyPenalty: 0.1}, nil)
+	for range 30 {
+		s.Accept(1, true)
+	}
+	for range 64 {
+		s.Accept(2, true)
+	}
+	if x, _ := s.Sample([]float32{1, 3, -100}); x.Token != 0 { // 3 - 30 × 0.1 = 0 < 1
+		t.Errorf("token 1, generated 30 times before the last 64, not penalised: got %d", x.Token)
+	}
+}
