@@ -89,9 +89,10 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 		}
 		done := s.node.Sent(t)
 		err := s.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
-		done()
 		var re *cluster.RetryableError
 		if errors.As(err, &re) {
+			s.node.Refused(t)
+			done()
 			s.log.Warn("forward failed; trying the next node", "peer", t.Name, "err", err)
 			if re.Unreachable {
 				s.node.Unreachable(t.Name)
@@ -99,8 +100,20 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			lastErr = err
 			continue
 		}
+		done()
 		if err != nil {
 			s.log.Warn("forward ended with an error", "peer", t.Name, "err", err)
+		}
+		var te *cluster.TruncatedError
+		if errors.As(err, &te) {
+			// The status and part of the body are out: only a closed connection
+			// (no final chunk) tells the client the body is incomplete.
+			panic(http.ErrAbortHandler)
+		}
+		if err != nil && !c.Writer.Written() {
+			// Connected, but no answer (the peer may have run it, so no retry).
+			abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peer_failed", Message: err.Error()})
+			return true, noop
 		}
 		c.Abort()
 		return true, noop

@@ -122,6 +122,9 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	s.metrics = m
 	r := gin.New()
 	r.Use(gin.CustomRecoveryWithWriter(nil, func(c *gin.Context, rec any) {
+		if rec == http.ErrAbortHandler {
+			panic(rec) // net/http closes the connection without a word, as asked
+		}
 		s.log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
 		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
 	}))

@@ -3,6 +3,7 @@ package cluster
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -462,6 +463,45 @@ func TestForwardRetryAndMidStreamFailure(t *testing.T) {
 	err := f.Forward(ctx, Target{Name: "d", HTTP: host(dying)}, "POST", "/v1/completions", http.Header{}, body, w)
 	if err == nil || !strings.Contains(w.Body.String(), "peer_failed") || !strings.HasSuffix(w.Body.String(), "data: [DONE]\n\n") {
 		t.Fatalf("mid-stream death: %v %q", err, w.Body.String())
+	}
+}
+
+// TestForwardRefusalsAndCuts: a peer's 429 (its queue full; it ran nothing) may be
+// retried elsewhere; a peer that accepted the connection and then failed may have run
+// the request and is not; a body that is not a stream, cut short, is reported as such
+// so that the caller can close the client's connection.
+func TestForwardRefusalsAndCuts(t *testing.T) {
+	full := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, `{"error":{"code":"queue_full"}}`, 429)
+	}))
+	defer full.Close()
+	reset := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		conn, _, _ := w.(http.Hijacker).Hijack()
+		conn.Close() // no answer at all
+	}))
+	defer reset.Close()
+	cut := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", "1000")
+		io.WriteString(w, `{"choices":[{"text":"hello`)
+		w.(http.Flusher).Flush()
+		conn, _, _ := w.(http.Hijacker).Hijack()
+		conn.Close()
+	}))
+	defer cut.Close()
+	f := NewForwarder("a", []byte("s"), nil)
+	host := func(s *httptest.Server) string { return strings.TrimPrefix(s.URL, "http://") }
+	ctx, body := context.Background(), []byte(`{}`)
+	var re *RetryableError
+	if err := f.Forward(ctx, Target{Name: "full", HTTP: host(full)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); !asRetryable(err, &re) || re.Unreachable {
+		t.Fatalf("a 429 must be retryable (and the peer reachable): %v", err)
+	}
+	if err := f.Forward(ctx, Target{Name: "reset", HTTP: host(reset)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); err == nil || asRetryable(err, &re) {
+		t.Fatalf("a peer that took the request and failed must not be retried: %v", err)
+	}
+	var te *TruncatedError
+	if err := f.Forward(ctx, Target{Name: "cut", HTTP: host(cut)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); !errors.As(err, &te) {
+		t.Fatalf("a cut body: %v, want a TruncatedError", err)
 	}
 }
 

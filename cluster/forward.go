@@ -69,17 +69,20 @@ type Forwarder struct {
 // peers that serve TLS.
 func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
 	tr := &http.Transport{
-		DialContext:           (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConnsPerHost:   64,
-		IdleConnTimeout:       90 * time.Second,
-		TLSClientConfig:       tlsConf,
-		ResponseHeaderTimeout: 10 * time.Minute, // a long prefill may precede the first byte
+		DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+		TLSClientConfig:     tlsConf,
+		// No header timeout: an answer that is not streamed sends its headers only
+		// once the whole generation is done, which may take as long as it takes. A
+		// peer that dies closes the connection; a client that leaves cancels.
 	}
 	return &Forwarder{from: from, secret: secret, client: &http.Client{Transport: tr}}
 }
 
-// RetryableError means nothing reached the client: the caller may try the next peer.
-// Unreachable says the peer could not be connected to at all (not an answer of 5xx).
+// RetryableError means nothing reached the client and the peer ran nothing (it could
+// not be connected to, or it refused the request with 5xx or 429): the caller may try
+// the next peer. Unreachable says it could not be connected to at all.
 type RetryableError struct {
 	Err         error
 	Unreachable bool
@@ -117,10 +120,16 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		return &RetryableError{Err: fmt.Errorf("forward to %s: %w", t.Name, err), Unreachable: true}
+		if dialFailed(err) {
+			return &RetryableError{Err: fmt.Errorf("forward to %s: %w", t.Name, err), Unreachable: true}
+		}
+		// Connected: the peer may be running the request, so another peer must not
+		// run it again.
+		return fmt.Errorf("forward to %s: %w", t.Name, err)
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 500 {
+	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests {
+		// Refused before running it (its own queue full: gossip lags), or failed.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return &RetryableError{Err: fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b)))}
 	}
@@ -152,13 +161,36 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 				return nil
 			}
 			if sse {
-				msg := fmt.Sprintf(`data: {"error":{"message":"peer %s failed mid-stream","type":"server_error","param":null,"code":"peer_failed"}}`+"\n\ndata: [DONE]\n\n", t.Name)
+				// A blank line first ends whatever event the cut left half written.
+				msg := fmt.Sprintf("\n\n"+`data: {"error":{"message":"peer %s failed mid-stream","type":"server_error","param":null,"code":"peer_failed"}}`+"\n\ndata: [DONE]\n\n", t.Name)
 				_, _ = io.WriteString(w, msg)
 				if flusher != nil {
 					flusher.Flush()
 				}
 			}
+			if !sse {
+				// A body cut short must not end like a whole one: the caller
+				// aborts the connection.
+				return &TruncatedError{Err: fmt.Errorf("forward to %s: mid-body: %w", t.Name, rerr)}
+			}
 			return fmt.Errorf("forward to %s: mid-stream: %w", t.Name, rerr)
 		}
 	}
+}
+
+// TruncatedError means a response that is not a stream was cut short after its
+// first bytes reached the client: only closing the connection tells the client.
+type TruncatedError struct{ Err error }
+
+func (e *TruncatedError) Error() string { return e.Err.Error() }
+func (e *TruncatedError) Unwrap() error { return e.Err }
+
+// dialFailed reports whether err happened while connecting or in the TLS handshake
+// (nothing was sent).
+func dialFailed(err error) bool {
+	var op *net.OpError
+	var cert *tls.CertificateVerificationError
+	var rec tls.RecordHeaderError
+	return errors.As(err, &op) && (op.Op == "dial" || op.Op == "remote error") ||
+		errors.As(err, &cert) || errors.As(err, &rec)
 }

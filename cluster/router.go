@@ -171,6 +171,11 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		missCost(cands, rate)
 		slices.SortStableFunc(cands, func(a, b candidate) int { return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.load, b.load)) })
 		if len(hashes) == 0 {
+			// Nothing to place by (a prompt shorter than a block, or a request
+			// for a model served elsewhere): in turn among the best scored, or
+			// every router with the same view would pick the same node.
+			how = "no-blocks"
+			rotate(cands, turn)
 			break
 		}
 		// What every candidate holds alike, or most prompts here start with (a
@@ -557,6 +562,20 @@ func (n *Node) Sent(t Target) func() {
 			if i := slices.Index(p.flights, f); i >= 0 {
 				p.flights = slices.Delete(p.flights, i, i+1)
 			}
+		}
+	}
+}
+
+// Refused records that the request Sent to t was not taken (the peer could not be
+// reached, or refused it): t no longer counts as about to hold its prefix, which
+// would steer the next request with that prefix to the same peer. Call it before the
+// func Sent returned.
+func (n *Node) Refused(t Target) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if p := n.peers[t.Name]; p != nil {
+		for _, h := range t.hashes {
+			delete(p.sent, h) // its sentOrder entry finds nothing to expire
 		}
 	}
 }
