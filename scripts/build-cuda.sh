@@ -73,7 +73,14 @@ src=$copy
 # The library finds ggml-base and the CUDA runtime beside itself ($ORIGIN). Vulkan and
 # HIP are kept out: the root CMakeLists adds their backends whenever it finds an SDK,
 # and gpu-check's source archive leaves their sources out.
-cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" \
+# Ninja where the machine has it (faster, and "Unix Makefiles" needs make).
+gen=()
+if command -v ninja >/dev/null; then
+	gen=(-G Ninja)
+elif ! command -v make >/dev/null; then
+	need "neither ninja nor make is installed: CMake needs one of them to build"
+fi
+cmake "${gen[@]}" -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" \
 	-DCMAKE_CUDA_ARCHITECTURES="$archs" -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
 	-DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=ON -DCMAKE_HIP_COMPILER=OFF >"$build.configure.log" 2>&1 || { tail -30 "$build.configure.log" >&2; need "CMake configure failed (log: $build.configure.log)"; }
 cmake --build "$build" --target ggml-cuda -j "$jobs" >"$build.log" 2>&1 || { tail -40 "$build.log" >&2; need "build failed (log: $build.log)"; }

@@ -24,4 +24,6 @@ else
 	echo "gpu-check-prepare: ../shared/models/stories260K.gguf not present; the GPU run will skip it" >&2
 fi
 cp scripts/gpu-check.sh scripts/build-cuda.sh "$out/"
+# What the binaries were built from: gpu-check prints it, so a stale pack shows.
+git describe --always --dirty 2>/dev/null >"$out/VERSION" || echo unknown >"$out/VERSION"
 du -ch "$out"/* | tail -1 | awk '{print "gpu-check-prepare: " $1 " in '"$out"'/"}'

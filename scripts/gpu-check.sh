@@ -41,7 +41,31 @@ get() { # get URL: its body on stdout; curl where the machine has it, else pytho
 		python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' "$1"
 	fi
 }
-build_s=- serve= gpu=unknown
+# unxz FILE: its decompressed bytes on stdout (python3's lzma where xz is missing).
+unxz() {
+	if command -v xz >/dev/null; then xz -dc "$1"; else
+		python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1"
+	fi
+}
+# stop_serve: SIGTERM to the running shoal serve, 15 s to exit, then SIGKILL; its exit
+# status goes to exit-NAME.txt (so a crash on shutdown shows).
+stop_serve() {
+	local st
+	[ -n "$serve" ] || return 0
+	kill "$serve" 2>/dev/null || true
+	for _ in $(seq 1 75); do
+		kill -0 "$serve" 2>/dev/null || break
+		sleep 0.2
+	done
+	if kill -0 "$serve" 2>/dev/null; then
+		kill -9 "$serve" 2>/dev/null || true
+		log "serve $serve_name did not stop within 15 s of SIGTERM: killed"
+	fi
+	wait "$serve" && st=0 || st=$?
+	echo "$st" >"$work/exit-$serve_name.txt"
+	serve=
+}
+build_s=- serve= serve_name= gpu=unknown watchdog=
 tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestQuantizedModels|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
 
 # layout NAME: the KV pool serve NAME reported (cells, cells per sequence, unified).
@@ -60,11 +84,15 @@ PY
 report() {
 	local rc=$?
 	set +e
-	[ -z "$serve" ] || { kill "$serve" 2>/dev/null; wait "$serve" 2>/dev/null; }
+	[ -z "$watchdog" ] || kill "$watchdog" 2>/dev/null
+	if [ -f "$work/overtime" ]; then
+		rc=143
+		log "the watchdog stopped the check at its budget plus 45 s: writing what it has"
+	fi
 	{
 		echo "## GPU check: $gpu"
 		echo
-		echo "$(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device="[^"]*"\|device=[^ "]*\|gpu_layers=[0-9]*' "$work/serve-default.log" 2>/dev/null | head -2 | paste -sd' ')"
+		echo "Inputs: $(cat "$dir/VERSION" 2>/dev/null || echo unknown); $(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device="[^"]*"\|device=[^ "]*\|gpu_layers=[0-9]*' "$work/serve-default.log" 2>/dev/null | head -2 | paste -sd' ')"
 		echo
 		echo "| check | result |"
 		echo "|---|---|"
@@ -94,7 +122,10 @@ report() {
 		echo
 		echo "Device metrics: $(paste -sd' ' "$work/device-metrics.txt" 2>/dev/null)"
 		echo "Total: $(($(date +%s) - t0)) s (budget ${GPU_CHECK_BUDGET:-480} s)"
+		[ "$rc" != 143 ] || echo "Cut off by the watchdog (steps still running were stopped)."
 	} | tee "$out/gpu-check.md"
+	stop_serve
+	pkill -P $$ 2>/dev/null # a step the watchdog interrupted
 	(cd "$work" && tar -cJf "$out/gpu-check-logs.tar.xz" --ignore-failed-read gpu.txt version.txt tests.txt ceiling.txt \
 		serve-*.log metrics-*.txt exit-*.txt bench-*.json quantize.txt build.configure.log build.log 2>/dev/null)
 	if grep -q -- '^--- FAIL' "$work/tests.txt" 2>/dev/null; then
@@ -104,6 +135,18 @@ report() {
 	exit "$rc"
 }
 trap report EXIT
+# Whatever step overruns, the table and logs must reach $out before the device call's
+# own limit: 45 s after the budget, the script is stopped and report runs (bash runs
+# the EXIT trap on SIGTERM at once, even with a step in the foreground).
+(
+	trap 'kill "$nap" 2>/dev/null; exit 0' TERM # report stops the watchdog: and its sleep
+	sleep $((deadline + 45 - $(date +%s))) &
+	nap=$!
+	wait "$nap"
+	touch "$work/overtime"
+	kill -TERM $$ 2>/dev/null
+) &
+watchdog=$!
 
 if [ -n "$cpu" ]; then
 	echo "none (CPU rehearsal)" >"$work/gpu.txt"
@@ -112,45 +155,56 @@ else
 fi
 gpu=$(head -1 "$work/gpu.txt")
 log "GPU: $gpu"
-xz -dc "$dir/shoal.xz" >"$work/bin/shoal"
-xz -dc "$dir/llama.test.xz" >"$work/bin/llama.test"
+unxz "$dir/shoal.xz" >"$work/bin/shoal"
+unxz "$dir/llama.test.xz" >"$work/bin/llama.test"
 chmod +x "$work/bin/shoal" "$work/bin/llama.test"
-tar -C "$work/src" -xJf "$dir/ollama-src.tar.xz"
+unxz "$dir/ollama-src.tar.xz" | tar -C "$work/src" -x
 
 # 1. The CUDA backend for this GPU only; the rest needs it, so its failure ends the check.
 tb=$(date +%s)
 if [ -z "$cpu" ]; then
-	BUILD_DIR=$work/build timeout "$(budget 360 90)" bash "$dir/build-cuda.sh" "$work/src" "$work/lib/ollama" ||
-		{ log "FAIL: the CUDA build (logs: build.configure.log, build.log)"; exit 1; }
+	# This GPU's architecture, known here: build-cuda.sh's own fallback when
+	# nvidia-smi fails is five architectures, five times the build.
+	archs=$(cut -d, -f3 "$work/gpu.txt" | tr -d ' .' | grep -E '^[0-9]+$' | sort -u | paste -sd';')
+	brc=0
+	CUDA_ARCHS=${CUDA_ARCHS:-${archs:-90}} BUILD_DIR=$work/build timeout -k 10 "$(budget 360 90)" bash "$dir/build-cuda.sh" "$work/src" "$work/lib/ollama" || brc=$?
+	if [ "$brc" != 0 ]; then
+		build_s=$(($(date +%s) - tb))
+		[ "$brc" != 124 ] || log "the CUDA build ran out of its time ($build_s s)"
+		tail -20 "$work/build.log" >&2 2>/dev/null
+		log "FAIL: the CUDA build, status $brc (logs: build.configure.log, build.log)"
+		exit 1
+	fi
 fi
 build_s=$(($(date +%s) - tb))
-"$work/bin/shoal" version | tee "$work/version.txt" >&2
+timeout -k 5 30 "$work/bin/shoal" version | tee "$work/version.txt" >&2
 [ -n "$cpu" ] || grep -q '^device CUDA' "$work/version.txt" || { log "FAIL: shoal sees no CUDA device with the library in $work/lib/ollama"; exit 1; }
 
 # 2. Engine tests on the GPU.
 export SHOAL_STORIES=$dir/stories260K.gguf
-(cd "$work" && timeout "$(budget 180 120)" bin/llama.test -test.run "$tests" -test.v -test.count 1) >"$work/tests.txt" 2>&1 || true
+(cd "$work" && timeout -k 10 "$(budget 180 120)" bin/llama.test -test.run "$tests" -test.v -test.count 1) >"$work/tests.txt" 2>&1 || true
 log "tests: $(grep -c -- '^--- PASS' "$work/tests.txt") passed, $(grep -c -- '^--- FAIL' "$work/tests.txt") failed, $(grep -c -- '^--- SKIP' "$work/tests.txt") skipped"
 
 # 3. The raw decode ceiling.
-(cd "$work" && timeout "$(budget 150 80)" bin/llama.test -test.run '^$' -test.bench 'BenchmarkDecodeCeiling' -test.benchtime 3x) >"$work/ceiling.txt" 2>&1 || true
+(cd "$work" && timeout -k 10 "$(budget 150 80)" bin/llama.test -test.run '^$' -test.bench 'BenchmarkDecodeCeiling' -test.benchtime 3x) >"$work/ceiling.txt" 2>&1 || true
 log "decode ceiling: $(grep -c '^Benchmark' "$work/ceiling.txt") batch sizes"
 
 # 4. shoal serve + shoal bench, with serve's defaults (the KV pool sized from the GPU's
 # free memory, its layout chosen for it), then with one unified pool at the default size.
 model=$work/m100.gguf
-[ -f "$model" ] || "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
+[ -f "$model" ] || timeout -k 5 60 "$work/bin/shoal" gen-model --preset 100m --out "$model" >&2
 left=9 # benches still to run, each leaving 20 s for those after it
 # serve_bench NAME PORT CONCURRENCIES [FLAGS]: shoal serve with FLAGS, shoal bench at
 # each concurrency, the metrics, then SIGTERM and serve's exit status (so a crash on
 # shutdown shows).
 serve_bench() {
-	local name=$1 port=$2 cs=$3 st
+	local name=$1 port=$2 cs=$3 st ready_by
 	shift 3
 	"$work/bin/shoal" serve --model "$model" --model-name m100 --addr "127.0.0.1:$port" --parallel 160 --max-running 64 \
-		--log-level info "$@" >"$work/serve-$name.log" 2>&1 &
-	serve=$!
-	for _ in $(seq 1 300); do
+		--log-level info --drain-timeout 5s "$@" >"$work/serve-$name.log" 2>&1 &
+	serve=$! serve_name=$name
+	ready_by=$(($(date +%s) + $(budget 60 $((15 + left * 20)))))
+	while [ "$(date +%s)" -lt "$ready_by" ]; do
 		get "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && break
 		kill -0 "$serve" 2>/dev/null || break
 		sleep 0.2
@@ -167,22 +221,19 @@ serve_bench() {
 		left=$((left - 1))
 		local n=${c%%:*} sampling=()
 		[ "$c" = "${c%:t1}" ] || sampling=(--temperature 1 --top-p 0.95)
-		timeout "$(budget 120 $((15 + left * 20)))" "$work/bin/shoal" bench --url "http://127.0.0.1:$port/v1" --dataset random \
+		timeout -k 10 "$(budget 120 $((15 + left * 20)))" "$work/bin/shoal" bench --url "http://127.0.0.1:$port/v1" --dataset random \
 			--num-prompts $((n * 4 > 32 ? n * 4 : 32)) --input-len 256 --output-len 128 --concurrency "$n" --token-max 16000 \
 			"${sampling[@]}" --json "$work/bench-$name-${c/:/-}.json" >/dev/null 2>&1 || true
 		log "bench $name at concurrency $c: $([ -f "$work/bench-$name-${c/:/-}.json" ] && echo done || echo 'no result')"
 	done
 	get "http://127.0.0.1:$port/metrics" >"$work/metrics-$name.txt" 2>/dev/null || true
-	kill "$serve" 2>/dev/null || true
-	wait "$serve" && st=0 || st=$?
-	echo "$st" >"$work/exit-$name.txt"
-	serve=
+	stop_serve
 }
 serve_bench default 18080 "1 8 32 64 64:t1"
 serve_bench unified 18081 64 --kv-unified=true
 serve_bench unified-keep 18082 64 --kv-unified=true --prefix-cache-floor 1
 # The same defaults on a 4-bit copy, as users serve downloaded models.
 qmodel=$work/m100-q4_k_m.gguf
-"$work/bin/shoal" quantize --model "$model" --out "$qmodel" --type q4_k_m >"$work/quantize.txt" 2>&1 || log "quantize failed: $(tail -1 "$work/quantize.txt")"
+timeout -k 5 60 "$work/bin/shoal" quantize --model "$model" --out "$qmodel" --type q4_k_m >"$work/quantize.txt" 2>&1 || log "quantize failed: $(tail -1 "$work/quantize.txt")"
 [ ! -f "$qmodel" ] || model=$qmodel serve_bench q4km 18083 "1 64"
 grep -E '^shoal_(device|gpu_layers)' "$work/metrics-default.txt" >"$work/device-metrics.txt" || true
