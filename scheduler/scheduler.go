@@ -142,6 +142,9 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	if cfg.KV.MaxSeqs == 0 {
 		cfg.KV.MaxSeqs = c.MaxSeqs
 	}
+	if cfg.KV.MaxSeqs > c.MaxSeqs || cfg.KV.Cells > c.Cells {
+		return nil, fmt.Errorf("scheduler: a pool of %d cells for %d sequences exceeds the engine's %d cells and %d sequences", cfg.KV.Cells, cfg.KV.MaxSeqs, c.Cells, c.MaxSeqs)
+	}
 	if cfg.MaxRunning > cfg.KV.MaxSeqs {
 		return nil, fmt.Errorf("scheduler: max running %d exceeds the engine's %d sequences", cfg.MaxRunning, cfg.KV.MaxSeqs)
 	}

@@ -15,7 +15,10 @@ import (
 // Fake is a deterministic engine.Engine: the next token of a sequence is a hash
 // of the tokens its KV memory holds at positions 0..pos, so any mistake in sharing,
 // eviction or preemption changes the output. It models llama.cpp's unified cells to
-// check that the scheduler never needs more cells than exist.
+// check that the scheduler never needs more cells than exist, and refuses what
+// engine/llama refuses (ids and tokens out of range, positions that do not follow,
+// partial copies between streams), leaving memory untouched, so that a test cannot
+// pass on behaviour the real engine would reject.
 type Fake struct {
 	vocab   Vocab
 	cap     engine.Capacity
@@ -26,6 +29,7 @@ type Fake struct {
 	mu      sync.Mutex
 	batches []BatchStats
 	Failing func(b *engine.Batch) error
+	aborted bool // Abort: the next Decode returns ErrAborted
 }
 
 type cell struct {
@@ -53,7 +57,7 @@ func (f *Fake) Info() engine.ModelInfo {
 }
 func (f *Fake) Capacity() engine.Capacity                  { return f.cap }
 func (f *Fake) Vocab() engine.Vocab                        { return f.vocab }
-func (f *Fake) Abort()                                     {}
+func (f *Fake) Abort()                                     { f.mu.Lock(); f.aborted = true; f.mu.Unlock() }
 func (f *Fake) Close() error                               { return nil }
 func (f *Fake) Embeddings(engine.SeqID) ([]float32, error) { return nil, engine.ErrUnsupported }
 func (f *Fake) NewGrammar(string) (engine.Grammar, error)  { return nil, engine.ErrUnsupported }
@@ -64,8 +68,15 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 			return err
 		}
 	}
-	if b.Len() > f.cap.BatchTokens {
-		return fmt.Errorf("fake: batch %d > %d: %w", b.Len(), f.cap.BatchTokens, engine.ErrInvalidInput)
+	f.mu.Lock()
+	aborted := f.aborted
+	f.aborted = false
+	f.mu.Unlock()
+	if aborted || ctx.Err() != nil {
+		return fmt.Errorf("fake: %w", engine.ErrAborted)
+	}
+	if err := f.check(b); err != nil {
+		return err
 	}
 	if len(f.cells)+b.Len() > f.cap.Cells {
 		return engine.ErrNoKVSpace
@@ -96,11 +107,8 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	}
 	fb := BatchStats{Rows: b.Len(), Seqs: map[engine.SeqID]int{}}
 	for i := range b.Len() {
-		s, p := b.Seq[i], b.Pos[i]
-		if _, hi, ok := f.SeqPosRange(s); (ok && p != hi+1) || (!ok && p != 0) {
-			return fmt.Errorf("fake: seq %d position %d not consecutive: %w", s, p, engine.ErrInvalidInput)
-		}
-		f.cells = append(f.cells, &cell{pos: p, tok: b.Tokens[i], seqs: map[engine.SeqID]bool{s: true}})
+		s := b.Seq[i]
+		f.cells = append(f.cells, &cell{pos: b.Pos[i], tok: b.Tokens[i], seqs: map[engine.SeqID]bool{s: true}})
 		fb.Seqs[s]++
 	}
 	f.logits = map[int][]float32{}
@@ -114,6 +122,52 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	f.mu.Lock()
 	f.batches = append(f.batches, fb)
 	f.mu.Unlock()
+	return nil
+}
+
+// check refuses, before anything changes, what engine/llama refuses: an empty or
+// ragged batch, more rows than n_batch, tokens and sequence ids out of range,
+// positions beyond a sequence's context, and positions that do not follow on from
+// what each sequence holds (in the batch too).
+func (f *Fake) check(b *engine.Batch) error {
+	n := b.Len()
+	switch {
+	case n == 0:
+		return fmt.Errorf("fake: empty batch: %w", engine.ErrInvalidInput)
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
+		return fmt.Errorf("fake: ragged batch: %w", engine.ErrInvalidInput)
+	case n > f.cap.BatchTokens:
+		return fmt.Errorf("fake: batch %d > %d: %w", n, f.cap.BatchTokens, engine.ErrInvalidInput)
+	}
+	next := map[engine.SeqID]engine.Pos{}
+	for i := range n {
+		t, s, p := b.Tokens[i], b.Seq[i], b.Pos[i]
+		switch {
+		case t < 0 || int(t) >= f.vocab.n:
+			return fmt.Errorf("fake: row %d: token %d out of range: %w", i, t, engine.ErrInvalidInput)
+		case s < 0 || int(s) >= f.cap.MaxSeqs:
+			return fmt.Errorf("fake: row %d: sequence %d out of range: %w", i, s, engine.ErrInvalidInput)
+		case p < 0 || int(p) >= f.cap.CellsPerSeq:
+			return fmt.Errorf("fake: row %d: position %d beyond the context of %d: %w", i, p, f.cap.CellsPerSeq, engine.ErrInvalidInput)
+		}
+		want, ok := next[s]
+		if !ok {
+			if _, hi, held := f.SeqPosRange(s); held {
+				want = hi + 1
+			}
+		}
+		if p != want {
+			return fmt.Errorf("fake: seq %d position %d not consecutive (want %d): %w", s, p, want, engine.ErrInvalidInput)
+		}
+		next[s] = p + 1
+	}
+	return nil
+}
+
+func (f *Fake) checkSeq(s engine.SeqID) error {
+	if s < 0 || int(s) >= f.cap.MaxSeqs {
+		return fmt.Errorf("fake: sequence %d out of range: %w", s, engine.ErrInvalidInput)
+	}
 	return nil
 }
 
@@ -157,6 +211,11 @@ func (f *Fake) LogitsView(i int) ([]float32, error) {
 }
 
 func (f *Fake) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
+	if s >= 0 {
+		if err := f.checkSeq(s); err != nil {
+			return err
+		}
+	}
 	if p1 < 0 {
 		p1 = 1 << 30
 	}
@@ -185,6 +244,12 @@ func NewSplit(perSeq, seqs, batch int) *Fake {
 }
 
 func (f *Fake) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
+	if err := f.checkSeq(src); err != nil {
+		return err
+	}
+	if err := f.checkSeq(dst); err != nil {
+		return err
+	}
 	if !f.cap.Unified {
 		if p0 > 0 || p1 >= 0 {
 			return fmt.Errorf("fake: partial copy between streams: %w", engine.ErrUnsupported)
