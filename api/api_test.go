@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gin-gonic/gin"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shoal-ai/shoal/engine/enginetest"
@@ -275,6 +276,30 @@ func TestTokenizeMessagesLikeChat(t *testing.T) {
 	}
 	if code, _ := count("robot"); code != 400 {
 		t.Fatalf("unknown role: %d", code)
+	}
+}
+
+// TestCloseConnectionMidBody: a forwarded answer cut short after its first bytes
+// reaches the client as a broken response, not as a complete one.
+func TestCloseConnectionMidBody(t *testing.T) {
+	r := gin.New()
+	r.Use(gin.Recovery())
+	r.GET("/", func(c *gin.Context) {
+		c.Writer.Header().Set("Content-Type", "application/json")
+		c.Writer.WriteHeader(http.StatusOK)
+		io.WriteString(c.Writer, `{"choices":[{"text":"hel`)
+		c.Writer.Flush()
+		closeConnection(c)
+	})
+	srv := httptest.NewServer(r)
+	defer srv.Close()
+	resp, err := http.Get(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if b, err := io.ReadAll(resp.Body); err == nil {
+		t.Fatalf("a cut body read as whole: %q", b)
 	}
 }
 

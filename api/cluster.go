@@ -80,6 +80,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	body, _ := c.Get(bodyKey)
 	raw, _ := body.([]byte)
 	var lastErr error
+	full := false // a peer answered 429: its queue was full
 	for i, t := range targets {
 		if i == maxForwardTries {
 			break
@@ -97,6 +98,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			if re.Unreachable {
 				s.node.Unreachable(t.Name)
 			}
+			full = full || re.Status == http.StatusTooManyRequests
 			lastErr = err
 			continue
 		}
@@ -108,7 +110,8 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 		if errors.As(err, &te) {
 			// The status and part of the body are out: only a closed connection
 			// (no final chunk) tells the client the body is incomplete.
-			panic(http.ErrAbortHandler)
+			closeConnection(c)
+			return true, noop
 		}
 		if err != nil && !c.Writer.Written() {
 			// Connected, but no answer (the peer may have run it, so no retry).
@@ -121,8 +124,32 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	if tokens != nil {
 		return false, noop // no peer answered: serve here if this node can
 	}
+	if full { // busy, not broken: the client should come back
+		s.metrics.rejected(errSaturatedMarker)
+		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
+			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
+		return true, noop
+	}
 	abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peers_unavailable", Message: "no peer serving the model answered: " + errString(lastErr)})
 	return true, noop
+}
+
+// closeConnection ends the client's connection without finishing the response.
+// (panic(http.ErrAbortHandler) would do it in net/http, but gin's recovery takes
+// that panic for a broken pipe and lets the response end normally.) Nothing may
+// write to c afterwards.
+func closeConnection(c *gin.Context) {
+	c.Abort()
+	var w http.ResponseWriter = c.Writer
+	// gin's writer refuses to hijack once body bytes are out; net/http's does not.
+	if u, ok := w.(interface{ Unwrap() http.ResponseWriter }); ok {
+		w = u.Unwrap()
+	}
+	if h, ok := w.(http.Hijacker); ok {
+		if conn, _, err := h.Hijack(); err == nil {
+			_ = conn.Close()
+		}
+	}
 }
 
 func errString(err error) string {

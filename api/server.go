@@ -122,9 +122,6 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	s.metrics = m
 	r := gin.New()
 	r.Use(gin.CustomRecoveryWithWriter(nil, func(c *gin.Context, rec any) {
-		if rec == http.ErrAbortHandler {
-			panic(rec) // net/http closes the connection without a word, as asked
-		}
 		s.log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
 		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
 	}))
@@ -340,9 +337,6 @@ func (s *Server) embeddings(c *gin.Context) {
 	}
 	resp := EmbeddingResponse{Object: "list", Model: s.cfg.ModelName}
 	for i, st := range streams {
-		if j := i + window; j < len(inputs) && !submit(j) {
-			return
-		}
 		var vec []float32
 		for {
 			ev, ok := st.Next(ctx)
@@ -361,6 +355,9 @@ func (s *Server) embeddings(c *gin.Context) {
 				resp.Usage.PromptTokens += ev.Usage.PromptTokens
 				break
 			}
+		}
+		if j := i + window; j < len(inputs) && !submit(j) { // input i is done: the next may wait
+			return
 		}
 		d := EmbeddingData{Object: "embedding", Index: i}
 		if req.EncodingFormat == "base64" {

@@ -565,6 +565,38 @@ func TestRestartedPeer(t *testing.T) {
 	if load.Seq != 2 || load.Waiting != 1 {
 		t.Fatalf("the restarted process's next load was dropped: %+v", load)
 	}
+	// A restart into a release that sends no Boot (or a clock set back) is taken
+	// once the process known before has been quiet for restartQuiet.
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Waiting: 3}))
+	n.mu.Lock()
+	if n.peers["b"].load.Boot != 2 {
+		n.mu.Unlock()
+		t.Fatal("a Boot-less load replaced a live process's")
+	}
+	n.peers["b"].loadAt = time.Now().Add(-restartQuiet - time.Second)
+	n.mu.Unlock()
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Waiting: 3}))
+	n.mu.Lock()
+	load = n.peers["b"].load
+	n.mu.Unlock()
+	if load.Boot != 0 || load.Waiting != 3 {
+		t.Fatalf("a restart into a release without Boot was ignored: %+v", load)
+	}
+}
+
+// TestUpgradedPeerDropsOldSummary: a node of a release without Boot, restarted into
+// this one, is a new process: its old cache summary goes.
+func TestUpgradedPeerDropsOldSummary(t *testing.T) {
+	n := routerWith(t, PrefixAware, &peer{name: "self"}, &peer{name: "b"})
+	d := &delegate{n: n}
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 500}))
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 3, []kvcache.Hash{42}))
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Boot: 7}))
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if p := n.peers["b"]; p.load.Boot != 7 || len(p.summary) != 0 {
+		t.Fatalf("after an upgrade: load %+v, %d cached blocks", p.load, len(p.summary))
+	}
 }
 
 // TestPeersStayBounded: names heard from without a join (spoofed, or members long

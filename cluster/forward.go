@@ -86,6 +86,7 @@ func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
 type RetryableError struct {
 	Err         error
 	Unreachable bool
+	Status      int // the peer's answer (5xx or 429); 0 when it could not be reached
 }
 
 func (e *RetryableError) Error() string { return e.Err.Error() }
@@ -131,7 +132,7 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests {
 		// Refused before running it (its own queue full: gossip lags), or failed.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return &RetryableError{Err: fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b)))}
+		return &RetryableError{Err: fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b))), Status: resp.StatusCode}
 	}
 	for _, h := range []string{"Content-Type", "Cache-Control", "Retry-After", "X-Accel-Buffering"} {
 		if v := resp.Header.Get(h); v != "" {

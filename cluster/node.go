@@ -571,22 +571,33 @@ func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 }
 
 // takeLoad records l as p's load if it is newer: a later Seq of the same process,
-// or the first load of a new process under p's name (a restart), whose cache and
-// load start afresh. Caller holds n.mu.
+// or the first load of a new process under p's name (a restart: another Boot), whose
+// cache and load start afresh. A later Boot is a new process at once; an earlier one
+// (a clock set back, or a node of a release that sends no Boot) only once the
+// process p knew has gone quiet, so that a late message of the old process cannot
+// pass for a restart. Caller holds n.mu.
 func (p *peer) takeLoad(l Load, now time.Time) {
 	switch {
-	case l.Boot > p.load.Boot:
-		if p.load.Boot != 0 {
-			p.summary, p.sumGen = nil, 0 // the old process's cache is gone
+	case l.Boot == p.load.Boot:
+		if l.Seq <= p.load.Seq {
+			return
+		}
+	case l.Boot > p.load.Boot || now.Sub(p.loadAt) > restartQuiet:
+		if p.load.Seq != 0 { // a process was known: its cache is gone
+			p.summary, p.sumGen = nil, 0
 			for _, f := range p.flights {
 				f.seq = 0 // the new process's sequence numbers start again
 			}
 		}
-	case l.Boot < p.load.Boot || l.Seq <= p.load.Seq:
-		return // an older process's, or not newer
+	default:
+		return
 	}
 	p.load, p.loadAt = l, now
 }
+
+// restartQuiet is how long a process must have sent no load before a load under its
+// name with an earlier Boot is taken for a restart.
+const restartQuiet = 2 * time.Second
 
 // peerLocked returns the entry for name, creating a placeholder when a message from
 // a member arrives before memberlist's join event for it (messages and events travel

@@ -76,6 +76,11 @@ type Scheduler struct {
 	batch      engine.Batch
 	rows       []*seq // rows[i]: the sequence whose output row i of the batch is, or nil
 	building   bool   // the batch is being built: rows may still be removed
+	// runCap bounds the running sequences below MaxRunning after the engine could
+	// not place a batch (ErrNoKVSpace: its cells fragmented): halved on each such
+	// failure, one more after every capRecoverSteps steps that decoded (0: no
+	// bound). capSteps counts those steps.
+	runCap, capSteps int
 	decodeRows int    // rows of this step that decode a generated token
 	ended      int    // sequences that left the running batch since the last step
 	endedAny   bool   // one has: the finish rate is measured, not predicted
@@ -350,7 +355,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	// 3. Admit waiting requests while budget, sequence slots and KV allow. One
 	// whose prompt starts with what a running sequence is computing waits for it
 	// (see sharesInProgress); those behind it may go first.
-	for i := 0; s.budget() > 0 && i < min(len(s.queue), maxPassedOver+1) && len(s.running) < s.cfg.MaxRunning; {
+	for i := 0; s.budget() > 0 && i < min(len(s.queue), maxPassedOver+1) && len(s.running) < s.maxRunning(); {
 		q := s.queue[i]
 		if s.sharesInProgress(q) {
 			i++ // it stays in the queue, in its place
@@ -594,12 +599,26 @@ func (s *Scheduler) decode(ctx context.Context) {
 	if err != nil {
 		if errors.Is(err, engine.ErrNoKVSpace) {
 			// The engine could not place the batch although the pool had room
-			// (fragmentation): free room by preempting, and retry next step.
-			// undoBatch requeues every sequence in the batch; the victim is
-			// preempted only if it was not among them (it still holds its KV).
+			// (fragmentation). Requeue the batch and run fewer sequences until
+			// steps succeed again; a sequence that cannot be placed even alone
+			// fails.
+			inBatch := 0
+			for _, q := range s.running {
+				if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
+					inBatch++
+				}
+			}
+			if len(s.running) <= 1 {
+				for _, q := range slices.Clone(s.running) {
+					s.fail(q.g, fmt.Errorf("decode: %w: the engine cannot place this sequence even alone", err))
+				}
+				return
+			}
+			s.runCap, s.capSteps = max(1, min(len(s.running), max(inBatch, 1))/2), 0
+			s.log.Warn("the engine found no KV cells for the batch; running fewer sequences", "running", len(s.running), "cap", s.runCap)
 			v := s.victim()
 			s.undoBatch()
-			if v != nil && v.kv != nil {
+			if v != nil && v.kv != nil { // not in the batch: it still holds cells
 				s.preempt(v)
 			}
 			return
@@ -619,6 +638,16 @@ func (s *Scheduler) decode(ctx context.Context) {
 		return
 	}
 	elapsed := time.Since(start)
+	if s.runCap > 0 && s.decodeRows > 0 {
+		// Slowly: a resumed sequence spends a step recomputing before it decodes,
+		// and raising the cap at once would undo that step again and again.
+		if s.capSteps++; s.capSteps >= capRecoverSteps {
+			s.capSteps = 0
+			if s.runCap++; s.runCap >= s.cfg.MaxRunning {
+				s.runCap = 0
+			}
+		}
+	}
 	decodeTokens := s.decodeRows
 	prefillTokens := s.batch.Len() - decodeTokens
 	s.stats.Steps++
@@ -689,7 +718,7 @@ func (s *Scheduler) fork(q, c *seq) {
 	var kv *kvcache.Seq
 	var ops []kvcache.Op
 	err := errRunningFull
-	if len(s.running) < s.cfg.MaxRunning {
+	if len(s.running) < s.maxRunning() {
 		if kv, ops, err = s.pool.Fork(q.kv); err == nil {
 			if err = s.apply(ops); err != nil {
 				if rerr := s.apply(s.pool.Release(kv)); rerr != nil {
@@ -711,6 +740,18 @@ func (s *Scheduler) fork(q, c *seq) {
 	c.sampleRow = q.sampleRow
 	s.running = append(s.running, c)
 	s.waiting.Add(-1)
+}
+
+// capRecoverSteps is how many decoding steps a reduced runCap holds before it grows.
+const capRecoverSteps = 16
+
+// maxRunning is how many sequences may run now: MaxRunning, or less for a while
+// after the engine could not place a batch (runCap).
+func (s *Scheduler) maxRunning() int {
+	if s.runCap > 0 {
+		return min(s.runCap, s.cfg.MaxRunning)
+	}
+	return s.cfg.MaxRunning
 }
 
 // errRunningFull: every running slot (Config.MaxRunning) is taken.

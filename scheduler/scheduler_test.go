@@ -790,3 +790,38 @@ func TestHeldTextSurvivesEOS(t *testing.T) {
 		t.Fatalf("text %q (%v), want %q", got.text[0], got.err, want)
 	}
 }
+
+// TestNoKVSpaceRunsFewer: an engine that cannot place batches of several sequences
+// (fragmented cells) makes the scheduler run fewer at a time until they fit, instead
+// of retrying the same batch for ever; one that cannot place a sequence alone fails
+// it.
+func TestNoKVSpaceRunsFewer(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	f.Failing = func(b *engine.Batch) error {
+		seqs := map[engine.SeqID]bool{}
+		for _, s := range b.Seq {
+			seqs[s] = true
+		}
+		if len(seqs) >= 2 {
+			return engine.ErrNoKVSpace
+		}
+		return nil
+	}
+	s, _ := startScheduler(t, f, nil)
+	var reqs []*Request
+	for i := range 4 {
+		reqs = append(reqs, &Request{Prompt: prompt(i+1, 10), MaxTokens: 5})
+	}
+	for i, r := range runConcurrently(t, s, reqs) {
+		if r.err != nil || len(r.tokens[0]) != 5 {
+			t.Fatalf("request %d: %d tokens, %v", i, len(r.tokens[0]), r.err)
+		}
+	}
+	waitIdle(t, s)
+
+	f.Failing = func(*engine.Batch) error { return engine.ErrNoKVSpace }
+	if r := runConcurrently(t, s, []*Request{{Prompt: prompt(9, 10), MaxTokens: 5}})[0]; !errors.Is(r.err, engine.ErrNoKVSpace) {
+		t.Fatalf("a sequence the engine cannot place alone: %v", r.err)
+	}
+	waitIdle(t, s)
+}

@@ -165,7 +165,7 @@ tb=$(date +%s)
 if [ -z "$cpu" ]; then
 	# This GPU's architecture, known here: build-cuda.sh's own fallback when
 	# nvidia-smi fails is five architectures, five times the build.
-	archs=$(cut -d, -f3 "$work/gpu.txt" | tr -d ' .' | grep -E '^[0-9]+$' | sort -u | paste -sd';')
+	archs=$(cut -d, -f3 "$work/gpu.txt" | tr -d ' .' | grep -E '^[0-9]+$' | sort -u | paste -sd';' || true)
 	brc=0
 	CUDA_ARCHS=${CUDA_ARCHS:-${archs:-90}} BUILD_DIR=$work/build timeout -k 10 "$(budget 360 90)" bash "$dir/build-cuda.sh" "$work/src" "$work/lib/ollama" || brc=$?
 	if [ "$brc" != 0 ]; then
