@@ -144,14 +144,21 @@ func New(p Profile, cfg Config) (*Engine, error) {
 	if cfg.Speed <= 0 {
 		cfg.Speed = 1
 	}
-	per := cfg.Cells
+	// llama.cpp's sizes: the context padded to 256 cells, and with one stream per
+	// sequence each stream padded to 256 (so --ctx-size 8192 --parallel 128 is
+	// 128 streams of 256).
+	cells := pad256(cfg.Cells)
+	per := cells
 	if !cfg.Unified {
-		per = cfg.Cells / cfg.MaxSeqs
+		per = pad256(cfg.Cells / cfg.MaxSeqs)
+		cells = per * cfg.MaxSeqs
 	}
 	return &Engine{p: p, cfg: cfg, seqs: map[engine.SeqID]*span{}, vocab: vocab{n: 256 + 3},
-		cap: engine.Capacity{Cells: cfg.Cells, CellsPerSeq: per, MaxSeqs: cfg.MaxSeqs, BatchTokens: cfg.BatchTokens,
+		cap: engine.Capacity{Cells: cells, CellsPerSeq: per, MaxSeqs: cfg.MaxSeqs, BatchTokens: cfg.BatchTokens,
 			Unified: cfg.Unified, PrefixReuse: true, PrefixSharing: cfg.Unified}}, nil
 }
+
+func pad256(n int) int { return (n + 255) / 256 * 256 }
 
 func (e *Engine) Info() engine.ModelInfo {
 	return engine.ModelInfo{Name: e.p.Model, Architecture: "sim", VocabSize: e.vocab.n, TrainedContext: e.cap.CellsPerSeq, HasChatTemplate: true, ChatTemplate: "chatml"}
@@ -175,11 +182,23 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 		return fmt.Errorf("sim: batch of %d tokens: %w", n, engine.ErrInvalidInput)
 	}
 	var posSum int64
+	next := map[engine.SeqID]engine.Pos{} // what each sequence's next position must be, as llama.cpp checks
 	for i := range n {
-		if b.Tokens[i] < 0 || int(b.Tokens[i]) >= e.vocab.n || b.Seq[i] < 0 || int(b.Seq[i]) >= e.cap.MaxSeqs || int(b.Pos[i]) >= e.cap.CellsPerSeq {
+		s, p := b.Seq[i], b.Pos[i]
+		if b.Tokens[i] < 0 || int(b.Tokens[i]) >= e.vocab.n || s < 0 || int(s) >= e.cap.MaxSeqs || p < 0 || int(p) >= e.cap.CellsPerSeq {
 			return fmt.Errorf("sim: row %d: %w", i, engine.ErrInvalidInput)
 		}
-		posSum += int64(b.Pos[i])
+		want, ok := next[s]
+		if !ok {
+			if sp := e.seqs[s]; sp != nil && sp.hi >= sp.lo {
+				want = sp.hi + 1
+			}
+		}
+		if p != want {
+			return fmt.Errorf("sim: row %d: sequence %d at position %d, want %d: %w", i, s, p, want, engine.ErrInvalidInput)
+		}
+		next[s] = p + 1
+		posSum += int64(p)
 	}
 	d := time.Duration(float64(e.p.Step(n, posSum)) / e.cfg.Speed)
 	t := time.NewTimer(d)
@@ -229,7 +248,19 @@ func (e *Engine) Logits(i int, fn func([]float32)) error {
 	return nil
 }
 
+func (e *Engine) checkSeq(s engine.SeqID) error {
+	if s < 0 || int(s) >= e.cap.MaxSeqs {
+		return fmt.Errorf("sim: sequence %d: %w", s, engine.ErrInvalidInput)
+	}
+	return nil
+}
+
 func (e *Engine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
+	if s >= 0 {
+		if err := e.checkSeq(s); err != nil {
+			return err
+		}
+	}
 	if s < 0 {
 		e.seqs = map[engine.SeqID]*span{}
 		return nil
@@ -253,6 +284,18 @@ func (e *Engine) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
 }
 
 func (e *Engine) SeqCopy(src, dst engine.SeqID, p0, p1 engine.Pos) error {
+	if err := e.checkSeq(src); err != nil {
+		return err
+	}
+	if err := e.checkSeq(dst); err != nil {
+		return err
+	}
+	if !e.cfg.Unified {
+		if p0 > 0 || p1 >= 0 { // llama.cpp copies only whole streams (and aborts otherwise)
+			return fmt.Errorf("sim: partial copy between streams: %w", engine.ErrUnsupported)
+		}
+		delete(e.seqs, dst) // a stream copy replaces the destination
+	}
 	sp := e.seqs[src]
 	if sp == nil {
 		return nil

@@ -58,8 +58,22 @@ func TestDecodeTakesModelledTime(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
+	b.Reset()
+	b.Add(5, 1, 0, true)
 	if err := e.Decode(ctx, &b); !errors.Is(err, engine.ErrAborted) {
 		t.Fatalf("cancelled decode: %v", err)
+	}
+	// What llama.cpp refuses, the sim refuses: a position that does not follow
+	// the sequence's, and a sequence id beyond the engine's.
+	for _, row := range []struct {
+		pos engine.Pos
+		seq engine.SeqID
+	}{{0, 0}, {5, 0}, {-1, 2}, {0, 4}} {
+		b.Reset()
+		b.Add(5, row.pos, row.seq, true)
+		if err := e.Decode(context.Background(), &b); !errors.Is(err, engine.ErrInvalidInput) {
+			t.Fatalf("sequence %d at position %d: %v", row.seq, row.pos, err)
+		}
 	}
 	if err := e.SeqCopy(0, 1, 0, -1); err != nil {
 		t.Fatal(err)
@@ -70,5 +84,33 @@ func TestDecodeTakesModelledTime(t *testing.T) {
 	e.SeqRemove(1, 0, -1)
 	if _, _, ok := e.SeqPosRange(1); ok {
 		t.Fatal("removed sequence still has positions")
+	}
+}
+
+// TestSplitLikeLlama: with one stream per sequence the sim sizes streams as llama.cpp
+// does (whole 256-cell units) and copies only whole streams.
+func TestSplitLikeLlama(t *testing.T) {
+	e, err := New(Profile{Model: "m"}, Config{Cells: 8192, MaxSeqs: 128, BatchTokens: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := e.Capacity(); c.CellsPerSeq != 256 || c.Cells != 128*256 {
+		t.Fatalf("8192 cells for 128 streams: %d cells, %d a stream; llama.cpp makes 128 × 256", c.Cells, c.CellsPerSeq)
+	}
+	var b engine.Batch
+	for i := range 20 {
+		b.Add(5, engine.Pos(i), 0, i == 19)
+	}
+	if err := e.Decode(context.Background(), &b); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.SeqCopy(0, 1, 0, 16); !errors.Is(err, engine.ErrUnsupported) {
+		t.Fatalf("partial copy between streams: %v", err)
+	}
+	if err := e.SeqCopy(0, 1, -1, -1); err != nil {
+		t.Fatal(err)
+	}
+	if _, hi, ok := e.SeqPosRange(1); !ok || hi != 19 {
+		t.Fatalf("whole-stream copy: %d %v", hi, ok)
 	}
 }
