@@ -70,24 +70,24 @@ type Scheduler struct {
 	load    atomic.Pointer[Load]
 
 	// owned by Run
-	queue      []*seq // waiting, ordered by (priority desc, arrival asc)
-	running    []*seq
-	arrival    uint64
-	batch      engine.Batch
-	rows       []*seq // rows[i]: the sequence whose output row i of the batch is, or nil
-	building   bool   // the batch is being built: rows may still be removed
+	queue    []*seq // waiting, ordered by (priority desc, arrival asc)
+	running  []*seq
+	arrival  uint64
+	batch    engine.Batch
+	rows     []*seq // rows[i]: the sequence whose output row i of the batch is, or nil
+	building bool   // the batch is being built: rows may still be removed
 	// runCap bounds the running sequences below MaxRunning after the engine could
 	// not place a batch (ErrNoKVSpace: its cells fragmented): halved on each such
 	// failure, one more after every capRecoverSteps steps that decoded (0: no
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
-	decodeRows int    // rows of this step that decode a generated token
-	ended      int    // sequences that left the running batch since the last step
-	endedAny   bool   // one has: the finish rate is measured, not predicted
-	stats      Load
-	prefillPS  rate // feeds stats.PrefillTokensPS, and so on
-	decodePS   rate
-	finishPS   rate
+	decodeRows       int  // rows of this step that decode a generated token
+	ended            int  // sequences that left the running batch since the last step
+	endedAny         bool // one has: the finish rate is measured, not predicted
+	stats            Load
+	prefillPS        rate // feeds stats.PrefillTokensPS, and so on
+	decodePS         rate
+	finishPS         rate
 }
 
 // group is one request and its n choices.
