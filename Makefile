@@ -75,7 +75,8 @@ run: build
 	bin/shoal serve --model "$(MODEL)" $(ARGS)
 
 lint:
-	@test -z "$$(gofmt -l . | tee /dev/stderr)" || (echo "gofmt: files above need formatting" && exit 1)
+	@# Not tee /dev/stderr: where stderr is a file (a CI log), that reopens and truncates it.
+	@unformatted=$$(gofmt -l .); if [ -n "$$unformatted" ]; then echo "$$unformatted" >&2; echo "gofmt: files above need formatting" >&2; exit 1; fi
 	@$(CGO_ENV); $(GO) vet ./...
 
 fmt:
