@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -283,7 +284,7 @@ func TestTokenizeMessagesLikeChat(t *testing.T) {
 // reaches the client as a broken response, not as a complete one.
 func TestCloseConnectionMidBody(t *testing.T) {
 	r := gin.New()
-	r.Use(gin.Recovery())
+	r.Use(recovery(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	r.GET("/", func(c *gin.Context) {
 		c.Writer.Header().Set("Content-Type", "application/json")
 		c.Writer.WriteHeader(http.StatusOK)
@@ -291,15 +292,23 @@ func TestCloseConnectionMidBody(t *testing.T) {
 		c.Writer.Flush()
 		closeConnection(c)
 	})
-	srv := httptest.NewServer(r)
-	defer srv.Close()
-	resp, err := http.Get(srv.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if b, err := io.ReadAll(resp.Body); err == nil {
-		t.Fatalf("a cut body read as whole: %q", b)
+	for _, h2 := range []bool{false, true} { // HTTP/1.1, and HTTP/2 over TLS (serve --tls-cert)
+		srv := httptest.NewUnstartedServer(r)
+		srv.EnableHTTP2 = h2
+		if h2 {
+			srv.StartTLS()
+		} else {
+			srv.Start()
+		}
+		resp, err := srv.Client().Get(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, err := io.ReadAll(resp.Body); err == nil {
+			t.Fatalf("%s: a cut body read as whole: %q", resp.Proto, b)
+		}
+		resp.Body.Close()
+		srv.Close()
 	}
 }
 

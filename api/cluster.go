@@ -80,7 +80,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	body, _ := c.Get(bodyKey)
 	raw, _ := body.([]byte)
 	var lastErr error
-	full := false // a peer answered 429: its queue was full
+	busy, broken := 0, 0 // peers that answered 429 (queue full), and that failed
 	for i, t := range targets {
 		if i == maxForwardTries {
 			break
@@ -98,7 +98,11 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			if re.Unreachable {
 				s.node.Unreachable(t.Name)
 			}
-			full = full || re.Status == http.StatusTooManyRequests
+			if re.Status == http.StatusTooManyRequests {
+				busy++
+			} else {
+				broken++
+			}
 			lastErr = err
 			continue
 		}
@@ -124,7 +128,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	if tokens != nil {
 		return false, noop // no peer answered: serve here if this node can
 	}
-	if full { // busy, not broken: the client should come back
+	if busy > 0 && broken == 0 { // every peer tried was busy, none broken: come back later
 		s.metrics.rejected(errSaturatedMarker)
 		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
 			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
@@ -134,23 +138,16 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	return true, noop
 }
 
-// closeConnection ends the client's connection without finishing the response.
-// (panic(http.ErrAbortHandler) would do it in net/http, but gin's recovery takes
-// that panic for a broken pipe and lets the response end normally.) Nothing may
-// write to c afterwards.
+// closeConnection cuts the client's connection (HTTP/1) or stream (HTTP/2) without
+// finishing the response, through the server's recovery (see recovery). It does not
+// return.
 func closeConnection(c *gin.Context) {
 	c.Abort()
-	var w http.ResponseWriter = c.Writer
-	// gin's writer refuses to hijack once body bytes are out; net/http's does not.
-	if u, ok := w.(interface{ Unwrap() http.ResponseWriter }); ok {
-		w = u.Unwrap()
-	}
-	if h, ok := w.(http.Hijacker); ok {
-		if conn, _, err := h.Hijack(); err == nil {
-			_ = conn.Close()
-		}
-	}
+	panic(errCloseConnection)
 }
+
+// errCloseConnection is closeConnection's panic value.
+var errCloseConnection = errors.New("api: close the connection mid-response")
 
 func errString(err error) string {
 	if err == nil {

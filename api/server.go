@@ -121,10 +121,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	}
 	s.metrics = m
 	r := gin.New()
-	r.Use(gin.CustomRecoveryWithWriter(nil, func(c *gin.Context, rec any) {
-		s.log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
-		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
-	}))
+	r.Use(recovery(s.log))
 	r.Use(s.limitBody)
 	r.GET("/health", func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) })
 	r.GET("/ready", s.ready)
@@ -149,6 +146,20 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	})
 	s.engine = r
 	return s, nil
+}
+
+// recovery answers a handler's panic with 500, except errCloseConnection, which it
+// hands to net/http as http.ErrAbortHandler: the connection (HTTP/1) or stream
+// (HTTP/2) is then cut without finishing the response. (gin takes
+// http.ErrAbortHandler itself for a broken pipe and ends the response normally.)
+func recovery(log *slog.Logger) gin.HandlerFunc {
+	return gin.CustomRecoveryWithWriter(nil, func(c *gin.Context, rec any) {
+		if rec == errCloseConnection {
+			panic(http.ErrAbortHandler)
+		}
+		log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
+		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
+	})
 }
 
 // Handler is the server's http.Handler.

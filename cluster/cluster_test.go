@@ -584,6 +584,22 @@ func TestRestartedPeer(t *testing.T) {
 	}
 }
 
+// TestBootlessRestart: a node of a release without Boot that restarts (its Seq
+// starts again) is taken for new once the old process has been quiet.
+func TestBootlessRestart(t *testing.T) {
+	var p peer
+	now := time.Now()
+	p.takeLoad(Load{Seq: 500}, now.Add(-time.Minute))
+	p.takeLoad(Load{Seq: 1, Waiting: 7}, now)
+	if p.load.Seq != 1 || p.load.Waiting != 7 {
+		t.Fatalf("a restart of a Boot-less node was ignored: %+v", p.load)
+	}
+	p.takeLoad(Load{Seq: 0, Waiting: 9}, now.Add(time.Second)) // not quiet, not later
+	if p.load.Waiting != 7 {
+		t.Fatalf("an older load replaced a live one: %+v", p.load)
+	}
+}
+
 // TestUpgradedPeerDropsOldSummary: a node of a release without Boot, restarted into
 // this one, is a new process: its old cache summary goes.
 func TestUpgradedPeerDropsOldSummary(t *testing.T) {

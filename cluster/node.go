@@ -577,12 +577,12 @@ func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 // process p knew has gone quiet, so that a late message of the old process cannot
 // pass for a restart. Caller holds n.mu.
 func (p *peer) takeLoad(l Load, now time.Time) {
+	quiet := now.Sub(p.loadAt) > restartQuiet
 	switch {
-	case l.Boot == p.load.Boot:
-		if l.Seq <= p.load.Seq {
-			return
-		}
-	case l.Boot > p.load.Boot || now.Sub(p.loadAt) > restartQuiet:
+	case l.Boot == p.load.Boot && l.Seq > p.load.Seq: // the same process, later
+	case l.Boot > p.load.Boot, quiet && (l.Boot != p.load.Boot || l.Seq < p.load.Seq):
+		// A new process (with a Boot-less release, a Seq that went back after
+		// the old one fell quiet).
 		if p.load.Seq != 0 { // a process was known: its cache is gone
 			p.summary, p.sumGen = nil, 0
 			for _, f := range p.flights {

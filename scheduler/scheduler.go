@@ -78,7 +78,7 @@ type Scheduler struct {
 	building bool   // the batch is being built: rows may still be removed
 	// runCap bounds the running sequences below MaxRunning after the engine could
 	// not place a batch (ErrNoKVSpace: its cells fragmented): halved on each such
-	// failure, one more after every capRecoverSteps steps that decoded (0: no
+	// failure, a quarter more after every capRecoverSteps successful steps (0: no
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
 	decodeRows       int  // rows of this step that decode a generated token
@@ -614,7 +614,11 @@ func (s *Scheduler) decode(ctx context.Context) {
 				}
 				return
 			}
-			s.runCap, s.capSteps = max(1, min(len(s.running), max(inBatch, 1))/2), 0
+			half := max(1, min(len(s.running), max(inBatch, 1))/2)
+			if s.runCap > 0 {
+				half = min(half, s.runCap)
+			}
+			s.runCap, s.capSteps = half, 0
 			s.log.Warn("the engine found no KV cells for the batch; running fewer sequences", "running", len(s.running), "cap", s.runCap)
 			v := s.victim()
 			s.undoBatch()
@@ -638,12 +642,14 @@ func (s *Scheduler) decode(ctx context.Context) {
 		return
 	}
 	elapsed := time.Since(start)
-	if s.runCap > 0 && s.decodeRows > 0 {
-		// Slowly: a resumed sequence spends a step recomputing before it decodes,
-		// and raising the cap at once would undo that step again and again.
+	if s.runCap > 0 {
+		// After a few steps, not at once: a resumed sequence spends a step
+		// recomputing before it decodes, and raising the cap at once would undo
+		// that step again and again. By a quarter, so that a large batch comes
+		// back in tens of steps.
 		if s.capSteps++; s.capSteps >= capRecoverSteps {
 			s.capSteps = 0
-			if s.runCap++; s.runCap >= s.cfg.MaxRunning {
+			if s.runCap += max(1, s.runCap/4); s.runCap >= s.cfg.MaxRunning {
 				s.runCap = 0
 			}
 		}
@@ -742,7 +748,7 @@ func (s *Scheduler) fork(q, c *seq) {
 	s.waiting.Add(-1)
 }
 
-// capRecoverSteps is how many decoding steps a reduced runCap holds before it grows.
+// capRecoverSteps is how many steps a reduced runCap holds before it grows.
 const capRecoverSteps = 16
 
 // maxRunning is how many sequences may run now: MaxRunning, or less for a while
@@ -1067,7 +1073,7 @@ func (s *Scheduler) publish() {
 	}
 	// (The slot wait counts toward saturation only once measured: a prediction from
 	// generous max_tokens must not turn a starting node's first burst away.)
-	if need := l.Waiting + 1 - (s.cfg.MaxRunning - l.Running); need > 0 && s.endedAny && l.FinishPS > 0 {
+	if need := l.Waiting + 1 - (s.maxRunning() - l.Running); need > 0 && s.endedAny && l.FinishPS > 0 {
 		l.QueueWait = max(l.QueueWait, time.Duration(float64(need)/l.FinishPS*float64(time.Second)))
 	}
 	l.UpdatedAt = time.Now()
