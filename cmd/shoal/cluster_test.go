@@ -206,7 +206,8 @@ func TestPeerKilledMidStream(t *testing.T) {
 	g1 := freeAddr(t)
 	common := []string{"--model", model, "--gossip-key", key, "--threads", "1"}
 	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a", "--route", "round-robin"}, common...)...)
-	b := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
+	gb := freeAddr(t)
+	b := startNode(t, append([]string{"--gossip-addr", gb, "--node-name", "b", "--join", g1}, common...)...)
 	waitFor(t, "b known to a", func() bool {
 		for _, m := range clusterMembers(t, a) {
 			if m.Name == "b" && m.State == "alive" {
@@ -251,6 +252,34 @@ func TestPeerKilledMidStream(t *testing.T) {
 		if r, out := post(t, a.url+"/v1/completions", `{"prompt":"hi","max_tokens":2}`); r.StatusCode != 200 {
 			t.Fatalf("after b died: %d %s", r.StatusCode, out)
 		}
+	}
+	// b comes back under its name: a takes its new process's load at once (its load
+	// sequence starts again) and routes to it, rather than marking it suspect until
+	// the new count passes the old.
+	b = startNode(t, append([]string{"--gossip-addr", gb, "--node-name", "b", "--join", g1}, common...)...)
+	bAlive := func() bool {
+		for _, m := range clusterMembers(t, a) {
+			if m.Name == "b" {
+				return m.State == "alive" && m.UpdatedAgoMS >= 0 && m.UpdatedAgoMS < 1000
+			}
+		}
+		return false
+	}
+	waitFor(t, "the restarted b alive on a", bAlive)
+	time.Sleep(3 * time.Second) // past the 2 s after which a peer whose load is overdue is suspect
+	if !bAlive() {
+		t.Fatalf("the restarted b is not alive on a: %+v", clusterMembers(t, a))
+	}
+	servedByB := false
+	for range 4 {
+		r, out := post(t, a.url+"/v1/completions", `{"prompt":"hi","max_tokens":2}`)
+		if r.StatusCode != 200 {
+			t.Fatalf("after b restarted: %d %s", r.StatusCode, out)
+		}
+		servedByB = servedByB || r.Header.Get("X-Shoal-Served-By") == "b"
+	}
+	if !servedByB {
+		t.Fatal("round robin never sent a request to the restarted b")
 	}
 	// A request that claims a valid hop is never forwarded again, even for a model
 	// this node does not serve.
