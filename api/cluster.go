@@ -16,17 +16,34 @@ const maxForwardTries = 3
 
 // SetCluster joins the server to a cluster: requests are routed with node's policy
 // and forwarded at most one hop with fwd; secret authenticates forwarded requests.
+// It may be called while the server is serving (the cluster starts once the model
+// is loaded).
 func (s *Server) SetCluster(node *cluster.Node, fwd *cluster.Forwarder, secret []byte) {
-	s.node, s.fwd, s.secret = node, fwd, secret
-	s.engine.GET("/cluster", s.auth, s.clusterInfo)
+	s.cluster.Store(&clusterState{node: node, fwd: fwd, secret: secret})
+}
+
+// clusterState is what SetCluster gives; nil until then.
+type clusterState struct {
+	node   *cluster.Node
+	fwd    *cluster.Forwarder
+	secret []byte
+}
+
+// node is this server's cluster node, or nil.
+func (s *Server) node() *cluster.Node {
+	if cs := s.cluster.Load(); cs != nil {
+		return cs.node
+	}
+	return nil
 }
 
 func (s *Server) clusterInfo(c *gin.Context) {
-	if s.node == nil {
+	node := s.node()
+	if node == nil {
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Message: "this node is not in a cluster"})
 		return
 	}
-	c.JSON(http.StatusOK, gin.H{"self": s.node.Name(), "members": s.node.Members()})
+	c.JSON(http.StatusOK, gin.H{"self": node.Name(), "members": node.Members()})
 }
 
 // forwardedRequest checks the hop credential of a request whose body is read. A
@@ -35,7 +52,11 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 	if c.GetHeader(cluster.HeaderHop) == "" {
 		return false, nil
 	}
-	fwd, err := cluster.Verify(s.secret, c.Request, body, time.Now())
+	var secret []byte
+	if cs := s.cluster.Load(); cs != nil {
+		secret = cs.secret
+	}
+	fwd, err := cluster.Verify(secret, c.Request, body, time.Now())
 	if err != nil {
 		return fwd, &Error{Status: http.StatusUnauthorized, Type: "authentication_error", Code: "invalid_cluster_credential", Message: err.Error()}
 	}
@@ -49,7 +70,8 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 // nil (model served only elsewhere).
 func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int) (answered bool, done func()) {
 	noop := func() {}
-	if s.node == nil {
+	cs := s.cluster.Load()
+	if cs == nil {
 		return false, noop
 	}
 	var t32 []int32
@@ -59,7 +81,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			t32[i] = int32(t)
 		}
 	}
-	targets, err := s.node.Route(model, t32, priority)
+	targets, err := cs.node.Route(model, t32, priority)
 	switch {
 	case errors.Is(err, cluster.ErrSaturated):
 		s.metrics.rejected(errSaturatedMarker)
@@ -86,17 +108,17 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			break
 		}
 		if t.Local {
-			return false, s.node.Sent(t)
+			return false, cs.node.Sent(t)
 		}
-		done := s.node.Sent(t)
-		err := s.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
+		done := cs.node.Sent(t)
+		err := cs.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
 		var re *cluster.RetryableError
 		if errors.As(err, &re) {
-			s.node.Refused(t)
+			cs.node.Refused(t)
 			done()
 			s.log.Warn("forward failed; trying the next node", "peer", t.Name, "err", err)
 			if re.Unreachable {
-				s.node.Unreachable(t.Name)
+				cs.node.Unreachable(t.Name)
 			}
 			if re.Status == http.StatusTooManyRequests {
 				busy++

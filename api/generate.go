@@ -450,7 +450,7 @@ func (s *Server) checkHop(c *gin.Context) (forwarded, ok bool) {
 
 // elsewhere reports whether model is served by another node, not this one.
 func (s *Server) elsewhere(model string) bool {
-	return s.node != nil && model != "" && model != s.cfg.ModelName
+	return s.node() != nil && model != "" && model != s.cfg.ModelName
 }
 
 func priorityOf(p *int) int {

@@ -19,7 +19,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -97,9 +96,7 @@ type Server struct {
 	metrics  *metrics
 	engine   *gin.Engine
 	started  time.Time
-	node     *cluster.Node
-	fwd      *cluster.Forwarder
-	secret   []byte
+	cluster  atomic.Pointer[clusterState]
 	// now and newID are replaced by golden tests for stable output.
 	now   func() time.Time
 	newID func(prefix string) string
@@ -135,6 +132,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	v1.POST("/embeddings", s.embeddings)
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
+	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
 	r.NoRoute(func(c *gin.Context) {
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
 			Message: fmt.Sprintf("no route %s %s", c.Request.Method, c.Request.URL.Path)})
@@ -244,7 +242,7 @@ func abort(c *gin.Context, err error) {
 
 func (s *Server) checkModel(model string) error {
 	if model != "" && model != s.cfg.ModelName {
-		if s.node != nil && slices.Contains(s.node.Models(), model) {
+		if node := s.node(); node != nil && slices.Contains(node.Models(), model) {
 			return nil // served elsewhere in the cluster: routed by the caller
 		}
 		return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
@@ -267,8 +265,8 @@ func (s *Server) models(c *gin.Context) {
 	list := ModelList{Object: "list", Data: []Model{{
 		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Simulated: sim,
 	}}}
-	if s.node != nil {
-		for _, m := range s.node.Models() {
+	if node := s.node(); node != nil {
+		for _, m := range node.Models() {
 			if m != s.cfg.ModelName {
 				list.Data = append(list.Data, Model{ID: m, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal"})
 			}

@@ -3,6 +3,7 @@ package cluster
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -498,6 +499,10 @@ func TestForwardRefusalsAndCuts(t *testing.T) {
 	}
 	if err := f.Forward(ctx, Target{Name: "reset", HTTP: host(reset)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); err == nil || asRetryable(err, &re) {
 		t.Fatalf("a peer that took the request and failed must not be retried: %v", err)
+	}
+	tlsOnly := NewForwarder("a", []byte("s"), &tls.Config{})
+	if err := tlsOnly.Forward(ctx, Target{Name: "plain", HTTP: host(full)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); !asRetryable(err, &re) {
+		t.Fatalf("a TLS forwarder sent to a plain-HTTP peer: %v", err)
 	}
 	var te *TruncatedError
 	if err := f.Forward(ctx, Target{Name: "cut", HTTP: host(cut)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); !errors.As(err, &te) {

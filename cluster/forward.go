@@ -63,10 +63,13 @@ type Forwarder struct {
 	from   string
 	secret []byte
 	client *http.Client
+	tls    bool // forward over TLS only: the client's API key and prompt stay encrypted
 }
 
-// NewForwarder makes a forwarder for node from; tlsConf (may be nil) is used for
-// peers that serve TLS.
+// NewForwarder makes a forwarder for node from. With tlsConf (nil: plain HTTP) it
+// forwards only to peers that serve TLS, verified with it: a peer that advertises
+// plain HTTP (misconfigured, or not a member at all) is refused rather than sent the
+// client's API key and prompt in the clear.
 func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
 	tr := &http.Transport{
 		DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
@@ -77,7 +80,7 @@ func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
 		// once the whole generation is done, which may take as long as it takes. A
 		// peer that dies closes the connection; a client that leaves cancels.
 	}
-	return &Forwarder{from: from, secret: secret, client: &http.Client{Transport: tr}}
+	return &Forwarder{from: from, secret: secret, client: &http.Client{Transport: tr}, tls: tlsConf != nil}
 }
 
 // RetryableError means nothing reached the client and the peer ran nothing (it could
@@ -101,6 +104,8 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 	scheme := "http"
 	if t.TLS {
 		scheme = "https"
+	} else if f.tls {
+		return &RetryableError{Err: fmt.Errorf("forward to %s: it serves plain HTTP and this node forwards over TLS only", t.Name), Unreachable: true}
 	}
 	req, err := http.NewRequestWithContext(ctx, method, scheme+"://"+t.HTTP+path, strings.NewReader(string(body)))
 	if err != nil {

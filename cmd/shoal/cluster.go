@@ -150,6 +150,12 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	if err != nil {
 		return nil, nil, err
 	}
+	if loopback(adv) && !loopback(gossipAdv) {
+		return nil, nil, fmt.Errorf("the API listens on %s, which other machines cannot reach, but this node gossips on %s: listen on an address they reach (--addr or --host, e.g. --host 0.0.0.0) or set --http-advertise", adv, gossipAdv)
+	}
+	if len(key) == 0 {
+		log.Warn("gossip is neither encrypted nor authenticated (no --gossip-key): anyone who reaches the gossip port can join and speak for members; use --gossip-key outside a trusted network")
+	}
 	cc := cluster.DefaultConfig()
 	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, gossipAdv, cf.join, key, secret
 	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
@@ -163,6 +169,32 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	}
 	log.Info("joined cluster", "node", node.Name(), "gossip", node.GossipAddr(), "route", policy, "peers", len(node.Members())-1)
 	return node, secret, nil
+}
+
+// loopback reports whether addr's host is a loopback address or localhost.
+func loopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// setWithoutGossip lists the cluster flags given on the command line or in the
+// environment, which do nothing without --gossip-addr.
+func (c *clusterFlags) setWithoutGossip(fs *flag.FlagSet) []string {
+	var set []string
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "join", "gossip-key", "cluster-secret", "tls-ca", "advertise", "http-advertise", "node-name", "route", "max-queue-wait":
+			set = append(set, "--"+f.Name)
+		}
+	})
+	return set
 }
 
 // reachable returns addr with a wildcard or empty host replaced by this machine's

@@ -166,6 +166,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if err := f.hostPort(); err != nil {
 		return err
 	}
+	if set := f.cluster.setWithoutGossip(fs); f.cluster.gossip == "" && len(set) > 0 {
+		return fmt.Errorf("%s: cluster flags without --gossip-addr, which joins the node to a cluster", strings.Join(set, ", "))
+	}
 	f.envKeys(os.Getenv)
 	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
@@ -329,7 +332,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		node, secret, err = startCluster(f.cluster, ln.Addr().String(), name, device, sc, sched, serverTLS != nil, f.sim != "", log)
+		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, device, sc, sched, serverTLS != nil, f.sim != "", log)
 		if err != nil {
 			stopSched()
 			<-schedDone
@@ -460,6 +463,18 @@ func (f *serveFlags) envKeys(getenv func(string) string) {
 	for _, k := range []string{getenv("SHOAL_API_KEYS"), getenv("SHOAL_API_KEY")} {
 		_ = f.apiKeys.Set(k) // splits on commas, skips empty entries
 	}
+}
+
+// apiAdvertise is the API address peers forward to by default: --addr as given when it
+// names a host (a certificate may name it, not its IP), with the port the listener
+// got; the listener's address otherwise.
+func apiAdvertise(addr string, bound net.Addr) string {
+	host, _, err := net.SplitHostPort(addr)
+	_, port, berr := net.SplitHostPort(bound.String())
+	if err != nil || berr != nil || host == "" || net.ParseIP(host) != nil {
+		return bound.String()
+	}
+	return net.JoinHostPort(host, port)
 }
 
 // hostPort folds --host and --port into --addr.

@@ -561,6 +561,34 @@ func TestServeEnv(t *testing.T) {
 	}
 }
 
+func TestAdvertisedAddresses(t *testing.T) {
+	for _, c := range []struct {
+		addr, bound, want string
+	}{
+		{"node1.example.com:8443", "10.0.0.5:8443", "node1.example.com:8443"}, // the name a certificate holds
+		{"localhost:0", "127.0.0.1:4567", "localhost:4567"},
+		{"127.0.0.1:0", "127.0.0.1:4567", "127.0.0.1:4567"},
+		{":8080", "[::]:8080", "[::]:8080"}, // a wildcard: reachable() picks the private IP
+	} {
+		bound, _ := net.ResolveTCPAddr("tcp", c.bound)
+		if got := apiAdvertise(c.addr, bound); got != c.want {
+			t.Errorf("apiAdvertise(%q, %s) = %q, want %q", c.addr, c.bound, got, c.want)
+		}
+	}
+	for addr, want := range map[string]bool{"127.0.0.1:8080": true, "localhost:1": true, "[::1]:1": true, "10.0.0.1:8080": false, "node1:1": false} {
+		if loopback(addr) != want {
+			t.Errorf("loopback(%q) != %v", addr, want)
+		}
+	}
+	fs, f := serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--join", "10.0.0.1:7946", "--route", "round-robin"}); err != nil {
+		t.Fatal(err)
+	}
+	if set := f.cluster.setWithoutGossip(fs); len(set) != 2 {
+		t.Fatalf("cluster flags without --gossip-addr: %v", set)
+	}
+}
+
 func TestReachable(t *testing.T) {
 	if got, err := reachable("127.0.0.1:7946", "--advertise"); err != nil || got != "127.0.0.1:7946" {
 		t.Fatalf("a specific address changed: %q %v", got, err)
