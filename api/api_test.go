@@ -222,12 +222,16 @@ func TestToolsWithToolChoiceNone(t *testing.T) {
 	}
 }
 
-// TestCompletionTextOffsets: text_offset indexes the choice's text, echoed prompt
-// included, streamed or whole (as OpenAI and vLLM count it).
+// TestCompletionTextOffsets: text_offset indexes the choice's text, streamed or
+// whole (as OpenAI and vLLM count it); echo with logprobs, which would need the
+// prompt's logprobs, is refused.
 func TestCompletionTextOffsets(t *testing.T) {
 	s := newTestServer(t, nil)
 	var whole CompletionResponse
-	w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"echo":true,"temperature":0}`)
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"echo":true}`); w.Code != 400 {
+		t.Fatalf("echo with logprobs (no prompt logprobs): %d %s", w.Code, w.Body)
+	}
+	w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"temperature":0}`)
 	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || len(whole.Choices) != 1 {
 		t.Fatalf("%v: %s", err, w.Body)
 	}
@@ -238,8 +242,8 @@ func TestCompletionTextOffsets(t *testing.T) {
 			t.Fatalf("token %d %q at offset %d of %q", i, lp.Tokens[i], off, text)
 		}
 	}
-	if lp.TextOffset[0] != len("abc") {
-		t.Fatalf("first generated token at %d, after the echoed prompt %q", lp.TextOffset[0], "abc")
+	if lp.TextOffset[0] != 0 {
+		t.Fatalf("first generated token at %d, want 0", lp.TextOffset[0])
 	}
 	w = s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"stream":true,"temperature":0}`)
 	var streamed strings.Builder

@@ -400,6 +400,12 @@ func (s *Server) completions(c *gin.Context) {
 	}
 	if !req.Echo {
 		p.echo = nil
+	} else if p.logprobs {
+		// OpenAI's echo with logprobs scores the prompt's tokens too (evaluation
+		// harnesses read them); without prompt logprobs the answer would be quietly
+		// wrong, so it is refused.
+		abort(c, invalid("echo", "echo with logprobs is not supported: prompt logprobs are not computed"))
+		return
 	}
 	s.routeOrRun(c, b, &p, forwarded, p.prompts[0])
 }
@@ -471,16 +477,22 @@ type submitted struct {
 func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	ctx := c.Request.Context()
 	maxCtx := b.Generator.MaxContext()
+	// OpenAI's wording (vLLM keeps it too): clients such as LiteLLM recognise a
+	// context overflow by it.
+	where, param := "messages", "messages"
+	if !p.chat {
+		where, param = "prompt", "prompt"
+	}
 	for i, toks := range p.prompts {
 		if len(toks) >= maxCtx {
-			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "messages",
-				Message: fmt.Sprintf("prompt %d has %d tokens; this model's context holds %d tokens (prompt plus output)", i, len(toks), maxCtx)})
+			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
+				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s (%d) resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, where, i, len(toks), where)})
 			return
 		}
 		if p.req.MaxTokens > 0 && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
 			// Like vLLM: the request can never be served in full.
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
-				Message: fmt.Sprintf("prompt %d has %d tokens and max_tokens is %d: together more than this model's context of %d tokens", i, len(toks), p.req.MaxTokens, maxCtx)})
+				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, len(toks)+p.req.MaxTokens, len(toks), where, p.req.MaxTokens, where)})
 			return
 		}
 	}
@@ -518,7 +530,6 @@ type choiceState struct {
 	text     strings.Builder
 	finish   string
 	logprobs []TokenLogprob
-	echoed   int // characters of echoed prompt text at the start of text
 }
 
 func finishString(f scheduler.FinishReason) string {
@@ -537,7 +548,6 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		if pi < len(p.echo) {
 			for j := range p.n {
 				choices[sub.base+j].text.WriteString(p.echo[pi])
-				choices[sub.base+j].echoed = utf8.RuneCountInString(p.echo[pi])
 			}
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
@@ -579,7 +589,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		f := choices[i].finish
 		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f}
 		if p.logprobs {
-			cc.Logprobs = legacyLogprobs(choices[i].logprobs, choices[i].echoed)
+			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0) // no echo with logprobs
 		}
 		resp.Choices = append(resp.Choices, cc)
 	}

@@ -95,6 +95,9 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 		if p.Type != "text" || p.Text == nil {
 			return fmt.Errorf("content part %d: only parts of type \"text\" with a text field are supported", i)
 		}
+		if i > 0 {
+			buf.WriteByte('\n') // as vLLM joins text parts
+		}
 		buf.WriteString(*p.Text)
 	}
 	*c = Content(buf.String())

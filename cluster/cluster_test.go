@@ -344,8 +344,11 @@ func TestRouterFiltersAndSaturation(t *testing.T) {
 	if _, err := n.Route("m", nil, 0); err != ErrSaturated {
 		t.Fatalf("all saturated: %v", err)
 	}
-	if ts, err := n.Route("m", nil, 5); err != nil || ts[0].Name != "self" {
-		t.Fatalf("priority request should still be admitted: %+v %v", ts, err)
+	if ts, err := n.Route("m", nil, -1); err != nil || ts[0].Name != "self" {
+		t.Fatalf("an urgent request (priority < 0) should still be admitted: %+v %v", ts, err)
+	}
+	if _, err := n.Route("m", nil, 5); err != ErrSaturated {
+		t.Fatalf("a background request (priority > 0) when all are saturated: %v", err)
 	}
 	if _, err := n.Route("nope", nil, 0); err != ErrNoNode {
 		t.Fatalf("unknown model: %v", err)

@@ -62,7 +62,8 @@ const minPrefillTPS = 100
 
 // Route picks nodes for a request: the best first, then the next best for retries.
 // tokens may be nil when this node cannot tokenize for the model (served elsewhere
-// only); then routing is by load. priority > 0 may go to a saturated node.
+// only); then routing is by load. An urgent request (priority < 0: lower runs first,
+// as in vLLM) may go to a saturated node.
 func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, error) {
 	var hashes []kvcache.Hash
 	if tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
@@ -89,7 +90,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		}
 		anyServes = true
 		reqs, reqTokens := p.unreflected()
-		if n.saturated(p, reqs) && priority <= 0 {
+		if n.saturated(p, reqs) && priority >= 0 {
 			continue
 		}
 		c := candidate{p: p}

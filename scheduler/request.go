@@ -23,7 +23,7 @@ type Request struct {
 	// IgnoreEOS keeps generating past end-of-generation tokens (benchmarks).
 	IgnoreEOS bool
 	N         int // choices; 0 means 1
-	Priority  int // higher first
+	Priority  int // lower first, as vLLM's priority (default 0; negative: urgent)
 	// Deadline, if set, cancels the request when reached, waiting or running.
 	Deadline time.Time
 	// Embed asks for the prompt's pooled embedding (EventEmbedding) instead of

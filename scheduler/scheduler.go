@@ -316,7 +316,7 @@ func (s *Scheduler) cachedPrompt(q *seq) []int32 {
 }
 
 func queueOrder(a, b *seq) int {
-	return cmp.Or(cmp.Compare(b.g.req.Priority, a.g.req.Priority), cmp.Compare(a.arrival, b.arrival))
+	return cmp.Or(cmp.Compare(a.g.req.Priority, b.g.req.Priority), cmp.Compare(a.arrival, b.arrival))
 }
 
 // step runs one forward pass.
@@ -525,7 +525,7 @@ func (s *Scheduler) grow(q *seq, toks []engine.Token) bool {
 func (s *Scheduler) victim() *seq {
 	var v *seq
 	for _, q := range s.running {
-		if v == nil || q.g.req.Priority < v.g.req.Priority || (q.g.req.Priority == v.g.req.Priority && q.arrival > v.arrival) {
+		if v == nil || q.g.req.Priority > v.g.req.Priority || (q.g.req.Priority == v.g.req.Priority && q.arrival > v.arrival) {
 			v = q
 		}
 	}

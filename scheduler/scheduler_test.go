@@ -350,16 +350,17 @@ func TestPriorityAndFIFO(t *testing.T) {
 	for s.Load().Running == 0 {
 		time.Sleep(100 * time.Microsecond)
 	}
+	submit("background", 3)
 	submit("a", 0)
 	submit("b", 0)
 	submit("c", 0)
-	submit("urgent", 5)
-	for s.Load().Waiting < 4 {
+	submit("urgent", -5) // lower runs first, as in vLLM
+	for s.Load().Waiting < 5 {
 		time.Sleep(100 * time.Microsecond)
 	}
 	collect(context.Background(), blocker, 1)
 	wg.Wait()
-	if strings.Join(order, ",") != "urgent,a,b,c" {
+	if strings.Join(order, ",") != "urgent,a,b,c,background" {
 		t.Fatalf("completion order %v", order)
 	}
 }
