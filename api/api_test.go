@@ -316,6 +316,30 @@ func TestCloseConnectionMidBody(t *testing.T) {
 	}
 }
 
+// TestCORS: browsers may call the API only from the allowed origins; none by default.
+func TestCORS(t *testing.T) {
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.AllowedOrigins = []string{"https://app.example"} })
+	w := s.do(t, "OPTIONS", "/v1/chat/completions", "", "Origin", "https://app.example", "Access-Control-Request-Method", "POST")
+	if w.Code != 204 || w.Header().Get("Access-Control-Allow-Origin") != "https://app.example" || !strings.Contains(w.Header().Get("Access-Control-Allow-Headers"), "Authorization") {
+		t.Fatalf("preflight: %d %v", w.Code, w.Header())
+	}
+	if w := s.do(t, "GET", "/v1/models", "", "Origin", "https://app.example"); w.Header().Get("Access-Control-Allow-Origin") != "https://app.example" {
+		t.Fatalf("an allowed origin's request: %v", w.Header())
+	}
+	if w := s.do(t, "GET", "/v1/models", "", "Origin", "https://evil.example"); w.Header().Get("Access-Control-Allow-Origin") != "" {
+		t.Fatalf("another origin got CORS headers: %v", w.Header())
+	}
+	plain := newTestServer(t, nil)
+	if w := plain.do(t, "GET", "/v1/models", "", "Origin", "https://app.example"); w.Header().Get("Access-Control-Allow-Origin") != "" {
+		t.Fatalf("CORS headers without allowed origins: %v", w.Header())
+	}
+	cfg := DefaultConfig()
+	cfg.ModelName, cfg.AllowedOrigins = "m", []string{"app.example"}
+	if cfg.Validate() == nil {
+		t.Fatal("an origin without a scheme was accepted")
+	}
+}
+
 func TestContextLengthError(t *testing.T) {
 	s := newTestServer(t, nil)
 	prompt := strings.TrimSuffix(strings.Repeat("5,", 4200), ",")

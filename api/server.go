@@ -44,6 +44,10 @@ type Config struct {
 	SchemaToGrammar func(schema []byte) (string, error)
 	// CacheInfo labels vllm:cache_config_info (block_size, cache_dtype, ...).
 	CacheInfo map[string]string
+	// AllowedOrigins are the web origins whose pages may call the API from a
+	// browser (CORS), or "*" for any. None by default: a page on any site could
+	// otherwise use a node on the visitor's machine.
+	AllowedOrigins []string
 }
 
 // DefaultConfig returns the defaults with no API keys.
@@ -64,6 +68,11 @@ func (c Config) Validate() error {
 	for _, k := range c.APIKeys {
 		if k == "" {
 			return errors.New("api: empty API key")
+		}
+	}
+	for _, o := range c.AllowedOrigins {
+		if o != "*" && !strings.HasPrefix(o, "http://") && !strings.HasPrefix(o, "https://") {
+			return fmt.Errorf("api: allowed origin %q: want * or scheme://host[:port]", o)
 		}
 	}
 	return nil
@@ -119,6 +128,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	s.metrics = m
 	r := gin.New()
 	r.Use(recovery(s.log))
+	r.Use(s.cors)
 	r.Use(s.limitBody)
 	r.GET("/health", func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) })
 	r.GET("/ready", s.ready)
@@ -158,6 +168,31 @@ func recovery(log *slog.Logger) gin.HandlerFunc {
 		log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
 		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
 	})
+}
+
+// cors answers browsers' preflight requests and marks responses readable by the
+// allowed origins (Config.AllowedOrigins); without any, it does nothing.
+func (s *Server) cors(c *gin.Context) {
+	origin := c.GetHeader("Origin")
+	if origin == "" || len(s.cfg.AllowedOrigins) == 0 {
+		c.Next()
+		return
+	}
+	if !slices.Contains(s.cfg.AllowedOrigins, "*") && !slices.Contains(s.cfg.AllowedOrigins, origin) {
+		c.Next() // no CORS headers: the browser keeps the answer from the page
+		return
+	}
+	h := c.Writer.Header()
+	h.Set("Access-Control-Allow-Origin", origin)
+	h.Add("Vary", "Origin")
+	if c.Request.Method == http.MethodOptions && c.GetHeader("Access-Control-Request-Method") != "" {
+		h.Set("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+		h.Set("Access-Control-Allow-Headers", "Authorization, Content-Type")
+		h.Set("Access-Control-Max-Age", "600")
+		c.AbortWithStatus(http.StatusNoContent)
+		return
+	}
+	c.Next()
 }
 
 // Handler is the server's http.Handler.

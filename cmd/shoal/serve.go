@@ -100,7 +100,7 @@ type serveFlags struct {
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
-	apiKeys                                                                 listFlag
+	apiKeys, allowedOrigins                                                 listFlag
 	cluster                                                                 *clusterFlags
 }
 
@@ -146,6 +146,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Uint64Var(&f.hashSeed, "hash-seed", 0, "seed of the prefix block hashes (equal on every node of a cluster)")
 	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
+	fs.Var(&f.allowedOrigins, "allowed-origins", "web origins (https://app.example.com, or *) whose pages may call the API from a browser (CORS); none by default")
 	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/* and /tokenize (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
@@ -234,6 +235,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
+	ac.AllowedOrigins = f.allowedOrigins
 	if f.sim == "" {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}
