@@ -319,8 +319,9 @@ func TestCloseConnectionMidBody(t *testing.T) {
 // TestCORS: browsers may call the API only from the allowed origins; none by default.
 func TestCORS(t *testing.T) {
 	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.AllowedOrigins = []string{"https://app.example"} })
-	w := s.do(t, "OPTIONS", "/v1/chat/completions", "", "Origin", "https://app.example", "Access-Control-Request-Method", "POST")
-	if w.Code != 204 || w.Header().Get("Access-Control-Allow-Origin") != "https://app.example" || !strings.Contains(w.Header().Get("Access-Control-Allow-Headers"), "Authorization") {
+	w := s.do(t, "OPTIONS", "/v1/chat/completions", "", "Origin", "https://app.example", "Access-Control-Request-Method", "POST",
+		"Access-Control-Request-Headers", "authorization,content-type,x-stainless-os") // OpenAI's JS SDK
+	if w.Code != 204 || w.Header().Get("Access-Control-Allow-Origin") != "https://app.example" || !strings.Contains(w.Header().Get("Access-Control-Allow-Headers"), "x-stainless-os") {
 		t.Fatalf("preflight: %d %v", w.Code, w.Header())
 	}
 	if w := s.do(t, "GET", "/v1/models", "", "Origin", "https://app.example"); w.Header().Get("Access-Control-Allow-Origin") != "https://app.example" {
@@ -334,9 +335,11 @@ func TestCORS(t *testing.T) {
 		t.Fatalf("CORS headers without allowed origins: %v", w.Header())
 	}
 	cfg := DefaultConfig()
-	cfg.ModelName, cfg.AllowedOrigins = "m", []string{"app.example"}
-	if cfg.Validate() == nil {
-		t.Fatal("an origin without a scheme was accepted")
+	for _, bad := range []string{"app.example", "https://app.example/", "https://app.example/x"} {
+		cfg.ModelName, cfg.AllowedOrigins = "m", []string{bad}
+		if cfg.Validate() == nil {
+			t.Fatalf("origin %q accepted: a browser never sends it", bad)
+		}
 	}
 }
 

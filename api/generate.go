@@ -473,6 +473,14 @@ type submitted struct {
 	start  time.Time
 }
 
+// which names prompt i of n in an error: "messages", or "prompt 2" among several.
+func which(where string, i, n int) string {
+	if n > 1 {
+		return fmt.Sprintf("%s %d", where, i)
+	}
+	return where
+}
+
 // run submits every prompt and answers, streamed or whole.
 func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	ctx := c.Request.Context()
@@ -486,13 +494,13 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	for i, toks := range p.prompts {
 		if len(toks) >= maxCtx {
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
-				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s (%d) resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, where, i, len(toks), where)})
+				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), len(toks), where)})
 			return
 		}
 		if p.req.MaxTokens > 0 && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
 			// Like vLLM: the request can never be served in full.
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
-				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, len(toks)+p.req.MaxTokens, len(toks), where, p.req.MaxTokens, where)})
+				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, len(toks)+p.req.MaxTokens, len(toks), which(where, i, len(p.prompts)), p.req.MaxTokens, where)})
 			return
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -71,8 +72,9 @@ func (c Config) Validate() error {
 		}
 	}
 	for _, o := range c.AllowedOrigins {
-		if o != "*" && !strings.HasPrefix(o, "http://") && !strings.HasPrefix(o, "https://") {
-			return fmt.Errorf("api: allowed origin %q: want * or scheme://host[:port]", o)
+		u, err := url.Parse(o)
+		if o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.Path != "" || u.RawQuery != "") {
+			return fmt.Errorf("api: allowed origin %q: want * or scheme://host[:port], as a browser sends it (no path)", o)
 		}
 	}
 	return nil
@@ -173,21 +175,29 @@ func recovery(log *slog.Logger) gin.HandlerFunc {
 // cors answers browsers' preflight requests and marks responses readable by the
 // allowed origins (Config.AllowedOrigins); without any, it does nothing.
 func (s *Server) cors(c *gin.Context) {
-	origin := c.GetHeader("Origin")
-	if origin == "" || len(s.cfg.AllowedOrigins) == 0 {
+	if len(s.cfg.AllowedOrigins) == 0 {
 		c.Next()
 		return
 	}
-	if !slices.Contains(s.cfg.AllowedOrigins, "*") && !slices.Contains(s.cfg.AllowedOrigins, origin) {
+	h := c.Writer.Header()
+	h.Add("Vary", "Origin") // the answer depends on it, allowed or not
+	origin := c.GetHeader("Origin")
+	if origin == "" || !slices.Contains(s.cfg.AllowedOrigins, "*") && !slices.Contains(s.cfg.AllowedOrigins, origin) {
 		c.Next() // no CORS headers: the browser keeps the answer from the page
 		return
 	}
-	h := c.Writer.Header()
 	h.Set("Access-Control-Allow-Origin", origin)
-	h.Add("Vary", "Origin")
+	h.Set("Access-Control-Expose-Headers", "Retry-After, X-Shoal-Served-By")
 	if c.Request.Method == http.MethodOptions && c.GetHeader("Access-Control-Request-Method") != "" {
 		h.Set("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-		h.Set("Access-Control-Allow-Headers", "Authorization, Content-Type")
+		// Whatever the page asks to send: SDKs add their own (OpenAI's JS SDK sends
+		// x-stainless-*), and only the API key authorises anything.
+		allow := c.GetHeader("Access-Control-Request-Headers")
+		if allow == "" {
+			allow = "Authorization, Content-Type"
+		}
+		h.Set("Access-Control-Allow-Headers", allow)
+		h.Add("Vary", "Access-Control-Request-Headers")
 		h.Set("Access-Control-Max-Age", "600")
 		c.AbortWithStatus(http.StatusNoContent)
 		return

@@ -105,7 +105,8 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 	if t.TLS {
 		scheme = "https"
 	} else if f.tls {
-		return &RetryableError{Err: fmt.Errorf("forward to %s: it serves plain HTTP and this node forwards over TLS only", t.Name), Unreachable: true}
+		// A misconfigured peer, not a failed one: not marked unreachable.
+		return &RetryableError{Err: fmt.Errorf("forward to %s: it serves plain HTTP and this node forwards over TLS only", t.Name)}
 	}
 	req, err := http.NewRequestWithContext(ctx, method, scheme+"://"+t.HTTP+path, strings.NewReader(string(body)))
 	if err != nil {

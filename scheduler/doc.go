@@ -4,8 +4,8 @@
 // handlers call Submit, which validates the request, puts it in a bounded inbox and
 // returns a Stream; they never touch engine state. Each step the loop
 //
-//  1. takes new requests into the waiting queue (higher priority first, FIFO within
-//     a priority) and drops cancelled or expired ones, waiting or running, freeing
+//  1. takes new requests into the waiting queue (lower priority value first, as
+//     vLLM orders them; FIFO within a priority) and drops cancelled or expired ones, waiting or running, freeing
 //     their KV blocks at once;
 //  2. builds one batch within the token budget: a decode row for every running
 //     sequence, then chunks of pending prefills, then newly admitted requests (which

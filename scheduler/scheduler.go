@@ -70,7 +70,7 @@ type Scheduler struct {
 	load    atomic.Pointer[Load]
 
 	// owned by Run
-	queue    []*seq // waiting, ordered by (priority desc, arrival asc)
+	queue    []*seq // waiting, ordered by (priority asc, arrival asc)
 	running  []*seq
 	arrival  uint64
 	batch    engine.Batch

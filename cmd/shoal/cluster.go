@@ -99,6 +99,10 @@ func (c *clusterFlags) tlsConfigs() (server, client *tls.Config, err error) {
 			return nil, nil, fmt.Errorf("--tls-ca %s: no certificate found", c.tlsCA)
 		}
 		client = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	} else if server != nil {
+		// A node that serves TLS forwards over TLS too, verified with the
+		// system's roots, never the client's key in the clear.
+		client = &tls.Config{MinVersion: tls.VersionTLS12}
 	}
 	return server, client, nil
 }
@@ -150,9 +154,6 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	if err != nil {
 		return nil, nil, err
 	}
-	if loopback(adv) && !loopback(gossipAdv) {
-		return nil, nil, fmt.Errorf("the API listens on %s, which other machines cannot reach, but this node gossips on %s: listen on an address they reach (--addr or --host, e.g. --host 0.0.0.0) or set --http-advertise", adv, gossipAdv)
-	}
 	if len(key) == 0 {
 		log.Warn("gossip is neither encrypted nor authenticated (no --gossip-key): anyone who reaches the gossip port can join and speak for members; use --gossip-key outside a trusted network")
 	}
@@ -169,6 +170,24 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	}
 	log.Info("joined cluster", "node", node.Name(), "gossip", node.GossipAddr(), "route", policy, "peers", len(node.Members())-1)
 	return node, secret, nil
+}
+
+// checkReachable refuses an API that only this machine can reach (it listens on a
+// loopback address, e.g. --addr's default 127.0.0.1:8080, or a name that resolves to
+// one) in a cluster whose gossip address other machines reach, unless
+// --http-advertise names where peers should forward.
+func (c *clusterFlags) checkReachable(bound net.Addr) error {
+	if c.httpAdvertise != "" {
+		return nil
+	}
+	gossip, err := reachable(cmp.Or(c.advertise, c.gossip), "--advertise")
+	if err != nil {
+		return err
+	}
+	if loopback(bound.String()) && !loopback(gossip) {
+		return fmt.Errorf("the API listens on %s, which other machines cannot reach, but this node gossips on %s: listen on an address they reach (--addr or --host, e.g. --host 0.0.0.0) or set --http-advertise", bound, gossip)
+	}
+	return nil
 }
 
 // loopback reports whether addr's host is a loopback address or localhost.

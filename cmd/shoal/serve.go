@@ -161,14 +161,21 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	// Cluster flags do nothing without --gossip-addr: on the command line that is
+	// a mistake; in the environment (one file for every node) only worth a warning.
+	clusterArgs := f.cluster.setWithoutGossip(fs)
 	if err := applyEnv(fs, os.Getenv); err != nil {
 		return err
 	}
 	if err := f.hostPort(); err != nil {
 		return err
 	}
-	if set := f.cluster.setWithoutGossip(fs); f.cluster.gossip == "" && len(set) > 0 {
-		return fmt.Errorf("%s: cluster flags without --gossip-addr, which joins the node to a cluster", strings.Join(set, ", "))
+	var clusterEnv []string
+	if f.cluster.gossip == "" {
+		if len(clusterArgs) > 0 {
+			return fmt.Errorf("%s: cluster flags without --gossip-addr, which joins the node to a cluster", strings.Join(clusterArgs, ", "))
+		}
+		clusterEnv = f.cluster.setWithoutGossip(fs)
 	}
 	f.envKeys(os.Getenv)
 	if f.model == "" && f.sim == "" {
@@ -193,6 +200,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	llama.SetLogger(log)
+	if len(clusterEnv) > 0 {
+		log.Warn("cluster settings from the environment have no effect without --gossip-addr", "flags", strings.Join(clusterEnv, ","))
+	}
 	split, err := floatList(f.tensorSplit)
 	if err != nil {
 		return err
@@ -254,6 +264,13 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ln, err := net.Listen("tcp", f.addr)
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
+	}
+	if f.cluster.gossip != "" {
+		// Before the model loads (minutes, for a large one): peers must reach the API.
+		if err := f.cluster.checkReachable(ln.Addr()); err != nil {
+			ln.Close()
+			return err
+		}
 	}
 	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, TLSConfig: serverTLS}
 	httpDone := make(chan error, 1)

@@ -587,6 +587,31 @@ func TestAdvertisedAddresses(t *testing.T) {
 	if set := f.cluster.setWithoutGossip(fs); len(set) != 2 {
 		t.Fatalf("cluster flags without --gossip-addr: %v", set)
 	}
+	// A cluster whose members gossip on a routable address needs an API they reach.
+	bound, _ := net.ResolveTCPAddr("tcp", "127.0.0.1:8080")
+	if err := (&clusterFlags{gossip: "10.0.0.1:7946"}).checkReachable(bound); err == nil {
+		t.Error("a loopback API with a routable gossip address was accepted")
+	}
+	for _, ok := range []*clusterFlags{{gossip: "127.0.0.1:7946"}, {gossip: "10.0.0.1:7946", httpAdvertise: "10.0.0.1:8080"}} {
+		if err := ok.checkReachable(bound); err != nil {
+			t.Errorf("%+v: %v", *ok, err)
+		}
+	}
+}
+
+// TestClusterFlagsWithoutGossip: on the command line they are a mistake and refused;
+// from the environment (one file for all nodes) they are only warned about.
+func TestClusterFlagsWithoutGossip(t *testing.T) {
+	var out, errb strings.Builder
+	if code := run([]string{"serve", "--model", "/nonexistent.gguf", "--route", "round-robin"}, &out, &errb); code == 0 || !strings.Contains(errb.String(), "without --gossip-addr") {
+		t.Fatalf("--route without --gossip-addr: exit %d: %s", code, errb.String())
+	}
+	t.Setenv("SHOAL_ROUTE", "round-robin")
+	errb.Reset()
+	run([]string{"serve", "--model", "/nonexistent.gguf", "--addr", "127.0.0.1:0"}, &out, &errb)
+	if s := errb.String(); !strings.Contains(s, "no effect without --gossip-addr") || strings.Contains(s, "cluster flags without") {
+		t.Fatalf("SHOAL_ROUTE without --gossip-addr: %s", s)
+	}
 }
 
 func TestReachable(t *testing.T) {
