@@ -59,7 +59,7 @@ bench-quant: build
 
 # Scheduler throughput vs. the ceiling, and the shared-prefix workload (docs/benchmarks.md).
 bench-scheduler: build
-	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 120m ./engine/llama | tee bench-scheduler.txt
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler(Decode|Sampling|SharedPrefix)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 120m ./engine/llama | tee bench-scheduler.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build
