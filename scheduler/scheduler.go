@@ -300,7 +300,7 @@ func (s *Scheduler) takeInbox() {
 func (s *Scheduler) enqueue(q *seq) {
 	// What it will cost to prefill, given the cache now: the queue-wait estimate that
 	// routers read counts this, not the whole prompt.
-	q.uncached = len(q.tokens) - len(s.cachedPrompt(q))
+	q.uncached = len(q.tokens) - s.pool.CachedPrefix(s.cachedPrompt(q))
 	i, _ := slices.BinarySearchFunc(s.queue, q, queueOrder)
 	s.queue = slices.Insert(s.queue, i, q)
 }

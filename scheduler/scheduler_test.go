@@ -826,3 +826,34 @@ func TestNoKVSpaceRunsFewer(t *testing.T) {
 	}
 	waitIdle(t, s)
 }
+
+// TestPendingCountsQueuedPrefill: a waiting request's uncached prompt counts in the
+// published pending prefill (what routers' queue-wait estimates read); its cached
+// part does not.
+func TestPendingCountsQueuedPrefill(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	f.Delay = 2 * time.Millisecond
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxRunning = 1 })
+	blocker, err := s.Submit(context.Background(), &Request{Prompt: prompt(99, 10), MaxTokens: 40})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for s.Load().Running == 0 {
+		time.Sleep(100 * time.Microsecond)
+	}
+	st, err := s.Submit(context.Background(), &Request{Prompt: prompt(1, 48), MaxTokens: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Once the scheduler has taken it into its queue (a step later), while the
+	// blocker still holds the only slot.
+	deadline := time.Now().Add(2 * time.Second)
+	for l := s.Load(); l.PendingTokens < 48 || l.Waiting != 1; l = s.Load() {
+		if time.Now().After(deadline) {
+			t.Fatalf("one waiting 48-token prompt: %+v", l)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	collect(context.Background(), blocker, 1)
+	collect(context.Background(), st, 1)
+}
