@@ -602,26 +602,20 @@ func (s *Scheduler) decode(ctx context.Context) {
 			// (fragmentation). Requeue the batch and run fewer sequences until
 			// steps succeed again; a sequence that cannot be placed even alone
 			// fails.
-			inBatch := 0
-			for _, q := range s.running {
-				if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
-					inBatch++
-				}
-			}
 			if len(s.running) <= 1 {
 				for _, q := range slices.Clone(s.running) {
 					s.fail(q.g, fmt.Errorf("decode: %w: the engine cannot place this sequence even alone", err))
 				}
 				return
 			}
-			half := max(1, min(len(s.running), max(inBatch, 1))/2)
+			v := s.victim()
+			undone := s.undoBatch()
+			half := max(1, len(undone)/2)
 			if s.runCap > 0 {
 				half = min(half, s.runCap)
 			}
 			s.runCap, s.capSteps = half, 0
-			s.log.Warn("the engine found no KV cells for the batch; running fewer sequences", "running", len(s.running), "cap", s.runCap)
-			v := s.victim()
-			s.undoBatch()
+			s.log.Warn("the engine found no KV cells for the batch; running fewer sequences", "in_batch", len(undone), "cap", s.runCap)
 			if v != nil && v.kv != nil { // not in the batch: it still holds cells
 				s.preempt(v)
 			}
@@ -630,12 +624,9 @@ func (s *Scheduler) decode(ctx context.Context) {
 		// A failed pass fails the requests in it; the node keeps serving.
 		s.log.Error("decode failed", "tokens", s.batch.Len(), "err", err)
 		affected := map[*group]bool{}
-		for _, q := range s.running {
-			if slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
-				affected[q.g] = true
-			}
+		for _, q := range s.undoBatch() {
+			affected[q.g] = true
 		}
-		s.undoBatch()
 		for g := range affected {
 			s.fail(g, fmt.Errorf("decode: %w", err))
 		}
@@ -665,7 +656,7 @@ func (s *Scheduler) decode(ctx context.Context) {
 
 	// The batch's cells now exist: make its full blocks shareable.
 	for _, q := range s.running {
-		if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
+		if s.inBatch(q) {
 			s.pool.Commit(q.kv)
 			q.committed = q.computed()
 		}
@@ -701,22 +692,28 @@ func (s *Scheduler) decode(ctx context.Context) {
 	s.ended = 0
 }
 
+// inBatch reports whether running sequence q has rows in this step's batch.
+func (s *Scheduler) inBatch(q *seq) bool {
+	return q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID))
+}
+
 // undoBatch rolls the pool back for tokens accounted this step but not decoded, by
-// releasing the affected sequences' KV and requeueing them.
-func (s *Scheduler) undoBatch() {
-	seen := map[*seq]bool{}
+// releasing the affected sequences' KV and requeueing them, and returns them.
+func (s *Scheduler) undoBatch() []*seq {
+	var undone []*seq
 	for _, q := range s.running {
-		if q.kv != nil && slices.Contains(s.batch.Seq, engine.SeqID(q.kv.ID)) {
-			seen[q] = true
+		if s.inBatch(q) {
+			undone = append(undone, q)
 		}
 	}
-	for q := range seen {
+	for _, q := range undone {
 		s.release(q)
 		q.committed = 0
 		s.removeFromRunning(q)
 		s.enqueue(q)
 		s.waiting.Add(1)
 	}
+	return undone
 }
 
 // fork starts choice c as a copy of q, whose prompt has just been computed.
