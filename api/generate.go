@@ -215,7 +215,7 @@ func (s *Server) chat(c *gin.Context) {
 		return
 	}
 	var req ChatRequest
-	forwarded, ok := s.begin(c, &req, &req.SamplingFields)
+	forwarded, ok := s.begin(c, &req, &req.Model, &req.Priority)
 	if !ok || !generates(c, b) {
 		return
 	}
@@ -309,18 +309,17 @@ func refuseTools(req *ChatRequest) error {
 		var s string
 		return json.Unmarshal(raw, &s) == nil && s == "none"
 	}
-	const unsupported = toolsUnsupported
 	if given(req.Tools) && !isNone(req.ToolChoice) {
-		return invalid("tools", "%s; send tool_choice \"none\" to answer without tools", unsupported)
+		return invalid("tools", "%s; send tool_choice \"none\" to answer without tools", toolsUnsupported)
 	}
 	if given(req.ToolChoice) && !given(req.Tools) {
 		var s string
 		if json.Unmarshal(req.ToolChoice, &s) != nil || s != "none" && s != "auto" {
-			return invalid("tool_choice", "%s; tool_choice must be \"none\" or \"auto\" without tools", unsupported)
+			return invalid("tool_choice", "%s; tool_choice must be \"none\" or \"auto\" without tools", toolsUnsupported)
 		}
 	}
 	if given(req.Functions) && !isNone(req.FunctionCall) {
-		return invalid("functions", "%s; send function_call \"none\" to answer without functions", unsupported)
+		return invalid("functions", "%s; send function_call \"none\" to answer without functions", toolsUnsupported)
 	}
 	return nil // a history with tool calls is refused by chatMessages
 }
@@ -343,7 +342,7 @@ func (s *Server) completions(c *gin.Context) {
 		return
 	}
 	var req CompletionRequest
-	forwarded, ok := s.begin(c, &req, &req.SamplingFields)
+	forwarded, ok := s.begin(c, &req, &req.Model, &req.Priority)
 	if !ok || !generates(c, b) {
 		return
 	}
@@ -410,10 +409,11 @@ func (s *Server) completions(c *gin.Context) {
 	s.routeOrRun(c, b, &p, forwarded, p.prompts[0])
 }
 
-// begin decodes a generation request into req (whose shared fields are f), checks a
-// forwarded request's credential, and forwards a request for a model served only
-// elsewhere. ok is false when the request was answered.
-func (s *Server) begin(c *gin.Context, req any, f *SamplingFields) (forwarded, ok bool) {
+// begin decodes a request into req (whose model and priority, if any, are read from
+// model and priority once decoded), checks a forwarded request's credential, and
+// forwards a request for a model served only elsewhere. ok is false when the
+// request was answered.
+func (s *Server) begin(c *gin.Context, req any, model *string, priority **int) (forwarded, ok bool) {
 	if err := decodeBody(c, req); err != nil {
 		abort(c, err)
 		return false, false
@@ -421,7 +421,11 @@ func (s *Server) begin(c *gin.Context, req any, f *SamplingFields) (forwarded, o
 	if forwarded, ok = s.checkHop(c); !ok {
 		return forwarded, false
 	}
-	return forwarded, s.routeElsewhere(c, forwarded, f.Model, priorityOf(f.Priority))
+	var prio *int
+	if priority != nil {
+		prio = *priority
+	}
+	return forwarded, s.routeElsewhere(c, forwarded, *model, priorityOf(prio))
 }
 
 // routeElsewhere sends a request for a model this node does not serve to a node

@@ -17,12 +17,7 @@ func (s *Server) decodeFor(c *gin.Context, req any, model *string) (*Backend, bo
 	if !ok {
 		return nil, false
 	}
-	if err := decodeBody(c, req); err != nil {
-		abort(c, err)
-		return nil, false
-	}
-	forwarded, ok := s.checkHop(c)
-	if !ok || !s.routeElsewhere(c, forwarded, *model, 0) {
+	if _, ok := s.begin(c, req, model, nil); !ok {
 		return nil, false
 	}
 	if err := s.checkModel(*model); err != nil {
