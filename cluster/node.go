@@ -135,12 +135,10 @@ type Node struct {
 	joined     chan string               // members to send the full summary to
 	loadSeq    atomic.Uint64
 	boot       uint64 // this process's Load.Boot
-	// placeholders counts peers heard from before their join event (under mu).
-	placeholders int
-	turns        int // prompts routed by turn-taking policies, for the next turn (under mu)
-	stop         chan struct{}
-	stopOnce     sync.Once
-	wg           sync.WaitGroup
+	turns      int    // prompts routed by turn-taking policies, for the next turn (under mu)
+	stop       chan struct{}
+	stopOnce   sync.Once
+	wg         sync.WaitGroup
 }
 
 // peer is what this node knows of another (or of itself).
@@ -607,12 +605,11 @@ const restartQuiet = 2 * time.Second
 func (n *Node) peerLocked(name string) *peer {
 	p := n.peers[name]
 	if p == nil {
-		if n.placeholders >= maxPlaceholders {
+		if n.count("") >= maxPlaceholders { // only when a new name is heard
 			return nil
 		}
 		p = &peer{name: name, changedAt: time.Now()}
 		n.peers[name] = p
-		n.placeholders++
 	}
 	return p
 }
@@ -633,7 +630,6 @@ func (n *Node) prune(now time.Time) {
 		switch {
 		case p.state == "" && now.Sub(p.changedAt) > placeholderLimit:
 			delete(n.peers, name)
-			n.placeholders--
 		case (p.state == "dead" || p.state == "left") && now.Sub(p.changedAt) > goneLimit:
 			delete(n.peers, name)
 		}
@@ -677,8 +673,6 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	if p == nil {
 		p = &peer{name: m.Name}
 		n.peers[m.Name] = p
-	} else if p.state == "" {
-		n.placeholders-- // joined: no longer a placeholder
 	}
 	p.gossip = net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
 	if state == "alive" && p.state != "alive" {
@@ -704,8 +698,9 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 // process stalled or gone, which memberlist's probes take seconds more to declare)
 // or for a moment after a forward to it could not connect. memberlist's own suspect
 // state cannot be read safely: it lives in the node structs Members returns, which
-// memberlist writes in place under its lock. Caller holds n.mu.
-func (n *Node) status(p *peer, now time.Time) string {
+// memberlist writes in place under its lock. overdue is n.loadOverdue(), which
+// callers looking at every peer compute once. Caller holds n.mu.
+func (n *Node) status(p *peer, now time.Time, overdue time.Duration) string {
 	if p.state != "alive" || p.name == n.cfg.Name {
 		return p.state
 	}
@@ -716,7 +711,7 @@ func (n *Node) status(p *peer, now time.Time) string {
 	if heard.Before(p.aliveAt) {
 		heard = p.aliveAt
 	}
-	if !heard.IsZero() && now.Sub(heard) > n.loadOverdue() {
+	if !heard.IsZero() && now.Sub(heard) > overdue {
 		return "suspect"
 	}
 	return "alive"
@@ -726,17 +721,18 @@ func (n *Node) status(p *peer, now time.Time) string {
 // few of the rounds in which every node sends its load to every other (one
 // interval, or more beyond FanOut peers, which take turns). Caller holds n.mu.
 func (n *Node) loadOverdue() time.Duration {
-	rounds := max((n.aliveCount()-1+n.cfg.FanOut-1)/n.cfg.FanOut, 1)
+	rounds := max((n.count("alive")-1+n.cfg.FanOut-1)/n.cfg.FanOut, 1)
 	return time.Duration(overdueRounds*rounds) * n.cfg.LoadInterval
 }
 
-// aliveCount is how many members memberlist last reported alive, this node
-// included: dead and left members and placeholders take no part in the rounds or
-// in routing's sums. Caller holds n.mu.
-func (n *Node) aliveCount() int {
+// count is how many peers are in state ("alive": members memberlist last reported
+// alive, this node included, the only ones that take part in the load rounds and
+// routing's sums; "": placeholders, heard from before their join event). Caller
+// holds n.mu.
+func (n *Node) count(state string) int {
 	c := 0
 	for _, p := range n.peers {
-		if p.state == "alive" {
+		if p.state == state {
 			c++
 		}
 	}
@@ -782,13 +778,13 @@ type Member struct {
 func (n *Node) Members() []Member {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	now := time.Now()
+	now, overdue := time.Now(), n.loadOverdue()
 	var out []Member
 	for _, p := range n.peers {
 		if p.state == "" {
 			continue // heard from, but not yet joined
 		}
-		st := n.status(p, now)
+		st := n.status(p, now, overdue)
 		ago := int64(-1)
 		if !p.loadAt.IsZero() {
 			ago = time.Since(p.loadAt).Milliseconds()

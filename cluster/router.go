@@ -76,13 +76,13 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 	anyServes := false
 	rate := n.clusterPrefillRate(model)
 	others := n.othersPerOwn()
-	now := time.Now()
+	now, overdue := time.Now(), n.loadOverdue()
 	for _, p := range n.peers {
 		self := p.name == n.cfg.Name
 		if !p.metaOK || !slices.Contains(p.meta.Models, model) {
 			continue
 		}
-		if !self && n.status(p, now) != "alive" {
+		if !self && n.status(p, now, overdue) != "alive" {
 			continue
 		}
 		if p.meta.Draining {
