@@ -145,11 +145,8 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 		return nil, nil, err
 	}
 	// Peers need addresses they can reach: a wildcard listen address (0.0.0.0, ::)
-	// is advertised as this machine's private IP, as memberlist itself would.
-	gossipAdv, err := reachable(cmp.Or(cf.advertise, cf.gossip), "--advertise")
-	if err != nil {
-		return nil, nil, err
-	}
+	// is advertised as this machine's private IP, as memberlist itself would (the
+	// gossip address already is: resolveAdvertise).
 	adv, err := reachable(cmp.Or(cf.httpAdvertise, httpAddr), "--http-advertise")
 	if err != nil {
 		return nil, nil, err
@@ -158,7 +155,7 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 		log.Warn("gossip is neither encrypted nor authenticated (no --gossip-key): anyone who reaches the gossip port can join and speak for members; use --gossip-key outside a trusted network")
 	}
 	cc := cluster.DefaultConfig()
-	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, gossipAdv, cf.join, key, secret
+	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, cf.advertise, cf.join, key, secret
 	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
 	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device}
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
@@ -176,18 +173,20 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 // loopback address, e.g. --addr's default 127.0.0.1:8080, or a name that resolves to
 // one) in a cluster whose gossip address other machines reach, unless
 // --http-advertise names where peers should forward.
+// The gossip address is --advertise as resolveAdvertise left it.
 func (c *clusterFlags) checkReachable(bound net.Addr) error {
-	if c.httpAdvertise != "" {
-		return nil
-	}
-	gossip, err := reachable(cmp.Or(c.advertise, c.gossip), "--advertise")
-	if err != nil {
-		return err
-	}
-	if loopback(bound.String()) && !loopback(gossip) {
-		return fmt.Errorf("the API listens on %s, which other machines cannot reach, but this node gossips on %s: listen on an address they reach (--addr or --host, e.g. --host 0.0.0.0) or set --http-advertise", bound, gossip)
+	if c.httpAdvertise == "" && loopback(bound.String()) && !loopback(c.advertise) {
+		return fmt.Errorf("the API listens on %s, which other machines cannot reach, but this node gossips on %s: listen on an address they reach (--addr or --host, e.g. --host 0.0.0.0) or set --http-advertise", bound, c.advertise)
 	}
 	return nil
+}
+
+// resolveAdvertise sets --advertise, once, to the gossip address peers reach:
+// --advertise or --gossip-addr, a wildcard host replaced by this machine's private IP.
+func (c *clusterFlags) resolveAdvertise() error {
+	adv, err := reachable(cmp.Or(c.advertise, c.gossip), "--advertise")
+	c.advertise = adv
+	return err
 }
 
 // loopback reports whether addr's host is a loopback address or localhost.

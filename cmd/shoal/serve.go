@@ -267,6 +267,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	if f.cluster.gossip != "" {
 		// Before the model loads (minutes, for a large one): peers must reach the API.
+		if err := f.cluster.resolveAdvertise(); err != nil {
+			ln.Close()
+			return err
+		}
 		if err := f.cluster.checkReachable(ln.Addr()); err != nil {
 			ln.Close()
 			return err

@@ -589,10 +589,17 @@ func TestAdvertisedAddresses(t *testing.T) {
 	}
 	// A cluster whose members gossip on a routable address needs an API they reach.
 	bound, _ := net.ResolveTCPAddr("tcp", "127.0.0.1:8080")
-	if err := (&clusterFlags{gossip: "10.0.0.1:7946"}).checkReachable(bound); err == nil {
+	routable := &clusterFlags{gossip: "10.0.0.1:7946"}
+	if err := routable.resolveAdvertise(); err != nil || routable.advertise != "10.0.0.1:7946" {
+		t.Fatalf("advertise %q, %v", routable.advertise, err)
+	}
+	if err := routable.checkReachable(bound); err == nil {
 		t.Error("a loopback API with a routable gossip address was accepted")
 	}
 	for _, ok := range []*clusterFlags{{gossip: "127.0.0.1:7946"}, {gossip: "10.0.0.1:7946", httpAdvertise: "10.0.0.1:8080"}} {
+		if err := ok.resolveAdvertise(); err != nil {
+			t.Fatal(err)
+		}
 		if err := ok.checkReachable(bound); err != nil {
 			t.Errorf("%+v: %v", *ok, err)
 		}
