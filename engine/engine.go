@@ -124,6 +124,47 @@ func (b *Batch) Add(t Token, p Pos, s SeqID, output bool) {
 // Len is the number of rows.
 func (b *Batch) Len() int { return len(b.Tokens) }
 
+// Check refuses, as llama.cpp does, a batch an engine of capacity c with a
+// vocabulary of vocab tokens cannot take: empty or ragged, more rows than
+// c.BatchTokens, tokens, sequence ids or positions out of range, and positions that
+// do not follow on from what each sequence holds (last reports a sequence's highest
+// position), in the batch too. Engines that model llama.cpp in Go (the simulator,
+// test fakes) share it; errors wrap ErrInvalidInput.
+func (b *Batch) Check(c Capacity, vocab int, last func(SeqID) (Pos, bool)) error {
+	n := b.Len()
+	switch {
+	case n == 0:
+		return fmt.Errorf("empty batch: %w", ErrInvalidInput)
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
+		return fmt.Errorf("ragged batch: %w", ErrInvalidInput)
+	case n > c.BatchTokens:
+		return fmt.Errorf("batch of %d rows exceeds %d: %w", n, c.BatchTokens, ErrInvalidInput)
+	}
+	next := map[SeqID]Pos{}
+	for i := range n {
+		t, s, p := b.Tokens[i], b.Seq[i], b.Pos[i]
+		switch {
+		case t < 0 || int(t) >= vocab:
+			return fmt.Errorf("row %d: token %d out of range: %w", i, t, ErrInvalidInput)
+		case s < 0 || int(s) >= c.MaxSeqs:
+			return fmt.Errorf("row %d: sequence %d out of range: %w", i, s, ErrInvalidInput)
+		case p < 0 || int(p) >= c.CellsPerSeq:
+			return fmt.Errorf("row %d: position %d beyond the context of %d: %w", i, p, c.CellsPerSeq, ErrInvalidInput)
+		}
+		want, ok := next[s]
+		if !ok {
+			if hi, held := last(s); held {
+				want = hi + 1
+			}
+		}
+		if p != want {
+			return fmt.Errorf("row %d: sequence %d at position %d, want %d: %w", i, s, p, want, ErrInvalidInput)
+		}
+		next[s] = p + 1
+	}
+	return nil
+}
+
 // Reset empties the batch, keeping its memory.
 func (b *Batch) Reset() {
 	b.Tokens, b.Pos, b.Seq, b.Output = b.Tokens[:0], b.Pos[:0], b.Seq[:0], b.Output[:0]

@@ -75,8 +75,11 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	if aborted || ctx.Err() != nil {
 		return fmt.Errorf("fake: %w", engine.ErrAborted)
 	}
-	if err := f.check(b); err != nil {
-		return err
+	if err := b.Check(f.cap, f.vocab.n, func(s engine.SeqID) (engine.Pos, bool) {
+		_, hi, ok := f.SeqPosRange(s)
+		return hi, ok
+	}); err != nil {
+		return fmt.Errorf("fake: %w", err)
 	}
 	if len(f.cells)+b.Len() > f.cap.Cells {
 		return engine.ErrNoKVSpace
@@ -122,45 +125,6 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	f.mu.Lock()
 	f.batches = append(f.batches, fb)
 	f.mu.Unlock()
-	return nil
-}
-
-// check refuses, before anything changes, what engine/llama refuses: an empty or
-// ragged batch, more rows than n_batch, tokens and sequence ids out of range,
-// positions beyond a sequence's context, and positions that do not follow on from
-// what each sequence holds (in the batch too).
-func (f *Fake) check(b *engine.Batch) error {
-	n := b.Len()
-	switch {
-	case n == 0:
-		return fmt.Errorf("fake: empty batch: %w", engine.ErrInvalidInput)
-	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
-		return fmt.Errorf("fake: ragged batch: %w", engine.ErrInvalidInput)
-	case n > f.cap.BatchTokens:
-		return fmt.Errorf("fake: batch %d > %d: %w", n, f.cap.BatchTokens, engine.ErrInvalidInput)
-	}
-	next := map[engine.SeqID]engine.Pos{}
-	for i := range n {
-		t, s, p := b.Tokens[i], b.Seq[i], b.Pos[i]
-		switch {
-		case t < 0 || int(t) >= f.vocab.n:
-			return fmt.Errorf("fake: row %d: token %d out of range: %w", i, t, engine.ErrInvalidInput)
-		case s < 0 || int(s) >= f.cap.MaxSeqs:
-			return fmt.Errorf("fake: row %d: sequence %d out of range: %w", i, s, engine.ErrInvalidInput)
-		case p < 0 || int(p) >= f.cap.CellsPerSeq:
-			return fmt.Errorf("fake: row %d: position %d beyond the context of %d: %w", i, p, f.cap.CellsPerSeq, engine.ErrInvalidInput)
-		}
-		want, ok := next[s]
-		if !ok {
-			if _, hi, held := f.SeqPosRange(s); held {
-				want = hi + 1
-			}
-		}
-		if p != want {
-			return fmt.Errorf("fake: seq %d position %d not consecutive (want %d): %w", s, p, want, engine.ErrInvalidInput)
-		}
-		next[s] = p + 1
-	}
 	return nil
 }
 

@@ -178,26 +178,14 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 		return engine.ErrClosed
 	}
 	n := b.Len()
-	if n == 0 || n > e.cap.BatchTokens {
-		return fmt.Errorf("sim: batch of %d tokens: %w", n, engine.ErrInvalidInput)
+	if err := b.Check(e.cap, e.vocab.n, func(s engine.SeqID) (engine.Pos, bool) {
+		_, hi, ok := e.SeqPosRange(s)
+		return hi, ok
+	}); err != nil {
+		return fmt.Errorf("sim: %w", err)
 	}
 	var posSum int64
-	next := map[engine.SeqID]engine.Pos{} // what each sequence's next position must be, as llama.cpp checks
-	for i := range n {
-		s, p := b.Seq[i], b.Pos[i]
-		if b.Tokens[i] < 0 || int(b.Tokens[i]) >= e.vocab.n || s < 0 || int(s) >= e.cap.MaxSeqs || p < 0 || int(p) >= e.cap.CellsPerSeq {
-			return fmt.Errorf("sim: row %d: %w", i, engine.ErrInvalidInput)
-		}
-		want, ok := next[s]
-		if !ok {
-			if sp := e.seqs[s]; sp != nil && sp.hi >= sp.lo {
-				want = sp.hi + 1
-			}
-		}
-		if p != want {
-			return fmt.Errorf("sim: row %d: sequence %d at position %d, want %d: %w", i, s, p, want, engine.ErrInvalidInput)
-		}
-		next[s] = p + 1
+	for _, p := range b.Pos {
 		posSum += int64(p)
 	}
 	d := time.Duration(float64(e.p.Step(n, posSum)) / e.cfg.Speed)
