@@ -105,6 +105,7 @@ func TestGoldenEncodings(t *testing.T) {
 		{"completion_tokens_stream", "/v1/completions", `{"prompt":[1,5,6,7],"max_tokens":3,"temperature":0,"stream":true}`},
 		{"completion_stop", "/v1/completions", `{"prompt":"abc","max_tokens":20,"temperature":0,"stop":["zz","q"]}`},
 		{"models", "/v1/models", ``},
+		{"model", "/v1/models/fake", ``},
 		{"tokenize", "/tokenize", `{"prompt":"abc"}`},
 		{"detokenize", "/detokenize", `{"tokens":[3,4,5]}`},
 	}
@@ -119,7 +120,7 @@ func TestGoldenEncodings(t *testing.T) {
 				t.Fatalf("status %d: %s", w.Code, w.Body)
 			}
 			body := w.Body.Bytes()
-			if c.name == "models" {
+			if c.name == "models" || c.name == "model" {
 				body = bytes.ReplaceAll(body, fmt.Appendf(nil, `"created":%d`, s.started.Unix()), []byte(`"created":0`))
 			}
 			golden(t, c.name, body)
@@ -168,6 +169,7 @@ func TestErrors(t *testing.T) {
 		{"wrong type", "/v1/chat/completions", `{"messages":"hi"}`, auth, 400, ""},
 		{"empty messages", "/v1/chat/completions", `{"messages":[]}`, auth, 400, ""},
 		{"bad role", "/v1/chat/completions", `{"messages":[{"role":"robot","content":"x"}]}`, auth, 400, ""},
+		{"unknown model id", "/v1/models/gpt-9", "", auth, 404, "model_not_found"},
 		{"unknown model", "/v1/chat/completions", `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, auth, 404, "model_not_found"},
 		{"temperature", "/v1/completions", `{"prompt":"x","temperature":7}`, auth, 400, ""},
 		{"max tokens cap", "/v1/completions", `{"prompt":"x","max_tokens":101}`, auth, 400, ""},
@@ -349,6 +351,48 @@ func TestContextLengthError(t *testing.T) {
 	w := s.do(t, "POST", "/v1/completions", `{"prompt":[`+prompt+`]}`)
 	if w.Code != 400 || !strings.Contains(w.Body.String(), "4200 tokens") || !strings.Contains(w.Body.String(), "context_length_exceeded") {
 		t.Fatalf("%d %s", w.Code, w.Body)
+	}
+}
+
+// Without max_tokens, completions stop at 16 tokens as in OpenAI and vLLM, and
+// chat runs to end-of-generation; a prompt that leaves fewer than 16 tokens of
+// context is not refused for a default it never asked for. With no cap
+// configured, any max_tokens the context has room for is taken, and an error
+// names the field the client used.
+func TestMaxTokensDefaults(t *testing.T) {
+	s := newTestServer(t, nil)
+	s.fake.EOSAt = 300
+	usage := func(path, body string) (int, string) {
+		t.Helper()
+		w := s.do(t, "POST", path, body)
+		var r struct {
+			Choices []struct {
+				FinishReason string `json:"finish_reason"`
+			} `json:"choices"`
+			Usage struct {
+				CompletionTokens int `json:"completion_tokens"`
+			} `json:"usage"`
+		}
+		if w.Code != 200 || json.Unmarshal(w.Body.Bytes(), &r) != nil || len(r.Choices) != 1 {
+			t.Fatalf("%s %s: %d %s", path, body, w.Code, w.Body)
+		}
+		return r.Usage.CompletionTokens, r.Choices[0].FinishReason
+	}
+	if n, why := usage("/v1/completions", `{"prompt":"abc"}`); n != 16 || why != "length" {
+		t.Fatalf("completions without max_tokens: %d tokens, %s", n, why)
+	}
+	// EOS at position 300: the chat prompt is a few dozen tokens, so well past 256.
+	if n, why := usage("/v1/chat/completions", `{"messages":[{"role":"user","content":"abc"}]}`); n < 257 || why != "stop" {
+		t.Fatalf("chat without max_tokens: %d tokens, %s", n, why)
+	}
+	s.fake.EOSAt = 0
+	prompt := strings.TrimSuffix(strings.Repeat("5,", 4090), ",")
+	if n, why := usage("/v1/completions", `{"prompt":[`+prompt+`]}`); n != 6 || why != "length" {
+		t.Fatalf("completions near the context's end: %d tokens, %s", n, why)
+	}
+	w := s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}`)
+	if w.Code != 400 || !strings.Contains(w.Body.String(), `"param":"max_completion_tokens"`) {
+		t.Fatalf("max_completion_tokens 0: %d %s", w.Code, w.Body)
 	}
 }
 

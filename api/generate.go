@@ -58,10 +58,14 @@ type plan struct {
 	model     string
 	chat      bool
 	completes bool // legacy completions logprobs format
+	// maxTokensAsked: the request gave max_tokens (a default filled in is not
+	// checked against the context; the context cuts it short instead).
+	maxTokensAsked bool
 }
 
 // samplingPlan validates the shared fields into a scheduler.Request template.
-func (s *Server) samplingPlan(b *Backend, f *SamplingFields, maxTokens *int) (plan, error) {
+// maxTokens is the request's max_tokens under the name it was given as (param).
+func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTokens *int) (plan, error) {
 	var p plan
 	if err := s.checkModel(f.Model); err != nil {
 		return p, err
@@ -85,12 +89,12 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, maxTokens *int) (pl
 	r.N = p.n
 	if maxTokens != nil {
 		if *maxTokens < 1 {
-			return p, invalid("max_tokens", "max_tokens must be at least 1, got %d", *maxTokens)
+			return p, invalid(param, "%s must be at least 1, got %d", param, *maxTokens)
 		}
-		if *maxTokens > s.cfg.MaxTokensCap {
-			return p, invalid("max_tokens", "max_tokens %d exceeds this server's cap of %d", *maxTokens, s.cfg.MaxTokensCap)
+		if s.cfg.MaxTokensCap > 0 && *maxTokens > s.cfg.MaxTokensCap {
+			return p, invalid(param, "%s %d exceeds this server's cap of %d", param, *maxTokens, s.cfg.MaxTokensCap)
 		}
-		r.MaxTokens = *maxTokens
+		r.MaxTokens, p.maxTokensAsked = *maxTokens, true
 	}
 	if len(f.Stop) > MaxStops {
 		return p, invalid("stop", "at most %d stop strings are allowed, got %d", MaxStops, len(f.Stop))
@@ -219,11 +223,11 @@ func (s *Server) chat(c *gin.Context) {
 	if !ok || !generates(c, b) {
 		return
 	}
-	maxTokens := req.MaxTokens
+	maxTokens, param := req.MaxTokens, "max_tokens"
 	if req.MaxCompletionTokens != nil {
-		maxTokens = req.MaxCompletionTokens
+		maxTokens, param = req.MaxCompletionTokens, "max_completion_tokens"
 	}
-	p, err := s.samplingPlan(b, &req.SamplingFields, maxTokens)
+	p, err := s.samplingPlan(b, &req.SamplingFields, param, maxTokens)
 	if err != nil {
 		abort(c, err)
 		return
@@ -346,10 +350,13 @@ func (s *Server) completions(c *gin.Context) {
 	if !ok || !generates(c, b) {
 		return
 	}
-	p, err := s.samplingPlan(b, &req.SamplingFields, req.MaxTokens)
+	p, err := s.samplingPlan(b, &req.SamplingFields, "max_tokens", req.MaxTokens)
 	if err != nil {
 		abort(c, err)
 		return
+	}
+	if req.MaxTokens == nil {
+		p.req.MaxTokens = CompletionsMaxTokens
 	}
 	if req.Prompt == nil || (len(req.Prompt.Texts) == 0 && len(req.Prompt.Tokens) == 0) {
 		abort(c, invalid("prompt", "prompt is required"))
@@ -501,7 +508,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), len(toks), where)})
 			return
 		}
-		if p.req.MaxTokens > 0 && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
+		if p.maxTokensAsked && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
 			// Like vLLM: the request can never be served in full.
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
 				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, len(toks)+p.req.MaxTokens, len(toks), which(where, i, len(p.prompts)), p.req.MaxTokens, where)})
@@ -513,7 +520,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	defer cancel() // a failed submit or a gone client cancels everything submitted
 	for i, toks := range p.prompts {
 		r := p.req
-		r.Prompt = toks // MaxTokens 0: the scheduler's default, capped by the context
+		r.Prompt = toks // MaxTokens 0: the scheduler's default; the context caps any
 		r.Sampling.Logprobs = p.logprobs
 		r.Sampling.TopLogprobs = p.top
 		st, err := b.Generator.Submit(ctx, &r)

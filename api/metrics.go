@@ -69,7 +69,8 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		}),
 		counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", func(l scheduler.Load) float64 { return float64(l.PrefixQueries) }),
 		counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", func(l scheduler.Load) float64 { return float64(l.PrefixHits) }),
-		counter("vllm:prompt_tokens_total", "Prompt tokens computed (cache hits excluded).", func(l scheduler.Load) float64 { return float64(l.PromptTokens) }),
+		counter("vllm:prompt_tokens_total", "Prompt tokens of requests whose prompt was computed (prefix-cache hits included, as vLLM).", func(l scheduler.Load) float64 { return float64(l.PromptTokens) }),
+		counter("shoal_prompt_tokens_computed_total", "Prompt tokens computed (prefix-cache hits excluded; preempted sequences' recomputes included).", func(l scheduler.Load) float64 { return float64(l.ComputedTokens) }),
 		counter("vllm:generation_tokens_total", "Tokens generated.", func(l scheduler.Load) float64 { return float64(l.GeneratedTokens) }),
 		counter("shoal_preemptions_total", "Sequences preempted for KV space (resumed by recompute).", func(l scheduler.Load) float64 { return float64(l.Preemptions) }),
 		counter("shoal_scheduler_steps_total", "Forward passes run by the scheduler.", func(l scheduler.Load) float64 { return float64(l.Steps) }),
@@ -91,6 +92,9 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 }
 
 func (m *metrics) finished(f scheduler.FinishReason) {
+	if f == scheduler.FinishCancelled {
+		f = "abort" // vLLM's label
+	}
 	m.success.WithLabelValues(string(f)).Inc()
 }
 

@@ -28,8 +28,14 @@ import (
 const (
 	// DefaultMaxBodyBytes bounds request bodies (a long chat history fits easily).
 	DefaultMaxBodyBytes = 8 << 20
-	// DefaultMaxTokensCap rejects requests asking for more output than this.
-	DefaultMaxTokensCap = 8192
+	// DefaultMaxTokensCap rejects requests asking for more output than this; 0:
+	// only the context bounds it, as in vLLM (a prompt plus max_tokens beyond the
+	// context is refused either way).
+	DefaultMaxTokensCap = 0
+	// CompletionsMaxTokens is the legacy /v1/completions endpoint's max_tokens when
+	// a request gives none, as OpenAI and vLLM (a base model seldom stops by
+	// itself); chat requests generate until end-of-generation instead.
+	CompletionsMaxTokens = 16
 	// MaxStops bounds the stop strings of one request.
 	MaxStops = 16
 )
@@ -61,8 +67,8 @@ func (c Config) Validate() error {
 	switch {
 	case c.MaxBodyBytes < 1024:
 		return fmt.Errorf("api: max body bytes %d is too small", c.MaxBodyBytes)
-	case c.MaxTokensCap < 1:
-		return fmt.Errorf("api: max tokens cap %d must be positive", c.MaxTokensCap)
+	case c.MaxTokensCap < 0:
+		return fmt.Errorf("api: max tokens cap %d must not be negative", c.MaxTokensCap)
 	case c.ModelName == "":
 		return errors.New("api: model name is empty")
 	}
@@ -139,6 +145,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	}
 	v1 := r.Group("/v1", s.counted, s.auth)
 	v1.GET("/models", s.models)
+	v1.GET("/models/*id", s.model) // ids may hold slashes ("org/name")
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
 	v1.POST("/embeddings", s.embeddings)
@@ -290,13 +297,32 @@ func (s *Server) checkModel(model string) error {
 		if node := s.node(); node != nil && slices.Contains(node.Models(), model) {
 			return nil // served elsewhere in the cluster: routed by the caller
 		}
-		return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
-			Message: fmt.Sprintf("the model %q does not exist; this server serves %q", model, s.cfg.ModelName)}
+		return s.unknownModel(model)
 	}
 	return nil
 }
 
-func (s *Server) models(c *gin.Context) {
+func (s *Server) unknownModel(id string) *Error {
+	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
+		Message: fmt.Sprintf("the model %q does not exist; this server serves %q", id, s.cfg.ModelName)}
+}
+
+func (s *Server) models(c *gin.Context) { c.JSON(http.StatusOK, s.modelList()) }
+
+// model answers GET /v1/models/{id}, as OpenAI's models.retrieve.
+func (s *Server) model(c *gin.Context) {
+	id := strings.TrimPrefix(c.Param("id"), "/")
+	for _, m := range s.modelList().Data {
+		if m.ID == id {
+			c.JSON(http.StatusOK, m)
+			return
+		}
+	}
+	abort(c, s.unknownModel(id))
+}
+
+// modelList is this node's model and the others its cluster serves.
+func (s *Server) modelList() ModelList {
 	b := s.backend.Load()
 	maxLen := 0
 	if b != nil {
@@ -317,7 +343,7 @@ func (s *Server) models(c *gin.Context) {
 			}
 		}
 	}
-	c.JSON(http.StatusOK, list)
+	return list
 }
 
 func (s *Server) embeddings(c *gin.Context) {
@@ -378,6 +404,10 @@ func (s *Server) embeddings(c *gin.Context) {
 		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: inputs[i], Embed: true})
 		if err != nil {
 			s.metrics.rejected(err)
+			if errors.Is(err, scheduler.ErrPromptTooLong) {
+				err = &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "input",
+					Message: fmt.Sprintf("input %d: %v", i, err)}
+			}
 			abort(c, err)
 			return false
 		}

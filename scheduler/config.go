@@ -19,8 +19,15 @@ const (
 	// DefaultMaxWaiting bounds the queue; beyond it Submit fails with ErrQueueFull
 	// (HTTP 429) instead of letting latency grow without bound.
 	DefaultMaxWaiting = 1024
-	// DefaultMaxTokens applies when a request leaves max_tokens unset.
-	DefaultMaxTokens = 256
+	// DefaultMaxTokens applies when a request leaves max_tokens unset; 0 (the
+	// default) generates until end-of-generation or a full context, as vLLM,
+	// llama-server and Ollama do.
+	DefaultMaxTokens = 0
+	// openReserve is the room beyond its prompt that admission keeps for a request
+	// without a limit on its output: it is admitted when that fits, grows as it
+	// generates, and is preempted and resumed by recompute when the pool runs out
+	// (a request with a limit has its whole room kept at admission instead).
+	openReserve = 256
 	// rateHalfLife smooths the token rates in the Load snapshot.
 	rateHalfLife = 2 * time.Second
 	// A step measures the prefill speed when it computes at least minRateTokens
@@ -35,6 +42,10 @@ type Config struct {
 	MaxRunning       int
 	MaxWaiting       int
 	DefaultMaxTokens int
+	// MaxModelLen is the longest sequence (prompt plus output) one request may have,
+	// as vLLM's max_model_len; 0: the model's trained context. The KV cells one
+	// sequence may use cap it too.
+	MaxModelLen int
 	// KV is the block pool's configuration; Cells and MaxSeqs are filled in from the
 	// engine by New when zero.
 	KV kvcache.Config
@@ -65,8 +76,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("scheduler: max running %d must be positive", c.MaxRunning)
 	case c.MaxWaiting < 1:
 		return fmt.Errorf("scheduler: max waiting %d must be positive", c.MaxWaiting)
-	case c.DefaultMaxTokens < 1:
-		return fmt.Errorf("scheduler: default max tokens %d must be positive", c.DefaultMaxTokens)
+	case c.DefaultMaxTokens < 0:
+		return fmt.Errorf("scheduler: default max tokens %d must not be negative", c.DefaultMaxTokens)
+	case c.MaxModelLen < 0:
+		return fmt.Errorf("scheduler: max model length %d must not be negative", c.MaxModelLen)
 	case c.SampleWorkers < 0:
 		return fmt.Errorf("scheduler: sample workers %d must not be negative", c.SampleWorkers)
 	case c.MaxBatchTokens < c.MaxRunning:

@@ -14,7 +14,7 @@ const MaxChoices = 16
 // Request is one generation request.
 type Request struct {
 	Prompt    []engine.Token
-	MaxTokens int // 0: the configured default; generation also stops when the context is full
+	MaxTokens int // 0: the configured default (none: until end-of-generation); generation also stops when the context is full
 	Sampling  sample.Params
 	// Grammar is GBNF constraining the output; empty for none.
 	Grammar string

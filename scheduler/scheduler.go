@@ -45,7 +45,8 @@ type Load struct {
 	PrefixQueries   uint64 // prompt tokens looked up in the prefix cache
 	PrefixHits      uint64 // of which found
 	Steps           uint64
-	PromptTokens    uint64 // computed (not cached) prompt tokens, total
+	PromptTokens    uint64 // prompt tokens of requests whose prompt was computed, cached ones included
+	ComputedTokens  uint64 // prompt tokens computed (cache hits excluded; recomputes included)
 	GeneratedTokens uint64
 	Preemptions     uint64
 	CacheGeneration uint64
@@ -114,6 +115,7 @@ type seq struct {
 	held     string // text held back because it may start a stop string
 	gen      int
 	maxNew   int
+	open     bool // no limit was asked for: maxNew is the whole context (see openReserve)
 	forkFrom *seq // n > 1: fork from this sequence once its prompt is computed
 	running  bool
 	done     bool
@@ -123,6 +125,17 @@ type seq struct {
 	// sampleRow is the batch row whose logits give this sequence's next token.
 	sampleRow int
 	committed int // tokens decoded into its cells (computed() counts this step's too)
+}
+
+// reserve is the room beyond its tokens that q needs kept free to be admitted:
+// generation stops at max_tokens or when the context is full, whichever first, and
+// a request without a limit reserves only openReserve of that.
+func (s *seq) reserve(maxContext int) int {
+	need := min(s.maxNew-s.gen, maxContext-len(s.tokens))
+	if s.open {
+		need = min(need, openReserve)
+	}
+	return max(need, 0)
 }
 
 func (s *seq) computed() int {
@@ -156,6 +169,9 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	if !c.PrefixReuse {
 		cfg.KV.Caching = false // every sequence computes its own prompt
 	}
+	if cfg.MaxModelLen == 0 {
+		cfg.MaxModelLen = eng.Info().TrainedContext // 0 when unknown: the cells cap it
+	}
 	if cfg.KV.WeightCells == 0 && c.CellBytes > 0 {
 		cfg.KV.WeightCells = int(float64(eng.Info().SizeBytes) / c.CellBytes)
 	}
@@ -185,11 +201,16 @@ func (s *Scheduler) Pool() kvcache.Allocator { return s.pool }
 // Load returns the latest snapshot. Any goroutine.
 func (s *Scheduler) Load() Load { return *s.load.Load() }
 
-// MaxContext is the longest sequence (prompt + generated) one request may have.
+// MaxContext is the longest sequence (prompt + generated) one request may have:
+// Config.MaxModelLen, or less where the KV cache gives one sequence less.
 func (s *Scheduler) MaxContext() int {
 	// In whole blocks: a split stream of 1,365 cells holds 85 blocks of 16.
 	B := s.pool.BlockTokens()
-	return min(s.cap.CellsPerSeq/B*B, s.pool.TotalBlocks()*B)
+	n := min(s.cap.CellsPerSeq/B*B, s.pool.TotalBlocks()*B)
+	if s.cfg.MaxModelLen > 0 {
+		n = min(n, s.cfg.MaxModelLen)
+	}
+	return n
 }
 
 // Submit queues req. The stream ends with EventDone or EventError; cancelling ctx
@@ -276,16 +297,19 @@ func (s *Scheduler) takeInbox() {
 	s.mu.Unlock()
 	for _, g := range in {
 		n := max(g.req.N, 1)
-		maxNew := g.req.MaxTokens
+		maxNew, open := g.req.MaxTokens, false
 		if maxNew == 0 {
 			maxNew = s.cfg.DefaultMaxTokens
 		}
+		if maxNew == 0 {
+			maxNew, open = s.MaxContext(), true // the context ends it
+		}
 		if g.req.Embed {
-			maxNew = 0 // nothing is generated
+			maxNew, open = 0, false // nothing is generated
 		}
 		for i := range n {
 			s.arrival++
-			q := &seq{g: g, index: i, arrival: s.arrival, tokens: slices.Clone(g.req.Prompt), maxNew: maxNew, firstStart: i == 0, sampleRow: -1}
+			q := &seq{g: g, index: i, arrival: s.arrival, tokens: slices.Clone(g.req.Prompt), maxNew: maxNew, open: open, firstStart: i == 0, sampleRow: -1}
 			g.seqs = append(g.seqs, q)
 			if i > 0 {
 				q.forkFrom = g.seqs[0]
@@ -361,8 +385,7 @@ func (s *Scheduler) step(ctx context.Context) {
 			i++ // it stays in the queue, in its place
 			continue
 		}
-		// Generation stops at max_tokens or when the context is full, whichever first.
-		need := min(q.maxNew-q.gen, s.MaxContext()-len(q.tokens))
+		need := q.reserve(s.MaxContext())
 		prompt := s.cachedPrompt(q)
 		if !s.pool.Fits(prompt, need+len(q.tokens)-len(prompt)) {
 			if len(s.running) == 0 {
@@ -648,7 +671,7 @@ func (s *Scheduler) decode(ctx context.Context) {
 	decodeTokens := s.decodeRows
 	prefillTokens := s.batch.Len() - decodeTokens
 	s.stats.Steps++
-	s.stats.PromptTokens += uint64(prefillTokens)
+	s.stats.ComputedTokens += uint64(prefillTokens)
 	if prefillTokens >= minRateTokens && prefillTokens >= prefillDominates*decodeTokens {
 		s.stats.PrefillTokensPS = s.prefillPS.add(prefillTokens, elapsed)
 	}
@@ -790,6 +813,7 @@ func (s *Scheduler) emitEmbedding(q *seq) {
 		s.fail(q.g, fmt.Errorf("embeddings: %w", err))
 		return
 	}
+	s.stats.PromptTokens += uint64(q.g.usage.PromptTokens)
 	q.g.stream.push(Event{Kind: EventEmbedding, Index: q.index, Vector: vec})
 	s.finish(q, FinishStop, "")
 }
@@ -863,6 +887,9 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	tok := out.Token
 	q.sampler.Accept(tok, true)
 	q.gen++
+	if q.gen == 1 && q.index == 0 {
+		s.stats.PromptTokens += uint64(g.usage.PromptTokens) // once per request, as vLLM
+	}
 	s.stats.GeneratedTokens++
 	g.usage.CompletionTokens++
 
@@ -1060,7 +1087,7 @@ func (s *Scheduler) publish() {
 		// sequences may still generate.
 		left := 0
 		for _, q := range s.running {
-			left += max(q.maxNew-q.gen, 1)
+			left += max(q.reserve(s.MaxContext()), 1)
 		}
 		l.FinishPS = l.DecodeTokensPS * float64(len(s.running)) / float64(left)
 	}

@@ -296,6 +296,38 @@ func TestPreemptionAndResume(t *testing.T) {
 	t.Logf("preemptions: %d", s.Load().Preemptions)
 }
 
+// Requests without max_tokens generate past the old 256-token default, and are
+// admitted with room for openReserve tokens rather than the whole context: six
+// of them share a pool that holds two and a half at their full length, by
+// preemption, and each says what it says alone.
+func TestRequestsWithoutLimitShareThePool(t *testing.T) {
+	var reqs []*Request
+	for i := range 6 {
+		reqs = append(reqs, &Request{Prompt: prompt(i, 20+i)})
+	}
+	eos := func(f *enginetest.Fake) *enginetest.Fake { f.EOSAt = 400; return f }
+	var want []result
+	for _, r := range reqs {
+		s, _ := startScheduler(t, eos(enginetest.New(4096, 32, 512)), nil)
+		want = append(want, runConcurrently(t, s, []*Request{r})[0])
+	}
+	s, _ := startScheduler(t, eos(enginetest.New(1024, 64, 512)), nil)
+	got := runConcurrently(t, s, reqs)
+	for i := range reqs {
+		n := 400 - len(reqs[i].Prompt) // the last is EOS
+		if want[i].err != nil || want[i].finish[0] != FinishStop || want[i].usage.CompletionTokens != n {
+			t.Fatalf("request %d alone: %v %v %+v, want %d tokens and EOS", i, want[i].err, want[i].finish, want[i].usage, n)
+		}
+		if got[i].err != nil || got[i].finish[0] != FinishStop || !slices.Equal(got[i].tokens[0], want[i].tokens[0]) {
+			t.Fatalf("request %d shared: %v %v, %d tokens, want the %d it generates alone", i, got[i].err, got[i].finish, len(got[i].tokens[0]), n)
+		}
+	}
+	if s.Load().Preemptions == 0 {
+		t.Fatal("no preemptions: the requests ran one at a time, each admitted with the whole context's room")
+	}
+	t.Logf("preemptions: %d", s.Load().Preemptions)
+}
+
 func TestCancellationFreesBlocks(t *testing.T) {
 	f := enginetest.New(4096, 64, 512)
 	f.Delay = time.Millisecond
@@ -411,6 +443,11 @@ func TestEOSAndContextFull(t *testing.T) {
 	r = runConcurrently(t, s2, []*Request{{Prompt: prompt(1, 20), MaxTokens: 60, IgnoreEOS: true}})[0]
 	if r.err != nil || r.finish[0] != FinishLength || r.usage.CompletionTokens != 44 {
 		t.Fatalf("context full: %v %v %+v", r.err, r.finish, r.usage)
+	}
+	// Without max_tokens (and no configured default) the context ends it too.
+	r = runConcurrently(t, s2, []*Request{{Prompt: prompt(1, 20)}})[0]
+	if r.err != nil || r.finish[0] != FinishLength || r.usage.CompletionTokens != 44 {
+		t.Fatalf("no max_tokens: %v %v %+v", r.err, r.finish, r.usage)
 	}
 	if _, err := s2.Submit(context.Background(), &Request{Prompt: prompt(1, 64)}); !errors.Is(err, ErrPromptTooLong) {
 		t.Fatalf("prompt filling the context: %v", err)

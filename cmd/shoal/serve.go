@@ -96,7 +96,7 @@ type serveFlags struct {
 	port                                                                    int
 	unified, mmap, caching                                                  bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens   int
-	maxTokensCap                                                            int
+	maxTokensCap, maxModelLen                                               int
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
@@ -138,8 +138,9 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
 	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
-	fs.IntVar(&f.defaultMaxTokens, "default-max-tokens", sc.DefaultMaxTokens, "max_tokens when a request gives none (capped by the context)")
-	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this")
+	fs.IntVar(&f.defaultMaxTokens, "default-max-tokens", sc.DefaultMaxTokens, "max_tokens when a request gives none; 0: until end-of-generation or a full context, as vLLM")
+	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this (0: only the context bounds it)")
+	fs.IntVar(&f.maxModelLen, "max-model-len", sc.MaxModelLen, "longest sequence (prompt plus output) one request may have, as vLLM's (0: the model's trained context; the KV cells one sequence may use cap it too)")
 	fs.IntVar(&f.blockTokens, "block-tokens", sc.KV.BlockTokens, "KV block size in tokens (prefix-cache granularity)")
 	fs.BoolVar(&f.caching, "prefix-caching", true, "reuse the KV cache of common prompt prefixes")
 	fs.Float64Var(&f.cacheFloor, "prefix-cache-floor", sc.KV.CacheFloor, "with one KV pool: share of the pool (or, when fewer, of the cells whose KV is as large as the model's weights) that cached prefixes nobody is using always keep; beyond it they are kept as far as reuse shows it pays: misses on recently evicted prefixes, first hits on cached ones (1: keep until the pool is full)")
@@ -240,6 +241,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	sc.MaxBatchTokens, sc.MaxRunning, sc.MaxWaiting, sc.DefaultMaxTokens = f.maxBatchTokens, f.maxRunning, f.maxWaiting, f.defaultMaxTokens
 	sc.KV.BlockTokens, sc.KV.Caching, sc.KV.Seed, sc.KV.Model = f.blockTokens, f.caching, f.hashSeed, name
 	sc.KV.CacheFloor = f.cacheFloor
+	sc.MaxModelLen = f.maxModelLen
 	if err := sc.Validate(); err != nil {
 		return err
 	}
@@ -349,6 +351,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if f.maxModelLen > info.TrainedContext && info.TrainedContext > 0 {
+		log.Warn("--max-model-len is beyond the model's trained context: output past it is likely garbage", "max_model_len", f.maxModelLen, "trained_context", info.TrainedContext)
+	}
 	schedCtx, stopSched := context.WithCancel(context.Background())
 	schedDone := make(chan struct{})
 	go func() { defer close(schedDone); sched.Run(schedCtx) }()
@@ -369,7 +374,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if serverTLS != nil {
 		scheme = "https"
 	}
-	log.Info("ready", "url", scheme+"://"+ln.Addr().String()+"/v1")
+	log.Info("ready", "url", scheme+"://"+ln.Addr().String()+"/v1", "max_model_len", sched.MaxContext())
 
 	select {
 	case sig := <-sigs:

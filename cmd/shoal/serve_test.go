@@ -731,6 +731,12 @@ func TestEmbeddingNode(t *testing.T) {
 	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
 		t.Fatalf("generation on an embedding node: %v", err)
 	}
+	// An input longer than one step (--max-batch-tokens 512) names the field.
+	long := strings.TrimSuffix(strings.Repeat("5,", 600), ",")
+	resp, body := post(t, n.url+"/v1/embeddings", `{"input":[[`+long+`]]}`)
+	if resp.StatusCode != 400 || !strings.Contains(body, `"param":"input"`) || !strings.Contains(body, "600 tokens") {
+		t.Fatalf("an input of 600 tokens: %d %s", resp.StatusCode, body)
+	}
 }
 
 // TestServeQuantizedModel: what a user does with a downloaded f16 GGUF: quantize it,
