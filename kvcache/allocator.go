@@ -14,9 +14,14 @@ type Allocator interface {
 	// CachedPrefix is how many leading tokens of prompt Start would reuse.
 	CachedPrefix(prompt []int32) int
 	Start(prompt []int32) (*Seq, []Op, error)
+	// Resume starts a sequence that Suspend ended, from its prompt and generated
+	// tokens: what is still cached of them is its own, not a cache hit.
+	Resume(tokens []int32) (*Seq, []Op, error)
 	Grow(s *Seq, toks []int32) ([]Op, error)
 	Commit(s *Seq)
 	Release(s *Seq) []Op
+	// Suspend ends a preempted sequence that will Resume.
+	Suspend(s *Seq) []Op
 	Fork(s *Seq) (*Seq, []Op, error)
 	Publish()
 	Stats() Stats

@@ -127,8 +127,11 @@ type block struct {
 	holder   SeqID  // indexed: the sequence that physically keeps it
 	ref      int32  // running sequences using it
 	reused   bool   // taken by a sequence other than the one that computed it
-	lastUse  uint64 // pool clock when last referenced or released
-	lru      *list.Element
+	// suspended: unreferenced since its sequence was preempted (Suspend); kept
+	// past the budget until taken again or its space is needed.
+	suspended bool
+	lastUse   uint64 // pool clock when last referenced or released
+	lru       *list.Element
 }
 
 // Seq is a running sequence's view of its blocks. It belongs to the Pool's owner.
@@ -178,9 +181,10 @@ type Pool struct {
 	free   []int32 // free block ids (stack)
 	index  map[Hash]*block
 	// Indexed blocks with ref 0, least recently used first: never reused
-	// (probation), and reused at least once (protected). Eviction takes probation
-	// first.
-	probation, protected *list.List
+	// (probation), reused at least once (protected), and those of preempted
+	// sequences waiting to resume (suspended: not counted against the budget).
+	// Eviction takes probation first, then suspended, then protected.
+	probation, protected, suspended *list.List
 	// budget is how many of them may stay (see Config.CacheFloor); decay counts
 	// evictions of never-reused blocks since it last fell. ghosts remember recently
 	// evicted blocks.
@@ -219,6 +223,7 @@ func New(cfg Config) (*Pool, error) {
 		index:     map[Hash]*block{},
 		probation: list.New(),
 		protected: list.New(),
+		suspended: list.New(),
 		seqs:      make([]seqState, cfg.MaxSeqs),
 		holders:   map[SeqID]int{},
 	}
@@ -251,7 +256,11 @@ func (p *Pool) TotalBlocks() int { return len(p.blocks) }
 func (p *Pool) FreeBlocks() int { return len(p.free) }
 
 // EvictableBlocks counts unreferenced cached blocks.
-func (p *Pool) EvictableBlocks() int { return p.probation.Len() + p.protected.Len() }
+func (p *Pool) EvictableBlocks() int { return p.budgeted() + p.suspended.Len() }
+
+// budgeted counts the unreferenced cached blocks the budget bounds: all but
+// those kept for preempted sequences.
+func (p *Pool) budgeted() int { return p.probation.Len() + p.protected.Len() }
 
 func (p *Pool) blocksFor(tokens int) int {
 	return (tokens + p.cfg.BlockTokens - 1) / p.cfg.BlockTokens
@@ -303,23 +312,29 @@ func (p *Pool) Fits(prompt []int32, maxNew int) bool {
 // prefix. The returned ops (copies from holders, and removals for any eviction needed
 // to free a sequence id) must be applied before the sequence's first decode. The rest
 // of the prompt is accounted by Grow as it is computed.
-func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
+func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) { return p.start(prompt, false) }
+
+// Resume is Start for a sequence that was preempted (Suspend): it takes back what is
+// still cached of its own tokens, which is not reuse by another sequence, so it is
+// neither counted as a lookup or hit nor raises the cache budget.
+func (p *Pool) Resume(tokens []int32) (*Seq, []Op, error) { return p.start(tokens, true) }
+
+func (p *Pool) start(prompt []int32, resume bool) (*Seq, []Op, error) {
 	var ops []Op
 	id, ops, err := p.takeSeqID(ops)
 	if err != nil {
 		return nil, nil, err
 	}
 	s := &Seq{ID: id}
-	p.queries += uint64(len(prompt))
 	m := p.match(prompt)
 	for i, b := range m {
-		if b.lru != nil && !b.reused {
+		if b.lru != nil && !b.reused && !resume {
 			// Kept unused until a later sequence asked for it: keeping paid, and a
 			// working set that grows (chats) grows the budget with it.
 			p.budget = min(len(p.blocks), p.budget+1)
 		}
 		p.ref(b)
-		b.reused = true
+		b.reused = b.reused || !resume
 		s.blocks = append(s.blocks, b)
 		// One copy per run of blocks with the same holder.
 		p0, p1 := int32(i*p.cfg.BlockTokens), int32((i+1)*p.cfg.BlockTokens)
@@ -335,10 +350,13 @@ func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) {
 	if len(m) > 0 {
 		s.parent = m[len(m)-1].hash
 	}
-	if p.cfg.Caching {
-		p.missedGhosts(prompt, len(m), s.parent)
+	if !resume {
+		if p.cfg.Caching {
+			p.missedGhosts(prompt, len(m), s.parent)
+		}
+		p.queries += uint64(len(prompt))
+		p.hits += uint64(s.cached)
 	}
-	p.hits += uint64(s.cached)
 	p.seqs[id] = seqRunning
 	p.running++
 	return s, ops, nil
@@ -517,10 +535,12 @@ func (p *Pool) alloc(ops []Op) (*block, []Op, error) {
 }
 
 func (p *Pool) evictOne(ops []Op) ([]Op, bool) {
-	if ops, ok := p.evictLeaf(p.probation, ops); ok {
-		return ops, true
+	for _, l := range []*list.List{p.probation, p.suspended, p.protected} {
+		if ops, ok := p.evictLeaf(l, ops); ok {
+			return ops, true
+		}
 	}
-	return p.evictLeaf(p.protected, ops)
+	return ops, false
 }
 
 // evictLeaf evicts the least recently used block of l that no other block extends.
@@ -535,7 +555,10 @@ func (p *Pool) evictLeaf(l *list.List, ops []Op) ([]Op, bool) {
 
 // lruOf is the list that holds b while it is unreferenced.
 func (p *Pool) lruOf(b *block) *list.List {
-	if b.reused {
+	switch {
+	case b.suspended:
+		return p.suspended
+	case b.reused:
 		return p.protected
 	}
 	return p.probation
@@ -544,9 +567,17 @@ func (p *Pool) lruOf(b *block) *list.List {
 // trim evicts cached blocks beyond the budget: never reused first, least recently
 // used first.
 func (p *Pool) trim(ops []Op) []Op {
-	for p.EvictableBlocks() > p.budget {
+	for p.budgeted() > p.budget {
 		var ok bool
-		if ops, ok = p.evictOne(ops); !ok {
+		if ops, ok = p.evictLeaf(p.probation, ops); ok {
+			continue
+		}
+		if ops, ok = p.evictLeaf(p.protected, ops); ok {
+			continue
+		}
+		// Every budgeted block has suspended descendants (a prefix released by
+		// another sequence since): those go first.
+		if ops, ok = p.evictLeaf(p.suspended, ops); !ok {
 			break // cannot happen while the invariants hold (see errNoLeaf)
 		}
 	}
@@ -583,7 +614,7 @@ func (p *Pool) missedGhosts(tokens []int32, cached int, parent Hash) {
 		parent = h
 	}
 	if oldest > 0 {
-		need := p.EvictableBlocks() + int(p.evictions-oldest) + 1
+		need := p.budgeted() + int(p.evictions-oldest) + 1
 		p.budget = min(len(p.blocks), max(p.budget, 2*need))
 	}
 }
@@ -596,7 +627,7 @@ func (p *Pool) evict(b *block, ops []Op) []Op {
 	delete(p.index, b.hash)
 	p.evictions++
 	p.ghosts.add(b.hash, p.evictions)
-	if !b.reused {
+	if !b.reused && !b.suspended {
 		p.wasted()
 	}
 	if b.parent != nil {
@@ -623,13 +654,22 @@ func (p *Pool) ref(b *block) {
 		p.lruOf(b).Remove(b.lru)
 		b.lru = nil
 	}
+	b.suspended = false
 	b.ref++
 }
 
 // Release ends s. Its indexed blocks stay cached (unreferenced blocks become
 // evictable, most recently used); private blocks are freed. The returned ops remove s
 // from every position it does not hold for the cache.
-func (p *Pool) Release(s *Seq) []Op {
+func (p *Pool) Release(s *Seq) []Op { return p.release(s, true) }
+
+// Suspend is Release for a preempted sequence that will Resume: its blocks are
+// kept past the cache budget until it (or another sequence) takes them again, or
+// their space is needed (after never-reused blocks, before reused ones), so that a
+// resume recomputes only what was evicted.
+func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
+
+func (p *Pool) release(s *Seq, trim bool) []Op {
 	var ops []Op
 	B := int32(p.cfg.BlockTokens)
 	drop := func(b *block) {
@@ -655,6 +695,7 @@ func (p *Pool) Release(s *Seq) []Op {
 			p.clock++
 			b.lastUse = p.clock
 			if b.ref--; b.ref == 0 {
+				b.suspended = !trim
 				b.lru = p.lruOf(b).PushBack(b)
 			}
 		}
@@ -667,6 +708,9 @@ func (p *Pool) Release(s *Seq) []Op {
 		ops = []Op{{Kind: OpRemove, Seq: s.ID, P0: 0, P1: -1}}
 	}
 	s.blocks, s.tail = nil, nil
+	if !trim {
+		return ops
+	}
 	return p.trim(ops)
 }
 

@@ -98,6 +98,9 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 		case b.state == stateFree:
 		case b.ref > 0:
 			used++
+			if b.suspended {
+				t.Fatalf("block %d: referenced but marked suspended", b.id)
+			}
 		default:
 			cached++
 			if b.state != stateIndexed || b.lru == nil {
@@ -111,15 +114,15 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 	if cached != p.EvictableBlocks() {
 		t.Fatalf("cached %d but the LRU lists hold %d", cached, p.EvictableBlocks())
 	}
-	for _, l := range []*list.List{p.probation, p.protected} {
+	for _, l := range []*list.List{p.probation, p.protected, p.suspended} {
 		for e := l.Front(); e != nil; e = e.Next() {
 			if b := e.Value.(*block); p.lruOf(b) != l || b.lru != e {
 				t.Fatalf("block %d (reused %v) in the wrong LRU list", b.id, b.reused)
 			}
 		}
 	}
-	if p.EvictableBlocks() > p.budget || p.budget < p.floor || p.budget > len(p.blocks) {
-		t.Fatalf("%d blocks cached, budget %d (floor %d, pool %d)", p.EvictableBlocks(), p.budget, p.floor, len(p.blocks))
+	if p.budgeted() > p.budget || p.budget < p.floor || p.budget > len(p.blocks) {
+		t.Fatalf("%d blocks cached (and %d suspended), budget %d (floor %d, pool %d)", p.budgeted(), p.suspended.Len(), p.budget, p.floor, len(p.blocks))
 	}
 	children := map[*block]int32{}
 	for h, b := range p.index {
@@ -207,7 +210,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 		}
 	}
 	for step := 0; len(data) > 0 && step < 400; step++ {
-		switch op := next() % 5; op {
+		switch op := next() % 6; op {
 		case 0, 1: // start a sequence: a shared prefix of some length plus a private suffix
 			g := next() % 4
 			pl := int(next()) % 80
@@ -286,6 +289,36 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			}
 			sim.apply(t, ops)
 			live = append(live, &running{seq: f, tokens: r.tokens})
+		case 5: // preempt and resume: its prompt again, from what is still cached
+			if len(live) == 0 {
+				continue
+			}
+			i := int(next()) % len(live)
+			r := live[i]
+			sim.apply(t, p.Suspend(r.seq))
+			live = append(live[:i], live[i+1:]...)
+			check(live)
+			s, ops, err := p.Resume(r.tokens)
+			if errors.Is(err, ErrNoSeq) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			from := s.Len()
+			ops, err = p.Grow(s, r.tokens[from:])
+			if errors.Is(err, ErrNoSpace) {
+				sim.apply(t, p.Release(s))
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			sim.decode(t, s.ID, from, s.Len())
+			p.Commit(s)
+			live = append(live, &running{seq: s, tokens: r.tokens})
 		}
 		check(live)
 	}
@@ -413,6 +446,38 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 // reused ones first; the first reuse of a cached block and a prompt that misses
 // blocks evicted a while ago raise the budget, and it falls back as blocks nobody
 // reused are evicted.
+// A preempted sequence keeps its blocks past the cache budget until it resumes,
+// and taking back its own blocks is neither a cache hit nor reuse that raises the
+// budget (each preemption would otherwise ratchet it up).
+func TestSuspendAndResume(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 128, 8, 4, 0.125 // 32 blocks, floor 4
+	p, _ := New(cfg)
+	sim := newSim(cfg.Cells)
+	a := seqPrompt(1, 42) // 10 full blocks
+	sim.apply(t, p.Suspend(computeSeq(t, p, sim, a)))
+	checkInvariants(t, p, sim, nil)
+	if n := p.CachedPrefix(a); n != 40 {
+		t.Fatalf("suspended: %d tokens cached, want all 40 of its full blocks", n)
+	}
+	p.Publish()
+	before, budget := p.Stats(), p.budget
+	s, ops, err := p.Resume(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim.apply(t, ops)
+	p.Publish()
+	if after := p.Stats(); s.Len() != 40 || p.budget != budget || after.Queries != before.Queries || after.HitTokens != before.HitTokens {
+		t.Fatalf("resumed from %d tokens; budget %d -> %d, queries %d -> %d, hits %d -> %d", s.Len(), budget, p.budget, before.Queries, after.Queries, before.HitTokens, after.HitTokens)
+	}
+	sim.apply(t, p.Release(s))
+	checkInvariants(t, p, sim, nil)
+	if n := p.CachedPrefix(a); n != 16 {
+		t.Fatalf("released: %d tokens cached, want the budget's 16", n)
+	}
+}
+
 func TestCacheBudget(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 128, 8, 4, 0.125 // 32 blocks, floor 4

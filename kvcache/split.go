@@ -110,7 +110,16 @@ func (p *SplitPool) Fits(prompt []int32, maxNew int) bool {
 // stream holding it when a free stream exists (keeping that holder's cache), else
 // adopting an idle holder of it, else a free or recycled stream with nothing cached.
 func (p *SplitPool) Start(prompt []int32) (*Seq, []Op, error) {
-	p.queries += uint64(len(prompt))
+	s, ops, err := p.Resume(prompt)
+	if err == nil {
+		p.queries += uint64(len(prompt))
+		p.hits += uint64(s.cached)
+	}
+	return s, ops, err
+}
+
+// Resume is Start for a preempted sequence, not counted as a cache lookup.
+func (p *SplitPool) Resume(prompt []int32) (*Seq, []Op, error) {
 	n, holders := p.match(prompt)
 	B := int32(p.cfg.BlockTokens)
 	var ops []Op
@@ -156,7 +165,6 @@ func (p *SplitPool) Start(prompt []int32) (*Seq, []Op, error) {
 		s.parent = st.chain[n-1]
 	}
 	st.state, st.seq = seqRunning, s
-	p.hits += uint64(s.cached)
 	return s, ops, nil
 }
 
@@ -271,6 +279,9 @@ func (p *SplitPool) Release(s *Seq) []Op {
 	st.lru = p.lru.PushBack(s.ID)
 	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(len(st.chain)) * B, P1: -1}}
 }
+
+// Suspend is Release: a stream keeps its blocks whole until it is taken.
+func (p *SplitPool) Suspend(s *Seq) []Op { return p.Release(s) }
 
 // Fork copies s's stream to a new one.
 func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {

@@ -119,6 +119,10 @@ type seq struct {
 	forkFrom *seq // n > 1: fork from this sequence once its prompt is computed
 	running  bool
 	done     bool
+	// suspended: preempted (or its step undone); it resumes from its own blocks.
+	suspended bool
+	// decoding: its decode row is counted in this step's decodeRows.
+	decoding bool
 	// firstStart: the first admission sets the request's cached-token usage.
 	firstStart bool
 	uncached   int // prompt tokens not cached when it was queued
@@ -322,6 +326,7 @@ func (s *Scheduler) takeInbox() {
 }
 
 func (s *Scheduler) enqueue(q *seq) {
+	q.sampleRow, q.decoding = -1, false // a row of a batch it is no longer in
 	// What it will cost to prefill, given the cache now: the queue-wait estimate that
 	// routers read counts this, not the whole prompt.
 	q.uncached = len(q.tokens) - s.pool.CachedPrefix(s.cachedPrompt(q))
@@ -351,7 +356,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.decodeRows = 0
 	s.building = true
 	for _, q := range s.running {
-		q.sampleRow = -1
+		q.sampleRow, q.decoding = -1, false
 	}
 
 	// 1. A decode row for every running sequence whose prompt is computed. Growing
@@ -364,6 +369,7 @@ func (s *Scheduler) step(ctx context.Context) {
 			s.addRows(q, len(q.tokens)-1, len(q.tokens))
 			if q.gen > 0 {
 				s.decodeRows++
+				q.decoding = true
 			}
 		}
 	}
@@ -395,7 +401,11 @@ func (s *Scheduler) step(ctx context.Context) {
 			}
 			break
 		}
-		kv, ops, err := s.pool.Start(prompt)
+		start := s.pool.Start
+		if q.suspended {
+			start = s.pool.Resume
+		}
+		kv, ops, err := start(prompt)
 		if err != nil {
 			break // no sequence id: wait for one to finish
 		}
@@ -408,7 +418,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		s.queue = slices.Delete(s.queue, i, i+1)
 		s.waiting.Add(-1)
 		q.kv = kv
-		q.running = true
+		q.running, q.suspended = true, false
 		if q.gen == 0 && q.index == 0 && q.firstStart {
 			q.g.usage.CachedTokens = kv.Cached()
 			q.g.usage.QueueTime = time.Since(q.g.enqueued)
@@ -559,7 +569,7 @@ func (s *Scheduler) victim() *seq {
 // resumes by recomputing its prompt and generated tokens.
 func (s *Scheduler) preempt(q *seq) {
 	s.removeFromBatch(q)
-	s.release(q)
+	s.suspend(q)
 	q.committed = 0
 	s.removeFromRunning(q)
 	s.enqueue(q)
@@ -588,6 +598,10 @@ func (s *Scheduler) removeFromBatch(q *seq) {
 	}
 	s.batch, s.rows = nb, nr
 	q.sampleRow = -1
+	if q.decoding {
+		s.decodeRows--
+		q.decoding = false
+	}
 }
 
 func (s *Scheduler) release(q *seq) {
@@ -598,6 +612,17 @@ func (s *Scheduler) release(q *seq) {
 		s.log.Error("release KV", "err", err)
 	}
 	q.kv = nil
+}
+
+// suspend releases q's KV for a resume (kvcache.Allocator.Suspend).
+func (s *Scheduler) suspend(q *seq) {
+	if q.kv == nil {
+		return
+	}
+	if err := s.apply(s.pool.Suspend(q.kv)); err != nil {
+		s.log.Error("suspend KV", "err", err)
+	}
+	q.kv, q.suspended = nil, true
 }
 
 func (s *Scheduler) apply(ops []kvcache.Op) error {
@@ -730,7 +755,7 @@ func (s *Scheduler) undoBatch() []*seq {
 		}
 	}
 	for _, q := range undone {
-		s.release(q)
+		s.suspend(q)
 		q.committed = 0
 		s.removeFromRunning(q)
 		s.enqueue(q)
@@ -1093,15 +1118,29 @@ func (s *Scheduler) publish() {
 	}
 	l.QueueWait = 0
 	if l.PrefillTokensPS > 0 {
-		l.QueueWait = time.Duration(float64(pending) / l.PrefillTokensPS * float64(time.Second))
+		l.QueueWait = waitFor(float64(pending), l.PrefillTokensPS)
 	}
 	// (The slot wait counts toward saturation only once measured: a prediction from
-	// generous max_tokens must not turn a starting node's first burst away.)
-	if need := l.Waiting + 1 - (s.maxRunning() - l.Running); need > 0 && s.endedAny && l.FinishPS > 0 {
-		l.QueueWait = max(l.QueueWait, time.Duration(float64(need)/l.FinishPS*float64(time.Second)))
+	// generous max_tokens must not turn a starting node's first burst away. Once
+	// measured, a finish rate that has decayed towards zero, every slot held by long
+	// generations, is the longest wait, not none.)
+	if need := l.Waiting + 1 - (s.maxRunning() - l.Running); need > 0 && s.endedAny {
+		l.QueueWait = max(l.QueueWait, waitFor(float64(need), l.FinishPS))
 	}
 	l.UpdatedAt = time.Now()
 	s.load.Store(&l)
+}
+
+// maxQueueWait bounds the estimate: beyond it a wait is as good as forever, and
+// a Duration cannot hold the quotient of a rate decayed towards zero.
+const maxQueueWait = 24 * time.Hour
+
+// waitFor is how long n events take at perSecond, at most maxQueueWait.
+func waitFor(n, perSecond float64) time.Duration {
+	if secs := n / perSecond; perSecond > 0 && secs < maxQueueWait.Seconds() {
+		return time.Duration(secs * float64(time.Second))
+	}
+	return maxQueueWait
 }
 
 func toInt32(t []engine.Token) []int32 {

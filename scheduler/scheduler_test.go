@@ -325,7 +325,7 @@ func TestRequestsWithoutLimitShareThePool(t *testing.T) {
 	if s.Load().Preemptions == 0 {
 		t.Fatal("no preemptions: the requests ran one at a time, each admitted with the whole context's room")
 	}
-	t.Logf("preemptions: %d", s.Load().Preemptions)
+	t.Logf("preemptions: %d, prompt tokens computed: %d", s.Load().Preemptions, s.Load().ComputedTokens)
 }
 
 func TestCancellationFreesBlocks(t *testing.T) {
@@ -893,4 +893,73 @@ func TestPendingCountsQueuedPrefill(t *testing.T) {
 	}
 	collect(context.Background(), blocker, 1)
 	collect(context.Background(), st, 1)
+}
+
+// A preemption that takes out a decode row already in the batch (an urgent
+// request growing into the space of an earlier, less urgent one) uncounts it: the
+// step's prefill tokens are never negative, so the computed-token counter never
+// runs backwards. Driven step by step, so that the two collide at a known step.
+func TestPreemptedDecodeRowIsUncounted(t *testing.T) {
+	f := enginetest.New(64, 8, 64) // 4 blocks of 16
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens, cfg.MaxRunning, cfg.KV.BlockTokens = 64, 8, 16
+	s, err := New(cfg, f, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	step := func() {
+		s.takeInbox()
+		s.step(ctx)
+	}
+	low, err := s.Submit(ctx, &Request{Prompt: prompt(1, 20), MaxTokens: 28, Priority: 1, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	step()
+	urgent, err := s.Submit(ctx, &Request{Prompt: prompt(2, 4), MaxTokens: 20, Priority: -1, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := uint64(0)
+	for i := 0; i < 200 && (len(s.running) > 0 || len(s.queue) > 0 || i == 0); i++ {
+		step()
+		if c := s.stats.ComputedTokens; c < last || c > 1000 {
+			t.Fatalf("step %d: computed prompt tokens went from %d to %d", i, last, c)
+		}
+		last = s.stats.ComputedTokens
+	}
+	if s.stats.Preemptions == 0 {
+		t.Fatal("no preemption: the test does not make the two collide")
+	}
+	for name, st := range map[string]*Stream{"low": low, "urgent": urgent} {
+		ctx, cancel := context.WithTimeout(ctx, time.Second)
+		r := collect(ctx, st, 1)
+		cancel()
+		if r.err != nil || r.finish[0] != FinishLength {
+			t.Fatalf("%s: %v %v", name, r.err, r.finish)
+		}
+	}
+}
+
+// A node whose every slot has been held by long generations for long enough that
+// its finish rate decayed towards zero reports the longest wait, not none (the
+// quotient overflowed a Duration and came out as no wait at all).
+func TestQueueWaitWithDecayedFinishRate(t *testing.T) {
+	f := enginetest.New(4096, 8, 512)
+	cfg := DefaultConfig()
+	cfg.MaxRunning = 1
+	s, err := New(cfg, f, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.endedAny = true
+	s.waiting.Store(4)
+	for _, fps := range []float64{1e-6, 1e-12, 0} {
+		s.stats.FinishPS = fps
+		s.publish()
+		if w := s.Load().QueueWait; w < time.Hour {
+			t.Fatalf("finish rate %g/s with 4 waiting and no free slot: queue wait %v", fps, w)
+		}
+	}
 }
