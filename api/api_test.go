@@ -477,6 +477,7 @@ func FuzzRequests(f *testing.F) {
 		`{"prompt":[[1,2],[3]],"max_tokens":1,"logprobs":3}`,
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"response_format":{"type":"json_object"},"max_tokens":2}`,
 		`{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}],"tool_choice":{"type":"function"}}`,
+		`{"prompt":"a","guided_choice":["x\"","\u0000"],"structured_outputs":{"json":"{}"},"response_format":{"type":"json_object","schema":true}}`,
 		`{"prompt":"\xff\xfe","max_tokens":1e309}`, `{"n":-1}`, `[]`, `null`, `{"logit_bias":{"3":1e40}}`,
 	} {
 		f.Add(b, uint8(0))

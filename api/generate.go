@@ -161,13 +161,11 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		}
 	}
 	r.Sampling = sp
-	if f.ResponseFormat != nil {
-		g, err := s.grammarFor(f.ResponseFormat)
-		if err != nil {
-			return p, err
-		}
-		r.Grammar = g
+	g, err := s.grammarFor(f)
+	if err != nil {
+		return p, err
 	}
+	r.Grammar = g
 	return p, nil
 }
 
@@ -181,26 +179,144 @@ number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1
 ws     ::= | " " | "\n" [ \t]{0,20}
 `
 
-func (s *Server) grammarFor(rf *ResponseFormat) (string, error) {
-	switch rf.Type {
-	case "", "text":
-		return "", nil
-	case "json_object":
-		return jsonGrammar, nil
-	case "json_schema":
-		if rf.JSONSchema == nil || len(rf.JSONSchema.Schema) == 0 {
-			return "", invalid("response_format", "response_format json_schema needs json_schema.schema")
-		}
-		if s.cfg.SchemaToGrammar == nil {
-			return "", invalid("response_format", "json_schema is not supported by this server")
-		}
-		g, err := s.cfg.SchemaToGrammar(rf.JSONSchema.Schema)
-		if err != nil {
-			return "", invalid("response_format", "json_schema: %v", err)
-		}
-		return g, nil
+// grammarFor is the GBNF of the one output constraint a request names, if any:
+// response_format, or the same constraints as vLLM and llama-server spell them.
+// Regular expressions and raw grammars are refused: shoal does not hand
+// clients' grammar text to llama.cpp's parser.
+func (s *Server) grammarFor(f *SamplingFields) (string, error) {
+	type constraint struct {
+		param string
+		gbnf  func() (string, error)
 	}
-	return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
+	var cs []constraint
+	add := func(param string, gbnf func() (string, error)) { cs = append(cs, constraint{param, gbnf}) }
+	schema := func(param string, raw json.RawMessage) func() (string, error) {
+		return func() (string, error) { return s.schemaGrammar(param, raw) }
+	}
+	refuse := func(param, what string) func() (string, error) {
+		return func() (string, error) {
+			return "", invalid(param, "%s is not supported: constrain the output with a JSON schema (response_format json_schema, guided_json) or guided_choice", what)
+		}
+	}
+	if rf := f.ResponseFormat; rf != nil {
+		switch rf.Type {
+		case "", "text":
+		case "json_object":
+			if len(rf.Schema) > 0 && string(rf.Schema) != "null" {
+				add("response_format", schema("response_format", rf.Schema)) // llama-server's form
+			} else {
+				add("response_format", func() (string, error) { return jsonGrammar, nil })
+			}
+		case "json_schema":
+			if rf.JSONSchema == nil || len(rf.JSONSchema.Schema) == 0 {
+				return "", invalid("response_format", "response_format json_schema needs json_schema.schema")
+			}
+			add("response_format", schema("response_format", rf.JSONSchema.Schema))
+		default:
+			return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
+		}
+	}
+	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
+	if present(f.GuidedJSON) {
+		add("guided_json", schema("guided_json", f.GuidedJSON))
+	}
+	if f.GuidedChoice != nil {
+		add("guided_choice", func() (string, error) { return choiceGrammar("guided_choice", f.GuidedChoice) })
+	}
+	if present(f.JSONSchema) {
+		add("json_schema", schema("json_schema", f.JSONSchema))
+	}
+	if so := f.StructuredOutputs; so != nil {
+		if present(so.JSON) {
+			add("structured_outputs", schema("structured_outputs", so.JSON))
+		}
+		if so.Choice != nil {
+			add("structured_outputs", func() (string, error) { return choiceGrammar("structured_outputs", so.Choice) })
+		}
+		if so.Regex != nil {
+			add("structured_outputs", refuse("structured_outputs", "structured_outputs.regex"))
+		}
+		if so.Grammar != nil {
+			add("structured_outputs", refuse("structured_outputs", "structured_outputs.grammar"))
+		}
+	}
+	if f.GuidedRegex != nil {
+		add("guided_regex", refuse("guided_regex", "guided_regex"))
+	}
+	if f.GuidedGrammar != nil {
+		add("guided_grammar", refuse("guided_grammar", "guided_grammar"))
+	}
+	if f.Grammar != nil {
+		add("grammar", refuse("grammar", "grammar"))
+	}
+	switch len(cs) {
+	case 0:
+		return "", nil
+	case 1:
+		return cs[0].gbnf()
+	}
+	return "", invalid(cs[1].param, "at most one output constraint per request: %s and %s were both given", cs[0].param, cs[1].param)
+}
+
+// schemaGrammar converts a JSON schema, given as an object or as a string holding
+// one (vLLM accepts both for guided_json), to GBNF.
+func (s *Server) schemaGrammar(param string, raw json.RawMessage) (string, error) {
+	var text string
+	if json.Unmarshal(raw, &text) == nil {
+		raw = json.RawMessage(text)
+	}
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return "", invalid(param, "%s: not a JSON schema: %v", param, err)
+	}
+	if _, ok := v.(map[string]any); !ok {
+		if b, ok := v.(bool); !ok || !b {
+			return "", invalid(param, "%s: a JSON schema is an object", param)
+		}
+	}
+	if s.cfg.SchemaToGrammar == nil {
+		return "", invalid(param, "JSON schemas are not supported by this server")
+	}
+	g, err := s.cfg.SchemaToGrammar(raw)
+	if err != nil {
+		return "", invalid(param, "%s: %v", param, err)
+	}
+	return g, nil
+}
+
+// maxChoices bounds guided_choice.
+const maxChoices = 1024
+
+// choiceGrammar is GBNF for exactly one of choices.
+func choiceGrammar(param string, choices []string) (string, error) {
+	if len(choices) == 0 || len(choices) > maxChoices {
+		return "", invalid(param, "%s needs 1 to %d choices, got %d", param, maxChoices, len(choices))
+	}
+	var b strings.Builder
+	b.WriteString("root ::=")
+	for i, c := range choices {
+		if c == "" {
+			return "", invalid(param, "%s: choice %d is empty", param, i)
+		}
+		if i > 0 {
+			b.WriteString(" |")
+		}
+		b.WriteString(" \"")
+		for _, r := range c {
+			switch {
+			case r == '"' || r == '\\':
+				b.WriteString(`\`)
+				b.WriteRune(r)
+			case r < 0x20 || r == 0x7f:
+				fmt.Fprintf(&b, `\x%02X`, r)
+			default:
+				b.WriteRune(r)
+			}
+		}
+		b.WriteString("\"")
+	}
+	b.WriteString("\n")
+	return b.String(), nil
 }
 
 // generates refuses a generation request for this node's model when it is an

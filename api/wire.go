@@ -123,7 +123,9 @@ type StreamOptions struct {
 
 // ResponseFormat is OpenAI's response_format.
 type ResponseFormat struct {
-	Type       string `json:"type"`
+	Type string `json:"type"`
+	// Schema: llama-server's {"type": "json_object", "schema": {...}}.
+	Schema     json.RawMessage `json:"schema"`
 	JSONSchema *struct {
 		Name   string          `json:"name"`
 		Schema json.RawMessage `json:"schema"`
@@ -152,6 +154,28 @@ type SamplingFields struct {
 	RepetitionPenalty *float64           `json:"repetition_penalty"`
 	Priority          *int               `json:"priority"`
 	IgnoreEOS         bool               `json:"ignore_eos"`
+	StructuredFields
+}
+
+// StructuredFields are the other servers' ways to constrain the output, besides
+// response_format: vLLM's guided_* and structured_outputs, llama-server's
+// json_schema and grammar. Those shoal cannot honour are refused, not ignored.
+type StructuredFields struct {
+	GuidedJSON        json.RawMessage    `json:"guided_json"` // a schema, or a string holding one
+	GuidedChoice      []string           `json:"guided_choice"`
+	GuidedRegex       *string            `json:"guided_regex"`
+	GuidedGrammar     *string            `json:"guided_grammar"`
+	StructuredOutputs *StructuredOutputs `json:"structured_outputs"`
+	JSONSchema        json.RawMessage    `json:"json_schema"`
+	Grammar           *string            `json:"grammar"`
+}
+
+// StructuredOutputs is vLLM's structured_outputs.
+type StructuredOutputs struct {
+	JSON    json.RawMessage `json:"json"`
+	Choice  []string        `json:"choice"`
+	Regex   *string         `json:"regex"`
+	Grammar *string         `json:"grammar"`
 }
 
 // ChatRequest is the body of POST /v1/chat/completions.

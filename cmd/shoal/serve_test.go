@@ -379,6 +379,58 @@ func TestStructuredOutputAndLogprobs(t *testing.T) {
 	if len(lp) == 0 || len(lp[0].TopLogprobs) != 3 || lp[0].Logprob > 0 {
 		t.Fatalf("logprobs %+v", lp)
 	}
+
+	// vLLM's and llama-server's spellings of the same constraints, as clients
+	// send them (extra_body); those shoal cannot honour are refused, not ignored.
+	text = func(body string) string {
+		t.Helper()
+		resp, b := post(t, n.url+"/v1/completions", body)
+		var r struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
+			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
+		}
+		return r.Choices[0].Text
+	}(`{"prompt":"Pick one:","max_tokens":20,"seed":5,"guided_choice":["yes \"sure\"","no\\way","maybe"]}`)
+	if !slices.Contains([]string{`yes "sure"`, `no\way`, "maybe"}, text) {
+		t.Fatalf("guided_choice gave %q", text)
+	}
+	for _, body := range []string{
+		`{"prompt":"JSON:","max_tokens":40,"seed":1,"guided_json":"{\"type\":\"object\",\"properties\":{\"ok\":{\"type\":\"boolean\"}},\"required\":[\"ok\"]}"}`,
+		`{"prompt":"JSON:","max_tokens":40,"seed":2,"response_format":{"type":"json_object","schema":{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"]}}}`,
+		`{"prompt":"JSON:","max_tokens":40,"seed":3,"structured_outputs":{"json":{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"]}}}`,
+	} {
+		resp, b := post(t, n.url+"/v1/completions", body)
+		var r struct {
+			Choices []struct {
+				Text         string `json:"text"`
+				FinishReason string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
+			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
+		}
+		if err := json.Unmarshal([]byte(r.Choices[0].Text), &got); r.Choices[0].FinishReason == "stop" && (err != nil || got.OK == nil) {
+			t.Fatalf("%s: output %q: %v", body, r.Choices[0].Text, err)
+		}
+	}
+	for body, param := range map[string]string{
+		`{"prompt":"x","guided_regex":"[a-z]+"}`:                               "guided_regex",
+		`{"prompt":"x","grammar":"root ::= \"a\""}`:                            "grammar",
+		`{"prompt":"x","guided_grammar":"root ::= \"a\""}`:                     "guided_grammar",
+		`{"prompt":"x","guided_choice":["a"],"guided_json":{"type":"object"}}`: "guided_choice",
+		`{"prompt":"x","guided_choice":[]}`:                                    "guided_choice",
+		`{"prompt":"x","guided_json":"not json"}`:                              "guided_json",
+		`{"prompt":"x","structured_outputs":{"regex":"a+"}}`:                   "structured_outputs",
+	} {
+		resp, b := post(t, n.url+"/v1/completions", body)
+		if resp.StatusCode != 400 || !strings.Contains(b, `"param":"`+param+`"`) {
+			t.Errorf("%s: %d %s, want 400 naming %s", body, resp.StatusCode, b, param)
+		}
+	}
 }
 
 func TestBenchAgainstNode(t *testing.T) {
