@@ -209,6 +209,34 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			prefixes[g] = append(prefixes[g], int32(g*1000+i))
 		}
 	}
+	// compute starts a sequence for prompt (Start or Resume) and computes the rest
+	// of it, as the scheduler does; it is dropped when there is no room.
+	compute := func(start func([]int32) (*Seq, []Op, error), prompt []int32) {
+		s, ops, err := start(prompt)
+		if errors.Is(err, ErrNoSeq) {
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		if s.Len()%cfg.BlockTokens != 0 || s.Len() >= len(prompt) {
+			t.Fatalf("cached %d of %d", s.Len(), len(prompt))
+		}
+		from := s.Len()
+		ops, err = p.Grow(s, prompt[from:])
+		if errors.Is(err, ErrNoSpace) {
+			sim.apply(t, p.Release(s))
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		sim.decode(t, s.ID, from, s.Len())
+		p.Commit(s)
+		live = append(live, &running{seq: s, tokens: prompt})
+	}
 	for step := 0; len(data) > 0 && step < 400; step++ {
 		switch op := next() % 6; op {
 		case 0, 1: // start a sequence: a shared prefix of some length plus a private suffix
@@ -223,30 +251,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			if !p.Fits(prompt, maxNew) {
 				continue
 			}
-			s, ops, err := p.Start(prompt)
-			if errors.Is(err, ErrNoSeq) {
-				continue
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			sim.apply(t, ops)
-			if s.Len()%cfg.BlockTokens != 0 || s.Len() >= len(prompt) {
-				t.Fatalf("cached %d of %d", s.Len(), len(prompt))
-			}
-			from := s.Len()
-			ops, err = p.Grow(s, prompt[from:])
-			if errors.Is(err, ErrNoSpace) {
-				sim.apply(t, p.Release(s))
-				continue
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			sim.apply(t, ops)
-			sim.decode(t, s.ID, from, s.Len())
-			p.Commit(s)
-			live = append(live, &running{seq: s, tokens: prompt})
+			compute(p.Start, prompt)
 		case 2: // generate tokens
 			if len(live) == 0 {
 				continue
@@ -298,27 +303,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			sim.apply(t, p.Suspend(r.seq))
 			live = append(live[:i], live[i+1:]...)
 			check(live)
-			s, ops, err := p.Resume(r.tokens)
-			if errors.Is(err, ErrNoSeq) {
-				continue
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			sim.apply(t, ops)
-			from := s.Len()
-			ops, err = p.Grow(s, r.tokens[from:])
-			if errors.Is(err, ErrNoSpace) {
-				sim.apply(t, p.Release(s))
-				continue
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			sim.apply(t, ops)
-			sim.decode(t, s.ID, from, s.Len())
-			p.Commit(s)
-			live = append(live, &running{seq: s, tokens: r.tokens})
+			compute(p.Resume, r.tokens)
 		}
 		check(live)
 	}
