@@ -198,11 +198,12 @@ func (s *Server) grammarFor(f *SamplingFields) (string, error) {
 			return "", invalid(param, "%s is not supported: constrain the output with a JSON schema (response_format json_schema, guided_json) or guided_choice", what)
 		}
 	}
+	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
 	if rf := f.ResponseFormat; rf != nil {
 		switch rf.Type {
 		case "", "text":
 		case "json_object":
-			if len(rf.Schema) > 0 && string(rf.Schema) != "null" {
+			if present(rf.Schema) {
 				add("response_format", schema("response_format", rf.Schema)) // llama-server's form
 			} else {
 				add("response_format", func() (string, error) { return jsonGrammar, nil })
@@ -216,7 +217,6 @@ func (s *Server) grammarFor(f *SamplingFields) (string, error) {
 			return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
 		}
 	}
-	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
 	if present(f.GuidedJSON) {
 		add("guided_json", schema("guided_json", f.GuidedJSON))
 	}

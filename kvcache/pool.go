@@ -534,8 +534,15 @@ func (p *Pool) alloc(ops []Op) (*block, []Op, error) {
 	return &p.blocks[id], ops, nil
 }
 
+// evictOne evicts a block to make room: never reused first, then those kept for
+// preempted sequences, then reused ones.
 func (p *Pool) evictOne(ops []Op) ([]Op, bool) {
-	for _, l := range []*list.List{p.probation, p.suspended, p.protected} {
+	return p.evictFrom(ops, p.probation, p.suspended, p.protected)
+}
+
+// evictFrom evicts the least recently used leaf of the first of lists that has one.
+func (p *Pool) evictFrom(ops []Op, lists ...*list.List) ([]Op, bool) {
+	for _, l := range lists {
 		if ops, ok := p.evictLeaf(l, ops); ok {
 			return ops, true
 		}
@@ -568,16 +575,10 @@ func (p *Pool) lruOf(b *block) *list.List {
 // used first.
 func (p *Pool) trim(ops []Op) []Op {
 	for p.budgeted() > p.budget {
+		// Suspended blocks last, only when every budgeted block has suspended
+		// descendants (a prefix released by another sequence since).
 		var ok bool
-		if ops, ok = p.evictLeaf(p.probation, ops); ok {
-			continue
-		}
-		if ops, ok = p.evictLeaf(p.protected, ops); ok {
-			continue
-		}
-		// Every budgeted block has suspended descendants (a prefix released by
-		// another sequence since): those go first.
-		if ops, ok = p.evictLeaf(p.suspended, ops); !ok {
+		if ops, ok = p.evictFrom(ops, p.probation, p.protected, p.suspended); !ok {
 			break // cannot happen while the invariants hold (see errNoLeaf)
 		}
 	}

@@ -569,11 +569,7 @@ func (s *Scheduler) victim() *seq {
 // resumes by recomputing its prompt and generated tokens.
 func (s *Scheduler) preempt(q *seq) {
 	s.removeFromBatch(q)
-	s.suspend(q)
-	q.committed = 0
-	s.removeFromRunning(q)
-	s.enqueue(q)
-	s.waiting.Add(1)
+	s.requeue(q)
 	s.stats.Preemptions++
 	s.log.Debug("preempted", "seq", q.arrival, "tokens", len(q.tokens))
 }
@@ -604,25 +600,30 @@ func (s *Scheduler) removeFromBatch(q *seq) {
 	}
 }
 
-func (s *Scheduler) release(q *seq) {
+// release gives back q's KV: for good, or for a resume, when its blocks are kept
+// past the cache budget until it takes them back (kvcache.Allocator.Suspend).
+func (s *Scheduler) release(q *seq, resume bool) {
 	if q.kv == nil {
 		return
 	}
-	if err := s.apply(s.pool.Release(q.kv)); err != nil {
-		s.log.Error("release KV", "err", err)
+	free := s.pool.Release
+	if resume {
+		free = s.pool.Suspend
 	}
-	q.kv = nil
+	if err := s.apply(free(q.kv)); err != nil {
+		s.log.Error("release KV", "resume", resume, "err", err)
+	}
+	q.kv, q.suspended = nil, resume
 }
 
-// suspend releases q's KV for a resume (kvcache.Allocator.Suspend).
-func (s *Scheduler) suspend(q *seq) {
-	if q.kv == nil {
-		return
-	}
-	if err := s.apply(s.pool.Suspend(q.kv)); err != nil {
-		s.log.Error("suspend KV", "err", err)
-	}
-	q.kv, q.suspended = nil, true
+// requeue takes running q out of the batch's accounting and puts it back in the
+// queue, to resume by recomputing what is no longer cached.
+func (s *Scheduler) requeue(q *seq) {
+	s.release(q, true)
+	q.committed = 0
+	s.removeFromRunning(q)
+	s.enqueue(q)
+	s.waiting.Add(1)
 }
 
 func (s *Scheduler) apply(ops []kvcache.Op) error {
@@ -755,11 +756,7 @@ func (s *Scheduler) undoBatch() []*seq {
 		}
 	}
 	for _, q := range undone {
-		s.suspend(q)
-		q.committed = 0
-		s.removeFromRunning(q)
-		s.enqueue(q)
-		s.waiting.Add(1)
+		s.requeue(q)
 	}
 	return undone
 }
@@ -1003,7 +1000,7 @@ func (s *Scheduler) finish(q *seq, reason FinishReason, tail string) {
 		s.ended++
 	}
 	s.removeFromRunning(q)
-	s.release(q)
+	s.release(q, false)
 	if q.sampler != nil {
 		q.sampler.Close()
 	}
@@ -1039,7 +1036,7 @@ func (s *Scheduler) fail(g *group, err error) {
 		}
 		s.removeFromBatch(q)
 		s.removeFromRunning(q)
-		s.release(q)
+		s.release(q, false)
 		if q.sampler != nil {
 			q.sampler.Close()
 		}
@@ -1110,9 +1107,9 @@ func (s *Scheduler) publish() {
 		// Nothing has finished yet (a node that just started, under a burst): until
 		// something does, predict the finish rate from the tokens the running
 		// sequences may still generate.
-		left := 0
+		left, maxContext := 0, s.MaxContext()
 		for _, q := range s.running {
-			left += max(q.reserve(s.MaxContext()), 1)
+			left += max(q.reserve(maxContext), 1)
 		}
 		l.FinishPS = l.DecodeTokensPS * float64(len(s.running)) / float64(left)
 	}
