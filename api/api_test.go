@@ -180,12 +180,13 @@ func TestErrors(t *testing.T) {
 		{"no route", "/v2/nothing", `{}`, auth, 404, "not_found"},
 		{"embeddings", "/v1/embeddings", `{"input":"x"}`, auth, 400, ""},
 		{"bad schema", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}}`, auth, 400, ""},
-		{"tools", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}`, auth, 400, ""},
-		{"tools auto", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto"}`, auth, 400, ""},
+		{"tool type", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"retrieval"}]}`, auth, 400, ""},
+		{"tool choice unknown function", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}}}`, auth, 400, ""},
 		{"tool choice required", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}`, auth, 400, ""},
+		{"tools with response format", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"response_format":{"type":"json_object"}}`, auth, 400, ""},
 		{"functions", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}`, auth, 400, ""},
-		{"functions with tool choice auto", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto","functions":[{"name":"f"}]}`, auth, 400, ""},
-		{"tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]}]}`, auth, 400, ""},
+		{"function call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"function_call":{"name":"f","arguments":"{}"}}]}`, auth, 400, ""},
+		{"malformed tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"arguments":"{}"}}]}]}`, auth, 400, ""},
 		{"logit bias key", "/v1/completions", `{"prompt":"x","logit_bias":{"abc":1}}`, auth, 400, ""},
 	}
 	for _, c := range cases {
@@ -209,14 +210,16 @@ func TestErrors(t *testing.T) {
 	}
 }
 
-// TestToolsWithToolChoiceNone: tools the model may not call anyway are accepted,
-// so a client that always sends its tool list can still ask for plain answers.
+// TestToolsWithToolChoiceNone: tools the model may not call anyway are not shown
+// to it, so a client that always sends its tool list can ask for plain answers;
+// a history with calls is rendered without offering tools.
 func TestToolsWithToolChoiceNone(t *testing.T) {
 	s := newTestServer(t, nil)
 	for _, body := range []string{
 		`{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"none"}`,
 		`{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[],"tool_choice":"auto"}`,
 		`{"messages":[{"role":"assistant","content":"a","tool_calls":[]},{"role":"user","content":"x"}],"max_tokens":2,"tools":null}`,
+		`{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"a","content":"1"}],"max_tokens":2}`,
 	} {
 		if w := s.do(t, "POST", "/v1/chat/completions", body); w.Code != 200 {
 			t.Errorf("%s: status %d: %s", body, w.Code, w.Body)

@@ -57,7 +57,8 @@ type plan struct {
 	top       int
 	model     string
 	chat      bool
-	completes bool // legacy completions logprobs format
+	completes bool      // legacy completions logprobs format
+	tools     *toolPlan // chat answers follow the tool protocol
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
 	// checked against the context; the context cuts it short instead).
 	maxTokensAsked bool
@@ -353,18 +354,25 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, invalid("messages", "messages must not be empty"))
 		return
 	}
-	if err := refuseTools(&req); err != nil {
-		abort(c, err)
-		return
-	}
-	msgs, err := chatMessages(req.Messages)
+	tp, err := toolsOf(&req.ToolFields)
 	if err != nil {
 		abort(c, err)
 		return
 	}
-	text, err := b.Vocab.ApplyChatTemplate(msgs, true)
+	if tp != nil {
+		if p.req.Grammar != "" {
+			abort(c, invalid("tools", "tools cannot be combined with another output constraint (response_format, guided_*): the tool protocol constrains the output itself"))
+			return
+		}
+		if p.req.Grammar, err = s.schemaGrammar("tools", tp.schema()); err != nil {
+			abort(c, err)
+			return
+		}
+		p.tools = tp
+	}
+	text, err := chatPrompt(b.Vocab, req.Messages, tp)
 	if err != nil {
-		abort(c, invalid("messages", "chat template: %v", err))
+		abort(c, err)
 		return
 	}
 	toks, err := b.Vocab.Tokenize(text, true, true)
@@ -388,60 +396,24 @@ func (s *Server) chat(c *gin.Context) {
 	s.routeOrRun(c, b, &p, forwarded, toks)
 }
 
-// chatMessages checks the roles and maps them as the chat template expects
-// (developer is OpenAI's newer name for system); chat and /tokenize share it so that
-// /tokenize counts the prompt chat builds.
-func chatMessages(in []Message) ([]engine.ChatMessage, error) {
-	msgs := make([]engine.ChatMessage, len(in))
-	for i, m := range in {
-		switch m.Role {
-		case "system", "user", "assistant", "tool", "developer":
-		default:
-			return nil, invalid(fmt.Sprintf("messages[%d].role", i), "unknown role %q: want system, developer, user, assistant or tool", m.Role)
-		}
-		if given(m.ToolCalls) || given(m.FunctionCall) {
-			return nil, invalid(fmt.Sprintf("messages[%d].tool_calls", i), "%s: a history with tool calls cannot be rendered for this model", toolsUnsupported)
-		}
-		role := m.Role
-		if role == "developer" {
-			role = "system"
-		}
-		msgs[i] = engine.ChatMessage{Role: role, Content: string(m.Content)}
+// chatPrompt renders messages, with tp's tools when it offers any; chat and
+// /tokenize share it so that /tokenize counts the prompt chat builds.
+func chatPrompt(v engine.Vocab, in []Message, tp *toolPlan) (string, error) {
+	msgs, err := renderMessages(in, tp)
+	if err != nil {
+		return "", err
 	}
-	return msgs, nil
+	text, err := v.ApplyChatTemplate(msgs, true)
+	if err != nil {
+		return "", invalid("messages", "chat template: %v", err)
+	}
+	return text, nil
 }
 
 // given reports whether a raw JSON field holds something (not absent, null or []).
 func given(raw json.RawMessage) bool {
 	s := strings.TrimSpace(string(raw))
 	return s != "" && s != "null" && s != "[]"
-}
-
-const toolsUnsupported = "tool calling is not supported by this server"
-
-// refuseTools answers a request that asks for tool calls with 400: this server
-// has no tool-call parser, and answering as if no tools were offered would
-// silently change what the client asked for (llama.cpp's server and vLLM refuse
-// too unless started with tool support). Tools with tool_choice "none" are
-// accepted and not shown to the model, since the model may not call them anyway.
-func refuseTools(req *ChatRequest) error {
-	isNone := func(raw json.RawMessage) bool {
-		var s string
-		return json.Unmarshal(raw, &s) == nil && s == "none"
-	}
-	if given(req.Tools) && !isNone(req.ToolChoice) {
-		return invalid("tools", "%s; send tool_choice \"none\" to answer without tools", toolsUnsupported)
-	}
-	if given(req.ToolChoice) && !given(req.Tools) {
-		var s string
-		if json.Unmarshal(req.ToolChoice, &s) != nil || s != "none" && s != "auto" {
-			return invalid("tool_choice", "%s; tool_choice must be \"none\" or \"auto\" without tools", toolsUnsupported)
-		}
-	}
-	if given(req.Functions) && !isNone(req.FunctionCall) {
-		return invalid("functions", "%s; send function_call \"none\" to answer without functions", toolsUnsupported)
-	}
-	return nil // a history with tool calls is refused by chatMessages
 }
 
 // routeOrRun serves the request here unless routing sends it elsewhere.
@@ -709,7 +681,17 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		resp := ChatResponse{ID: s.newID("chatcmpl"), Object: "chat.completion", Created: created, Model: p.model,
 			SystemFingerprint: fingerprint, Usage: usage}
 		for i := range choices {
-			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: choices[i].text.String()}, FinishReason: choices[i].finish}
+			text := choices[i].text.String()
+			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish}
+			if p.tools != nil {
+				var a answerStream
+				text = a.add(text)
+				rest, calls := a.end(func() string { return s.newID("call") })
+				text += rest
+				if len(calls) > 0 {
+					cc.Message.Content, cc.Message.ToolCalls, cc.FinishReason = nil, calls, "tool_calls"
+				}
+			}
 			if p.logprobs {
 				cc.Logprobs = &ChatLogprobs{Content: nonNil(choices[i].logprobs)}
 			}

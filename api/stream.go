@@ -74,14 +74,17 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 	}
 	// Characters of text sent per choice so far: where a chunk's text_offset starts.
 	sentChars := map[int]int{}
+	chunk := func(ch ChatChunkChoice) {
+		w.data(chatChunkJSON{ChatChunk: ChatChunk{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
+			Choices: []ChatChunkChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+	}
 	send := func(index int, text *string, finish *string, lp *TokenLogprob, role string) {
 		if p.chat {
 			ch := ChatChunkChoice{Index: index, Delta: ChatDelta{Role: role, Content: text}, FinishReason: finish}
 			if lp != nil {
 				ch.Logprobs = &ChatLogprobs{Content: []TokenLogprob{*lp}}
 			}
-			w.data(chatChunkJSON{ChatChunk: ChatChunk{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
-				Choices: []ChatChunkChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+			chunk(ch)
 			return
 		}
 		t := ""
@@ -95,6 +98,20 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		sentChars[index] += utf8.RuneCountInString(t)
 		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
 			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+	}
+	// Under the tool protocol, the model's output is JSON: an answer's text is
+	// passed on as it is decoded, tool calls once whole.
+	answers := map[int]*answerStream{}
+	answerText := func(idx int, text string) string {
+		if p.tools == nil {
+			return text
+		}
+		a := answers[idx]
+		if a == nil {
+			a = &answerStream{}
+			answers[idx] = a
+		}
+		return a.add(text)
 	}
 	for pi, sub := range subs {
 		for j := range p.n {
@@ -112,7 +129,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			idx := sub.base + ev.Index
 			switch ev.Kind {
 			case scheduler.EventToken:
-				text := ev.Text
+				text := answerText(idx, ev.Text)
 				var lp *TokenLogprob
 				if p.logprobs {
 					l := tokenLogprob(b.Vocab, ev)
@@ -122,11 +139,24 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					send(idx, &text, nil, lp, "")
 				}
 			case scheduler.EventFinish:
-				if ev.Text != "" {
-					t := ev.Text
+				t := answerText(idx, ev.Text)
+				f := finishString(ev.Finish)
+				var calls []ToolCall
+				if p.tools != nil {
+					var rest string
+					rest, calls = answers[idx].end(func() string { return s.newID("call") })
+					t += rest
+				}
+				if t != "" {
 					send(idx, &t, nil, nil, "")
 				}
-				f := finishString(ev.Finish)
+				for i, tc := range calls {
+					tc.Index = &i
+					chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: []ToolCall{tc}}})
+				}
+				if len(calls) > 0 {
+					f = "tool_calls"
+				}
 				send(idx, nil, &f, nil, "")
 			}
 		})

@@ -42,13 +42,12 @@ func (s *Server) tokenize(c *gin.Context) {
 	case req.Prompt != nil && len(req.Messages) == 0:
 		text = *req.Prompt
 	case req.Prompt == nil && len(req.Messages) > 0:
-		msgs, err := chatMessages(req.Messages)
+		tp, err := toolsOf(&req.ToolFields)
+		if err == nil {
+			text, err = chatPrompt(b.Vocab, req.Messages, tp)
+		}
 		if err != nil {
 			abort(c, err)
-			return
-		}
-		if text, err = b.Vocab.ApplyChatTemplate(msgs, true); err != nil {
-			abort(c, invalid("messages", "chat template: %v", err))
 			return
 		}
 	default:

@@ -110,8 +110,8 @@ type Message struct {
 	Content    Content `json:"content"`
 	Name       string  `json:"name,omitempty"`
 	ToolCallID string  `json:"tool_call_id,omitempty"`
-	// ToolCalls and FunctionCall are read only to refuse them: a history with
-	// calls this server cannot render must not lose them silently.
+	// ToolCalls are an assistant turn's calls ([]ToolCall, decoded when the
+	// history is rendered); FunctionCall, the deprecated form, is refused.
 	ToolCalls    json.RawMessage `json:"tool_calls,omitempty"`
 	FunctionCall json.RawMessage `json:"function_call,omitempty"`
 }
@@ -185,12 +185,18 @@ type ChatRequest struct {
 	MaxCompletionTokens *int      `json:"max_completion_tokens"`
 	Logprobs            bool      `json:"logprobs"`
 	TopLogprobs         *int      `json:"top_logprobs"`
-	// Tool calling is not supported; these are read to refuse it with a clear
-	// error rather than answer as if no tools were offered.
-	Tools        json.RawMessage `json:"tools"`
-	ToolChoice   json.RawMessage `json:"tool_choice"`
-	Functions    json.RawMessage `json:"functions"`
-	FunctionCall json.RawMessage `json:"function_call"`
+	ToolFields
+}
+
+// ToolFields offer the model tools ([]Tool, decoded by toolsOf so that errors
+// name the entry). Functions and FunctionCall, the deprecated form, are read
+// to refuse them.
+type ToolFields struct {
+	Tools             json.RawMessage `json:"tools"`
+	ToolChoice        json.RawMessage `json:"tool_choice"`
+	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
+	Functions         json.RawMessage `json:"functions"`
+	FunctionCall      json.RawMessage `json:"function_call"`
 }
 
 // CompletionRequest is the body of POST /v1/completions.
@@ -217,14 +223,16 @@ type PromptTokensDetails struct {
 
 // ChatMessageOut is an assistant message in a response.
 type ChatMessageOut struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
+	Role      string     `json:"role"`
+	Content   *string    `json:"content"` // null when the model called tools
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // ChatDelta is a streamed chunk's delta.
 type ChatDelta struct {
-	Role    string  `json:"role,omitempty"`
-	Content *string `json:"content,omitempty"`
+	Role      string     `json:"role,omitempty"`
+	Content   *string    `json:"content,omitempty"`
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // TopLogprob is one alternative token.
@@ -335,6 +343,7 @@ type TokenizeRequest struct {
 	Prompt           *string   `json:"prompt"`
 	Messages         []Message `json:"messages"`
 	AddSpecialTokens *bool     `json:"add_special_tokens"`
+	ToolFields                 // counted as chat renders them
 }
 
 // TokenizeResponse is the body of a /tokenize answer.

@@ -1,0 +1,570 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"strings"
+	"unicode/utf16"
+	"unicode/utf8"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// Tool calling works the same way for every model. llama.cpp's chat formats
+// render a message's role and content only, so the tools cannot be shown to a
+// model in the form it was trained on (that needs the model's Jinja template).
+// Instead, as llama-server does for models without native tool support, the
+// tools are described in the system message, and a grammar makes the model
+// answer with one JSON object:
+//
+//	{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+//	{"response": "plain answer"}
+//
+// The grammar lets through only the offered tools' names, each with arguments
+// matching its parameters schema; whether the model picks the right tool is up
+// to the model. Earlier calls in the history are rendered in the same form, and
+// tool results come back as user messages holding {"tool_response": ...}.
+
+// Tool is one entry of a chat request's tools.
+type Tool struct {
+	Type     string       `json:"type"`
+	Function *FunctionDef `json:"function"`
+}
+
+// FunctionDef describes a function the model may call.
+type FunctionDef struct {
+	Name        string          `json:"name"`
+	Description string          `json:"description,omitempty"`
+	Parameters  json.RawMessage `json:"parameters,omitempty"`
+	Strict      *bool           `json:"strict,omitempty"`
+}
+
+// ToolCall is a call the model made (in a response) or made earlier (in a
+// request's history). Index is set only in streamed deltas.
+type ToolCall struct {
+	Index    *int         `json:"index,omitempty"`
+	ID       string       `json:"id"`
+	Type     string       `json:"type"`
+	Function FunctionCall `json:"function"`
+}
+
+// FunctionCall is a call's function and its arguments, a JSON object as text.
+type FunctionCall struct {
+	Name      string `json:"name"`
+	Arguments string `json:"arguments"`
+}
+
+// toolPlan is a request's validated tools and how the model must use them.
+type toolPlan struct {
+	tools    []FunctionDef // parameters filled in
+	required bool          // tool_choice "required" or a named function
+	named    string        // tool_choice's function, if one is named
+	parallel bool          // parallel_tool_calls
+}
+
+// maxTools bounds a request's tools.
+const maxTools = 128
+
+var toolName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
+
+// toolsOf validates a chat request's tools and tool_choice. It returns nil when
+// the model is not to be offered tools: none were given, or tool_choice is "none"
+// (the tools are then not shown, as the model may not call them).
+func toolsOf(req *ToolFields) (*toolPlan, error) {
+	if given(req.Functions) && !isString(req.FunctionCall, "none") {
+		return nil, invalid("functions", "functions and function_call are deprecated and not supported: send tools and tool_choice")
+	}
+	var tools []Tool
+	if given(req.Tools) {
+		if err := json.Unmarshal(req.Tools, &tools); err != nil {
+			return nil, invalid("tools", "tools must be an array of {\"type\": \"function\", \"function\": {...}}: %v", err)
+		}
+	}
+	if len(tools) > maxTools {
+		return nil, invalid("tools", "at most %d tools are allowed, got %d", maxTools, len(tools))
+	}
+	tp := &toolPlan{parallel: req.ParallelToolCalls == nil || *req.ParallelToolCalls}
+	seen := map[string]bool{}
+	for i, t := range tools {
+		param := fmt.Sprintf("tools[%d]", i)
+		if t.Type != "function" || t.Function == nil {
+			return nil, invalid(param, "%s: want {\"type\": \"function\", \"function\": {...}}, got type %q", param, t.Type)
+		}
+		f := *t.Function
+		if !toolName.MatchString(f.Name) {
+			return nil, invalid(param, "%s: function name %q must be 1 to 64 letters, digits, '_', '.' or '-'", param, f.Name)
+		}
+		if seen[f.Name] {
+			return nil, invalid(param, "%s: function %q is offered twice", param, f.Name)
+		}
+		seen[f.Name] = true
+		if !given(f.Parameters) || string(bytes.TrimSpace(f.Parameters)) == "{}" {
+			f.Parameters = json.RawMessage(`{"type":"object","properties":{}}`)
+		}
+		var params map[string]any
+		if err := json.Unmarshal(f.Parameters, &params); err != nil {
+			return nil, invalid(param, "%s: parameters must be a JSON schema object: %v", param, err)
+		}
+		tp.tools = append(tp.tools, f)
+	}
+	choice := "auto"
+	if given(req.ToolChoice) {
+		var named struct {
+			Type     string `json:"type"`
+			Function struct {
+				Name string `json:"name"`
+			} `json:"function"`
+		}
+		switch {
+		case json.Unmarshal(req.ToolChoice, &choice) == nil:
+			if choice != "none" && choice != "auto" && choice != "required" {
+				return nil, invalid("tool_choice", "tool_choice %q: want \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}", choice)
+			}
+		case json.Unmarshal(req.ToolChoice, &named) == nil && named.Type == "function" && named.Function.Name != "":
+			if !seen[named.Function.Name] {
+				return nil, invalid("tool_choice", "tool_choice names function %q, which is not among the tools", named.Function.Name)
+			}
+			choice, tp.named = "named", named.Function.Name
+		default:
+			return nil, invalid("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+		}
+	}
+	switch {
+	case choice == "none":
+		return nil, nil
+	case len(tp.tools) == 0 && choice != "auto":
+		return nil, invalid("tool_choice", "tool_choice %q needs tools", choice)
+	case len(tp.tools) == 0:
+		return nil, nil
+	}
+	tp.required = choice != "auto"
+	return tp, nil
+}
+
+func isString(raw json.RawMessage, want string) bool {
+	var s string
+	return json.Unmarshal(raw, &s) == nil && s == want
+}
+
+// callable lists the tools the model may call: all, or the one tool_choice names.
+func (tp *toolPlan) callable() []FunctionDef {
+	if tp.named == "" {
+		return tp.tools
+	}
+	for _, f := range tp.tools {
+		if f.Name == tp.named {
+			return []FunctionDef{f}
+		}
+	}
+	return nil
+}
+
+// system is the text that tells the model its tools and how to answer.
+func (tp *toolPlan) system() string {
+	var b strings.Builder
+	b.WriteString("You have access to the following tools, each given by its name, what it does and a JSON schema of its arguments:\n")
+	for _, f := range tp.tools {
+		d, _ := json.Marshal(struct {
+			Name        string          `json:"name"`
+			Description string          `json:"description,omitempty"`
+			Parameters  json.RawMessage `json:"parameters"`
+		}{f.Name, f.Description, compactJSON(f.Parameters)})
+		b.Write(d)
+		b.WriteByte('\n')
+	}
+	b.WriteString("\nReply with exactly one JSON object and nothing else.\n")
+	calls := `To call tools: {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}`
+	if !tp.parallel {
+		calls = `To call a tool: {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}`
+	}
+	b.WriteString(calls + "\n")
+	switch {
+	case tp.named != "":
+		fmt.Fprintf(&b, "Call the tool %q now.\n", tp.named)
+	case tp.required:
+		b.WriteString("Call at least one tool now.\n")
+	default:
+		b.WriteString(`To answer without calling a tool: {"response": "<your answer>"}` + "\n")
+	}
+	b.WriteString(`Tool results come back as {"tool_response": {"name": ..., "content": ...}}.`)
+	return b.String()
+}
+
+// schema is the JSON schema of the answers the model may give.
+func (tp *toolPlan) schema() json.RawMessage {
+	var calls []any
+	for _, f := range tp.callable() {
+		calls = append(calls, map[string]any{
+			"type": "object",
+			"properties": orderedProps{
+				{"name", map[string]any{"const": f.Name}},
+				{"arguments", f.Parameters},
+			},
+			"required":             []string{"name", "arguments"},
+			"additionalProperties": false,
+		})
+	}
+	list := map[string]any{"type": "array", "items": map[string]any{"anyOf": calls}, "minItems": 1}
+	if !tp.parallel {
+		list["maxItems"] = 1
+	}
+	answers := []any{map[string]any{
+		"type":                 "object",
+		"properties":           map[string]any{"tool_calls": list},
+		"required":             []string{"tool_calls"},
+		"additionalProperties": false,
+	}}
+	if !tp.required {
+		answers = append(answers, map[string]any{
+			"type":                 "object",
+			"properties":           map[string]any{"response": map[string]any{"type": "string"}},
+			"required":             []string{"response"},
+			"additionalProperties": false,
+		})
+	}
+	b, _ := json.Marshal(map[string]any{"anyOf": answers})
+	return b
+}
+
+// orderedProps marshals as a JSON object keeping its order: llama.cpp's converter
+// emits properties in the order given, and the call's name should come before
+// its arguments.
+type orderedProps []struct {
+	key string
+	val any
+}
+
+func (o orderedProps) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for i, p := range o {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		k, _ := json.Marshal(p.key)
+		v, err := json.Marshal(p.val)
+		if err != nil {
+			return nil, err
+		}
+		b.Write(k)
+		b.WriteByte(':')
+		b.Write(v)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
+}
+
+func compactJSON(raw json.RawMessage) json.RawMessage {
+	var b bytes.Buffer
+	if json.Compact(&b, raw) != nil {
+		return raw
+	}
+	return b.Bytes()
+}
+
+// protocolCall is one call as the model writes it.
+type protocolCall struct {
+	Name      string          `json:"name"`
+	Arguments json.RawMessage `json:"arguments"`
+}
+
+// renderMessages maps a chat history to the messages the template renders: roles
+// as the template knows them, earlier tool calls and tool results in the JSON
+// form the model is told about, and, when tp offers tools, their description in
+// the system message and earlier answers as {"response": ...}.
+func renderMessages(in []Message, tp *toolPlan) ([]engine.ChatMessage, error) {
+	msgs := make([]engine.ChatMessage, 0, len(in)+1)
+	names := map[string]string{} // tool call id → function name
+	for i, m := range in {
+		param := fmt.Sprintf("messages[%d]", i)
+		switch m.Role {
+		case "system", "developer":
+			msgs = append(msgs, engine.ChatMessage{Role: "system", Content: string(m.Content)})
+		case "user":
+			msgs = append(msgs, engine.ChatMessage{Role: "user", Content: string(m.Content)})
+		case "assistant":
+			if given(m.FunctionCall) {
+				return nil, invalid(param+".function_call", "%s: function_call is deprecated and not supported: send tool_calls", param)
+			}
+			var calls []ToolCall
+			if given(m.ToolCalls) {
+				if err := json.Unmarshal(m.ToolCalls, &calls); err != nil {
+					return nil, invalid(param+".tool_calls", "%s.tool_calls: %v", param, err)
+				}
+			}
+			msgs = append(msgs, engine.ChatMessage{Role: "assistant", Content: assistantText(string(m.Content), calls, tp != nil)})
+			for j, c := range calls {
+				if c.Function.Name == "" {
+					return nil, invalid(param+".tool_calls", "%s.tool_calls[%d] has no function name", param, j)
+				}
+				if c.ID != "" {
+					names[c.ID] = c.Function.Name
+				}
+			}
+		case "tool":
+			name := names[m.ToolCallID]
+			if name == "" {
+				name = m.Name
+			}
+			resp := struct {
+				Name       string          `json:"name,omitempty"`
+				ToolCallID string          `json:"tool_call_id,omitempty"`
+				Content    json.RawMessage `json:"content"`
+			}{name, m.ToolCallID, jsonOrString(string(m.Content))}
+			b, _ := json.Marshal(map[string]any{"tool_response": resp})
+			msgs = append(msgs, engine.ChatMessage{Role: "user", Content: string(b)})
+		default:
+			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
+		}
+	}
+	if tp != nil {
+		if len(msgs) > 0 && msgs[0].Role == "system" {
+			msgs[0].Content += "\n\n" + tp.system()
+		} else {
+			msgs = append([]engine.ChatMessage{{Role: "system", Content: tp.system()}}, msgs...)
+		}
+	}
+	return msgs, nil
+}
+
+// assistantText renders an earlier assistant turn: its tool calls as the model
+// writes them, and its text as {"response": ...} when the model answers in JSON.
+func assistantText(content string, calls []ToolCall, protocol bool) string {
+	if len(calls) == 0 {
+		if !protocol {
+			return content
+		}
+		b, _ := json.Marshal(map[string]string{"response": content})
+		return string(b)
+	}
+	pc := make([]protocolCall, len(calls))
+	for i, c := range calls {
+		pc[i] = protocolCall{Name: c.Function.Name, Arguments: jsonOrString(c.Function.Arguments)}
+	}
+	b, _ := json.Marshal(map[string]any{"tool_calls": pc})
+	if content != "" {
+		return content + "\n" + string(b)
+	}
+	return string(b)
+}
+
+// jsonOrString is s itself when it is JSON, else s as a JSON string.
+func jsonOrString(s string) json.RawMessage {
+	if t := strings.TrimSpace(s); t != "" && json.Valid([]byte(t)) {
+		return compactJSON(json.RawMessage(t))
+	}
+	b, _ := json.Marshal(s)
+	return b
+}
+
+// parseCalls reads a whole output as the tool protocol's answer; ok is false
+// when it is not one (cut short by max_tokens or a stop string).
+func parseCalls(text string, newID func() string) (calls []ToolCall, response *string, ok bool) {
+	var a struct {
+		ToolCalls []protocolCall `json:"tool_calls"`
+		Response  *string        `json:"response"`
+	}
+	if json.Unmarshal([]byte(text), &a) != nil || len(a.ToolCalls) == 0 && a.Response == nil {
+		return nil, nil, false
+	}
+	for _, c := range a.ToolCalls {
+		args := compactJSON(c.Arguments)
+		if len(args) == 0 {
+			args = json.RawMessage("{}")
+		}
+		calls = append(calls, ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: c.Name, Arguments: string(args)}})
+	}
+	return calls, a.Response, true
+}
+
+// answerStream follows one choice's streamed output under the tool protocol: an
+// answer's text is passed on as it is generated, decoded from its JSON string;
+// tool calls are kept until the output is whole.
+type answerStream struct {
+	buf  strings.Builder // the output so far
+	mode int             // streamUndecided, streamResponse, streamCalls
+	str  []byte          // streamResponse: the JSON string's undecoded rest
+	done bool            // the response string has ended
+	sent bool            // some text was passed on
+}
+
+const (
+	streamUndecided = iota
+	streamResponse
+	streamCalls
+)
+
+// responseStart matches the start of an answer: {"response": ".
+var responseStart = regexp.MustCompile(`^\s*\{\s*"response"\s*:\s*"`)
+
+// mayStartResponse reports whether s could still grow into responseStart.
+func mayStartResponse(s string) bool {
+	const start = `{"response":"`
+	i := 0
+	for _, c := range []byte(s) {
+		switch {
+		case i == len(start):
+			return true
+		case c == start[i]:
+			i++
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			if i > 1 && i < len(`{"response"`) { // inside the key
+				return false
+			}
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// end is called when the output is whole. It returns the text not yet passed
+// on and the tool calls made. Output that is not a protocol answer is passed on
+// as it is, so that nothing generated is lost.
+func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) {
+	switch {
+	case a.mode == streamResponse:
+		return "", nil // passed on as generated; cut short, it ends where it was cut
+	case a.mode == streamUndecided && mayStartResponse(a.buf.String()):
+		return "", nil // cut short before the answer's text began
+	}
+	calls, response, ok := parseCalls(a.buf.String(), newID)
+	switch {
+	case !ok:
+		return a.buf.String(), nil
+	case len(calls) > 0:
+		return "", calls
+	}
+	return *response, nil
+}
+
+// add takes the next piece of output and returns the answer text to pass on.
+func (a *answerStream) add(piece string) string {
+	a.buf.WriteString(piece)
+	switch a.mode {
+	case streamUndecided:
+		s := a.buf.String()
+		if loc := responseStart.FindStringIndex(s); loc != nil {
+			a.mode = streamResponse
+			a.str = []byte(s[loc[1]:])
+			return a.decode()
+		}
+		if !mayStartResponse(s) {
+			a.mode = streamCalls // tool calls, or not a protocol answer: kept to the end
+		}
+		return ""
+	case streamResponse:
+		if a.done {
+			return ""
+		}
+		a.str = append(a.str, piece...)
+		return a.decode()
+	}
+	return ""
+}
+
+// decode returns the text of a.str's complete characters, keeping an
+// incomplete escape for the next piece.
+func (a *answerStream) decode() string {
+	var out strings.Builder
+	s := a.str
+	for len(s) > 0 && !a.done {
+		c := s[0]
+		switch {
+		case c == '"':
+			a.done = true
+			s = s[1:]
+		case c != '\\':
+			out.WriteByte(c)
+			s = s[1:]
+		default:
+			r, n := unescape(s)
+			if n == 0 {
+				a.str = s
+				a.sent = a.sent || out.Len() > 0
+				return out.String()
+			}
+			out.WriteRune(r)
+			s = s[n:]
+		}
+	}
+	a.str = s
+	a.sent = a.sent || out.Len() > 0
+	return out.String()
+}
+
+// unescape decodes the JSON escape that s begins with; n is 0 when s holds only
+// part of it.
+func unescape(s []byte) (r rune, n int) {
+	if len(s) < 2 {
+		return 0, 0
+	}
+	switch s[1] {
+	case 'n':
+		return '\n', 2
+	case 't':
+		return '\t', 2
+	case 'r':
+		return '\r', 2
+	case 'b':
+		return '\b', 2
+	case 'f':
+		return '\f', 2
+	case 'u':
+		u, ok, bad := hex4(s[2:])
+		switch {
+		case bad:
+			return utf8.RuneError, 2
+		case !ok:
+			return 0, 0
+		case !utf16.IsSurrogate(rune(u)):
+			return rune(u), 6
+		}
+		// A surrogate pair is two escapes; a lone half decodes to U+FFFD.
+		if len(s) < 8 {
+			return 0, 0
+		}
+		if s[6] != '\\' || s[7] != 'u' {
+			return utf8.RuneError, 6
+		}
+		lo, ok, bad := hex4(s[8:])
+		switch {
+		case bad:
+			return utf8.RuneError, 6
+		case !ok:
+			return 0, 0
+		}
+		if r := utf16.DecodeRune(rune(u), rune(lo)); r != utf8.RuneError {
+			return r, 12
+		}
+		return utf8.RuneError, 6
+	default: // '"', '\\', '/'; the grammar allows no others
+		return rune(s[1]), 2
+	}
+}
+
+// hex4 decodes the four hex digits s begins with; ok is false when s holds
+// fewer, bad when one is not a hex digit.
+func hex4(s []byte) (v uint16, ok, bad bool) {
+	for i := range 4 {
+		if i >= len(s) {
+			return 0, false, false
+		}
+		c := s[i]
+		var d byte
+		switch {
+		case c >= '0' && c <= '9':
+			d = c - '0'
+		case c >= 'a' && c <= 'f':
+			d = c - 'a' + 10
+		case c >= 'A' && c <= 'F':
+			d = c - 'A' + 10
+		default:
+			return 0, false, true
+		}
+		v = v<<4 | uint16(d)
+	}
+	return v, true, false
+}

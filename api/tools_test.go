@@ -1,0 +1,251 @@
+package api
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+func TestToolsOf(t *testing.T) {
+	const weather = `{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}`
+	ok := []struct {
+		body     string
+		offered  bool
+		required bool
+		named    string
+		parallel bool
+	}{
+		{`{}`, false, false, "", true},
+		{`{"tools":[` + weather + `]}`, true, false, "", true},
+		{`{"tools":[` + weather + `],"tool_choice":"auto","parallel_tool_calls":false}`, true, false, "", false},
+		{`{"tools":[` + weather + `],"tool_choice":"required"}`, true, true, "", true},
+		{`{"tools":[` + weather + `],"tool_choice":{"type":"function","function":{"name":"get_weather"}}}`, true, true, "get_weather", true},
+		{`{"tools":[` + weather + `],"tool_choice":"none"}`, false, false, "", true},
+		{`{"tools":[],"tool_choice":"auto"}`, false, false, "", true},
+		{`{"tool_choice":"none"}`, false, false, "", true},
+		{`{"functions":[{"name":"f"}],"function_call":"none"}`, false, false, "", true},
+	}
+	for _, c := range ok {
+		var f ToolFields
+		if err := json.Unmarshal([]byte(c.body), &f); err != nil {
+			t.Fatal(err)
+		}
+		tp, err := toolsOf(&f)
+		if err != nil {
+			t.Errorf("%s: %v", c.body, err)
+			continue
+		}
+		if (tp != nil) != c.offered {
+			t.Errorf("%s: offered %v, want %v", c.body, tp != nil, c.offered)
+			continue
+		}
+		if tp != nil && (tp.required != c.required || tp.named != c.named || tp.parallel != c.parallel) {
+			t.Errorf("%s: plan %+v", c.body, tp)
+		}
+	}
+	bad := map[string]string{
+		`{"tools":{"type":"function"}}`:                                                                                    "tools",
+		`{"tools":[{"type":"code_interpreter"}]}`:                                                                          "tools[0]",
+		`{"tools":[{"type":"function"}]}`:                                                                                  "tools[0]",
+		`{"tools":[{"type":"function","function":{"name":"no spaces"}}]}`:                                                  "tools[0]",
+		`{"tools":[` + weather + `,` + weather + `]}`:                                                                      "tools[1]",
+		`{"tools":[{"type":"function","function":{"name":"f","parameters":[1]}}]}`:                                         "tools[0]",
+		`{"tools":[` + weather + `],"tool_choice":"always"}`:                                                               "tool_choice",
+		`{"tools":[` + weather + `],"tool_choice":{"type":"function","function":{"name":"get_time"}}}`:                     "tool_choice",
+		`{"tools":[` + weather + `],"tool_choice":{"type":"allowed_tools"}}`:                                               "tool_choice",
+		`{"tool_choice":"required"}`:                                                                                       "tool_choice",
+		`{"tool_choice":{"type":"function","function":{"name":"f"}}}`:                                                      "tool_choice",
+		`{"functions":[{"name":"f"}]}`:                                                                                     "functions",
+		`{"tools":[` + strings.TrimSuffix(strings.Repeat(`{"type":"function","function":{"name":"f"}},`, 129), ",") + `]}`: "tools",
+	}
+	for body, param := range bad {
+		var f ToolFields
+		if err := json.Unmarshal([]byte(body), &f); err != nil {
+			t.Fatal(err)
+		}
+		_, err := toolsOf(&f)
+		var e *Error
+		if !asError(err, &e) || e.Param != param {
+			t.Errorf("%.80s: error %v, want one naming %s", body, err, param)
+		}
+	}
+}
+
+func asError(err error, e **Error) bool {
+	x, ok := err.(*Error)
+	*e = x
+	return ok
+}
+
+// TestRenderMessages: a history with calls and their results is rendered in the
+// protocol's JSON form, with the tools described in the first system message.
+func TestRenderMessages(t *testing.T) {
+	var req ChatRequest
+	body := `{
+	"messages": [
+		{"role": "developer", "content": "Be brief."},
+		{"role": "user", "content": "Weather in Oslo and Paris?"},
+		{"role": "assistant", "content": null, "tool_calls": [
+			{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}},
+			{"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]},
+		{"role": "tool", "tool_call_id": "c1", "content": "{\"c\": 3}"},
+		{"role": "tool", "tool_call_id": "c2", "content": "sunny"},
+		{"role": "assistant", "content": "Cold in Oslo."},
+		{"role": "user", "content": "Thanks"}],
+	"tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now"}}]}`
+	if err := json.Unmarshal([]byte(body), &req); err != nil {
+		t.Fatal(err)
+	}
+	tp, err := toolsOf(&req.ToolFields)
+	if err != nil || tp == nil {
+		t.Fatal(tp, err)
+	}
+	msgs, err := renderMessages(req.Messages, tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []engine.ChatMessage{
+		{Role: "system", Content: "Be brief.\n\n" + tp.system()},
+		{Role: "user", Content: "Weather in Oslo and Paris?"},
+		{Role: "assistant", Content: `{"tool_calls":[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"get_weather","arguments":"not json"}]}`},
+		{Role: "user", Content: `{"tool_response":{"name":"get_weather","tool_call_id":"c1","content":{"c":3}}}`},
+		{Role: "user", Content: `{"tool_response":{"name":"get_weather","tool_call_id":"c2","content":"sunny"}}`},
+		{Role: "assistant", Content: `{"response":"Cold in Oslo."}`},
+		{Role: "user", Content: "Thanks"},
+	}
+	if len(msgs) != len(want) {
+		t.Fatalf("%d messages, want %d: %+v", len(msgs), len(want), msgs)
+	}
+	for i := range want {
+		if msgs[i] != want[i] {
+			t.Errorf("message %d:\n got %+v\nwant %+v", i, msgs[i], want[i])
+		}
+	}
+	if !strings.Contains(tp.system(), `{"name":"get_weather","description":"Weather now","parameters":{"type":"object","properties":{}}}`) {
+		t.Errorf("tools not described: %s", tp.system())
+	}
+
+	// Without tools offered, earlier answers stay plain text, but calls and
+	// results keep their form; a system message is not added.
+	msgs, err = renderMessages(req.Messages[1:], nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if msgs[0].Role != "user" || msgs[4].Content != "Cold in Oslo." || msgs[1].Content != want[2].Content {
+		t.Errorf("without tools: %+v", msgs)
+	}
+
+	for _, bad := range []string{
+		`[{"role":"assistant","tool_calls":{"id":"x"}}]`,
+		`[{"role":"assistant","tool_calls":[{"id":"x","type":"function","function":{"arguments":"{}"}}]}]`,
+		`[{"role":"assistant","function_call":{"name":"f","arguments":"{}"}}]`,
+		`[{"role":"robot","content":"x"}]`,
+	} {
+		var in []Message
+		if err := json.Unmarshal([]byte(bad), &in); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := renderMessages(in, nil); err == nil {
+			t.Errorf("%s: rendered", bad)
+		}
+	}
+}
+
+// TestToolSchema: the grammar's schema admits exactly the calls tool_choice allows.
+func TestToolSchema(t *testing.T) {
+	var f ToolFields
+	_ = json.Unmarshal([]byte(`{"tools":[
+		{"type":"function","function":{"name":"a","parameters":{"type":"object","properties":{"x":{"type":"integer"}}}}},
+		{"type":"function","function":{"name":"b"}}],
+		"tool_choice":{"type":"function","function":{"name":"b"}},"parallel_tool_calls":false}`), &f)
+	tp, err := toolsOf(&f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := string(tp.schema())
+	want := `{"anyOf":[{"additionalProperties":false,"properties":{"tool_calls":{"items":{"anyOf":[{"additionalProperties":false,"properties":{"name":{"const":"b"},"arguments":{"type":"object","properties":{}}},"required":["name","arguments"],"type":"object"}]},"maxItems":1,"minItems":1,"type":"array"}},"required":["tool_calls"],"type":"object"}]}`
+	if got != want {
+		t.Errorf("named, one call:\n got %s\nwant %s", got, want)
+	}
+	tp.named, tp.required, tp.parallel = "", false, true
+	var s struct {
+		AnyOf []map[string]any `json:"anyOf"`
+	}
+	if err := json.Unmarshal(tp.schema(), &s); err != nil || len(s.AnyOf) != 2 {
+		t.Fatalf("auto: %s", tp.schema())
+	}
+	if !strings.Contains(string(tp.schema()), `"const":"a"`) || strings.Contains(string(tp.schema()), "maxItems") {
+		t.Errorf("auto, parallel: %s", tp.schema())
+	}
+}
+
+// feed streams out through an answerStream in pieces of size k (every byte when
+// k is 1) and returns the text passed on and the calls.
+func feed(out string, k int) (string, []ToolCall) {
+	var a answerStream
+	var text strings.Builder
+	for i := 0; i < len(out); i += k {
+		text.WriteString(a.add(out[i:min(i+k, len(out))]))
+	}
+	rest, calls := a.end(func() string { return "call-1" })
+	return text.String() + rest, calls
+}
+
+func TestAnswerStream(t *testing.T) {
+	cases := []struct {
+		out, text string
+		calls     []FunctionCall
+	}{
+		{`{"response": "Hello"}`, "Hello", nil},
+		{" {\n  \"response\" :\"a\\\"b\\\\c\\/d\\n\\t\\u00e9\\ud83d\\ude00\\ud800x\" }", "a\"b\\c/d\n\té😀\uFFFDx", nil},
+		{`{"response": "cut sho`, "cut sho", nil}, // max_tokens: what was generated
+		{`{"tool_calls": [{"name": "f", "arguments": {"x": 1,  "y": [true]}}, {"name": "g", "arguments": {}}]}`, "",
+			[]FunctionCall{{"f", `{"x":1,"y":[true]}`}, {"g", "{}"}}},
+		{`{"tool_calls": [{"name": "f", "arguments": {"x"`, `{"tool_calls": [{"name": "f", "arguments": {"x"`, nil}, // cut: kept as text
+		{`plain text`, "plain text", nil},
+		{``, "", nil},
+		{`{`, "", nil},
+		{"{\"response\" :\n", "", nil}, // cut before the answer began
+	}
+	for _, c := range cases {
+		for _, k := range []int{1, 3, len(c.out) + 1} {
+			text, calls := feed(c.out, k)
+			if text != c.text || len(calls) != len(c.calls) {
+				t.Errorf("%q in pieces of %d: text %q, %d calls; want %q, %d", c.out, k, text, len(calls), c.text, len(c.calls))
+				continue
+			}
+			for i, call := range calls {
+				if call.Function != c.calls[i] || call.Type != "function" || call.ID == "" {
+					t.Errorf("%q: call %d %+v, want %+v", c.out, i, call, c.calls[i])
+				}
+			}
+		}
+	}
+}
+
+// FuzzAnswerStream: the text passed on does not depend on how the output is cut
+// into pieces, and an answer's text is what a JSON decoder reads from it.
+func FuzzAnswerStream(f *testing.F) {
+	f.Add(`{"response": "a\u00e9\ud83d\ude00"}`, 2)
+	f.Add(`{"tool_calls": [{"name": "f", "arguments": {}}]}`, 5)
+	f.Add(`{"response": "\ud800\u0041\uzzzz"}`, 1)
+	f.Fuzz(func(t *testing.T, out string, k int) {
+		if k < 1 || k > len(out)+1 {
+			k = 1
+		}
+		whole, wholeCalls := feed(out, len(out)+1)
+		text, calls := feed(out, k)
+		if text != whole || len(calls) != len(wholeCalls) {
+			t.Fatalf("pieces of %d: %q, %d calls; whole: %q, %d calls", k, text, len(calls), whole, len(wholeCalls))
+		}
+		var v struct {
+			Response *string `json:"response"`
+		}
+		if responseStart.MatchString(out) && json.Unmarshal([]byte(out), &v) == nil && v.Response != nil && utf8.ValidString(out) && text != *v.Response {
+			t.Fatalf("%q: passed on %q, JSON reads %q", out, text, *v.Response)
+		}
+	})
+}
