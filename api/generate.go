@@ -110,34 +110,11 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 	if f.Priority != nil {
 		r.Priority = *f.Priority
 	}
-	sp := sample.Params{Temperature: 1}
-	if f.Temperature != nil {
-		if *f.Temperature < 0 || *f.Temperature > 2 || math.IsNaN(*f.Temperature) {
-			return p, invalid("temperature", "temperature must be between 0 and 2, got %v", *f.Temperature)
-		}
-		sp.Temperature = float32(*f.Temperature)
+	d := engine.SamplingDefaults{Temperature: f.Temperature, TopP: f.TopP, TopK: f.TopK, MinP: f.MinP, RepeatPenalty: f.RepetitionPenalty}.Over(b.Sampling)
+	if err := ValidateSampling(d); err != nil {
+		return p, err
 	}
-	if f.TopP != nil {
-		if *f.TopP <= 0 || *f.TopP > 1 || math.IsNaN(*f.TopP) {
-			return p, invalid("top_p", "top_p must be in (0, 1], got %v", *f.TopP)
-		}
-		sp.TopP = float32(*f.TopP)
-	}
-	if f.TopK != nil {
-		if *f.TopK < -1 {
-			return p, invalid("top_k", "top_k must be -1 (off), 0 (off) or positive, got %d", *f.TopK)
-		}
-		sp.TopK = max(*f.TopK, 0)
-	}
-	if f.MinP != nil {
-		sp.MinP = float32(*f.MinP)
-	}
-	if f.RepetitionPenalty != nil {
-		if *f.RepetitionPenalty <= 0 || *f.RepetitionPenalty > 10 {
-			return p, invalid("repetition_penalty", "repetition_penalty must be in (0, 10], got %v", *f.RepetitionPenalty)
-		}
-		sp.RepeatPenalty = float32(*f.RepetitionPenalty)
-	}
+	sp := samplingParams(d)
 	if f.PresencePenalty != nil {
 		sp.PresencePenalty = float32(*f.PresencePenalty)
 	}
@@ -168,6 +145,49 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 	}
 	r.Grammar = g
 	return p, nil
+}
+
+// ValidateSampling checks sampling parameters against the ranges OpenAI and vLLM
+// hold requests to; its errors name the request field.
+func ValidateSampling(d engine.SamplingDefaults) error {
+	bad := func(v *float64, lo, hi float64, loOpen bool) bool {
+		return v != nil && (math.IsNaN(*v) || *v < lo || *v > hi || loOpen && *v == lo)
+	}
+	switch {
+	case bad(d.Temperature, 0, 2, false):
+		return invalid("temperature", "temperature must be between 0 and 2, got %v", *d.Temperature)
+	case bad(d.TopP, 0, 1, true):
+		return invalid("top_p", "top_p must be in (0, 1], got %v", *d.TopP)
+	case d.TopK != nil && *d.TopK < -1:
+		return invalid("top_k", "top_k must be -1 (off), 0 (off) or positive, got %d", *d.TopK)
+	case bad(d.MinP, 0, 1, false):
+		return invalid("min_p", "min_p must be between 0 and 1, got %v", *d.MinP)
+	case bad(d.RepeatPenalty, 0, 10, true):
+		return invalid("repetition_penalty", "repetition_penalty must be in (0, 10], got %v", *d.RepeatPenalty)
+	}
+	return nil
+}
+
+// samplingParams are d's parameters with OpenAI's defaults (temperature 1, the
+// whole vocabulary) where d says nothing.
+func samplingParams(d engine.SamplingDefaults) sample.Params {
+	sp := sample.Params{Temperature: 1}
+	if d.Temperature != nil {
+		sp.Temperature = float32(*d.Temperature)
+	}
+	if d.TopP != nil {
+		sp.TopP = float32(*d.TopP)
+	}
+	if d.TopK != nil {
+		sp.TopK = max(*d.TopK, 0)
+	}
+	if d.MinP != nil {
+		sp.MinP = float32(*d.MinP)
+	}
+	if d.RepeatPenalty != nil {
+		sp.RepeatPenalty = float32(*d.RepeatPenalty)
+	}
+	return sp
 }
 
 // jsonGrammar is GBNF for any JSON object (response_format json_object).

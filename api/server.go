@@ -101,6 +101,9 @@ type Backend struct {
 	Vocab     engine.Vocab
 	Info      engine.ModelInfo
 	Capacity  engine.Capacity // as the engine opened (its layout may be chosen at load)
+	// Sampling is what a request's sampling starts from before its own fields
+	// (unset: OpenAI's defaults, temperature 1 over the whole vocabulary).
+	Sampling engine.SamplingDefaults
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.

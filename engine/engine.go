@@ -55,10 +55,43 @@ type ModelInfo struct {
 	ChatTemplate string
 	// Pooling is true for embedding models whose context pools one vector per sequence.
 	Pooling bool
+	// Sampling is what the model's makers recommend (general.sampling.*, written
+	// from its generation_config.json when it was converted).
+	Sampling SamplingDefaults
 	// Devices are the compute devices the engine found; GPULayers of Layers (plus the
 	// output layer) are offloaded to the GPUs among them.
 	Devices   []Device
 	GPULayers int
+}
+
+// SamplingDefaults are sampling parameters a request starts from before its own;
+// nil where nothing is said.
+type SamplingDefaults struct {
+	Temperature   *float64
+	TopP          *float64
+	TopK          *int
+	MinP          *float64
+	RepeatPenalty *float64
+}
+
+// Over returns d with the fields d leaves unset taken from base.
+func (d SamplingDefaults) Over(base SamplingDefaults) SamplingDefaults {
+	if d.Temperature == nil {
+		d.Temperature = base.Temperature
+	}
+	if d.TopP == nil {
+		d.TopP = base.TopP
+	}
+	if d.TopK == nil {
+		d.TopK = base.TopK
+	}
+	if d.MinP == nil {
+		d.MinP = base.MinP
+	}
+	if d.RepeatPenalty == nil {
+		d.RepeatPenalty = base.RepeatPenalty
+	}
+	return d
 }
 
 // Device is a compute device: the CPU, or a GPU whose backend library was loaded.

@@ -33,6 +33,8 @@ type Spec struct {
 	F16 bool
 	// ChatTemplate is written as tokenizer.chat_template ("": the ChatML ChatTemplate).
 	ChatTemplate string
+	// Meta holds further metadata keys to write, e.g. general.sampling.temp.
+	Meta map[string]any
 }
 
 // Tiny is a ~0.23M-parameter model for unit tests: it loads in milliseconds.
@@ -155,6 +157,10 @@ func Generate(path string, spec Spec) (err error) {
 		"tokenizer.ggml.add_bos_token":    true,
 		"tokenizer.ggml.add_eos_token":    false,
 		"tokenizer.chat_template":         cmp.Or(spec.ChatTemplate, ChatTemplate),
+	}
+
+	for k, v := range spec.Meta {
+		kv[k] = v
 	}
 
 	e, v, ff := uint64(spec.Embd), uint64(spec.Vocab), uint64(spec.FFN)

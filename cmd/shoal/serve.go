@@ -42,6 +42,32 @@ func (l *listFlag) Set(v string) error {
 	return nil
 }
 
+// optional is a numeric flag that stays nil unless given.
+type optional[T int | float64] struct{ p **T }
+
+func (o optional[T]) String() string {
+	if o.p == nil || *o.p == nil {
+		return ""
+	}
+	return fmt.Sprint(**o.p)
+}
+
+func (o optional[T]) Set(s string) error {
+	v := new(T)
+	var err error
+	switch x := any(v).(type) {
+	case *int:
+		*x, err = strconv.Atoi(s)
+	case *float64:
+		*x, err = strconv.ParseFloat(s, 64)
+	}
+	if err != nil {
+		return fmt.Errorf("not a number: %q", s)
+	}
+	*o.p = v
+	return nil
+}
+
 // floatList parses "3,1" into []float32 (tensor split).
 func floatList(s string) ([]float32, error) {
 	if s == "" {
@@ -101,6 +127,7 @@ type serveFlags struct {
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
 	apiKeys, allowedOrigins                                                 listFlag
+	sampling                                                                engine.SamplingDefaults
 	cluster                                                                 *clusterFlags
 }
 
@@ -148,6 +175,11 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
 	fs.Var(&f.allowedOrigins, "allowed-origins", "web origins (https://app.example.com, or *) whose pages may call the API from a browser (CORS); none by default")
+	fs.Var(optional[float64]{&f.sampling.Temperature}, "temp", "temperature of requests that give none (default: the model's recommendation, else 1)")
+	fs.Var(optional[float64]{&f.sampling.TopP}, "top-p", "top_p of requests that give none (default: the model's recommendation, else off)")
+	fs.Var(optional[int]{&f.sampling.TopK}, "top-k", "top_k of requests that give none (default: the model's recommendation, else off)")
+	fs.Var(optional[float64]{&f.sampling.MinP}, "min-p", "min_p of requests that give none (default: the model's recommendation, else off)")
+	fs.Var(optional[float64]{&f.sampling.RepeatPenalty}, "repeat-penalty", "repetition_penalty of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/* and /tokenize (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
@@ -236,6 +268,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
 		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
+	}
+	if err := api.ValidateSampling(f.sampling); err != nil {
+		return fmt.Errorf("sampling flags (--temp, --top-p, --top-k, --min-p, --repeat-penalty): %w", err)
 	}
 	sc := scheduler.DefaultConfig()
 	sc.MaxBatchTokens, sc.MaxRunning, sc.MaxWaiting, sc.DefaultMaxTokens = f.maxBatchTokens, f.maxRunning, f.maxWaiting, f.defaultMaxTokens
@@ -369,7 +404,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
 	}
-	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity})
+	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
+		Sampling: samplingDefaults(log, f.sampling, info.Sampling)})
 	scheme := "http"
 	if serverTLS != nil {
 		scheme = "https"
@@ -533,4 +569,37 @@ func abbrev(s string, n int) string {
 		return s
 	}
 	return s[:n] + "..."
+}
+
+// samplingDefaults are the flags' sampling parameters over the model's
+// recommendations (as vLLM applies a model's generation_config.json), logged
+// with where each comes from.
+func samplingDefaults(log *slog.Logger, flags, model engine.SamplingDefaults) engine.SamplingDefaults {
+	if err := api.ValidateSampling(model); err != nil {
+		log.Warn("ignoring the model's recommended sampling parameters", "err", err)
+		model = engine.SamplingDefaults{}
+	}
+	d := flags.Over(model)
+	var attrs []any
+	attrs = describeDefault(attrs, "temperature", d.Temperature, flags.Temperature)
+	attrs = describeDefault(attrs, "top_p", d.TopP, flags.TopP)
+	attrs = describeDefault(attrs, "top_k", d.TopK, flags.TopK)
+	attrs = describeDefault(attrs, "min_p", d.MinP, flags.MinP)
+	attrs = describeDefault(attrs, "repetition_penalty", d.RepeatPenalty, flags.RepeatPenalty)
+	if len(attrs) > 0 {
+		log.Info("default sampling parameters for requests that give none", attrs...)
+	}
+	return d
+}
+
+// describeDefault adds a default in force, and whether a flag or the model set it.
+func describeDefault[T any](attrs []any, name string, v, flag *T) []any {
+	if v == nil {
+		return attrs
+	}
+	from := "model"
+	if flag != nil {
+		from = "flag"
+	}
+	return append(attrs, name, fmt.Sprintf("%v (%s)", *v, from))
 }

@@ -3,11 +3,17 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/shared"
+
+	"github.com/shoal-ai/shoal/models"
 )
 
 // TestToolCalling: with the real engine and a model that knows nothing of tools,
@@ -109,5 +115,59 @@ func TestToolCalling(t *testing.T) {
 	}
 	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &tok) != nil || tok.Count != int(next.Usage.PromptTokens) {
 		t.Fatalf("/tokenize counted %s for a chat prompt of %d tokens", b, next.Usage.PromptTokens)
+	}
+}
+
+// TestModelSamplingDefaults: a request that gives no temperature samples at the
+// model's recommended one (general.sampling.temp), unless --temp overrides it;
+// a recommendation out of range is ignored with a warning.
+func TestModelSamplingDefaults(t *testing.T) {
+	dir := t.TempDir()
+	gen := func(name string, meta map[string]any) string {
+		spec := models.Tiny()
+		spec.Meta = meta
+		path := filepath.Join(dir, name+".gguf")
+		if err := models.Generate(path, spec); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	greedy := gen("greedy", map[string]any{"general.sampling.temp": float32(0), "general.sampling.top_k": int32(40)})
+	outputs := func(n *node) []string {
+		var out []string
+		for seed := range 4 {
+			resp, b := post(t, n.url+"/v1/completions", fmt.Sprintf(`{"prompt":"Once upon a time","max_tokens":24,"seed":%d}`, seed))
+			var r struct {
+				Choices []struct {
+					Text string `json:"text"`
+				} `json:"choices"`
+			}
+			if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			out = append(out, r.Choices[0].Text)
+		}
+		return out
+	}
+	n := startNode(t, "--model", greedy)
+	if out := outputs(n); len(slices.Compact(slices.Clone(out))) != 1 {
+		t.Errorf("the model recommends temperature 0, but seeds gave different outputs: %q", out)
+	}
+	if l := n.log(); !strings.Contains(l, `temperature="0 (model)"`) || !strings.Contains(l, `top_k="40 (model)"`) {
+		t.Errorf("defaults not logged:\n%s", l)
+	}
+	n = startNode(t, "--model", greedy, "--temp", "2")
+	if out := outputs(n); len(slices.Compact(slices.Clone(out))) == 1 {
+		t.Errorf("--temp 2 over the model's 0: every seed gave %q", out[0])
+	}
+	if l := n.log(); !strings.Contains(l, `temperature="2 (flag)"`) {
+		t.Errorf("flag default not logged:\n%s", l)
+	}
+	n = startNode(t, "--model", gen("hot", map[string]any{"general.sampling.temp": float32(7)}))
+	if l := n.log(); !strings.Contains(l, "ignoring the model's recommended sampling parameters") {
+		t.Errorf("out-of-range recommendation not warned about:\n%s", l)
+	}
+	if err := runServe([]string{"--model", greedy, "--top-p", "0"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "top_p") {
+		t.Errorf("--top-p 0: %v", err)
 	}
 }

@@ -64,6 +64,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/cgo"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -442,6 +443,7 @@ func (e *Engine) readInfo(path string) engine.ModelInfo {
 		HasChatTemplate: C.llama_model_chat_template(m, nil) != nil,
 		ChatTemplate:    e.vocab.ChatTemplate(),
 		Pooling:         embeddingPooling(C.llama_pooling_type(e.ctx)),
+		Sampling:        samplingDefaults(m),
 	}
 	var buf [256]C.char
 	if n := C.llama_model_desc(m, &buf[0], C.size_t(len(buf))); n > 0 {
@@ -461,6 +463,28 @@ func embeddingPooling(t C.enum_llama_pooling_type) bool {
 		return true
 	}
 	return false
+}
+
+// samplingDefaults reads the sampling parameters the model file recommends.
+// A value that does not parse is left unset.
+func samplingDefaults(m *C.struct_llama_model) engine.SamplingDefaults {
+	float := func(key string) *float64 {
+		v, err := strconv.ParseFloat(metaString(m, key), 64)
+		if err != nil {
+			return nil
+		}
+		return &v
+	}
+	var d engine.SamplingDefaults
+	d.Temperature = float("general.sampling.temp")
+	d.TopP = float("general.sampling.top_p")
+	d.MinP = float("general.sampling.min_p")
+	d.RepeatPenalty = float("general.sampling.penalty_repeat")
+	if k := float("general.sampling.top_k"); k != nil {
+		d.TopK = new(int)
+		*d.TopK = int(*k)
+	}
+	return d
 }
 
 func metaString(m *C.struct_llama_model, key string) string {
