@@ -183,7 +183,6 @@ func TestErrors(t *testing.T) {
 		{"tool type", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"retrieval"}]}`, auth, 400, ""},
 		{"tool choice unknown function", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}}}`, auth, 400, ""},
 		{"tool choice required", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}`, auth, 400, ""},
-		{"tools with response format", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"response_format":{"type":"json_object"}}`, auth, 400, ""},
 		{"functions", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]}`, auth, 400, ""},
 		{"function call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"function_call":{"name":"f","arguments":"{}"}}]}`, auth, 400, ""},
 		{"malformed tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"arguments":"{}"}}]}]}`, auth, 400, ""},

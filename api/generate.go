@@ -200,83 +200,113 @@ number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1
 ws     ::= | " " | "\n" [ \t]{0,20}
 `
 
-// grammarFor is the GBNF of the one output constraint a request names, if any:
+// constraint is an output constraint a request names: a JSON schema (raw, as
+// given), a choice among strings, or a form shoal refuses (refused names it).
+type constraint struct {
+	param   string
+	schema  json.RawMessage
+	choices []string
+	refused string
+}
+
+// constraintOf is the one output constraint a request names, if any:
 // response_format, or the same constraints as vLLM and llama-server spell them.
 // Regular expressions and raw grammars are refused: shoal does not hand
 // clients' grammar text to llama.cpp's parser.
-func (s *Server) grammarFor(f *SamplingFields) (string, error) {
-	type constraint struct {
-		param string
-		gbnf  func() (string, error)
-	}
+func constraintOf(f *SamplingFields) (*constraint, error) {
 	var cs []constraint
-	add := func(param string, gbnf func() (string, error)) { cs = append(cs, constraint{param, gbnf}) }
-	schema := func(param string, raw json.RawMessage) func() (string, error) {
-		return func() (string, error) { return s.schemaGrammar(param, raw) }
-	}
-	refuse := func(param, what string) func() (string, error) {
-		return func() (string, error) {
-			return "", invalid(param, "%s is not supported: constrain the output with a JSON schema (response_format json_schema, guided_json) or guided_choice", what)
-		}
-	}
 	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
 	if rf := f.ResponseFormat; rf != nil {
 		switch rf.Type {
 		case "", "text":
 		case "json_object":
 			if present(rf.Schema) {
-				add("response_format", schema("response_format", rf.Schema)) // llama-server's form
+				cs = append(cs, constraint{param: "response_format", schema: rf.Schema}) // llama-server's form
 			} else {
-				add("response_format", func() (string, error) { return jsonGrammar, nil })
+				cs = append(cs, constraint{param: "response_format", schema: json.RawMessage(`{"type":"object"}`)})
 			}
 		case "json_schema":
 			if rf.JSONSchema == nil || len(rf.JSONSchema.Schema) == 0 {
-				return "", invalid("response_format", "response_format json_schema needs json_schema.schema")
+				return nil, invalid("response_format", "response_format json_schema needs json_schema.schema")
 			}
-			add("response_format", schema("response_format", rf.JSONSchema.Schema))
+			cs = append(cs, constraint{param: "response_format", schema: rf.JSONSchema.Schema})
 		default:
-			return "", invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
+			return nil, invalid("response_format", "response_format type %q: want text, json_object or json_schema", rf.Type)
 		}
 	}
 	if present(f.GuidedJSON) {
-		add("guided_json", schema("guided_json", f.GuidedJSON))
+		cs = append(cs, constraint{param: "guided_json", schema: f.GuidedJSON})
 	}
 	if f.GuidedChoice != nil {
-		add("guided_choice", func() (string, error) { return choiceGrammar("guided_choice", f.GuidedChoice) })
+		cs = append(cs, constraint{param: "guided_choice", choices: f.GuidedChoice})
 	}
 	if present(f.JSONSchema) {
-		add("json_schema", schema("json_schema", f.JSONSchema))
+		cs = append(cs, constraint{param: "json_schema", schema: f.JSONSchema})
 	}
 	if so := f.StructuredOutputs; so != nil {
 		if present(so.JSON) {
-			add("structured_outputs", schema("structured_outputs", so.JSON))
+			cs = append(cs, constraint{param: "structured_outputs", schema: so.JSON})
 		}
 		if so.Choice != nil {
-			add("structured_outputs", func() (string, error) { return choiceGrammar("structured_outputs", so.Choice) })
+			cs = append(cs, constraint{param: "structured_outputs", choices: so.Choice})
 		}
 		if so.Regex != nil {
-			add("structured_outputs", refuse("structured_outputs", "structured_outputs.regex"))
+			cs = append(cs, constraint{param: "structured_outputs", refused: "structured_outputs.regex"})
 		}
 		if so.Grammar != nil {
-			add("structured_outputs", refuse("structured_outputs", "structured_outputs.grammar"))
+			cs = append(cs, constraint{param: "structured_outputs", refused: "structured_outputs.grammar"})
 		}
 	}
 	if f.GuidedRegex != nil {
-		add("guided_regex", refuse("guided_regex", "guided_regex"))
+		cs = append(cs, constraint{param: "guided_regex", refused: "guided_regex"})
 	}
 	if f.GuidedGrammar != nil {
-		add("guided_grammar", refuse("guided_grammar", "guided_grammar"))
+		cs = append(cs, constraint{param: "guided_grammar", refused: "guided_grammar"})
 	}
 	if f.Grammar != nil {
-		add("grammar", refuse("grammar", "grammar"))
+		cs = append(cs, constraint{param: "grammar", refused: "grammar"})
 	}
-	switch len(cs) {
-	case 0:
-		return "", nil
-	case 1:
-		return cs[0].gbnf()
+	switch {
+	case len(cs) == 0:
+		return nil, nil
+	case len(cs) > 1:
+		return nil, invalid(cs[1].param, "at most one output constraint per request: %s and %s were both given", cs[0].param, cs[1].param)
+	case cs[0].refused != "":
+		return nil, invalid(cs[0].param, "%s is not supported: constrain the output with a JSON schema (response_format json_schema, guided_json) or guided_choice", cs[0].refused)
 	}
-	return "", invalid(cs[1].param, "at most one output constraint per request: %s and %s were both given", cs[0].param, cs[1].param)
+	return &cs[0], nil
+}
+
+// grammarFor is the GBNF of the output constraint a request names, if any.
+func (s *Server) grammarFor(f *SamplingFields) (string, error) {
+	c, err := constraintOf(f)
+	switch {
+	case err != nil || c == nil:
+		return "", err
+	case c.choices != nil:
+		return choiceGrammar(c.param, c.choices)
+	}
+	return s.schemaGrammar(c.param, c.schema)
+}
+
+// answerSchema is the schema of a tool protocol answer's "response" under the
+// request's output constraint: a string without one.
+func answerSchema(c *constraint) (json.RawMessage, error) {
+	switch {
+	case c == nil:
+		return json.RawMessage(`{"type":"string"}`), nil
+	case c.choices != nil:
+		if _, err := choiceGrammar(c.param, c.choices); err != nil {
+			return nil, err
+		}
+		b, _ := json.Marshal(map[string]any{"type": "string", "enum": c.choices})
+		return b, nil
+	}
+	var text string
+	if json.Unmarshal(c.schema, &text) == nil {
+		return json.RawMessage(text), nil
+	}
+	return c.schema, nil
 }
 
 // schemaGrammar converts a JSON schema, given as an object or as a string holding
@@ -295,6 +325,14 @@ func (s *Server) schemaGrammar(param string, raw json.RawMessage) (string, error
 			return "", invalid(param, "%s: a JSON schema is an object", param)
 		}
 	}
+	if d := schemaDepth(raw); d > maxSchemaDepth {
+		return "", invalid(param, "%s: the schema nests %d levels deep, more than %d", param, d, maxSchemaDepth)
+	}
+	return s.convertSchema(param, raw)
+}
+
+// convertSchema converts a checked schema to GBNF.
+func (s *Server) convertSchema(param string, raw json.RawMessage) (string, error) {
 	if s.cfg.SchemaToGrammar == nil {
 		return "", invalid(param, "JSON schemas are not supported by this server")
 	}
@@ -303,6 +341,21 @@ func (s *Server) schemaGrammar(param string, raw json.RawMessage) (string, error
 		return "", invalid(param, "%s: %v", param, err)
 	}
 	return g, nil
+}
+
+// toolGrammar is the GBNF of tp's answers. When the converter refuses it, the
+// error names the tool whose parameters it refuses alone.
+func (s *Server) toolGrammar(tp *toolPlan) (string, error) {
+	g, err := s.convertSchema("tools", tp.schema())
+	if err == nil || s.cfg.SchemaToGrammar == nil {
+		return g, err
+	}
+	for i, f := range tp.tools {
+		if _, e := s.cfg.SchemaToGrammar(f.Parameters); e != nil {
+			return "", invalid(fmt.Sprintf("tools[%d]", i), "tools[%d] (%s): parameters: %v", i, f.Name, e)
+		}
+	}
+	return "", err
 }
 
 // maxChoices bounds guided_choice.
@@ -380,15 +433,18 @@ func (s *Server) chat(c *gin.Context) {
 		return
 	}
 	if tp != nil {
-		if p.req.Grammar != "" {
-			abort(c, invalid("tools", "tools cannot be combined with another output constraint (response_format, guided_*): the tool protocol constrains the output itself"))
+		// An output constraint applies to an answer without calls.
+		oc, _ := constraintOf(&req.SamplingFields) // checked by samplingPlan
+		if tp.answer, err = answerSchema(oc); err != nil {
+			abort(c, err)
 			return
 		}
-		if p.req.Grammar, err = s.schemaGrammar("tools", tp.schema()); err != nil {
+		if p.req.Grammar, err = s.toolGrammar(tp); err != nil {
 			abort(c, err)
 			return
 		}
 		p.tools = tp
+		tp.stops, p.req.Stop = p.req.Stop, nil
 	}
 	text, err := chatPrompt(b.Vocab, req.Messages, tp)
 	if err != nil {
@@ -704,12 +760,17 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 			text := choices[i].text.String()
 			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish}
 			if p.tools != nil {
-				var a answerStream
+				a := p.tools.follow()
 				text = a.add(text)
 				rest, calls := a.end(func() string { return s.newID("call") })
 				text += rest
-				if len(calls) > 0 {
+				switch {
+				case len(calls) > 0 && cc.FinishReason != "length":
 					cc.Message.Content, cc.Message.ToolCalls, cc.FinishReason = nil, calls, "tool_calls"
+				case len(calls) > 0:
+					cc.Message.Content, cc.Message.ToolCalls = nil, calls // cut short: finish_reason length
+				case a.stopped:
+					cc.FinishReason = "stop"
 				}
 			}
 			if p.logprobs {

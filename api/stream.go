@@ -108,7 +108,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		a := answers[idx]
 		if a == nil {
-			a = &answerStream{}
+			a = p.tools.follow()
 			answers[idx] = a
 		}
 		return a.add(text)
@@ -154,8 +154,11 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					tc.Index = &i
 					chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: []ToolCall{tc}}})
 				}
-				if len(calls) > 0 {
+				switch {
+				case len(calls) > 0 && f != "length":
 					f = "tool_calls"
+				case p.tools != nil && answers[idx].stopped:
+					f = "stop"
 				}
 				send(idx, nil, &f, nil, "")
 			}

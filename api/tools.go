@@ -3,13 +3,16 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"regexp"
 	"strings"
 	"unicode/utf16"
 	"unicode/utf8"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // Tool calling works the same way for every model. llama.cpp's chat formats
@@ -56,13 +59,37 @@ type FunctionCall struct {
 	Arguments string `json:"arguments"`
 }
 
+// UnmarshalJSON also takes arguments as an object, as some clients send them in
+// a history (Ollama's API does).
+func (f *FunctionCall) UnmarshalJSON(b []byte) error {
+	var w struct {
+		Name      string          `json:"name"`
+		Arguments json.RawMessage `json:"arguments"`
+	}
+	if err := json.Unmarshal(b, &w); err != nil {
+		return err
+	}
+	f.Name = w.Name
+	if json.Unmarshal(w.Arguments, &f.Arguments) != nil && given(w.Arguments) {
+		f.Arguments = string(compactJSON(w.Arguments))
+	}
+	return nil
+}
+
 // toolPlan is a request's validated tools and how the model must use them.
 type toolPlan struct {
 	tools    []FunctionDef // parameters filled in
 	required bool          // tool_choice "required" or a named function
 	named    string        // tool_choice's function, if one is named
 	parallel bool          // parallel_tool_calls
+	stops    []string      // the request's stop strings, matched in answers' text
+	// answer is the JSON schema of an answer without calls: a string, or what
+	// the request's output constraint (response_format, ...) asks for.
+	answer json.RawMessage
 }
+
+// follow follows one choice's output.
+func (tp *toolPlan) follow() *answerStream { return &answerStream{stops: tp.stops} }
 
 // maxTools bounds a request's tools.
 const maxTools = 128
@@ -106,6 +133,12 @@ func toolsOf(req *ToolFields) (*toolPlan, error) {
 		var params map[string]any
 		if err := json.Unmarshal(f.Parameters, &params); err != nil {
 			return nil, invalid(param, "%s: parameters must be a JSON schema object: %v", param, err)
+		}
+		if t, ok := params["type"]; ok && t != "object" {
+			return nil, invalid(param, "%s: parameters must describe an object (arguments are passed by name), got type %v", param, t)
+		}
+		if d := schemaDepth(f.Parameters); d > maxSchemaDepth {
+			return nil, invalid(param, "%s: parameters nest %d levels deep, more than %d", param, d, maxSchemaDepth)
 		}
 		tp.tools = append(tp.tools, f)
 	}
@@ -185,8 +218,10 @@ func (tp *toolPlan) system() string {
 		fmt.Fprintf(&b, "Call the tool %q now.\n", tp.named)
 	case tp.required:
 		b.WriteString("Call at least one tool now.\n")
-	default:
+	case tp.plainAnswer():
 		b.WriteString(`To answer without calling a tool: {"response": "<your answer>"}` + "\n")
+	default:
+		fmt.Fprintf(&b, "To answer without calling a tool: {\"response\": <your answer>}, where your answer follows this JSON schema: %s\n", compactJSON(tp.answer))
 	}
 	b.WriteString(`Tool results come back as {"tool_response": {"name": ..., "content": ...}}.`)
 	return b.String()
@@ -195,12 +230,12 @@ func (tp *toolPlan) system() string {
 // schema is the JSON schema of the answers the model may give.
 func (tp *toolPlan) schema() json.RawMessage {
 	var calls []any
-	for _, f := range tp.callable() {
+	for i, f := range tp.callable() {
 		calls = append(calls, map[string]any{
 			"type": "object",
 			"properties": orderedProps{
 				{"name", map[string]any{"const": f.Name}},
-				{"arguments", f.Parameters},
+				{"arguments", rebaseRefs(f.Parameters, fmt.Sprintf("#/anyOf/0/properties/tool_calls/items/anyOf/%d/properties/arguments", i))},
 			},
 			"required":             []string{"name", "arguments"},
 			"additionalProperties": false,
@@ -219,13 +254,64 @@ func (tp *toolPlan) schema() json.RawMessage {
 	if !tp.required {
 		answers = append(answers, map[string]any{
 			"type":                 "object",
-			"properties":           map[string]any{"response": map[string]any{"type": "string"}},
+			"properties":           map[string]any{"response": rebaseRefs(tp.answerSchema(), "#/anyOf/1/properties/response")},
 			"required":             []string{"response"},
 			"additionalProperties": false,
 		})
 	}
 	b, _ := json.Marshal(map[string]any{"anyOf": answers})
 	return b
+}
+
+// localRef matches a "$ref" key with a local reference ("#..."): a token, not
+// text inside a string, where a quote is always escaped.
+var localRef = regexp.MustCompile(`([{,]\s*"\$ref"\s*:\s*")#`)
+
+// rebaseRefs makes a schema's local references ("#/$defs/X", "#") point into it
+// where it sits in a larger schema, at the JSON pointer at (as nested Pydantic
+// models send their $defs). The schema's text is kept, and its property order.
+func rebaseRefs(schema json.RawMessage, at string) json.RawMessage {
+	return localRef.ReplaceAll(schema, []byte("${1}"+at))
+}
+
+// maxSchemaDepth bounds how deeply a schema nests: llama.cpp's converter
+// recurses on the C stack.
+const maxSchemaDepth = 64
+
+// schemaDepth is how deeply raw's objects and arrays nest.
+func schemaDepth(raw []byte) int {
+	depth, deepest := 0, 0
+	inString, escaped := false, false
+	for _, c := range raw {
+		switch {
+		case escaped:
+			escaped = false
+		case inString && c == '\\':
+			escaped = true
+		case c == '"':
+			inString = !inString
+		case inString:
+		case c == '{' || c == '[':
+			depth++
+			deepest = max(deepest, depth)
+		case c == '}' || c == ']':
+			depth--
+		}
+	}
+	return deepest
+}
+
+// answerSchema is tp.answer, a string when unset.
+func (tp *toolPlan) answerSchema() json.RawMessage {
+	if len(tp.answer) == 0 {
+		return json.RawMessage(`{"type":"string"}`)
+	}
+	return tp.answer
+}
+
+// plainAnswer reports whether an answer is any text.
+func (tp *toolPlan) plainAnswer() bool {
+	return string(compactJSON(tp.answerSchema())) == `{"type":"string"}`
 }
 
 // orderedProps marshals as a JSON object keeping its order: llama.cpp's converter
@@ -330,7 +416,7 @@ func renderMessages(in []Message, tp *toolPlan) ([]engine.ChatMessage, error) {
 }
 
 // assistantText renders an earlier assistant turn: its tool calls as the model
-// writes them, and its text as {"response": ...} when the model answers in JSON.
+// writes them, else its text, as {"response": ...} when the model answers in JSON.
 func assistantText(content string, calls []ToolCall, protocol bool) string {
 	if len(calls) == 0 {
 		if !protocol {
@@ -343,10 +429,9 @@ func assistantText(content string, calls []ToolCall, protocol bool) string {
 	for i, c := range calls {
 		pc[i] = protocolCall{Name: c.Function.Name, Arguments: jsonOrString(c.Function.Arguments)}
 	}
+	// Any text beside the calls is left out: the model is shown only answers
+	// of the form it is asked for.
 	b, _ := json.Marshal(map[string]any{"tool_calls": pc})
-	if content != "" {
-		return content + "\n" + string(b)
-	}
 	return string(b)
 }
 
@@ -359,35 +444,84 @@ func jsonOrString(s string) json.RawMessage {
 	return b
 }
 
-// parseCalls reads a whole output as the tool protocol's answer; ok is false
-// when it is not one (cut short by max_tokens or a stop string).
+// parseCalls reads an output as the tool protocol's answer. Cut short by
+// max_tokens, its complete calls are returned, and a call cut in its arguments
+// with the arguments generated so far (as OpenAI returns a cut call). ok is
+// false when the output is not a protocol answer.
 func parseCalls(text string, newID func() string) (calls []ToolCall, response *string, ok bool) {
 	var a struct {
-		ToolCalls []protocolCall `json:"tool_calls"`
-		Response  *string        `json:"response"`
+		ToolCalls []protocolCall  `json:"tool_calls"`
+		Response  json.RawMessage `json:"response"`
 	}
-	if json.Unmarshal([]byte(text), &a) != nil || len(a.ToolCalls) == 0 && a.Response == nil {
-		return nil, nil, false
+	whole := json.Unmarshal([]byte(text), &a) == nil && (len(a.ToolCalls) > 0 || a.Response != nil)
+	if whole && a.Response != nil {
+		// A string answer is its text; another JSON value (under an output
+		// constraint) is its JSON.
+		response = new(string)
+		if json.Unmarshal(a.Response, response) != nil {
+			*response = string(compactJSON(a.Response))
+		}
 	}
-	for _, c := range a.ToolCalls {
+	if !whole {
+		if a.ToolCalls, ok = cutCalls(text); !ok {
+			return nil, nil, false
+		}
+	}
+	for i, c := range a.ToolCalls {
 		args := compactJSON(c.Arguments)
-		if len(args) == 0 {
+		if len(args) == 0 && (whole || i < len(a.ToolCalls)-1) {
 			args = json.RawMessage("{}")
 		}
 		calls = append(calls, ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: c.Name, Arguments: string(args)}})
 	}
-	return calls, a.Response, true
+	return calls, response, true
 }
 
-// answerStream follows one choice's streamed output under the tool protocol: an
-// answer's text is passed on as it is generated, decoded from its JSON string;
-// tool calls are kept until the output is whole.
+// cutCall matches a call cut short in its arguments.
+var cutCall = regexp.MustCompile(`(?s)^\s*,?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)$`)
+
+// cutCalls reads the calls of an output cut short; ok is false unless the
+// output begins as a list of calls.
+func cutCalls(text string) (calls []protocolCall, ok bool) {
+	dec := json.NewDecoder(strings.NewReader(text))
+	for _, want := range []any{json.Delim('{'), "tool_calls", json.Delim('[')} {
+		switch t, err := dec.Token(); {
+		case err == io.EOF || errors.Is(err, io.ErrUnexpectedEOF):
+			return nil, true // cut before the first call
+		case err != nil || t != want:
+			return nil, false
+		}
+	}
+	for dec.More() {
+		off := dec.InputOffset()
+		var c protocolCall
+		if dec.Decode(&c) != nil {
+			if m := cutCall.FindStringSubmatch(text[off:]); m != nil {
+				var name string
+				if json.Unmarshal([]byte(m[1]), &name) == nil {
+					calls = append(calls, protocolCall{Name: name, Arguments: json.RawMessage(strings.TrimSpace(m[2]))})
+				}
+			}
+			break
+		}
+		calls = append(calls, c)
+	}
+	return calls, true
+}
+
+// answerStream follows one choice's output under the tool protocol: an
+// answer's text is passed on as it is generated, decoded from its JSON string
+// and cut at the request's first stop string; tool calls are kept until the
+// output is whole. (The scheduler matches stop strings in the output it
+// generates, here JSON, so it is not given them.)
 type answerStream struct {
-	buf  strings.Builder // the output so far
-	mode int             // streamUndecided, streamResponse, streamCalls
-	str  []byte          // streamResponse: the JSON string's undecoded rest
-	done bool            // the response string has ended
-	sent bool            // some text was passed on
+	stops   []string
+	buf     strings.Builder // the output so far
+	mode    int             // streamUndecided, streamResponse, streamCalls
+	str     []byte          // streamResponse: the JSON string's undecoded rest
+	done    bool            // the answer's text has ended
+	held    string          // decoded text that may begin a stop string
+	stopped bool            // a stop string ended the answer
 }
 
 const (
@@ -426,7 +560,8 @@ func mayStartResponse(s string) bool {
 func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) {
 	switch {
 	case a.mode == streamResponse:
-		return "", nil // passed on as generated; cut short, it ends where it was cut
+		text, a.held = a.held, "" // the rest; cut short, it ends where it was cut
+		return text, nil
 	case a.mode == streamUndecided && mayStartResponse(a.buf.String()):
 		return "", nil // cut short before the answer's text began
 	}
@@ -434,10 +569,11 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	switch {
 	case !ok:
 		return a.buf.String(), nil
-	case len(calls) > 0:
+	case response == nil:
 		return "", calls
 	}
-	return *response, nil
+	a.done = true
+	return a.release(*response), nil
 }
 
 // add takes the next piece of output and returns the answer text to pass on.
@@ -449,7 +585,7 @@ func (a *answerStream) add(piece string) string {
 		if loc := responseStart.FindStringIndex(s); loc != nil {
 			a.mode = streamResponse
 			a.str = []byte(s[loc[1]:])
-			return a.decode()
+			return a.release(a.decode())
 		}
 		if !mayStartResponse(s) {
 			a.mode = streamCalls // tool calls, or not a protocol answer: kept to the end
@@ -460,9 +596,26 @@ func (a *answerStream) add(piece string) string {
 			return ""
 		}
 		a.str = append(a.str, piece...)
-		return a.decode()
+		return a.release(a.decode())
 	}
 	return ""
+}
+
+// release returns the decoded text that can be passed on: all of it up to a
+// stop string, holding back an end that may begin one until the answer ends.
+func (a *answerStream) release(text string) string {
+	if len(a.stops) == 0 {
+		return text
+	}
+	emit, held, stopped := scheduler.MatchStop(a.held+text, a.stops)
+	a.held = held
+	if stopped {
+		a.stopped, a.done, a.held = true, true, ""
+	}
+	if a.done {
+		emit, a.held = emit+a.held, ""
+	}
+	return emit
 }
 
 // decode returns the text of a.str's complete characters, keeping an
@@ -483,7 +636,6 @@ func (a *answerStream) decode() string {
 			r, n := unescape(s)
 			if n == 0 {
 				a.str = s
-				a.sent = a.sent || out.Len() > 0
 				return out.String()
 			}
 			out.WriteRune(r)
@@ -491,7 +643,6 @@ func (a *answerStream) decode() string {
 		}
 	}
 	a.str = s
-	a.sent = a.sent || out.Len() > 0
 	return out.String()
 }
 

@@ -47,12 +47,14 @@ func TestToolsOf(t *testing.T) {
 		}
 	}
 	bad := map[string]string{
-		`{"tools":{"type":"function"}}`:                                                                                    "tools",
-		`{"tools":[{"type":"code_interpreter"}]}`:                                                                          "tools[0]",
-		`{"tools":[{"type":"function"}]}`:                                                                                  "tools[0]",
-		`{"tools":[{"type":"function","function":{"name":"no spaces"}}]}`:                                                  "tools[0]",
-		`{"tools":[` + weather + `,` + weather + `]}`:                                                                      "tools[1]",
-		`{"tools":[{"type":"function","function":{"name":"f","parameters":[1]}}]}`:                                         "tools[0]",
+		`{"tools":{"type":"function"}}`:                                                          "tools",
+		`{"tools":[{"type":"code_interpreter"}]}`:                                                "tools[0]",
+		`{"tools":[{"type":"function"}]}`:                                                        "tools[0]",
+		`{"tools":[{"type":"function","function":{"name":"no spaces"}}]}`:                        "tools[0]",
+		`{"tools":[` + weather + `,` + weather + `]}`:                                            "tools[1]",
+		`{"tools":[{"type":"function","function":{"name":"f","parameters":[1]}}]}`:               "tools[0]",
+		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"string"}}}]}`: "tools[0]",
+		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"x":` + strings.Repeat(`{"items":`, 70) + `{}` + strings.Repeat(`}`, 70) + `}}}}]}`: "tools[0]",
 		`{"tools":[` + weather + `],"tool_choice":"always"}`:                                                               "tool_choice",
 		`{"tools":[` + weather + `],"tool_choice":{"type":"function","function":{"name":"get_time"}}}`:                     "tool_choice",
 		`{"tools":[` + weather + `],"tool_choice":{"type":"allowed_tools"}}`:                                               "tool_choice",
@@ -94,6 +96,8 @@ func TestRenderMessages(t *testing.T) {
 		{"role": "tool", "tool_call_id": "c1", "content": "{\"c\": 3}"},
 		{"role": "tool", "tool_call_id": "c2", "content": "sunny"},
 		{"role": "assistant", "content": "Cold in Oslo."},
+		{"role": "assistant", "content": "Checking.", "tool_calls": [
+			{"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
 		{"role": "user", "content": "Thanks"}],
 	"tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now"}}]}`
 	if err := json.Unmarshal([]byte(body), &req); err != nil {
@@ -114,6 +118,7 @@ func TestRenderMessages(t *testing.T) {
 		{Role: "user", Content: `{"tool_response":{"name":"get_weather","tool_call_id":"c1","content":{"c":3}}}`},
 		{Role: "user", Content: `{"tool_response":{"name":"get_weather","tool_call_id":"c2","content":"sunny"}}`},
 		{Role: "assistant", Content: `{"response":"Cold in Oslo."}`},
+		{Role: "assistant", Content: `{"tool_calls":[{"name":"get_weather","arguments":{"city":"Rome"}}]}`},
 		{Role: "user", Content: "Thanks"},
 	}
 	if len(msgs) != len(want) {
@@ -154,6 +159,16 @@ func TestRenderMessages(t *testing.T) {
 	}
 }
 
+// TestRebaseRefs: a tool's local references point into it inside the answers'
+// schema; text that only looks like a reference is left alone.
+func TestRebaseRefs(t *testing.T) {
+	in := `{"$defs":{"A":{"type":"object","properties":{"next":{"$ref" : "#"}}}},"type":"object","properties":{"a":{"$ref":"#/$defs/A"},"d":{"description":"{\"$ref\":\"#/x\"}"},"r":{"$ref":"https://example.com/s.json"}}}`
+	want := `{"$defs":{"A":{"type":"object","properties":{"next":{"$ref" : "#/P"}}}},"type":"object","properties":{"a":{"$ref":"#/P/$defs/A"},"d":{"description":"{\"$ref\":\"#/x\"}"},"r":{"$ref":"https://example.com/s.json"}}}`
+	if got := string(rebaseRefs(json.RawMessage(in), "#/P")); got != want {
+		t.Errorf("got  %s\nwant %s", got, want)
+	}
+}
+
 // TestToolSchema: the grammar's schema admits exactly the calls tool_choice allows.
 func TestToolSchema(t *testing.T) {
 	var f ToolFields
@@ -183,38 +198,50 @@ func TestToolSchema(t *testing.T) {
 }
 
 // feed streams out through an answerStream in pieces of size k (every byte when
-// k is 1) and returns the text passed on and the calls.
-func feed(out string, k int) (string, []ToolCall) {
-	var a answerStream
+// k is 1) and returns the text passed on, the calls and whether a stop string
+// ended the answer.
+func feed(out string, k int, stops ...string) (string, []ToolCall, bool) {
+	a := answerStream{stops: stops}
 	var text strings.Builder
 	for i := 0; i < len(out); i += k {
 		text.WriteString(a.add(out[i:min(i+k, len(out))]))
 	}
 	rest, calls := a.end(func() string { return "call-1" })
-	return text.String() + rest, calls
+	return text.String() + rest, calls, a.stopped
 }
 
 func TestAnswerStream(t *testing.T) {
 	cases := []struct {
 		out, text string
 		calls     []FunctionCall
+		stops     []string
+		stopped   bool
 	}{
-		{`{"response": "Hello"}`, "Hello", nil},
-		{" {\n  \"response\" :\"a\\\"b\\\\c\\/d\\n\\t\\u00e9\\ud83d\\ude00\\ud800x\" }", "a\"b\\c/d\n\té😀\uFFFDx", nil},
-		{`{"response": "cut sho`, "cut sho", nil}, // max_tokens: what was generated
-		{`{"tool_calls": [{"name": "f", "arguments": {"x": 1,  "y": [true]}}, {"name": "g", "arguments": {}}]}`, "",
-			[]FunctionCall{{"f", `{"x":1,"y":[true]}`}, {"g", "{}"}}},
-		{`{"tool_calls": [{"name": "f", "arguments": {"x"`, `{"tool_calls": [{"name": "f", "arguments": {"x"`, nil}, // cut: kept as text
-		{`plain text`, "plain text", nil},
-		{``, "", nil},
-		{`{`, "", nil},
-		{"{\"response\" :\n", "", nil}, // cut before the answer began
+		{out: `{"response": "Hello"}`, text: "Hello"},
+		{out: " {\n  \"response\" :\"a\\\"b\\\\c\\/d\\n\\t\\u00e9\\ud83d\\ude00\\ud800x\" }", text: "a\"b\\c/d\n\té😀\uFFFDx"},
+		{out: `{"response": "cut sho`, text: "cut sho"}, // max_tokens: what was generated
+		{out: `{"tool_calls": [{"name": "f", "arguments": {"x": 1,  "y": [true]}}, {"name": "g", "arguments": {}}]}`,
+			calls: []FunctionCall{{"f", `{"x":1,"y":[true]}`}, {"g", "{}"}}},
+		// Cut short: the complete calls, and one cut in its arguments as generated.
+		{out: `{"tool_calls": [{"name": "f", "arguments": {"x"`, calls: []FunctionCall{{"f", `{"x"`}}},
+		{out: `{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "argu`, calls: []FunctionCall{{"f", "{}"}}},
+		{out: `{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": `, calls: []FunctionCall{{"f", "{}"}, {"g", ""}}},
+		{out: `{"tool_calls"`},
+		{out: `plain text`, text: "plain text"},
+		{out: ``},
+		{out: `{`},
+		{out: "{\"response\" :\n"}, // cut before the answer began
+		// Stop strings are matched in the answer's text, not in its JSON.
+		{out: `{"response": "Hello\nUser: hi"}`, text: "Hello", stops: []string{"\nUser:"}, stopped: true},
+		{out: `{"response": "ab"}`, text: "ab", stops: []string{"bc"}},
+		{out: `{"response": "a\"b"}`, text: "a", stops: []string{`"`}, stopped: true},
+		{out: `{"tool_calls": [{"name": "f", "arguments": {"s": "\n"}}]}`, calls: []FunctionCall{{"f", `{"s":"\n"}`}}, stops: []string{"\n", "}"}},
 	}
 	for _, c := range cases {
 		for _, k := range []int{1, 3, len(c.out) + 1} {
-			text, calls := feed(c.out, k)
-			if text != c.text || len(calls) != len(c.calls) {
-				t.Errorf("%q in pieces of %d: text %q, %d calls; want %q, %d", c.out, k, text, len(calls), c.text, len(c.calls))
+			text, calls, stopped := feed(c.out, k, c.stops...)
+			if text != c.text || len(calls) != len(c.calls) || stopped != c.stopped {
+				t.Errorf("%q in pieces of %d: text %q, %d calls, stopped %v; want %q, %d, %v", c.out, k, text, len(calls), stopped, c.text, len(c.calls), c.stopped)
 				continue
 			}
 			for i, call := range calls {
@@ -236,15 +263,16 @@ func FuzzAnswerStream(f *testing.F) {
 		if k < 1 || k > len(out)+1 {
 			k = 1
 		}
-		whole, wholeCalls := feed(out, len(out)+1)
-		text, calls := feed(out, k)
+		whole, wholeCalls, _ := feed(out, len(out)+1, "\n\n")
+		text, calls, _ := feed(out, k, "\n\n")
 		if text != whole || len(calls) != len(wholeCalls) {
 			t.Fatalf("pieces of %d: %q, %d calls; whole: %q, %d calls", k, text, len(calls), whole, len(wholeCalls))
 		}
 		var v struct {
 			Response *string `json:"response"`
 		}
-		if responseStart.MatchString(out) && json.Unmarshal([]byte(out), &v) == nil && v.Response != nil && utf8.ValidString(out) && text != *v.Response {
+		if responseStart.MatchString(out) && json.Unmarshal([]byte(out), &v) == nil && v.Response != nil && utf8.ValidString(out) &&
+			text != strings.SplitN(*v.Response, "\n\n", 2)[0] {
 			t.Fatalf("%q: passed on %q, JSON reads %q", out, text, *v.Response)
 		}
 	})

@@ -929,7 +929,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	text := q.held + q.detok.Add(piece)
 	q.held = ""
 	var stopped bool
-	text, q.held, stopped = matchStop(text, g.req.Stop)
+	text, q.held, stopped = MatchStop(text, g.req.Stop)
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top}
 	g.stream.push(ev)
 	switch {
@@ -963,9 +963,10 @@ func (s *Scheduler) newSampler(q *seq) error {
 	return nil
 }
 
-// matchStop finds the earliest stop string in text. Without one, it splits text into
-// what can be emitted and the longest suffix that could still begin a stop string.
-func matchStop(text string, stops []string) (emit, held string, stopped bool) {
+// MatchStop finds the earliest stop string in text. Without one, it splits text into
+// what can be emitted and the longest suffix that could still begin a stop string
+// (the api applies it to tool-protocol answers, whose text is decoded from JSON).
+func MatchStop(text string, stops []string) (emit, held string, stopped bool) {
 	if len(stops) == 0 {
 		return text, "", false
 	}

@@ -422,7 +422,7 @@ func TestMatchStop(t *testing.T) {
 		{"xx<|e", "xx", "<|e", false},
 	}
 	for _, c := range cases {
-		e, h, s := matchStop(c.text, []string{"world", "<|end|>"})
+		e, h, s := MatchStop(c.text, []string{"world", "<|end|>"})
 		if e != c.emit || h != c.held || s != c.stopped {
 			t.Errorf("%q: got %q %q %v", c.text, e, h, s)
 		}

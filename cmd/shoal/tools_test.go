@@ -95,6 +95,77 @@ func TestToolCalling(t *testing.T) {
 		t.Fatalf("streamed call %+v, whole %+v", got, want)
 	}
 
+	// Cut short by max_tokens, the calls made so far come back as calls, never
+	// as the protocol's JSON in content.
+	cut, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model: "small", Messages: params.Messages, MaxTokens: openai.Int(40), Seed: openai.Int(1),
+		Tools: []openai.ChatCompletionToolUnionParam{weather, clock}, ToolChoice: openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cc := cut.Choices[0]; cc.FinishReason != "length" || cc.Message.Content != "" {
+		t.Fatalf("cut short: finish %q, content %q", cc.FinishReason, cc.Message.Content)
+	}
+
+	// With an output constraint, an answer without calls follows it (as OpenAI
+	// takes tools with response_format); whichever the model picks is well-formed.
+	schema := map[string]any{"type": "object", "properties": map[string]any{"ok": map[string]any{"type": "boolean"}}, "required": []string{"ok"}, "additionalProperties": false}
+	answered := 0
+	for seed := range 6 {
+		r, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+			Model: "small", Messages: params.Messages[:2], MaxTokens: openai.Int(120), Seed: openai.Int(int64(seed)), ParallelToolCalls: openai.Bool(false),
+			Tools: []openai.ChatCompletionToolUnionParam{weather, clock},
+			ResponseFormat: openai.ChatCompletionNewParamsResponseFormatUnion{OfJSONSchema: &openai.ResponseFormatJSONSchemaParam{
+				JSONSchema: openai.ResponseFormatJSONSchemaJSONSchemaParam{Name: "verdict", Schema: schema}}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch cc := r.Choices[0]; cc.FinishReason {
+		case "tool_calls":
+			checkCalls("tools with response_format", cc, "get_weather", "get_time")
+		case "stop":
+			answered++
+			var v struct {
+				OK *bool `json:"ok"`
+			}
+			if err := json.Unmarshal([]byte(cc.Message.Content), &v); err != nil || v.OK == nil {
+				t.Fatalf("an answer under response_format: %q: %v", cc.Message.Content, err)
+			}
+		}
+	}
+	t.Logf("tools with response_format: %d of 6 seeds answered, the rest called tools or were cut", answered)
+
+	// Parameters as Pydantic writes nested models: references into their $defs.
+	address := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
+		Name: "ship",
+		Parameters: shared.FunctionParameters{
+			"$defs": map[string]any{"Address": map[string]any{
+				"type": "object", "properties": map[string]any{"zip": map[string]any{"type": "integer", "minimum": 1000, "maximum": 9999}},
+				"required": []string{"zip"}, "additionalProperties": false}},
+			"type": "object", "properties": map[string]any{"to": map[string]any{"$ref": "#/$defs/Address"}},
+			"required": []string{"to"}, "additionalProperties": false,
+		},
+	})
+	shipped, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model: "small", Messages: params.Messages, MaxTokens: openai.Int(200), Seed: openai.Int(1), ParallelToolCalls: openai.Bool(false),
+		Tools:      []openai.ChatCompletionToolUnionParam{weather, address},
+		ToolChoice: openai.ToolChoiceOptionFunctionToolChoice(openai.ChatCompletionNamedToolChoiceFunctionParam{Name: "ship"}),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkCalls("$ref", shipped.Choices[0], "ship")
+	var args struct {
+		To struct {
+			Zip *int `json:"zip"`
+		} `json:"to"`
+	}
+	if err := json.Unmarshal([]byte(shipped.Choices[0].Message.ToolCalls[0].Function.Arguments), &args); err != nil || args.To.Zip == nil || *args.To.Zip < 1000 || *args.To.Zip > 9999 {
+		t.Fatalf("ship arguments %s: %v", shipped.Choices[0].Message.ToolCalls[0].Function.Arguments, err)
+	}
+
 	// The next turn: the call and its result in the history, the model free to
 	// answer or call again.
 	call := chat.Choices[0].Message.ToolCalls[0]

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math"
 	"os"
@@ -707,6 +708,25 @@ func TestGrammarOnRealVocab(t *testing.T) {
 	}
 	if _, err := SchemaToGrammar([]byte(`{not json`)); err == nil {
 		t.Fatal("bad schema accepted")
+	}
+	// Integer ranges make grammars many times their schema's size: past the
+	// converter's first buffer, the grammar must come back whole.
+	var props []string
+	for i := range 60 {
+		props = append(props, fmt.Sprintf(`"p%d":{"type":"integer","minimum":%d,"maximum":%d}`, i, 13+i, 987654+i*7919))
+	}
+	big := []byte(`{"type":"object","properties":{` + strings.Join(props, ",") + `}}`)
+	long, err := SchemaToGrammar(big)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(long) < max(32<<10, 4*len(big)) {
+		t.Fatalf("a %d-byte schema gave a %d-byte grammar: not past the first buffer", len(big), len(long))
+	}
+	if gr, err := e.NewGrammar(long); err != nil {
+		t.Fatalf("the %d-byte grammar does not parse: %v", len(long), err)
+	} else {
+		gr.Close()
 	}
 	for _, g := range []string{`root ::= "yes" | "no"`, gbnf} {
 		gr, err := e.NewGrammar(g)

@@ -5,6 +5,11 @@ package llama
 #include <stdlib.h>
 #include "llama.h"
 #include "grammar_shim.h"
+
+// llama.cpp's JSON-schema converter, as the ollama package compiles it
+// (sampling_ext.cpp): it writes at most max_len-1 bytes and returns how many, 0
+// when the schema is refused.
+int schema_to_grammar(const char *json_schema, char *grammar, size_t max_len);
 */
 import "C"
 
@@ -13,8 +18,6 @@ import (
 	"fmt"
 	"math"
 	"unsafe"
-
-	ollamallama "github.com/ollama/ollama/llama"
 
 	"github.com/shoal-ai/shoal/engine"
 )
@@ -111,12 +114,29 @@ func (g *Grammar) Close() error {
 	return nil
 }
 
-// SchemaToGrammar converts a JSON schema to GBNF with llama.cpp's converter (through
-// the ollama package). It fails on invalid JSON or an unsupported schema.
+// maxGrammarBytes bounds a converted grammar (a request's schema is bounded
+// by the request body, a grammar by this).
+const maxGrammarBytes = 64 << 20
+
+// SchemaToGrammar converts a JSON schema to GBNF with llama.cpp's converter. It
+// fails on invalid JSON or an unsupported schema. The converter's output is cut
+// at its buffer's size without telling, so a result that fills the buffer is
+// converted again into a larger one (ollama's own wrapper would return it cut).
 func SchemaToGrammar(schema []byte) (string, error) {
-	g := ollamallama.SchemaToGrammar(schema)
-	if g == nil {
-		return "", fmt.Errorf("json schema to grammar: invalid or unsupported schema: %w", engine.ErrInvalidInput)
+	cs := C.CString(string(schema))
+	defer C.free(unsafe.Pointer(cs))
+	for size := max(32<<10, 4*len(schema)); ; size *= 4 {
+		buf := C.malloc(C.size_t(size))
+		n := int(C.schema_to_grammar(cs, (*C.char)(buf), C.size_t(size)))
+		g := C.GoStringN((*C.char)(buf), C.int(n))
+		C.free(buf)
+		switch {
+		case n == 0:
+			return "", fmt.Errorf("json schema to grammar: invalid or unsupported schema: %w", engine.ErrInvalidInput)
+		case n < size-1:
+			return g, nil
+		case size >= maxGrammarBytes:
+			return "", fmt.Errorf("json schema to grammar: the grammar is larger than %d MiB: %w", maxGrammarBytes>>20, engine.ErrInvalidInput)
+		}
 	}
-	return string(g), nil
 }
