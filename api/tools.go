@@ -128,7 +128,7 @@ func toolsOf(req *ToolFields) (*toolPlan, error) {
 		}
 		seen[f.Name] = true
 		if !given(f.Parameters) || string(bytes.TrimSpace(f.Parameters)) == "{}" {
-			f.Parameters = json.RawMessage(`{"type":"object","properties":{}}`)
+			f.Parameters = json.RawMessage(`{"type":"object","properties":{},"additionalProperties":false}`) // no parameters
 		}
 		var params map[string]any
 		if err := json.Unmarshal(f.Parameters, &params); err != nil {

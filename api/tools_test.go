@@ -129,7 +129,7 @@ func TestRenderMessages(t *testing.T) {
 			t.Errorf("message %d:\n got %+v\nwant %+v", i, msgs[i], want[i])
 		}
 	}
-	if !strings.Contains(tp.system(), `{"name":"get_weather","description":"Weather now","parameters":{"type":"object","properties":{}}}`) {
+	if !strings.Contains(tp.system(), `{"name":"get_weather","description":"Weather now","parameters":{"type":"object","properties":{},"additionalProperties":false}}`) {
 		t.Errorf("tools not described: %s", tp.system())
 	}
 
@@ -181,7 +181,7 @@ func TestToolSchema(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := string(tp.schema())
-	want := `{"anyOf":[{"additionalProperties":false,"properties":{"tool_calls":{"items":{"anyOf":[{"additionalProperties":false,"properties":{"name":{"const":"b"},"arguments":{"type":"object","properties":{}}},"required":["name","arguments"],"type":"object"}]},"maxItems":1,"minItems":1,"type":"array"}},"required":["tool_calls"],"type":"object"}]}`
+	want := `{"anyOf":[{"additionalProperties":false,"properties":{"tool_calls":{"items":{"anyOf":[{"additionalProperties":false,"properties":{"name":{"const":"b"},"arguments":{"type":"object","properties":{},"additionalProperties":false}},"required":["name","arguments"],"type":"object"}]},"maxItems":1,"minItems":1,"type":"array"}},"required":["tool_calls"],"type":"object"}]}`
 	if got != want {
 		t.Errorf("named, one call:\n got %s\nwant %s", got, want)
 	}
