@@ -433,9 +433,7 @@ func (s *Server) chat(c *gin.Context) {
 		return
 	}
 	if tp != nil {
-		// An output constraint applies to an answer without calls.
-		oc, _ := constraintOf(&req.SamplingFields) // checked by samplingPlan
-		if tp.answer, err = answerSchema(oc); err != nil {
+		if err = tp.constrainAnswer(&req.SamplingFields); err != nil {
 			abort(c, err)
 			return
 		}

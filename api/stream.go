@@ -131,7 +131,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			case scheduler.EventToken:
 				text := answerText(idx, ev.Text)
 				var lp *TokenLogprob
-				if p.logprobs {
+				if p.logprobs && (p.tools == nil || !answers[idx].stopped) {
 					l := tokenLogprob(b.Vocab, ev)
 					lp = &l
 				}

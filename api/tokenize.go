@@ -43,6 +43,9 @@ func (s *Server) tokenize(c *gin.Context) {
 		text = *req.Prompt
 	case req.Prompt == nil && len(req.Messages) > 0:
 		tp, err := toolsOf(&req.ToolFields)
+		if err == nil && tp != nil {
+			err = tp.constrainAnswer(&SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
+		}
 		if err == nil {
 			text, err = chatPrompt(b.Vocab, req.Messages, tp)
 		}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"regexp"
+	"slices"
 	"strings"
 	"unicode/utf16"
 	"unicode/utf8"
@@ -88,6 +89,16 @@ type toolPlan struct {
 	answer json.RawMessage
 }
 
+// constrainAnswer applies the request's output constraint (response_format,
+// guided_json, ...), if any, to answers without calls.
+func (tp *toolPlan) constrainAnswer(f *SamplingFields) error {
+	oc, err := constraintOf(f)
+	if err == nil {
+		tp.answer, err = answerSchema(oc)
+	}
+	return err
+}
+
 // follow follows one choice's output.
 func (tp *toolPlan) follow() *answerStream { return &answerStream{stops: tp.stops} }
 
@@ -134,7 +145,7 @@ func toolsOf(req *ToolFields) (*toolPlan, error) {
 		if err := json.Unmarshal(f.Parameters, &params); err != nil {
 			return nil, invalid(param, "%s: parameters must be a JSON schema object: %v", param, err)
 		}
-		if t, ok := params["type"]; ok && t != "object" {
+		if t, ok := params["type"]; ok && t != "object" && !slices.Contains(anySlice(t), any("object")) {
 			return nil, invalid(param, "%s: parameters must describe an object (arguments are passed by name), got type %v", param, t)
 		}
 		if d := schemaDepth(f.Parameters); d > maxSchemaDepth {
@@ -174,6 +185,12 @@ func toolsOf(req *ToolFields) (*toolPlan, error) {
 	}
 	tp.required = choice != "auto"
 	return tp, nil
+}
+
+// anySlice is v as a list, or nil when it is not one.
+func anySlice(v any) []any {
+	l, _ := v.([]any)
+	return l
 }
 
 func isString(raw json.RawMessage, want string) bool {
@@ -458,7 +475,7 @@ func parseCalls(text string, newID func() string) (calls []ToolCall, response *s
 		// A string answer is its text; another JSON value (under an output
 		// constraint) is its JSON.
 		response = new(string)
-		if json.Unmarshal(a.Response, response) != nil {
+		if a.Response[0] != '"' || json.Unmarshal(a.Response, response) != nil {
 			*response = string(compactJSON(a.Response))
 		}
 	}
@@ -478,7 +495,7 @@ func parseCalls(text string, newID func() string) (calls []ToolCall, response *s
 }
 
 // cutCall matches a call cut short in its arguments.
-var cutCall = regexp.MustCompile(`(?s)^\s*,?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)$`)
+var cutCall = regexp.MustCompile(`(?s)^[ \t\n\r]*,?[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")[ \t\n\r]*,[ \t\n\r]*"arguments"[ \t\n\r]*:[ \t\n\r]*(.*)$`)
 
 // cutCalls reads the calls of an output cut short; ok is false unless the
 // output begins as a list of calls.
@@ -530,8 +547,11 @@ const (
 	streamCalls
 )
 
+// answerStart matches the start of any answer: {"response":.
+var answerStart = regexp.MustCompile(`^[ \t\n\r]*\{[ \t\n\r]*"response"[ \t\n\r]*:[ \t\n\r]*`)
+
 // responseStart matches the start of an answer: {"response": ".
-var responseStart = regexp.MustCompile(`^\s*\{\s*"response"\s*:\s*"`)
+var responseStart = regexp.MustCompile(`^[ \t\n\r]*\{[ \t\n\r]*"response"[ \t\n\r]*:[ \t\n\r]*"`)
 
 // mayStartResponse reports whether s could still grow into responseStart.
 func mayStartResponse(s string) bool {
@@ -567,6 +587,11 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	}
 	calls, response, ok := parseCalls(a.buf.String(), newID)
 	switch {
+	case !ok && answerStart.MatchString(a.buf.String()):
+		// An answer other than a string (under an output constraint), cut short:
+		// the value as far as it was generated.
+		a.done = true
+		return a.release(answerStart.ReplaceAllString(a.buf.String(), "")), nil
 	case !ok:
 		return a.buf.String(), nil
 	case response == nil:

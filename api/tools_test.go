@@ -27,6 +27,7 @@ func TestToolsOf(t *testing.T) {
 		{`{"tools":[],"tool_choice":"auto"}`, false, false, "", true},
 		{`{"tool_choice":"none"}`, false, false, "", true},
 		{`{"functions":[{"name":"f"}],"function_call":"none"}`, false, false, "", true},
+		{`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":["object","null"]}}}]}`, true, false, "", true},
 	}
 	for _, c := range ok {
 		var f ToolFields
@@ -227,6 +228,10 @@ func TestAnswerStream(t *testing.T) {
 		{out: `{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "argu`, calls: []FunctionCall{{"f", "{}"}}},
 		{out: `{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": `, calls: []FunctionCall{{"f", "{}"}, {"g", ""}}},
 		{out: `{"tool_calls"`},
+		// Answers other than strings (under an output constraint): their JSON.
+		{out: `{"response": null}`, text: "null"},
+		{out: `{"response": {"a": 1, "b": [2]} }`, text: `{"a":1,"b":[2]}`},
+		{out: `{"response": {"a": 1, "b":`, text: `{"a": 1, "b":`}, // cut short: the value so far
 		{out: `plain text`, text: "plain text"},
 		{out: ``},
 		{out: `{`},
@@ -276,4 +281,22 @@ func FuzzAnswerStream(f *testing.F) {
 			t.Fatalf("%q: passed on %q, JSON reads %q", out, text, *v.Response)
 		}
 	})
+}
+
+// TestTokenizeToolsWithOutputConstraint: /tokenize renders tools with the answer
+// schema an output constraint gives them, as chat does.
+func TestTokenizeToolsWithOutputConstraint(t *testing.T) {
+	s := newTestServer(t, nil)
+	count := func(extra string) int {
+		w := s.do(t, "POST", "/tokenize", `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]`+extra+`}`)
+		var r TokenizeResponse
+		if w.Code != 200 || json.Unmarshal(w.Body.Bytes(), &r) != nil {
+			t.Fatalf("%s: %d %s", extra, w.Code, w.Body)
+		}
+		return r.Count
+	}
+	plain := count("")
+	if constrained := count(`,"response_format":{"type":"json_object","schema":{"type":"object","properties":{"verdict":{"type":"boolean"}}}}`); constrained <= plain {
+		t.Errorf("with an answer schema %d tokens, without %d", constrained, plain)
+	}
 }

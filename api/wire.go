@@ -343,7 +343,11 @@ type TokenizeRequest struct {
 	Prompt           *string   `json:"prompt"`
 	Messages         []Message `json:"messages"`
 	AddSpecialTokens *bool     `json:"add_special_tokens"`
-	ToolFields                 // counted as chat renders them
+	// Tools, and the output constraint their answers follow, are counted as
+	// chat renders them.
+	ToolFields
+	ResponseFormat *ResponseFormat `json:"response_format"`
+	StructuredFields
 }
 
 // TokenizeResponse is the body of a /tokenize answer.

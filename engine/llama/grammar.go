@@ -125,7 +125,7 @@ const maxGrammarBytes = 64 << 20
 func SchemaToGrammar(schema []byte) (string, error) {
 	cs := C.CString(string(schema))
 	defer C.free(unsafe.Pointer(cs))
-	for size := max(32<<10, 4*len(schema)); ; size *= 4 {
+	for size := min(max(32<<10, 4*len(schema)), maxGrammarBytes); ; size = min(size*4, maxGrammarBytes) {
 		buf := C.malloc(C.size_t(size))
 		n := int(C.schema_to_grammar(cs, (*C.char)(buf), C.size_t(size)))
 		g := C.GoStringN((*C.char)(buf), C.int(n))
