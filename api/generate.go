@@ -294,7 +294,7 @@ func (s *Server) grammarFor(f *SamplingFields) (string, error) {
 func answerSchema(c *constraint) (json.RawMessage, error) {
 	switch {
 	case c == nil:
-		return json.RawMessage(`{"type":"string"}`), nil
+		return json.RawMessage(textAnswer), nil
 	case c.choices != nil:
 		if _, err := choiceGrammar(c.param, c.choices); err != nil {
 			return nil, err
@@ -302,20 +302,23 @@ func answerSchema(c *constraint) (json.RawMessage, error) {
 		b, _ := json.Marshal(map[string]any{"type": "string", "enum": c.choices})
 		return b, nil
 	}
+	return unquoteSchema(c.schema), nil
+}
+
+// unquoteSchema is the schema a string holds, when raw is one (vLLM accepts a
+// schema as an object or as a string holding one), else raw.
+func unquoteSchema(raw json.RawMessage) json.RawMessage {
 	var text string
-	if json.Unmarshal(c.schema, &text) == nil {
-		return json.RawMessage(text), nil
+	if json.Unmarshal(raw, &text) == nil {
+		return json.RawMessage(text)
 	}
-	return c.schema, nil
+	return raw
 }
 
 // schemaGrammar converts a JSON schema, given as an object or as a string holding
 // one (vLLM accepts both for guided_json), to GBNF.
 func (s *Server) schemaGrammar(param string, raw json.RawMessage) (string, error) {
-	var text string
-	if json.Unmarshal(raw, &text) == nil {
-		raw = json.RawMessage(text)
-	}
+	raw = unquoteSchema(raw)
 	var v any
 	if err := json.Unmarshal(raw, &v); err != nil {
 		return "", invalid(param, "%s: not a JSON schema: %v", param, err)
@@ -427,16 +430,12 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, invalid("messages", "messages must not be empty"))
 		return
 	}
-	tp, err := toolsOf(&req.ToolFields)
+	tp, err := toolsOf(&req.ToolFields, &req.SamplingFields)
 	if err != nil {
 		abort(c, err)
 		return
 	}
 	if tp != nil {
-		if err = tp.constrainAnswer(&req.SamplingFields); err != nil {
-			abort(c, err)
-			return
-		}
 		if p.req.Grammar, err = s.toolGrammar(tp); err != nil {
 			abort(c, err)
 			return
@@ -762,14 +761,10 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 				text = a.add(text)
 				rest, calls := a.end(func() string { return s.newID("call") })
 				text += rest
-				switch {
-				case len(calls) > 0 && cc.FinishReason != "length":
-					cc.Message.Content, cc.Message.ToolCalls, cc.FinishReason = nil, calls, "tool_calls"
-				case len(calls) > 0:
-					cc.Message.Content, cc.Message.ToolCalls = nil, calls // cut short: finish_reason length
-				case a.stopped:
-					cc.FinishReason = "stop"
+				if len(calls) > 0 {
+					cc.Message.Content, cc.Message.ToolCalls = nil, calls
 				}
+				cc.FinishReason = a.finishReason(cc.FinishReason, calls)
 			}
 			if p.logprobs {
 				cc.Logprobs = &ChatLogprobs{Content: nonNil(choices[i].logprobs)}

@@ -145,7 +145,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 				if p.tools != nil {
 					var rest string
 					rest, calls = answers[idx].end(func() string { return s.newID("call") })
-					t += rest
+					t, f = t+rest, answers[idx].finishReason(f, calls)
 				}
 				if t != "" {
 					send(idx, &t, nil, nil, "")
@@ -153,12 +153,6 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 				for i, tc := range calls {
 					tc.Index = &i
 					chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: []ToolCall{tc}}})
-				}
-				switch {
-				case len(calls) > 0 && f != "length":
-					f = "tool_calls"
-				case p.tools != nil && answers[idx].stopped:
-					f = "stop"
 				}
 				send(idx, nil, &f, nil, "")
 			}

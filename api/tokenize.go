@@ -42,10 +42,7 @@ func (s *Server) tokenize(c *gin.Context) {
 	case req.Prompt != nil && len(req.Messages) == 0:
 		text = *req.Prompt
 	case req.Prompt == nil && len(req.Messages) > 0:
-		tp, err := toolsOf(&req.ToolFields)
-		if err == nil && tp != nil {
-			err = tp.constrainAnswer(&SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
-		}
+		tp, err := toolsOf(&req.ToolFields, &SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
 		if err == nil {
 			text, err = chatPrompt(b.Vocab, req.Messages, tp)
 		}

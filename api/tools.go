@@ -89,16 +89,6 @@ type toolPlan struct {
 	answer json.RawMessage
 }
 
-// constrainAnswer applies the request's output constraint (response_format,
-// guided_json, ...), if any, to answers without calls.
-func (tp *toolPlan) constrainAnswer(f *SamplingFields) error {
-	oc, err := constraintOf(f)
-	if err == nil {
-		tp.answer, err = answerSchema(oc)
-	}
-	return err
-}
-
 // follow follows one choice's output.
 func (tp *toolPlan) follow() *answerStream { return &answerStream{stops: tp.stops} }
 
@@ -107,10 +97,12 @@ const maxTools = 128
 
 var toolName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
 
-// toolsOf validates a chat request's tools and tool_choice. It returns nil when
-// the model is not to be offered tools: none were given, or tool_choice is "none"
-// (the tools are then not shown, as the model may not call them).
-func toolsOf(req *ToolFields) (*toolPlan, error) {
+// toolsOf validates a chat request's tools and tool_choice; out, when given, holds
+// the request's output constraint (response_format, guided_json, ...), which
+// answers without calls follow. It returns nil when the model is not to be
+// offered tools: none were given, or tool_choice is "none" (the tools are then
+// not shown, as the model may not call them).
+func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 	if given(req.Functions) && !isString(req.FunctionCall, "none") {
 		return nil, invalid("functions", "functions and function_call are deprecated and not supported: send tools and tool_choice")
 	}
@@ -123,7 +115,7 @@ func toolsOf(req *ToolFields) (*toolPlan, error) {
 	if len(tools) > maxTools {
 		return nil, invalid("tools", "at most %d tools are allowed, got %d", maxTools, len(tools))
 	}
-	tp := &toolPlan{parallel: req.ParallelToolCalls == nil || *req.ParallelToolCalls}
+	tp := &toolPlan{parallel: req.ParallelToolCalls == nil || *req.ParallelToolCalls, answer: json.RawMessage(textAnswer)}
 	seen := map[string]bool{}
 	for i, t := range tools {
 		param := fmt.Sprintf("tools[%d]", i)
@@ -184,6 +176,15 @@ func toolsOf(req *ToolFields) (*toolPlan, error) {
 		return nil, nil
 	}
 	tp.required = choice != "auto"
+	if out != nil {
+		oc, err := constraintOf(out)
+		if err != nil {
+			return nil, err
+		}
+		if tp.answer, err = answerSchema(oc); err != nil {
+			return nil, err
+		}
+	}
 	return tp, nil
 }
 
@@ -271,7 +272,7 @@ func (tp *toolPlan) schema() json.RawMessage {
 	if !tp.required {
 		answers = append(answers, map[string]any{
 			"type":                 "object",
-			"properties":           map[string]any{"response": rebaseRefs(tp.answerSchema(), "#/anyOf/1/properties/response")},
+			"properties":           map[string]any{"response": rebaseRefs(tp.answer, "#/anyOf/1/properties/response")},
 			"required":             []string{"response"},
 			"additionalProperties": false,
 		})
@@ -318,17 +319,13 @@ func schemaDepth(raw []byte) int {
 	return deepest
 }
 
-// answerSchema is tp.answer, a string when unset.
-func (tp *toolPlan) answerSchema() json.RawMessage {
-	if len(tp.answer) == 0 {
-		return json.RawMessage(`{"type":"string"}`)
-	}
-	return tp.answer
-}
+// textAnswer is the schema of an answer without calls unless the request
+// constrains it: any text.
+const textAnswer = `{"type":"string"}`
 
 // plainAnswer reports whether an answer is any text.
 func (tp *toolPlan) plainAnswer() bool {
-	return string(compactJSON(tp.answerSchema())) == `{"type":"string"}`
+	return string(compactJSON(tp.answer)) == textAnswer
 }
 
 // orderedProps marshals as a JSON object keeping its order: llama.cpp's converter
@@ -599,6 +596,19 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	}
 	a.done = true
 	return a.release(*response), nil
+}
+
+// finishReason is a choice's finish_reason given the generator's (stop or
+// length) and the calls end returned: tool_calls for a call list ended in full,
+// stop when a stop string ended the answer.
+func (a *answerStream) finishReason(generated string, calls []ToolCall) string {
+	switch {
+	case len(calls) > 0 && generated != "length":
+		return "tool_calls"
+	case a.stopped:
+		return "stop"
+	}
+	return generated
 }
 
 // add takes the next piece of output and returns the answer text to pass on.

@@ -34,7 +34,7 @@ func TestToolsOf(t *testing.T) {
 		if err := json.Unmarshal([]byte(c.body), &f); err != nil {
 			t.Fatal(err)
 		}
-		tp, err := toolsOf(&f)
+		tp, err := toolsOf(&f, nil)
 		if err != nil {
 			t.Errorf("%s: %v", c.body, err)
 			continue
@@ -69,7 +69,7 @@ func TestToolsOf(t *testing.T) {
 		if err := json.Unmarshal([]byte(body), &f); err != nil {
 			t.Fatal(err)
 		}
-		_, err := toolsOf(&f)
+		_, err := toolsOf(&f, nil)
 		var e *Error
 		if !asError(err, &e) || e.Param != param {
 			t.Errorf("%.80s: error %v, want one naming %s", body, err, param)
@@ -104,7 +104,7 @@ func TestRenderMessages(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &req); err != nil {
 		t.Fatal(err)
 	}
-	tp, err := toolsOf(&req.ToolFields)
+	tp, err := toolsOf(&req.ToolFields, nil)
 	if err != nil || tp == nil {
 		t.Fatal(tp, err)
 	}
@@ -177,7 +177,7 @@ func TestToolSchema(t *testing.T) {
 		{"type":"function","function":{"name":"a","parameters":{"type":"object","properties":{"x":{"type":"integer"}}}}},
 		{"type":"function","function":{"name":"b"}}],
 		"tool_choice":{"type":"function","function":{"name":"b"}},"parallel_tool_calls":false}`), &f)
-	tp, err := toolsOf(&f)
+	tp, err := toolsOf(&f, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

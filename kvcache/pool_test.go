@@ -427,13 +427,9 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 	}
 }
 
-// TestCacheBudget: cached blocks beyond the floor go as their sequences end, never
-// reused ones first; the first reuse of a cached block and a prompt that misses
-// blocks evicted a while ago raise the budget, and it falls back as blocks nobody
-// reused are evicted.
-// A preempted sequence keeps its blocks past the cache budget until it resumes,
-// and taking back its own blocks is neither a cache hit nor reuse that raises the
-// budget (each preemption would otherwise ratchet it up).
+// TestSuspendAndResume: a preempted sequence keeps its blocks past the cache
+// budget until it resumes, and taking back its own blocks is neither a cache hit
+// nor reuse that raises the budget (each preemption would otherwise ratchet it up).
 func TestSuspendAndResume(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 128, 8, 4, 0.125 // 32 blocks, floor 4
@@ -463,6 +459,10 @@ func TestSuspendAndResume(t *testing.T) {
 	}
 }
 
+// TestCacheBudget: cached blocks beyond the floor go as their sequences end, never
+// reused ones first; the first reuse of a cached block and a prompt that misses
+// blocks evicted a while ago raise the budget, and it falls back as blocks nobody
+// reused are evicted.
 func TestCacheBudget(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 128, 8, 4, 0.125 // 32 blocks, floor 4
