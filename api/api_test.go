@@ -187,6 +187,7 @@ func TestErrors(t *testing.T) {
 		{"function call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"function_call":{"name":"f","arguments":"{}"}}]}`, auth, 400, ""},
 		{"malformed tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"arguments":"{}"}}]}]}`, auth, 400, ""},
 		{"logit bias key", "/v1/completions", `{"prompt":"x","logit_bias":{"abc":1}}`, auth, 400, ""},
+		{"priority under fcfs", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"priority":-1}`, auth, 400, ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -206,6 +207,28 @@ func TestErrors(t *testing.T) {
 				t.Fatalf("code %v, want %s", e.Error.Code, c.code)
 			}
 		})
+	}
+}
+
+// TestPriorityScheduling: priority 0 is every server's default; another priority
+// is taken only when the server schedules by priority.
+func TestPriorityScheduling(t *testing.T) {
+	body := func(p int) string {
+		return fmt.Sprintf(`{"prompt":"x","max_tokens":1,"priority":%d}`, p)
+	}
+	fcfs := newTestServer(t, nil)
+	if w := fcfs.do(t, "POST", "/v1/completions", body(0)); w.Code != 200 {
+		t.Fatalf("priority 0 under fcfs: status %d: %s", w.Code, w.Body)
+	}
+	w := fcfs.do(t, "POST", "/v1/completions", body(5))
+	if w.Code != 400 || !strings.Contains(w.Body.String(), "--scheduling-policy priority") {
+		t.Fatalf("priority 5 under fcfs: status %d: %s", w.Code, w.Body)
+	}
+	prio := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.PriorityScheduling = true })
+	for _, p := range []int{-3, 0, 5} {
+		if w := prio.do(t, "POST", "/v1/completions", body(p)); w.Code != 200 {
+			t.Fatalf("priority %d under priority scheduling: status %d: %s", p, w.Code, w.Body)
+		}
 	}
 }
 

@@ -593,6 +593,10 @@ func (s *Server) begin(c *gin.Context, req any, model *string, priority **int) (
 	if priority != nil {
 		prio = *priority
 	}
+	if p := priorityOf(prio); p != 0 && !s.cfg.PriorityScheduling {
+		abort(c, invalid("priority", "priority %d needs priority scheduling, which this server does not use (start it with --scheduling-policy priority)", p))
+		return forwarded, false
+	}
 	return forwarded, s.routeElsewhere(c, forwarded, *model, priorityOf(prio))
 }
 
@@ -707,9 +711,10 @@ func randomID(prefix string) string {
 
 // choiceState accumulates one choice's output.
 type choiceState struct {
-	text     strings.Builder
+	text     strings.Builder // under tools, the answer's text (answer)
 	finish   string
 	logprobs []TokenLogprob
+	answer   *answerStream // under tools
 }
 
 func finishString(f scheduler.FinishReason) string {
@@ -732,14 +737,21 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
 			ch := &choices[sub.base+ev.Index]
+			text := ev.Text
+			if p.tools != nil {
+				if ch.answer == nil {
+					ch.answer = p.tools.follow()
+				}
+				text = ch.answer.follow(sub.stream, ev)
+			}
 			switch ev.Kind {
 			case scheduler.EventToken:
-				ch.text.WriteString(ev.Text)
-				if p.logprobs {
+				ch.text.WriteString(text)
+				if p.logprobs && (ch.answer == nil || !ch.answer.stopped) {
 					ch.logprobs = append(ch.logprobs, tokenLogprob(b.Vocab, ev))
 				}
 			case scheduler.EventFinish:
-				ch.text.WriteString(ev.Text)
+				ch.text.WriteString(text)
 				ch.finish = finishString(ev.Finish)
 			}
 		})
@@ -756,9 +768,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		for i := range choices {
 			text := choices[i].text.String()
 			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish}
-			if p.tools != nil {
-				a := p.tools.follow()
-				text = a.add(text)
+			if a := choices[i].answer; a != nil {
 				rest, calls := a.end(func() string { return s.newID("call") })
 				text += rest
 				if len(calls) > 0 {

@@ -55,6 +55,11 @@ type Config struct {
 	// browser (CORS), or "*" for any. None by default: a page on any site could
 	// otherwise use a node on the visitor's machine.
 	AllowedOrigins []string
+	// PriorityScheduling honours a request's "priority" (vLLM's
+	// --scheduling-policy priority): lower runs first, and below 0 is admitted
+	// past a saturated cluster. Off, a priority other than 0 is refused (400), as
+	// vLLM refuses it under fcfs, so that no client can jump the queue of others.
+	PriorityScheduling bool
 }
 
 // DefaultConfig returns the defaults with no API keys.

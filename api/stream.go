@@ -102,16 +102,17 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 	// Under the tool protocol, the model's output is JSON: an answer's text is
 	// passed on as it is decoded, tool calls once whole.
 	answers := map[int]*answerStream{}
-	answerText := func(idx int, text string) string {
+	answerText := func(sub submitted, ev scheduler.Event) string {
 		if p.tools == nil {
-			return text
+			return ev.Text
 		}
+		idx := sub.base + ev.Index
 		a := answers[idx]
 		if a == nil {
 			a = p.tools.follow()
 			answers[idx] = a
 		}
-		return a.add(text)
+		return a.follow(sub.stream, ev)
 	}
 	for pi, sub := range subs {
 		for j := range p.n {
@@ -129,7 +130,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			idx := sub.base + ev.Index
 			switch ev.Kind {
 			case scheduler.EventToken:
-				text := answerText(idx, ev.Text)
+				text := answerText(sub, ev)
 				var lp *TokenLogprob
 				if p.logprobs && (p.tools == nil || !answers[idx].stopped) {
 					l := tokenLogprob(b.Vocab, ev)
@@ -139,7 +140,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					send(idx, &text, nil, lp, "")
 				}
 			case scheduler.EventFinish:
-				t := answerText(idx, ev.Text)
+				t := answerText(sub, ev)
 				f := finishString(ev.Finish)
 				var calls []ToolCall
 				if p.tools != nil {

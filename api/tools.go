@@ -611,6 +611,18 @@ func (a *answerStream) finishReason(generated string, calls []ToolCall) string {
 	return generated
 }
 
+// follow is add for the text of ev, an event of st: when a stop string ends the
+// answer, it asks the scheduler to end the choice (the output's JSON would
+// otherwise go on being generated until it closes).
+func (a *answerStream) follow(st *scheduler.Stream, ev scheduler.Event) string {
+	stopped := a.stopped
+	text := a.add(ev.Text)
+	if a.stopped && !stopped {
+		st.Stop(ev.Index)
+	}
+	return text
+}
+
 // add takes the next piece of output and returns the answer text to pass on.
 func (a *answerStream) add(piece string) string {
 	a.buf.WriteString(piece)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -620,6 +621,39 @@ func TestUpgradedPeerDropsOldSummary(t *testing.T) {
 	defer n.mu.Unlock()
 	if p := n.peers["b"]; p.load.Boot != 7 || len(p.summary) != 0 {
 		t.Fatalf("after an upgrade: load %+v, %d cached blocks", p.load, len(p.summary))
+	}
+}
+
+// TestStaleSummariesAreIgnored: a full state or delta older than what a peer's
+// summary already reflects (a push/pull overtaken by deltas, or UDP reordering)
+// neither undoes a later addition nor a later eviction.
+func TestStaleSummariesAreIgnored(t *testing.T) {
+	n := routerWith(t, PrefixAware, &peer{name: "self"}, &peer{name: "b"})
+	d := &delegate{n: n}
+	summary := func() []kvcache.Hash {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		return slices.Sorted(maps.Keys(n.peers["b"].summary))
+	}
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Boot: 1}))
+	d.MergeRemoteState(encodeHashes(stateFull, "b", 5, []kvcache.Hash{1, 2}), false)
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 7, []kvcache.Hash{3}))
+	d.NotifyMsg(encodeHashes(msgEvict, "b", 7, []kvcache.Hash{1}))
+	d.MergeRemoteState(encodeHashes(stateFull, "b", 6, []kvcache.Hash{1, 2}), false) // taken before 7
+	d.NotifyMsg(encodeHashes(msgEvict, "b", 6, []kvcache.Hash{3}))                   // overtaken
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 6, []kvcache.Hash{1}))                  // overtaken
+	if got := summary(); !slices.Equal(got, []kvcache.Hash{2, 3}) {
+		t.Fatalf("after stale messages the summary is %v, want [2 3]", got)
+	}
+	d.MergeRemoteState(encodeHashes(stateFull, "b", 9, []kvcache.Hash{4}), false)
+	if got := summary(); !slices.Equal(got, []kvcache.Hash{4}) {
+		t.Fatalf("a later full state was not taken: %v", got)
+	}
+	// A restart starts the generations again.
+	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Boot: 2}))
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 2, []kvcache.Hash{8}))
+	if got := summary(); !slices.Equal(got, []kvcache.Hash{8}) {
+		t.Fatalf("after a restart the summary is %v, want [8]", got)
 	}
 }
 

@@ -512,6 +512,14 @@ func (d *delegate) NotifyMsg(b []byte) {
 			n.mu.Unlock()
 			return
 		}
+		if gen < p.sumGen {
+			// Older than what is known (a full state taken later, or a delta
+			// overtaken on the way): a stale eviction would drop a block cached
+			// again since, a stale addition restore one evicted since.
+			n.mu.Unlock()
+			return
+		}
+		p.sumGen = gen
 		if b[1] == msgEvict {
 			for _, h := range hs {
 				delete(p.summary, h)
@@ -527,7 +535,6 @@ func (d *delegate) NotifyMsg(b []byte) {
 				p.summary[h] = struct{}{}
 			}
 		}
-		p.sumGen = max(p.sumGen, gen)
 		n.mu.Unlock()
 	}
 }
@@ -550,7 +557,9 @@ func (d *delegate) LocalState(bool) []byte {
 	return encodeHashes(stateFull, n.cfg.Name, sum.Generation, hs)
 }
 
-// MergeRemoteState replaces a peer's summary with its full state.
+// MergeRemoteState replaces a peer's summary with its full state, unless deltas
+// of a later generation have come in since the state was taken (push/pull is a TCP
+// exchange that deltas over UDP can overtake): replacing would undo them.
 func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 	name, gen, hs, err := decodeHashes(stateFull, b)
 	n := d.n
@@ -562,7 +571,7 @@ func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 		set[h] = struct{}{}
 	}
 	n.mu.Lock()
-	if p := n.peerLocked(name); p != nil {
+	if p := n.peerLocked(name); p != nil && gen >= p.sumGen {
 		p.summary, p.sumGen = set, gen
 	}
 	n.mu.Unlock()

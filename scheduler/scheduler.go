@@ -234,7 +234,7 @@ func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
 		s.waiting.Add(-int64(n))
 		return nil, ErrQueueFull
 	}
-	g := &group{req: req, ctx: ctx, stream: newStream(), open: n, enqueued: time.Now()}
+	g := &group{req: req, ctx: ctx, stream: newStream(s.signal), open: n, enqueued: time.Now()}
 	g.usage.PromptTokens = len(req.Prompt)
 	s.mu.Lock()
 	if s.closed {
@@ -1051,7 +1051,8 @@ func (s *Scheduler) failAll(err error) {
 	}
 }
 
-// dropCancelled ends requests whose context or deadline has passed.
+// dropCancelled ends requests whose context or deadline has passed, and choices
+// their reader stopped (Stream.Stop).
 func (s *Scheduler) dropCancelled() {
 	now := time.Now()
 	check := func(q *seq) {
@@ -1063,6 +1064,8 @@ func (s *Scheduler) dropCancelled() {
 			s.cancel(g, err)
 		} else if !g.req.Deadline.IsZero() && now.After(g.req.Deadline) {
 			s.cancel(g, context.DeadlineExceeded)
+		} else if g.stream.stopped(q.index) {
+			s.end(q, FinishStop)
 		}
 	}
 	for _, q := range slices.Concat(s.running, s.queue) {
@@ -1073,18 +1076,24 @@ func (s *Scheduler) dropCancelled() {
 // cancel ends g's choices with FinishCancelled, freeing their KV now.
 func (s *Scheduler) cancel(g *group, cause error) {
 	for _, q := range g.seqs {
-		if q.done {
-			continue
-		}
-		if i := slices.Index(s.queue, q); i >= 0 {
-			s.queue = slices.Delete(s.queue, i, i+1)
-			s.waiting.Add(-1)
-		} else if q.kv == nil {
-			s.waiting.Add(-1) // waiting for its fork
-		}
-		s.finish(q, FinishCancelled, "")
+		s.end(q, FinishCancelled)
 	}
 	s.log.Debug("request cancelled", "cause", cause)
+}
+
+// end ends choice q with reason wherever it is (running, queued, or waiting for
+// its fork), freeing its KV now.
+func (s *Scheduler) end(q *seq, reason FinishReason) {
+	if q.done {
+		return
+	}
+	if i := slices.Index(s.queue, q); i >= 0 {
+		s.queue = slices.Delete(s.queue, i, i+1)
+		s.waiting.Add(-1)
+	} else if q.kv == nil {
+		s.waiting.Add(-1) // waiting for its fork
+	}
+	s.finish(q, reason, "")
 }
 
 func (s *Scheduler) publish() {

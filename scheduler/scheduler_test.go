@@ -454,6 +454,55 @@ func TestEOSAndContextFull(t *testing.T) {
 	}
 }
 
+// TestStopEndsOneChoice: a reader's Stop ends that choice as a stop string
+// would, within a step, and frees its KV; the request's other choices go on.
+func TestStopEndsOneChoice(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	f.Delay = time.Millisecond
+	s, _ := startScheduler(t, f, nil)
+	st, err := s.Submit(context.Background(), &Request{Prompt: prompt(3, 40), MaxTokens: 200, IgnoreEOS: true, N: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := result{text: make([]string, 2), tokens: make([][]engine.Token, 2), finish: make([]FinishReason, 2)}
+	for {
+		ev, ok := st.Next(context.Background())
+		if !ok {
+			break
+		}
+		switch ev.Kind {
+		case EventToken:
+			if r.tokens[ev.Index] = append(r.tokens[ev.Index], ev.Token); ev.Index == 1 && len(r.tokens[1]) == 5 {
+				st.Stop(1)
+				st.Stop(1) // again: no effect
+			}
+		case EventFinish:
+			r.finish[ev.Index] = ev.Finish
+		case EventDone:
+			r.usage = ev.Usage
+		case EventError:
+			t.Fatal(ev.Err)
+		}
+	}
+	if r.finish[0] != FinishLength || len(r.tokens[0]) != 200 {
+		t.Fatalf("choice 0: %s after %d tokens, want length after 200", r.finish[0], len(r.tokens[0]))
+	}
+	// Tokens the scheduler had produced before it saw Stop still come (a step or two).
+	if r.finish[1] != FinishStop || len(r.tokens[1]) > 10 {
+		t.Fatalf("choice 1: %s after %d tokens, want stop soon after 5", r.finish[1], len(r.tokens[1]))
+	}
+	if r.usage.CompletionTokens != len(r.tokens[0])+len(r.tokens[1]) {
+		t.Fatalf("usage %+v for %d+%d tokens", r.usage, len(r.tokens[0]), len(r.tokens[1]))
+	}
+	deadline := time.Now().Add(2 * time.Second) // the load is published after the step
+	for l := s.Load(); l.Running != 0 || l.KVBlocksUsed != 0; l = s.Load() {
+		if time.Now().After(deadline) {
+			t.Fatalf("load after both ended: %+v", l)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 func TestNChoices(t *testing.T) {
 	f := enginetest.New(4096, 64, 512)
 	s, _ := startScheduler(t, f, nil)

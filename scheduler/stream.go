@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -63,17 +64,50 @@ type Event struct {
 // Stream delivers a request's events in order. The scheduler appends without ever
 // blocking; the buffer grows as needed (bounded by the request's max_tokens).
 //
-// Concurrency: one reader goroutine calls Next; the scheduler goroutine writes.
+// Concurrency: one reader goroutine calls Next and Stop; the scheduler goroutine
+// writes.
 type Stream struct {
 	mu     sync.Mutex
 	buf    []Event
 	closed bool
 	notify chan struct{} // capacity 1: "something changed"
 	done   chan struct{} // closed after the final event was appended
+	// stop holds the choices the reader asked to end (Stop); stopAsked says
+	// whether there are any, so that the scheduler's check costs one load.
+	stop      map[int]bool
+	stopAsked atomic.Bool
+	wake      func() // the scheduler's, to act on Stop while it waits
 }
 
-func newStream() *Stream {
-	return &Stream{notify: make(chan struct{}, 1), done: make(chan struct{})}
+func newStream(wake func()) *Stream {
+	return &Stream{notify: make(chan struct{}, 1), done: make(chan struct{}), wake: wake}
+}
+
+// Stop asks the scheduler to end choice index as a stop string would
+// (FinishStop, its KV freed) within one step: for a reader that matches stop
+// strings in text the scheduler does not see, such as an answer inside JSON.
+// Its finish event follows as usual; a choice that has ended is unaffected.
+func (s *Stream) Stop(index int) {
+	s.mu.Lock()
+	if s.stop == nil {
+		s.stop = map[int]bool{}
+	}
+	s.stop[index] = true
+	s.mu.Unlock()
+	s.stopAsked.Store(true)
+	if s.wake != nil {
+		s.wake()
+	}
+}
+
+// stopped reports whether the reader asked to end choice index.
+func (s *Stream) stopped(index int) bool {
+	if !s.stopAsked.Load() {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stop[index]
 }
 
 func (s *Stream) push(ev Event) {

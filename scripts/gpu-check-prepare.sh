@@ -5,14 +5,20 @@
 # binary (xz), the sources of the pinned ollama module that build ggml's CUDA backend,
 # stories260K when ../shared has it, and the two scripts. The ~100M model is not
 # copied (220 MB): the shoal binary generates the same model there (seeded).
+# Both binaries are built PORTABLE=1 (x86-64-v3 CPU kernels, not this machine's
+# -march=native): the GPU machine's CPU is unknown, and an instruction it lacks would
+# end the run with SIGILL. The first pack compiles llama.cpp once more for that target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
-eval "$(bash scripts/cgo-env.sh)"
+version=$(git describe --tags --always --dirty 2>/dev/null || echo dev)
+eval "$(PORTABLE=1 bash scripts/cgo-env.sh)"
 rm -rf "$out"
 mkdir -p "$out"
+echo "gpu-check-prepare: building for $CGO_CFLAGS (the first time compiles llama.cpp: 10-15 minutes on 2 cores)" >&2
+go build -ldflags "-X main.version=$version" -o "$out/shoal" ./cmd/shoal
 go test -c -o "$out/llama.test" ./engine/llama
-xz -T0 -6 -c bin/shoal >"$out/shoal.xz"
+xz -T0 -6 "$out/shoal"
 xz -T0 -6 "$out/llama.test"
 src=$(go list -m -f '{{.Dir}}' github.com/ollama/ollama)
 # The root CMakeLists and ggml; Metal and Vulkan sources are not needed for CUDA.

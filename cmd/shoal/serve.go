@@ -114,7 +114,7 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 
 type serveFlags struct {
 	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
-	kvMemory                                                                string
+	kvMemory, schedulingPolicy                                              string
 	simSpeed, cacheFloor                                                    float64
 	embeddings                                                              bool
 	pooling, chatTemplate                                                   string
@@ -165,6 +165,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
 	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
+	fs.StringVar(&f.schedulingPolicy, "scheduling-policy", "fcfs", "fcfs: first come, first served (a request's priority other than 0 is refused); priority: a request's priority orders the queue (lower first) and below 0 is admitted past a saturated cluster, as vLLM's")
 	fs.IntVar(&f.defaultMaxTokens, "default-max-tokens", sc.DefaultMaxTokens, "max_tokens when a request gives none; 0: until end-of-generation or a full context, as vLLM")
 	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this (0: only the context bounds it)")
 	fs.IntVar(&f.maxModelLen, "max-model-len", sc.MaxModelLen, "longest sequence (prompt plus output) one request may have, as vLLM's (0: the model's trained context; the KV cells one sequence may use cap it too)")
@@ -202,6 +203,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := f.hostPort(); err != nil {
 		return err
+	}
+	if f.schedulingPolicy != "fcfs" && f.schedulingPolicy != "priority" {
+		return fmt.Errorf("--scheduling-policy %q: want fcfs or priority", f.schedulingPolicy)
 	}
 	var clusterEnv []string
 	if f.cluster.gossip == "" {
@@ -283,6 +287,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
 	ac.AllowedOrigins = f.allowedOrigins
+	ac.PriorityScheduling = f.schedulingPolicy == "priority"
 	if f.sim == "" {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}

@@ -673,6 +673,13 @@ func TestClusterFlagsWithoutGossip(t *testing.T) {
 	}
 }
 
+func TestSchedulingPolicyFlag(t *testing.T) {
+	var out, errb strings.Builder
+	if code := run([]string{"serve", "--model", "/nonexistent.gguf", "--scheduling-policy", "lifo"}, &out, &errb); code == 0 || !strings.Contains(errb.String(), "want fcfs or priority") {
+		t.Fatalf("--scheduling-policy lifo: exit %d: %s", code, errb.String())
+	}
+}
+
 func TestReachable(t *testing.T) {
 	if got, err := reachable("127.0.0.1:7946", "--advertise"); err != nil || got != "127.0.0.1:7946" {
 		t.Fatalf("a specific address changed: %q %v", got, err)

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
 	"github.com/openai/openai-go/v3/shared"
 
 	"github.com/shoal-ai/shoal/models"
@@ -136,6 +137,56 @@ func TestToolCalling(t *testing.T) {
 		}
 	}
 	t.Logf("tools with response_format: %d of 6 seeds answered, the rest called tools or were cut", answered)
+
+	// A stop string in an answer ends it, and its generation: the JSON around
+	// the answer is not generated on to its end. (The one answer the constraint
+	// allows makes the cut's place known; seeds that call a tool say nothing.)
+	fixed := openai.ChatCompletionNewParamsResponseFormatUnion{OfJSONSchema: &openai.ResponseFormatJSONSchemaParam{
+		JSONSchema: openai.ResponseFormatJSONSchemaJSONSchemaParam{Name: "fixed", Schema: map[string]any{
+			"type": "string", "enum": []string{"one two three four five six seven eight nine ten"}}}}}
+	stopped := 0
+	for seed := range 8 {
+		p := openai.ChatCompletionNewParams{
+			Model: "small", Messages: params.Messages[:2], MaxTokens: openai.Int(150), Seed: openai.Int(int64(seed)), ParallelToolCalls: openai.Bool(false),
+			Tools: []openai.ChatCompletionToolUnionParam{weather, clock}, ResponseFormat: fixed,
+		}
+		whole, err := c.Chat.Completions.New(ctx, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if whole.Choices[0].FinishReason != "stop" {
+			continue
+		}
+		p.Stop = openai.ChatCompletionNewParamsStopUnion{OfStringArray: []string{"three"}}
+		cut, err := c.Chat.Completions.New(ctx, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cc := cut.Choices[0]; cc.FinishReason != "stop" || cc.Message.Content != "one two " {
+			t.Fatalf("seed %d, stop at three: finish %q, content %q", seed, cc.FinishReason, cc.Message.Content)
+		}
+		// The rest of the answer and its JSON are dozens of tokens; the choice
+		// ends within a step or two of the stop string.
+		if cut.Usage.CompletionTokens > whole.Usage.CompletionTokens-15 {
+			t.Fatalf("seed %d: %d tokens generated with the stop string, %d without", seed, cut.Usage.CompletionTokens, whole.Usage.CompletionTokens)
+		}
+		stream := c.Chat.Completions.NewStreaming(ctx, p, option.WithJSONSet("stream_options", map[string]any{"include_usage": true}))
+		var acc openai.ChatCompletionAccumulator
+		for stream.Next() {
+			acc.AddChunk(stream.Current())
+		}
+		if err := stream.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if acc.Choices[0].Message.Content != "one two " || acc.Usage.CompletionTokens > whole.Usage.CompletionTokens-15 {
+			t.Fatalf("seed %d streamed: content %q after %d tokens, %d without the stop string", seed, acc.Choices[0].Message.Content, acc.Usage.CompletionTokens, whole.Usage.CompletionTokens)
+		}
+		t.Logf("seed %d: stop string under tools: %d tokens, %d without it", seed, cut.Usage.CompletionTokens, whole.Usage.CompletionTokens)
+		stopped++
+	}
+	if stopped == 0 {
+		t.Fatal("no seed of 8 answered rather than called a tool: the stop string was not tried")
+	}
 
 	// Parameters as Pydantic writes nested models: references into their $defs.
 	address := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
