@@ -244,13 +244,10 @@ func routerWith(t *testing.T, policy Policy, peers ...*peer) *Node {
 	return n
 }
 
-func summaryOf(tokens []int32, blocks int) map[kvcache.Hash]struct{} {
-	hs := kvcache.NewHasher(0, "m").Chain(tokens, 4)
-	out := map[kvcache.Hash]struct{}{}
-	for _, h := range hs[:blocks] {
-		out[h] = struct{}{}
-	}
-	return out
+func summaryOf(tokens []int32, blocks int) summary {
+	var s summary
+	s.add(1, kvcache.NewHasher(0, "m").Chain(tokens, 4)[:blocks])
+	return s
 }
 
 // firstChoices routes tokens k times and counts each node's first places.
@@ -562,7 +559,7 @@ func TestRestartedPeer(t *testing.T) {
 	d.NotifyMsg(encodeLoad("b", Load{Seq: 100001, Waiting: 7, Boot: 1})) // the old process, late
 	n.mu.Lock()
 	p := n.peers["b"]
-	load, sum := p.load, len(p.summary)
+	load, sum := p.load, p.summary.len()
 	n.mu.Unlock()
 	if load.Boot != 2 || load.Seq != 1 || load.Waiting != 0 || sum != 0 {
 		t.Fatalf("after a restart: load %+v, %d cached blocks", load, sum)
@@ -619,42 +616,53 @@ func TestUpgradedPeerDropsOldSummary(t *testing.T) {
 	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Boot: 7}))
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if p := n.peers["b"]; p.load.Boot != 7 || len(p.summary) != 0 {
-		t.Fatalf("after an upgrade: load %+v, %d cached blocks", p.load, len(p.summary))
+	if p := n.peers["b"]; p.load.Boot != 7 || p.summary.len() != 0 {
+		t.Fatalf("after an upgrade: load %+v, %d cached blocks", p.load, p.summary.len())
 	}
 }
 
-// TestStaleSummariesAreIgnored: a full state or delta older than what a peer's
-// summary already reflects (a push/pull overtaken by deltas, or UDP reordering)
-// neither undoes a later addition nor a later eviction.
-func TestStaleSummariesAreIgnored(t *testing.T) {
+// TestOutOfOrderSummaries: what a message says of a block counts unless a later
+// generation has said otherwise (a push/pull overtaken by deltas, UDP reordering, a
+// newcomer's whole summary arriving after deltas): a late eviction does not drop
+// a block cached again since, a late addition does not restore one evicted since,
+// and the rest of a late message is still taken.
+func TestOutOfOrderSummaries(t *testing.T) {
 	n := routerWith(t, PrefixAware, &peer{name: "self"}, &peer{name: "b"})
 	d := &delegate{n: n}
-	summary := func() []kvcache.Hash {
+	held := func() []kvcache.Hash {
 		n.mu.Lock()
 		defer n.mu.Unlock()
-		return slices.Sorted(maps.Keys(n.peers["b"].summary))
+		return slices.Sorted(maps.Keys(n.peers["b"].summary.at))
+	}
+	check := func(what string, want ...kvcache.Hash) {
+		t.Helper()
+		if got := held(); !slices.Equal(got, want) {
+			t.Fatalf("%s: the summary is %v, want %v", what, got, want)
+		}
 	}
 	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Boot: 1}))
 	d.MergeRemoteState(encodeHashes(stateFull, "b", 5, []kvcache.Hash{1, 2}), false)
 	d.NotifyMsg(encodeHashes(msgPrefix, "b", 7, []kvcache.Hash{3}))
 	d.NotifyMsg(encodeHashes(msgEvict, "b", 7, []kvcache.Hash{1}))
 	d.MergeRemoteState(encodeHashes(stateFull, "b", 6, []kvcache.Hash{1, 2}), false) // taken before 7
-	d.NotifyMsg(encodeHashes(msgEvict, "b", 6, []kvcache.Hash{3}))                   // overtaken
-	d.NotifyMsg(encodeHashes(msgPrefix, "b", 6, []kvcache.Hash{1}))                  // overtaken
-	if got := summary(); !slices.Equal(got, []kvcache.Hash{2, 3}) {
-		t.Fatalf("after stale messages the summary is %v, want [2 3]", got)
-	}
+	check("a full state overtaken by deltas", 2, 3)
+	d.NotifyMsg(encodeHashes(msgEvict, "b", 6, []kvcache.Hash{3}))
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 6, []kvcache.Hash{1}))
+	check("deltas overtaken by later ones", 2, 3)
 	d.MergeRemoteState(encodeHashes(stateFull, "b", 9, []kvcache.Hash{4}), false)
-	if got := summary(); !slices.Equal(got, []kvcache.Hash{4}) {
-		t.Fatalf("a later full state was not taken: %v", got)
-	}
+	check("a later full state", 4)
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 8, []kvcache.Hash{5}))
+	check("a delta older than the full state", 4)
+
 	// A restart starts the generations again.
 	d.NotifyMsg(encodeLoad("b", Load{Seq: 1, Boot: 2}))
-	d.NotifyMsg(encodeHashes(msgPrefix, "b", 2, []kvcache.Hash{8}))
-	if got := summary(); !slices.Equal(got, []kvcache.Hash{8}) {
-		t.Fatalf("after a restart the summary is %v, want [8]", got)
-	}
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 12, []kvcache.Hash{99}))
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 11, []kvcache.Hash{1, 2, 3})) // the join summary, late
+	d.NotifyMsg(encodeHashes(msgPrefix, "b", 5, []kvcache.Hash{10}))       // a delta, late
+	d.NotifyMsg(encodeHashes(msgEvict, "b", 4, []kvcache.Hash{99, 10}))    // evictions before both
+	check("after a restart, late additions", 1, 2, 3, 10, 99)
+	d.MergeRemoteState(encodeHashes(stateFull, "b", 11, []kvcache.Hash{1, 2, 3, 10}), false)
+	check("a full state without a later addition", 1, 2, 3, 10, 99)
 }
 
 // TestPeersStayBounded: names heard from without a join (spoofed, or members long
@@ -1037,7 +1045,7 @@ func TestCommonHeadIsNotAPrefixToShare(t *testing.T) {
 func TestDifferencesWithinTheHeadSayNothing(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		n, peers, doc := systemPromptCluster(t)
-		peers[2].summary = nil // c evicted the system prompt
+		peers[2].summary = summary{} // c evicted the system prompt
 		seen := map[string]int{}
 		for i := 100; i < 116; i++ {
 			time.Sleep(n.cfg.LoadInterval)

@@ -153,8 +153,7 @@ type peer struct {
 	metaOK    bool
 	load      Load
 	loadAt    time.Time
-	summary   map[kvcache.Hash]struct{}
-	sumGen    uint64
+	summary   summary
 	flights   []*flight                  // requests this node routed there that have not finished
 	sent      map[kvcache.Hash]time.Time // prefix blocks sent there, until when they count as held
 	sentOrder []sentEntry                // the same in the order sent (a hash may repeat)
@@ -377,7 +376,8 @@ func (n *Node) publishLocal() {
 			}
 		}
 		n.sentSet, n.sentGen = now, sum.Generation
-		self.summary, self.sumGen = now, sum.Generation
+		self.summary = summary{}
+		self.summary.replace(sum.Generation, sum.Hashes)
 	}
 	gen := n.sentGen
 	n.mu.Unlock()
@@ -512,28 +512,10 @@ func (d *delegate) NotifyMsg(b []byte) {
 			n.mu.Unlock()
 			return
 		}
-		if gen < p.sumGen {
-			// Older than what is known (a full state taken later, or a delta
-			// overtaken on the way): a stale eviction would drop a block cached
-			// again since, a stale addition restore one evicted since.
-			n.mu.Unlock()
-			return
-		}
-		p.sumGen = gen
 		if b[1] == msgEvict {
-			for _, h := range hs {
-				delete(p.summary, h)
-			}
-			n.mu.Unlock()
-			return
-		}
-		if p.summary == nil {
-			p.summary = map[kvcache.Hash]struct{}{}
-		}
-		for _, h := range hs {
-			if len(p.summary) < maxSummary {
-				p.summary[h] = struct{}{}
-			}
+			p.summary.evict(gen, hs)
+		} else {
+			p.summary.add(gen, hs)
 		}
 		n.mu.Unlock()
 	}
@@ -557,22 +539,18 @@ func (d *delegate) LocalState(bool) []byte {
 	return encodeHashes(stateFull, n.cfg.Name, sum.Generation, hs)
 }
 
-// MergeRemoteState replaces a peer's summary with its full state, unless deltas
-// of a later generation have come in since the state was taken (push/pull is a TCP
-// exchange that deltas over UDP can overtake): replacing would undo them.
+// MergeRemoteState replaces a peer's summary with its full state, keeping what
+// deltas of a later generation said (push/pull is a TCP exchange that deltas over
+// UDP can overtake).
 func (d *delegate) MergeRemoteState(b []byte, _ bool) {
 	name, gen, hs, err := decodeHashes(stateFull, b)
 	n := d.n
 	if err != nil || name == n.cfg.Name {
 		return
 	}
-	set := make(map[kvcache.Hash]struct{}, len(hs))
-	for _, h := range hs {
-		set[h] = struct{}{}
-	}
 	n.mu.Lock()
-	if p := n.peerLocked(name); p != nil && gen >= p.sumGen {
-		p.summary, p.sumGen = set, gen
+	if p := n.peerLocked(name); p != nil {
+		p.summary.replace(gen, hs)
 	}
 	n.mu.Unlock()
 }
@@ -591,7 +569,7 @@ func (p *peer) takeLoad(l Load, now time.Time) {
 		// A new process (with a Boot-less release, a Seq that went back after
 		// the old one fell quiet).
 		if p.load.Seq != 0 { // a process was known: its cache is gone
-			p.summary, p.sumGen = nil, 0
+			p.summary = summary{}
 			for _, f := range p.flights {
 				f.seq = 0 // the new process's sequence numbers start again
 			}
@@ -799,7 +777,7 @@ func (n *Node) Members() []Member {
 			ago = time.Since(p.loadAt).Milliseconds()
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
-			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: len(p.summary), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device})
+			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: p.summary.len(), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {

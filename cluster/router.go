@@ -106,7 +106,7 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 		// adds there (arriving before they are computed, it computes them too).
 		held, matched := 0, 0
 		for _, h := range hashes {
-			_, ok := p.summary[h]
+			ok := p.summary.has(h)
 			if !ok && !p.sending(h, now) {
 				break
 			}

@@ -22,6 +22,10 @@ type Allocator interface {
 	Release(s *Seq) []Op
 	// Suspend ends a preempted sequence that will Resume.
 	Suspend(s *Seq) []Op
+	// Abandon is for a suspended sequence that will not Resume after all
+	// (cancelled, or ended while it waited), from its prompt and generated tokens:
+	// what Suspend kept of them is cached as Release would have left it.
+	Abandon(tokens []int32) []Op
 	Fork(s *Seq) (*Seq, []Op, error)
 	Publish()
 	Stats() Stats

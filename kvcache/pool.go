@@ -670,6 +670,22 @@ func (p *Pool) Release(s *Seq) []Op { return p.release(s, true) }
 // resume recomputes only what was evicted.
 func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
 
+// Abandon returns the blocks Suspend kept for tokens to the cache budget (the
+// least recently used among the cached, deepest first) and trims beyond it. A
+// prefix another suspended sequence shares goes back too: it is cached, only no
+// longer kept past the budget.
+func (p *Pool) Abandon(tokens []int32) []Op {
+	m := p.match(tokens)
+	for i := len(m) - 1; i >= 0; i-- {
+		if b := m[i]; b.suspended && b.lru != nil {
+			p.suspended.Remove(b.lru)
+			b.suspended = false
+			b.lru = p.lruOf(b).PushFront(b)
+		}
+	}
+	return p.trim(nil)
+}
+
 func (p *Pool) release(s *Seq, trim bool) []Op {
 	var ops []Op
 	B := int32(p.cfg.BlockTokens)

@@ -457,6 +457,22 @@ func TestSuspendAndResume(t *testing.T) {
 	if n := p.CachedPrefix(a); n != 16 {
 		t.Fatalf("released: %d tokens cached, want the budget's 16", n)
 	}
+	// A suspended sequence that will not resume: what was kept for it is cache
+	// again, the least recently used, and the budget applies.
+	b := seqPrompt(500, 42)
+	sim.apply(t, p.Suspend(computeSeq(t, p, sim, b)))
+	if n := p.CachedPrefix(b); n != 40 {
+		t.Fatalf("suspended: %d tokens of b cached, want 40", n)
+	}
+	sim.apply(t, p.Abandon(b))
+	checkInvariants(t, p, sim, nil)
+	if nb, na := p.CachedPrefix(b), p.CachedPrefix(a); nb != 0 || na != 16 {
+		t.Fatalf("abandoned: %d tokens of b and %d of a cached, want 0 and 16", nb, na)
+	}
+	p.Publish()
+	if st := p.Stats(); st.Cached != 4 {
+		t.Fatalf("abandoned: %d cached blocks, want the budget's 4", st.Cached)
+	}
 }
 
 // TestCacheBudget: cached blocks beyond the floor go as their sequences end, never

@@ -283,6 +283,9 @@ func (p *SplitPool) Release(s *Seq) []Op {
 // Suspend is Release: a stream keeps its blocks whole until it is taken.
 func (p *SplitPool) Suspend(s *Seq) []Op { return p.Release(s) }
 
+// Abandon has nothing to do: Suspend kept nothing past the budget.
+func (p *SplitPool) Abandon([]int32) []Op { return nil }
+
 // Fork copies s's stream to a new one.
 func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 	var ops []Op

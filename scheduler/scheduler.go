@@ -604,6 +604,13 @@ func (s *Scheduler) removeFromBatch(q *seq) {
 // past the cache budget until it takes them back (kvcache.Allocator.Suspend).
 func (s *Scheduler) release(q *seq, resume bool) {
 	if q.kv == nil {
+		if q.suspended && !resume {
+			// Ended while waiting to resume: its kept blocks are cache now.
+			if err := s.apply(s.pool.Abandon(s.cachedPrompt(q))); err != nil {
+				s.log.Error("abandon suspended KV", "err", err)
+			}
+			q.suspended = false
+		}
 		return
 	}
 	free := s.pool.Release

@@ -296,6 +296,41 @@ func TestPreemptionAndResume(t *testing.T) {
 	t.Logf("preemptions: %d", s.Load().Preemptions)
 }
 
+// TestCancelledWhilePreempted: requests cancelled while preempted leave nothing
+// kept for them past the cache budget.
+func TestCancelledWhilePreempted(t *testing.T) {
+	f := enginetest.New(512, 64, 512)
+	f.Delay = time.Millisecond
+	s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens = 128 })
+	ctx, cancel := context.WithCancel(context.Background())
+	var streams []*Stream
+	for i := range 12 {
+		st, err := s.Submit(ctx, &Request{Prompt: prompt(i, 40), MaxTokens: 400, IgnoreEOS: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		streams = append(streams, st)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for s.Load().Preemptions < 5 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no preemptions in 10 s: %+v", s.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	for _, st := range streams {
+		<-st.Done()
+	}
+	deadline = time.Now().Add(2 * time.Second) // the load is published after the step
+	for l := s.Load(); l.Running != 0 || l.KVBlocksUsed != 0 || l.KVBlocksCached > l.KVCacheBudget; l = s.Load() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after cancelling: %d blocks used, %d cached over a budget of %d", l.KVBlocksUsed, l.KVBlocksCached, l.KVCacheBudget)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // Requests without max_tokens generate past the old 256-token default, and are
 // admitted with room for openReserve tokens rather than the whole context: six
 // of them share a pool that holds two and a half at their full length, by
