@@ -294,7 +294,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			}
 			sim.apply(t, ops)
 			live = append(live, &running{seq: f, tokens: r.tokens})
-		case 5: // preempt and resume: its prompt again, from what is still cached
+		case 5: // preempt and resume (its prompt again, from what is still cached), or end while preempted
 			if len(live) == 0 {
 				continue
 			}
@@ -303,7 +303,11 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			sim.apply(t, p.Suspend(r.seq))
 			live = append(live[:i], live[i+1:]...)
 			check(live)
-			compute(p.Resume, r.tokens)
+			if next()%4 == 0 {
+				sim.apply(t, p.Abandon(r.tokens))
+			} else {
+				compute(p.Resume, r.tokens)
+			}
 		}
 		check(live)
 	}
