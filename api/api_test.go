@@ -20,6 +20,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/shoal-ai/shoal/engine/enginetest"
 	"github.com/shoal-ai/shoal/scheduler"
@@ -207,6 +208,38 @@ func TestErrors(t *testing.T) {
 				t.Fatalf("code %v, want %s", e.Error.Code, c.code)
 			}
 		})
+	}
+}
+
+// TestClientGoneCountsAbort: the choices of a client that left count as
+// finished_reason "abort", as vLLM counts them; every reason is there at 0 first.
+func TestClientGoneCountsAbort(t *testing.T) {
+	s := newTestServer(t, nil)
+	abort := s.metrics.success.WithLabelValues("abort")
+	if n := testutil.CollectAndCount(s.metrics.success); n != 3 {
+		t.Fatalf("%d finish reasons before any request, want stop, length and abort", n)
+	}
+	s.fake.Delay = time.Millisecond
+	for _, stream := range []bool{false, true} {
+		before := testutil.ToFloat64(abort)
+		ctx, cancel := context.WithCancel(context.Background())
+		body := fmt.Sprintf(`{"prompt":["a","b"],"n":2,"max_tokens":2000,"ignore_eos":true,"stream":%v}`, stream)
+		req := httptest.NewRequestWithContext(ctx, "POST", "/v1/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		done := make(chan struct{})
+		go func() { defer close(done); s.Handler().ServeHTTP(httptest.NewRecorder(), req) }()
+		deadline := time.Now().Add(5 * time.Second)
+		for s.sched.Load().Running == 0 {
+			if time.Now().After(deadline) {
+				t.Fatal("the request never ran")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+		<-done
+		if got := testutil.ToFloat64(abort) - before; got != 4 {
+			t.Fatalf("stream %v: %v choices counted as aborted, want 2 prompts × n=2", stream, got)
+		}
 	}
 }
 

@@ -3,6 +3,7 @@ package api
 import (
 	"errors"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/gin-gonic/gin"
@@ -35,6 +36,12 @@ func (s *Server) node() *cluster.Node {
 		return cs.node
 	}
 	return nil
+}
+
+// clusterServes reports whether an alive member of this node's cluster serves model.
+func (s *Server) clusterServes(model string) bool {
+	node := s.node()
+	return node != nil && slices.ContainsFunc(node.Models(), func(m cluster.ServedModel) bool { return m.ID == model })
 }
 
 func (s *Server) clusterInfo(c *gin.Context) {

@@ -62,6 +62,8 @@ type plan struct {
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
 	// checked against the context; the context cuts it short instead).
 	maxTokensAsked bool
+	// finished counts the choices whose finish was read (and counted in metrics).
+	finished int
 }
 
 // samplingPlan validates the shared fields into a scheduler.Request template.
@@ -701,6 +703,11 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	} else {
 		s.wholeResponse(c, b, p, subs)
 	}
+	if c.Request.Context().Err() != nil {
+		// The client left: the choices it did not see end are aborted (the
+		// scheduler ends them, but nobody reads their finish).
+		s.metrics.aborted(len(p.prompts)*p.n - p.finished)
+	}
 }
 
 func randomID(prefix string) string {
@@ -839,6 +846,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			fn(ev)
 		case scheduler.EventFinish:
 			s.metrics.finished(ev.Finish)
+			p.finished++
 			fn(ev)
 		case scheduler.EventDone:
 			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())

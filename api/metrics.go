@@ -51,6 +51,14 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		rejects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shoal_requests_rejected_total",
 			Help: "Requests refused before scheduling, by reason.", ConstLabels: labels}, []string{"reason"}),
 	}
+	// Every series from the start, at 0, so that a rate over them works before
+	// the first of each (and a dashboard shows 0, not "no data").
+	for _, r := range []string{"stop", "length", "abort"} {
+		m.success.WithLabelValues(r)
+	}
+	for _, r := range rejectReasons {
+		m.rejects.WithLabelValues(r)
+	}
 	gauge := func(name, help string, f func(scheduler.Load) float64) prometheus.Collector {
 		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels}, load(f))
 	}
@@ -97,6 +105,16 @@ func (m *metrics) finished(f scheduler.FinishReason) {
 	}
 	m.success.WithLabelValues(string(f)).Inc()
 }
+
+// aborted counts n choices whose client left before they ended.
+func (m *metrics) aborted(n int) {
+	if n > 0 {
+		m.success.WithLabelValues("abort").Add(float64(n))
+	}
+}
+
+// rejectReasons are the reason labels of shoal_requests_rejected_total.
+var rejectReasons = []string{"invalid", "queue_full", "too_long", "draining", "cluster_saturated"}
 
 func (m *metrics) rejected(err error) {
 	reason := "invalid"

@@ -302,7 +302,7 @@ func abort(c *gin.Context, err error) {
 
 func (s *Server) checkModel(model string) error {
 	if model != "" && model != s.cfg.ModelName {
-		if node := s.node(); node != nil && slices.Contains(node.Models(), model) {
+		if s.clusterServes(model) {
 			return nil // served elsewhere in the cluster: routed by the caller
 		}
 		return s.unknownModel(model)
@@ -346,8 +346,8 @@ func (s *Server) modelList() ModelList {
 	}}}
 	if node := s.node(); node != nil {
 		for _, m := range node.Models() {
-			if m != s.cfg.ModelName {
-				list.Data = append(list.Data, Model{ID: m, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal"})
+			if m.ID != s.cfg.ModelName {
+				list.Data = append(list.Data, Model{ID: m.ID, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: m.MaxModelLen})
 			}
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -759,6 +760,7 @@ type Member struct {
 	Inflight      int      `json:"inflight"`
 	Simulated     bool     `json:"simulated,omitempty"`
 	Device        string   `json:"device,omitempty"`
+	MaxModelLen   int      `json:"max_model_len,omitempty"`
 }
 
 // Members returns every known node, this one first, then by name.
@@ -777,7 +779,8 @@ func (n *Node) Members() []Member {
 			ago = time.Since(p.loadAt).Milliseconds()
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
-			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: p.summary.len(), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device})
+			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: p.summary.len(), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device,
+			MaxModelLen: p.meta.MaxModelLen})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {
@@ -795,23 +798,37 @@ func (n *Node) Members() []Member {
 	return out
 }
 
-// Models lists every model served by an alive member, sorted.
-func (n *Node) Models() []string {
-	seen := map[string]bool{}
+// ServedModel is a model some alive member serves.
+type ServedModel struct {
+	ID string
+	// MaxModelLen is the smallest that a member serving it gives (0: none says),
+	// so that a request within it fits wherever it is routed.
+	MaxModelLen int
+}
+
+// Models lists every model served by an alive member, sorted by id.
+func (n *Node) Models() []ServedModel {
+	lens := map[string]int{}
 	for _, m := range n.Members() {
-		if m.State == "alive" {
-			for _, x := range m.Models {
-				seen[x] = true
+		if m.State != "alive" {
+			continue
+		}
+		for _, id := range m.Models {
+			l, ok := lens[id]
+			switch {
+			case !ok || l == 0:
+				lens[id] = m.MaxModelLen
+			case m.MaxModelLen > 0:
+				lens[id] = min(l, m.MaxModelLen)
 			}
 		}
 	}
-	return slices.Sorted(func(yield func(string) bool) {
-		for k := range seen {
-			if !yield(k) {
-				return
-			}
-		}
-	})
+	out := make([]ServedModel, 0, len(lens))
+	for id, l := range lens {
+		out = append(out, ServedModel{ID: id, MaxModelLen: l})
+	}
+	slices.SortFunc(out, func(a, b ServedModel) int { return strings.Compare(a.ID, b.ID) })
+	return out
 }
 
 // slogWriter routes memberlist's log lines to slog at Debug (warnings at Warn).

@@ -36,6 +36,9 @@ type Meta struct {
 	Simulated bool `json:"s,omitempty"`
 	// Device names where the model runs, e.g. "CUDA0 NVIDIA H200 (140 GiB)" or "CPU".
 	Device string `json:"g,omitempty"`
+	// MaxModelLen is the longest sequence one request may have there (0: unknown,
+	// a node of an earlier release).
+	MaxModelLen int `json:"x,omitempty"`
 }
 
 func encodeMeta(m Meta) ([]byte, error) {

@@ -354,7 +354,7 @@ func TestTLSAndManyModels(t *testing.T) {
 	g1 := freeAddr(t)
 	tlsArgs := []string{"--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--gossip-key", gk, "--model", model, "--threads", "1", "--api-key", "k1"}
 	x := startNode(t, append([]string{"--gossip-addr", g1, "--model-name", "x"}, tlsArgs...)...)
-	y := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--model-name", "y", "--join", g1}, tlsArgs...)...)
+	y := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--model-name", "y", "--join", g1, "--max-model-len", "300"}, tlsArgs...)...)
 	if !strings.HasPrefix(x.url, "https://") || !strings.HasPrefix(y.url, "https://") {
 		t.Fatalf("nodes not on TLS: %s %s", x.url, y.url)
 	}
@@ -380,6 +380,10 @@ func TestTLSAndManyModels(t *testing.T) {
 		_, b := do("GET", x.url+"/v1/models", "", "k1")
 		return strings.Contains(b, `"id":"y"`)
 	})
+	// With the max_model_len y serves it with.
+	if _, b := do("GET", x.url+"/v1/models/y", "", "k1"); !strings.Contains(b, `"max_model_len":300`) {
+		t.Fatalf("y's model as x lists it: %s", b)
+	}
 	for _, m := range []string{"x", "y"} {
 		resp, b := do("POST", x.url+"/v1/completions", `{"model":"`+m+`","prompt":"hi","max_tokens":2}`, "k1")
 		if resp.StatusCode != 200 {

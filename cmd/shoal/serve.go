@@ -43,7 +43,7 @@ func (l *listFlag) Set(v string) error {
 }
 
 // optional is a numeric flag that stays nil unless given.
-type optional[T int | float64] struct{ p **T }
+type optional[T int | float64 | bool] struct{ p **T }
 
 func (o optional[T]) String() string {
 	if o.p == nil || *o.p == nil {
@@ -60,12 +60,22 @@ func (o optional[T]) Set(s string) error {
 		*x, err = strconv.Atoi(s)
 	case *float64:
 		*x, err = strconv.ParseFloat(s, 64)
+	case *bool:
+		if *x, err = strconv.ParseBool(s); err != nil {
+			return fmt.Errorf("not a boolean: %q", s)
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("not a number: %q", s)
 	}
 	*o.p = v
 	return nil
+}
+
+// IsBoolFlag lets a bool flag be given without a value (--kv-unified).
+func (o optional[T]) IsBoolFlag() bool {
+	_, ok := any(new(T)).(*bool)
+	return ok
 }
 
 // floatList parses "3,1" into []float32 (tensor split).
@@ -120,7 +130,8 @@ type serveFlags struct {
 	pooling, chatTemplate                                                   string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port                                                                    int
-	unified, mmap, caching                                                  bool
+	mmap, caching                                                           bool
+	unified                                                                 *bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens   int
 	maxTokensCap, maxModelLen                                               int
 	hashSeed                                                                uint64
@@ -151,7 +162,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.ubatch, "ubatch-size", lc.MicroBatchTokens, "physical micro-batch in tokens (llama.cpp n_ubatch)")
 	fs.IntVar(&f.threads, "threads", 0, "decode threads (0: all cores)")
 	fs.IntVar(&f.threadsBatch, "threads-batch", 0, "prompt-processing threads (0: same as --threads)")
-	fs.BoolVar(&f.unified, "kv-unified", lc.Unified, "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy); unset: one stream per sequence when the pool is sized from GPU memory and every stream gets min(trained context, 8192) cells, else one pool")
+	fs.Var(optional[bool]{&f.unified}, "kv-unified", "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy); unset: one stream per sequence when the pool is sized from GPU memory and every stream gets min(trained context, 8192) cells, else one pool")
 	fs.StringVar(&f.flash, "flash-attn", lc.FlashAttention, "flash attention: auto, on or off")
 	fs.StringVar(&f.kvType, "kv-type", lc.KVType, "KV cache type: f16, q8_0 or q4_0 (quantized V needs flash attention)")
 	fs.IntVar(&f.gpuLayers, "n-gpu-layers", lc.GPULayers, "layers to offload when a GPU backend is installed (-1: all)")
@@ -181,7 +192,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Var(optional[int]{&f.sampling.TopK}, "top-k", "top_k of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.MinP}, "min-p", "min_p of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.RepeatPenalty}, "repeat-penalty", "repetition_penalty of requests that give none (default: the model's recommendation, else off)")
-	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/* and /tokenize (repeatable; also SHOAL_API_KEYS=a,b)")
+	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/*, /tokenize, /detokenize and /cluster (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
 }
@@ -249,14 +260,17 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		lc.ModelPath = "(sim)"
 	}
 	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
-	lc.Threads, lc.BatchThreads, lc.Unified, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.unified, f.flash, f.kvType
+	lc.Threads, lc.BatchThreads, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.flash, f.kvType
+	if f.unified != nil {
+		lc.Unified = *f.unified
+	}
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
 	lc.Embeddings, lc.Pooling, lc.ChatTemplate = f.embeddings, f.pooling, f.chatTemplate
 	setFlags := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
 	// Unless asked for either, the engine splits a pool sized from GPU memory when
 	// every stream gets the model's context (faster attention, memory to spare).
-	lc.AutoUnified = !setFlags["kv-unified"]
+	lc.AutoUnified = f.unified == nil
 	if lc.KVMemory, err = parseKVMemory(f.kvMemory); err != nil {
 		return err
 	}
@@ -346,7 +360,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	go func() {
 		var err error
 		if f.sim != "" {
-			eng, err = sim.New(profile, sim.Config{Cells: f.ctx, MaxSeqs: f.seqs, BatchTokens: f.batch, Unified: f.unified, Speed: f.simSpeed})
+			eng, err = sim.New(profile, sim.Config{Cells: f.ctx, MaxSeqs: f.seqs, BatchTokens: f.batch, Unified: lc.Unified, Speed: f.simSpeed})
 		} else {
 			eng, err = llama.Open(lc)
 		}
