@@ -1047,3 +1047,17 @@ func TestEmbeddingsNeedPooling(t *testing.T) {
 		t.Fatalf("embeddings from a model without pooling: %v", err)
 	}
 }
+
+// TestMootWarnings: llama.cpp's warning that a unified pool exceeds the trained
+// context goes to debug (the scheduler caps each sequence); other warnings stay.
+func TestMootWarnings(t *testing.T) {
+	for line, want := range map[string]bool{
+		"llama_context: n_ctx_seq (8192) > n_ctx_train (4096) -- possible training context overflow":                  true,
+		"llama_context: n_ctx_seq (2048) < n_ctx_train (4096) -- the full capacity of the model will not be utilized": false,
+		"load: control token 3 is not marked as EOG":                                                                  false,
+	} {
+		if moot(line) != want {
+			t.Errorf("moot(%q) = %v, want %v", line, !want, want)
+		}
+	}
+}

@@ -61,10 +61,23 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 	if logLevel >= slog.LevelError {
 		lastError.Store(line)
 	}
-	l := logger.Load()
-	if l.Enabled(context.Background(), logLevel) {
-		l.Log(context.Background(), logLevel, line, "src", "llama.cpp")
+	lv := logLevel
+	if lv == slog.LevelWarn && moot(line) {
+		lv = slog.LevelDebug
 	}
+	l := logger.Load()
+	if l.Enabled(context.Background(), lv) {
+		l.Log(context.Background(), lv, line, "src", "llama.cpp")
+	}
+}
+
+// moot reports whether a llama.cpp warning does not apply to shoal, which logs it
+// at debug. "n_ctx_seq (8192) > n_ctx_train (4096)": llama.cpp counts the whole
+// unified pool as one sequence's context, but the scheduler never lets a sequence
+// grow past the trained context unless --max-model-len asks for it (which the
+// ready line shows).
+func moot(line string) bool {
+	return strings.Contains(line, "n_ctx_seq") && strings.Contains(line, "> n_ctx_train")
 }
 
 func slogLevel(level C.int) slog.Level {
