@@ -595,11 +595,12 @@ func (s *Server) begin(c *gin.Context, req any, model *string, priority **int) (
 	if priority != nil {
 		prio = *priority
 	}
-	if p := priorityOf(prio); p != 0 && !s.cfg.PriorityScheduling {
+	p := priorityOf(prio)
+	if p != 0 && !s.cfg.PriorityScheduling {
 		abort(c, invalid("priority", "priority %d needs priority scheduling, which this server does not use (start it with --scheduling-policy priority)", p))
 		return forwarded, false
 	}
-	return forwarded, s.routeElsewhere(c, forwarded, *model, priorityOf(prio))
+	return forwarded, s.routeElsewhere(c, forwarded, *model, p)
 }
 
 // routeElsewhere sends a request for a model this node does not serve to a node

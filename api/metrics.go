@@ -53,7 +53,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	}
 	// Every series from the start, at 0, so that a rate over them works before
 	// the first of each (and a dashboard shows 0, not "no data").
-	for _, r := range []string{"stop", "length", "abort"} {
+	for _, r := range []string{string(scheduler.FinishStop), string(scheduler.FinishLength), abortLabel} {
 		m.success.WithLabelValues(r)
 	}
 	for _, r := range rejectReasons {
@@ -101,15 +101,18 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 
 func (m *metrics) finished(f scheduler.FinishReason) {
 	if f == scheduler.FinishCancelled {
-		f = "abort" // vLLM's label
+		f = abortLabel
 	}
 	m.success.WithLabelValues(string(f)).Inc()
 }
 
+// abortLabel is vLLM's finished_reason for a cancelled request.
+const abortLabel = "abort"
+
 // aborted counts n choices whose client left before they ended.
 func (m *metrics) aborted(n int) {
 	if n > 0 {
-		m.success.WithLabelValues("abort").Add(float64(n))
+		m.success.WithLabelValues(abortLabel).Add(float64(n))
 	}
 }
 

@@ -125,7 +125,7 @@ type Node struct {
 	peers map[string]*peer
 
 	sentGen    uint64
-	sentSet    map[kvcache.Hash]struct{}
+	sentSet    map[kvcache.Hash]uint64   // also this node's own summary.at
 	fanOutNext int                       // owned by loop: where the next rotating fan-out starts
 	routed     atomic.Uint64             // Route calls, for routeRate
 	routedLast uint64                    // owned by loop: routed at the last publish
@@ -202,7 +202,7 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},
-		sentSet: map[kvcache.Hash]struct{}{}, stop: make(chan struct{}),
+		sentSet: map[kvcache.Hash]uint64{}, stop: make(chan struct{}),
 		joined: make(chan string, 256), reuse: reuseStart, boot: uint64(time.Now().UnixNano())}
 	return n, nil
 }
@@ -364,9 +364,9 @@ func (n *Node) publishLocal() {
 	n.prune(self.loadAt)
 	var added, evicted []kvcache.Hash
 	if sum != nil && sum.Generation != n.sentGen {
-		now := make(map[kvcache.Hash]struct{}, len(sum.Hashes))
+		now := make(map[kvcache.Hash]uint64, len(sum.Hashes))
 		for _, h := range sum.Hashes {
-			now[h] = struct{}{}
+			now[h] = sum.Generation
 			if _, ok := n.sentSet[h]; !ok {
 				added = append(added, h)
 			}
@@ -376,9 +376,10 @@ func (n *Node) publishLocal() {
 				evicted = append(evicted, h)
 			}
 		}
+		// The full state at sum.Generation, sharing the map (nothing else writes
+		// this node's own summary).
 		n.sentSet, n.sentGen = now, sum.Generation
-		self.summary = summary{}
-		self.summary.replace(sum.Generation, sum.Hashes)
+		self.summary = summary{at: now, floor: sum.Generation}
 	}
 	gen := n.sentGen
 	n.mu.Unlock()

@@ -31,5 +31,5 @@ else
 fi
 cp scripts/gpu-check.sh scripts/build-cuda.sh "$out/"
 # What the binaries were built from: gpu-check prints it, so a stale pack shows.
-git describe --always --dirty 2>/dev/null >"$out/VERSION" || echo unknown >"$out/VERSION"
+echo "$version" >"$out/VERSION"
 du -ch "$out"/* | tail -1 | awk '{print "gpu-check-prepare: " $1 " in '"$out"'/"}'

@@ -42,7 +42,7 @@ func (l *listFlag) Set(v string) error {
 	return nil
 }
 
-// optional is a numeric flag that stays nil unless given.
+// optional is a number or bool flag that stays nil unless given.
 type optional[T int | float64 | bool] struct{ p **T }
 
 func (o optional[T]) String() string {
