@@ -380,19 +380,8 @@ func choiceGrammar(param string, choices []string) (string, error) {
 		if i > 0 {
 			b.WriteString(" |")
 		}
-		b.WriteString(" \"")
-		for _, r := range c {
-			switch {
-			case r == '"' || r == '\\':
-				b.WriteString(`\`)
-				b.WriteRune(r)
-			case r < 0x20 || r == 0x7f:
-				fmt.Fprintf(&b, `\x%02X`, r)
-			default:
-				b.WriteRune(r)
-			}
-		}
-		b.WriteString("\"")
+		b.WriteString(" ")
+		b.WriteString(engine.GBNFLiteral(c))
 	}
 	b.WriteString("\n")
 	return b.String(), nil

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Token is a vocabulary id.
@@ -53,6 +54,9 @@ type ModelInfo struct {
 	// ChatTemplate is the chat format in use: "model" (the model's own template), or
 	// the built-in format's name or the template text used instead.
 	ChatTemplate string
+	// Template is the model's own Jinja chat template (tokenizer.chat_template) when
+	// ChatTemplate is "model", else empty; the API renders chats with it.
+	Template string
 	// Pooling is true for embedding models whose context pools one vector per sequence.
 	Pooling bool
 	// Sampling is what the model's makers recommend (general.sampling.*, written
@@ -263,8 +267,11 @@ type Engine interface {
 	// ClearMemory empties the KV memory of all sequences.
 	ClearMemory() error
 
-	// NewGrammar compiles a GBNF grammar for constrained sampling.
-	NewGrammar(gbnf string) (Grammar, error)
+	// NewGrammar compiles a GBNF grammar for constrained sampling. With triggers it is
+	// lazy: it constrains nothing until the output contains one of the trigger
+	// strings, and from then on constrains the output from that trigger's first byte
+	// (the grammar's strings begin with a trigger).
+	NewGrammar(gbnf string, triggers []string) (Grammar, error)
 
 	// Abort makes a Decode in progress (or the next one) return ErrAborted. Any goroutine.
 	Abort()
@@ -315,6 +322,25 @@ type Grammar interface {
 	// Accept advances the grammar past t.
 	Accept(t Token)
 	Close() error
+}
+
+// GBNFLiteral quotes s as a GBNF string literal.
+func GBNFLiteral(s string) string {
+	var b strings.Builder
+	b.WriteByte('"')
+	for _, r := range s {
+		switch {
+		case r == '"' || r == '\\':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case r < 0x20 || r == 0x7f:
+			fmt.Fprintf(&b, `\x%02X`, r)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	b.WriteByte('"')
+	return b.String()
 }
 
 // TokenLogit is one candidate token and its logit.

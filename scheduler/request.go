@@ -18,6 +18,9 @@ type Request struct {
 	Sampling  sample.Params
 	// Grammar is GBNF constraining the output; empty for none.
 	Grammar string
+	// GrammarTriggers makes Grammar lazy (engine.Engine.NewGrammar): it applies
+	// from the first of these strings to appear in the output.
+	GrammarTriggers []string
 	// Stop strings end a choice; the text before them is emitted, they are not.
 	Stop []string
 	// IgnoreEOS keeps generating past end-of-generation tokens (benchmarks).

@@ -955,7 +955,7 @@ func (s *Scheduler) newSampler(q *seq) error {
 	var gr engine.Grammar
 	if g.req.Grammar != "" {
 		var err error
-		if gr, err = s.eng.NewGrammar(g.req.Grammar); err != nil {
+		if gr, err = s.eng.NewGrammar(g.req.Grammar, g.req.GrammarTriggers); err != nil {
 			return fmt.Errorf("%w: grammar: %w", ErrInvalid, err)
 		}
 	}

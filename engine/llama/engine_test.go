@@ -699,7 +699,7 @@ func TestChatTemplate(t *testing.T) {
 
 func TestGrammarOnRealVocab(t *testing.T) {
 	e := openTest(t, models.Small(), nil)
-	if _, err := e.NewGrammar("root ::= ("); !errors.Is(err, engine.ErrInvalidInput) {
+	if _, err := e.NewGrammar("root ::= (", nil); !errors.Is(err, engine.ErrInvalidInput) {
 		t.Fatalf("bad grammar: %v", err)
 	}
 	gbnf, err := SchemaToGrammar([]byte(`{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"]}`))
@@ -723,13 +723,13 @@ func TestGrammarOnRealVocab(t *testing.T) {
 	if len(long) < max(32<<10, 4*len(big)) {
 		t.Fatalf("a %d-byte schema gave a %d-byte grammar: not past the first buffer", len(big), len(long))
 	}
-	if gr, err := e.NewGrammar(long); err != nil {
+	if gr, err := e.NewGrammar(long, nil); err != nil {
 		t.Fatalf("the %d-byte grammar does not parse: %v", len(long), err)
 	} else {
 		gr.Close()
 	}
 	for _, g := range []string{`root ::= "yes" | "no"`, gbnf} {
-		gr, err := e.NewGrammar(g)
+		gr, err := e.NewGrammar(g, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1024,7 +1024,7 @@ func TestRejectedBatchKeepsMemory(t *testing.T) {
 		t.Fatal("SeqRemove(-2) left sequence 0")
 	}
 	// An end of generation before the grammar is complete is refused, not fatal.
-	g, err := e.NewGrammar(`root ::= "ab"`)
+	g, err := e.NewGrammar(`root ::= "ab"`, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1059,5 +1059,68 @@ func TestMootWarnings(t *testing.T) {
 		if moot(line) != want {
 			t.Errorf("moot(%q) = %v, want %v", line, !want, want)
 		}
+	}
+}
+
+// TestLazyGrammar: a lazy grammar lets anything through until its trigger
+// appears, then constrains the output from the trigger's first byte, also when
+// the trigger begins inside a token.
+func TestLazyGrammar(t *testing.T) {
+	e := openTest(t, models.Small(), nil)
+	v := e.Vocab()
+	ids := map[string]engine.Token{}
+	for i := range v.Size() {
+		if p, err := v.Piece(engine.Token(i), true); err == nil {
+			ids[string(p)] = engine.Token(i)
+		}
+	}
+	token := func(piece string) engine.Token { // the token whose text is piece
+		id, ok := ids[piece]
+		if !ok {
+			panic(fmt.Sprintf("no token reads %q", piece))
+		}
+		return id
+	}
+	allowed := func(g engine.Grammar, piece string) bool {
+		c := []engine.TokenLogit{{Token: token(piece)}}
+		g.Apply(c)
+		return !math.IsInf(float64(c[0].Logit), -1)
+	}
+	accept := func(g engine.Grammar, pieces ...string) {
+		for _, p := range pieces {
+			g.Accept(token(p))
+		}
+	}
+	const gbnf = `root ::= "ab" "c"+ "d"`
+	for name, trigger := range map[string][]string{
+		"aligned":        {" th", "ab"},
+		"inside a token": {" th", " ab"}, // the grammar starts at "ab", after " "
+		"across tokens":  {" th", " a", "b"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			g, err := e.NewGrammar(gbnf, []string{"ab", "zz"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer g.Close()
+			accept(g, " he")
+			if !allowed(g, "x") || !allowed(g, "q") {
+				t.Fatal("a lazy grammar constrained the output before its trigger")
+			}
+			if g.Accept(v.EOS()); g.(*lazyGrammar).err != nil {
+				t.Fatal("end of generation refused before the trigger")
+			}
+			accept(g, trigger...)
+			if allowed(g, "x") || !allowed(g, "c") {
+				t.Fatal("after its trigger the grammar does not constrain the output")
+			}
+			accept(g, "c", "c")
+			if !allowed(g, "d") || allowed(g, "a") {
+				t.Fatal("the grammar lost its place")
+			}
+		})
+	}
+	if _, err := e.NewGrammar(gbnf, []string{""}); !errors.Is(err, engine.ErrInvalidInput) {
+		t.Fatalf("an empty trigger: %v", err)
 	}
 }

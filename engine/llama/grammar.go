@@ -14,6 +14,7 @@ int schema_to_grammar(const char *json_schema, char *grammar, size_t max_len);
 import "C"
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"math"
@@ -33,25 +34,143 @@ type Grammar struct {
 
 var _ engine.Grammar = (*Grammar)(nil)
 
-// NewGrammar compiles a GBNF grammar whose start rule is "root".
-func (e *Engine) NewGrammar(gbnf string) (engine.Grammar, error) {
+// NewGrammar compiles a GBNF grammar whose start rule is "root", lazy when
+// triggers are given (engine.Engine).
+func (e *Engine) NewGrammar(gbnf string, triggers []string) (engine.Grammar, error) {
 	if e.closed.Load() {
 		return nil, engine.ErrClosed
 	}
-	return newGrammar(e.vocab, gbnf)
+	g, err := newGrammar(e.vocab, gbnf, "root")
+	if err != nil || len(triggers) == 0 {
+		return g, err
+	}
+	for _, t := range triggers {
+		if t == "" {
+			g.Close()
+			return nil, fmt.Errorf("grammar: empty trigger: %w", engine.ErrInvalidInput)
+		}
+	}
+	return &lazyGrammar{v: e.vocab, gbnf: gbnf, triggers: triggers, ready: g}, nil
 }
 
-func newGrammar(v *Vocab, gbnf string) (*Grammar, error) {
+func newGrammar(v *Vocab, gbnf, root string) (*Grammar, error) {
 	if gbnf == "" {
 		return nil, fmt.Errorf("grammar: empty: %w", engine.ErrInvalidInput)
 	}
-	cg := C.CString(gbnf)
+	cg, cr := C.CString(gbnf), C.CString(root)
 	defer C.free(unsafe.Pointer(cg))
-	s := C.shoal_grammar_init(v.v, cg)
+	defer C.free(unsafe.Pointer(cr))
+	s := C.shoal_grammar_init(v.v, cg, cr)
 	if s == nil {
 		return nil, fmt.Errorf("grammar: llama.cpp could not parse it (GBNF with a root rule expected): %w", engine.ErrInvalidInput)
 	}
 	return &Grammar{s: s, v: v}, nil
+}
+
+// lazyGrammar constrains nothing until a trigger appears in the output, then
+// the output from the trigger on. llama.cpp's own lazy grammar matches its
+// triggers with std::regex over all the output so far, which recurses once per
+// character and overflows the stack on long outputs; here the triggers are
+// plain strings, searched for in Go.
+//
+// A trigger may begin inside a token ("\n<tool" then "_call>"): the grammar
+// then starts from that token, with the token's text before the trigger as a
+// literal prefix of its start rule.
+type lazyGrammar struct {
+	v        *Vocab
+	gbnf     string
+	triggers []string
+	ready    *Grammar // the grammar as given, for a trigger at a token's start
+	text     []byte   // the output while waiting
+	toks     []engine.Token
+	starts   []int    // where each of toks begins in text
+	g        *Grammar // set once triggered
+	err      error
+}
+
+// Apply constrains the candidates once the grammar is triggered.
+func (l *lazyGrammar) Apply(cands []engine.TokenLogit) {
+	if l.g != nil {
+		l.g.Apply(cands)
+	}
+}
+
+// Accept advances the grammar past t, or looks for a trigger.
+func (l *lazyGrammar) Accept(t engine.Token) {
+	switch {
+	case l.g != nil:
+		l.g.Accept(t)
+		return
+	case l.err != nil || l.v.IsEOG(t):
+		return
+	}
+	piece, err := l.v.Piece(t, true) // as llama.cpp's grammar reads tokens
+	if err != nil {
+		l.err = err
+		return
+	}
+	from := len(l.text)
+	l.toks, l.starts = append(l.toks, t), append(l.starts, from)
+	l.text = append(l.text, piece...)
+	at := -1
+	for _, tr := range l.triggers {
+		lo := max(0, from-len(tr)+1)
+		if i := bytes.Index(l.text[lo:], []byte(tr)); i >= 0 && (at < 0 || lo+i < at) {
+			at = lo + i
+		}
+	}
+	if at < 0 {
+		l.trim()
+		return
+	}
+	k := 0 // the token the trigger begins in
+	for k+1 < len(l.starts) && l.starts[k+1] <= at {
+		k++
+	}
+	if prefix := l.text[l.starts[k]:at]; len(prefix) == 0 {
+		l.g, l.ready = l.ready, nil
+	} else {
+		root := "shoal-lazy-root"
+		l.g, l.err = newGrammar(l.v, l.gbnf+"\n"+root+" ::= "+engine.GBNFLiteral(string(prefix))+" root\n", root)
+		if l.err != nil {
+			return
+		}
+	}
+	for _, tok := range l.toks[k:] {
+		l.g.Accept(tok)
+	}
+	l.text, l.toks, l.starts = nil, nil, nil
+}
+
+// trim forgets the tokens that end before any trigger could still begin.
+func (l *lazyGrammar) trim() {
+	longest := 0
+	for _, tr := range l.triggers {
+		longest = max(longest, len(tr))
+	}
+	drop := 0
+	for drop+1 < len(l.starts) && len(l.text)-l.starts[drop+1] >= longest {
+		drop++
+	}
+	if drop > len(l.toks)/2 && drop > 64 { // in bulk, so that trimming costs O(1) per token
+		base := l.starts[drop]
+		l.text = append(l.text[:0], l.text[base:]...)
+		l.toks = append(l.toks[:0], l.toks[drop:]...)
+		l.starts = append(l.starts[:0], l.starts[drop:]...)
+		for i := range l.starts {
+			l.starts[i] -= base
+		}
+	}
+}
+
+// Close frees the grammar. Safe twice.
+func (l *lazyGrammar) Close() error {
+	for _, g := range []*Grammar{l.ready, l.g} {
+		if g != nil {
+			g.Close()
+		}
+	}
+	return nil
 }
 
 // Apply sets the logits of forbidden candidates to -Inf.

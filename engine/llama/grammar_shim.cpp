@@ -6,9 +6,9 @@
 
 extern "C" {
 
-struct llama_sampler *shoal_grammar_init(const struct llama_vocab *vocab, const char *gbnf) {
+struct llama_sampler *shoal_grammar_init(const struct llama_vocab *vocab, const char *gbnf, const char *root) {
 	try {
-		return llama_sampler_init_grammar(vocab, gbnf, "root");
+		return llama_sampler_init_grammar(vocab, gbnf, root);
 	} catch (...) {
 		return nullptr;
 	}

@@ -442,6 +442,7 @@ func (e *Engine) readInfo(path string) engine.ModelInfo {
 		Layers:          int(C.llama_model_n_layer(m)),
 		HasChatTemplate: C.llama_model_chat_template(m, nil) != nil,
 		ChatTemplate:    e.vocab.ChatTemplate(),
+		Template:        e.vocab.template(),
 		Pooling:         embeddingPooling(C.llama_pooling_type(e.ctx)),
 		Sampling:        samplingDefaults(m),
 	}

@@ -56,6 +56,14 @@ func (v *Vocab) ChatTemplate() string {
 	return v.named
 }
 
+// template is the model's own template text when it is the one used.
+func (v *Vocab) template() string {
+	if v.tmpl == nil {
+		return ""
+	}
+	return C.GoString(v.tmpl)
+}
+
 // chatTemplateWorks reports whether llama.cpp renders a chat with tmpl, a built-in
 // format's name or a template text it recognises.
 func chatTemplateWorks(tmpl *C.char) bool {
