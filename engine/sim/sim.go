@@ -170,7 +170,9 @@ func (e *Engine) Close() error              { e.closed.Store(true); return nil }
 func (e *Engine) Embeddings(engine.SeqID) ([]float32, error) {
 	return nil, engine.ErrUnsupported
 }
-func (e *Engine) NewGrammar(string, []string) (engine.Grammar, error) { return nil, engine.ErrUnsupported }
+func (e *Engine) NewGrammar(string, []string) (engine.Grammar, error) {
+	return nil, engine.ErrUnsupported
+}
 
 // Decode validates the batch, waits the modelled time and produces logits.
 func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
