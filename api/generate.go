@@ -352,15 +352,24 @@ func (s *Server) convertSchema(param string, raw json.RawMessage) (string, error
 // error names the tool whose parameters it refuses alone.
 func (s *Server) toolGrammar(tp *toolPlan) (string, error) {
 	g, err := s.convertSchema("tools", tp.schema())
-	if err == nil || s.cfg.SchemaToGrammar == nil {
-		return g, err
+	if err != nil {
+		return "", s.refusedTool(tp, err)
+	}
+	return g, nil
+}
+
+// refusedTool names the tool whose parameters the converter refuses alone,
+// when one does; else it returns err, the refusal of tp's whole grammar.
+func (s *Server) refusedTool(tp *toolPlan, err error) error {
+	if s.cfg.SchemaToGrammar == nil {
+		return err
 	}
 	for i, f := range tp.tools {
 		if _, e := s.cfg.SchemaToGrammar(f.Parameters); e != nil {
-			return "", invalid(fmt.Sprintf("tools[%d]", i), "tools[%d] (%s): parameters: %v", i, f.Name, e)
+			return invalid(fmt.Sprintf("tools[%d]", i), "tools[%d] (%s): parameters: %v", i, f.Name, e)
 		}
 	}
-	return "", err
+	return err
 }
 
 // maxChoices bounds guided_choice.
@@ -426,18 +435,25 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	if tp != nil {
+	text, err := chatPrompt(b, req.Messages, tp, req.ChatTemplateKwargs)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	switch {
+	case tp != nil && tp.format != nil:
+		if p.req.Grammar, p.req.GrammarTriggers, err = s.callGrammar(tp); err != nil {
+			abort(c, err)
+			return
+		}
+		p.tools = tp
+	case tp != nil:
 		if p.req.Grammar, err = s.toolGrammar(tp); err != nil {
 			abort(c, err)
 			return
 		}
 		p.tools = tp
 		tp.stops, p.req.Stop = p.req.Stop, nil
-	}
-	text, err := chatPrompt(b.Vocab, req.Messages, tp)
-	if err != nil {
-		abort(c, err)
-		return
 	}
 	toks, err := b.Vocab.Tokenize(text, true, true)
 	if err != nil {
@@ -458,20 +474,6 @@ func (s *Server) chat(c *gin.Context) {
 	}
 	p.logprobs = req.Logprobs
 	s.routeOrRun(c, b, &p, forwarded, toks)
-}
-
-// chatPrompt renders messages, with tp's tools when it offers any; chat and
-// /tokenize share it so that /tokenize counts the prompt chat builds.
-func chatPrompt(v engine.Vocab, in []Message, tp *toolPlan) (string, error) {
-	msgs, err := renderMessages(in, tp)
-	if err != nil {
-		return "", err
-	}
-	text, err := v.ApplyChatTemplate(msgs, true)
-	if err != nil {
-		return "", invalid("messages", "chat template: %v", err)
-	}
-	return text, nil
 }
 
 // given reports whether a raw JSON field holds something (not absent, null or []).
@@ -711,7 +713,7 @@ type choiceState struct {
 	text     strings.Builder // under tools, the answer's text (answer)
 	finish   string
 	logprobs []TokenLogprob
-	answer   *answerStream // under tools
+	answer   toolFollower // under tools
 }
 
 func finishString(f scheduler.FinishReason) string {
@@ -744,7 +746,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 			switch ev.Kind {
 			case scheduler.EventToken:
 				ch.text.WriteString(text)
-				if p.logprobs && (ch.answer == nil || !ch.answer.stopped) {
+				if p.logprobs && (ch.answer == nil || !ch.answer.cutByStop()) {
 					ch.logprobs = append(ch.logprobs, tokenLogprob(b.Vocab, ev))
 				}
 			case scheduler.EventFinish:
@@ -769,7 +771,11 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 				rest, calls := a.end(func() string { return s.newID("call") })
 				text += rest
 				if len(calls) > 0 {
-					cc.Message.Content, cc.Message.ToolCalls = nil, calls
+					// Text the model wrote before its calls is kept, as vLLM does.
+					cc.Message.ToolCalls = calls
+					if text = strings.TrimSpace(text); text == "" {
+						cc.Message.Content = nil
+					}
 				}
 				cc.FinishReason = a.finishReason(cc.FinishReason, calls)
 			}

@@ -109,6 +109,11 @@ type Backend struct {
 	// Sampling is what a request's sampling starts from before its own fields
 	// (unset: OpenAI's defaults, temperature 1 over the whole vocabulary).
 	Sampling engine.SamplingDefaults
+	// Template is the Jinja chat template chats are rendered with (the model's
+	// own, Info.Template); empty: Vocab.ApplyChatTemplate, llama.cpp's formats.
+	Template string
+
+	chat *chatTemplate // Template compiled by SetBackend; nil when not used
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.
@@ -224,7 +229,11 @@ func (s *Server) cors(c *gin.Context) {
 func (s *Server) Handler() http.Handler { return s.engine }
 
 // SetBackend makes the server ready with a loaded model.
-func (s *Server) SetBackend(b *Backend) { s.backend.Store(b) }
+// It compiles b's chat template first.
+func (s *Server) SetBackend(b *Backend) {
+	s.compileTemplate(b)
+	s.backend.Store(b)
+}
 
 // Drain makes the server refuse new generation requests with 503.
 func (s *Server) Drain() { s.draining.Store(true) }

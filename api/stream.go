@@ -101,7 +101,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 	}
 	// Under the tool protocol, the model's output is JSON: an answer's text is
 	// passed on as it is decoded, tool calls once whole.
-	answers := map[int]*answerStream{}
+	answers := map[int]toolFollower{}
 	answerText := func(sub submitted, ev scheduler.Event) string {
 		if p.tools == nil {
 			return ev.Text
@@ -132,7 +132,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			case scheduler.EventToken:
 				text := answerText(sub, ev)
 				var lp *TokenLogprob
-				if p.logprobs && (p.tools == nil || !answers[idx].stopped) {
+				if p.logprobs && (p.tools == nil || !answers[idx].cutByStop()) {
 					l := tokenLogprob(b.Vocab, ev)
 					lp = &l
 				}

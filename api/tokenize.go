@@ -44,7 +44,7 @@ func (s *Server) tokenize(c *gin.Context) {
 	case req.Prompt == nil && len(req.Messages) > 0:
 		tp, err := toolsOf(&req.ToolFields, &SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
 		if err == nil {
-			text, err = chatPrompt(b.Vocab, req.Messages, tp)
+			text, err = chatPrompt(b, req.Messages, tp, req.ChatTemplateKwargs)
 		}
 		if err != nil {
 			abort(c, err)

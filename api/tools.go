@@ -87,10 +87,34 @@ type toolPlan struct {
 	// answer is the JSON schema of an answer without calls: a string, or what
 	// the request's output constraint (response_format, ...) asks for.
 	answer json.RawMessage
+	// format is the model's own way of calling tools (toolformat.go), when its
+	// chat template shows the tools; nil: the tool protocol described here.
+	format *callFormat
+}
+
+// toolFollower follows one choice's output under tools.
+type toolFollower interface {
+	// follow takes the text of ev, an event of st, and returns the answer text
+	// to pass on now.
+	follow(st *scheduler.Stream, ev scheduler.Event) string
+	// end is called when the output is whole. It returns the text not yet
+	// passed on and the tool calls made.
+	end(newID func() string) (text string, calls []ToolCall)
+	// finishReason is the choice's finish_reason given the generator's (stop
+	// or length) and the calls end returned.
+	finishReason(generated string, calls []ToolCall) string
+	// cutByStop reports whether a stop string ended the answer (tokens after
+	// it are not the answer's).
+	cutByStop() bool
 }
 
 // follow follows one choice's output.
-func (tp *toolPlan) follow() *answerStream { return &answerStream{stops: tp.stops} }
+func (tp *toolPlan) follow() toolFollower {
+	if tp.format != nil {
+		return &callStream{f: tp.format}
+	}
+	return &answerStream{stops: tp.stops}
+}
 
 // maxTools bounds a request's tools.
 const maxTools = 128
@@ -247,18 +271,7 @@ func (tp *toolPlan) system() string {
 
 // schema is the JSON schema of the answers the model may give.
 func (tp *toolPlan) schema() json.RawMessage {
-	var calls []any
-	for i, f := range tp.callable() {
-		calls = append(calls, map[string]any{
-			"type": "object",
-			"properties": orderedProps{
-				{"name", map[string]any{"const": f.Name}},
-				{"arguments", rebaseRefs(f.Parameters, fmt.Sprintf("#/anyOf/0/properties/tool_calls/items/anyOf/%d/properties/arguments", i))},
-			},
-			"required":             []string{"name", "arguments"},
-			"additionalProperties": false,
-		})
-	}
+	calls := tp.callSchemas("#/anyOf/0/properties/tool_calls/items/anyOf", "arguments")
 	list := map[string]any{"type": "array", "items": map[string]any{"anyOf": calls}, "minItems": 1}
 	if !tp.parallel {
 		list["maxItems"] = 1
@@ -279,6 +292,24 @@ func (tp *toolPlan) schema() json.RawMessage {
 	}
 	b, _ := json.Marshal(map[string]any{"anyOf": answers})
 	return b
+}
+
+// callSchemas are the JSON schemas of one call to each callable tool,
+// {"name": ..., args: {...}}, to sit at base/0, base/1, ... in a larger schema.
+func (tp *toolPlan) callSchemas(base, args string) []any {
+	var calls []any
+	for i, f := range tp.callable() {
+		calls = append(calls, map[string]any{
+			"type": "object",
+			"properties": orderedProps{
+				{"name", map[string]any{"const": f.Name}},
+				{args, rebaseRefs(f.Parameters, fmt.Sprintf("%s/%d/properties/%s", base, i, args))},
+			},
+			"required":             []string{"name", args},
+			"additionalProperties": false,
+		})
+	}
+	return calls
 }
 
 // localRef matches a "$ref" key with a local reference ("#..."): a token, not
@@ -385,29 +416,18 @@ func renderMessages(in []Message, tp *toolPlan) ([]engine.ChatMessage, error) {
 		case "user":
 			msgs = append(msgs, engine.ChatMessage{Role: "user", Content: string(m.Content)})
 		case "assistant":
-			if given(m.FunctionCall) {
-				return nil, invalid(param+".function_call", "%s: function_call is deprecated and not supported: send tool_calls", param)
-			}
-			var calls []ToolCall
-			if given(m.ToolCalls) {
-				if err := json.Unmarshal(m.ToolCalls, &calls); err != nil {
-					return nil, invalid(param+".tool_calls", "%s.tool_calls: %v", param, err)
-				}
+			calls, err := historyCalls(m, param)
+			if err != nil {
+				return nil, err
 			}
 			msgs = append(msgs, engine.ChatMessage{Role: "assistant", Content: assistantText(string(m.Content), calls, tp != nil)})
-			for j, c := range calls {
-				if c.Function.Name == "" {
-					return nil, invalid(param+".tool_calls", "%s.tool_calls[%d] has no function name", param, j)
-				}
+			for _, c := range calls {
 				if c.ID != "" {
 					names[c.ID] = c.Function.Name
 				}
 			}
 		case "tool":
-			name := names[m.ToolCallID]
-			if name == "" {
-				name = m.Name
-			}
+			name := cmpOr(names[m.ToolCallID], m.Name)
 			resp := struct {
 				Name       string          `json:"name,omitempty"`
 				ToolCallID string          `json:"tool_call_id,omitempty"`
@@ -491,8 +511,22 @@ func parseCalls(text string, newID func() string) (calls []ToolCall, response *s
 	return calls, response, true
 }
 
-// cutCall matches a call cut short in its arguments.
-var cutCall = regexp.MustCompile(`(?s)^[ \t\n\r]*,?[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")[ \t\n\r]*,[ \t\n\r]*"arguments"[ \t\n\r]*:[ \t\n\r]*(.*)$`)
+// cutCall matches a call cut short in its arguments, named by key.
+func cutCallIn(key string) *regexp.Regexp {
+	if key == "parameters" {
+		return cutCallParams
+	}
+	return cutCall
+}
+
+var (
+	cutCall       = cutCallRE("arguments")
+	cutCallParams = cutCallRE("parameters")
+)
+
+func cutCallRE(key string) *regexp.Regexp {
+	return regexp.MustCompile(`(?s)^[ \t\n\r]*,?[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")[ \t\n\r]*,[ \t\n\r]*"` + key + `"[ \t\n\r]*:[ \t\n\r]*(.*)$`)
+}
 
 // cutCalls reads the calls of an output cut short; ok is false unless the
 // output begins as a list of calls.
@@ -597,6 +631,8 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	a.done = true
 	return a.release(*response), nil
 }
+
+func (a *answerStream) cutByStop() bool { return a.stopped }
 
 // finishReason is a choice's finish_reason given the generator's (stop or
 // length) and the calls end returned: tool_calls for a call list ended in full,

@@ -186,6 +186,10 @@ type ChatRequest struct {
 	Logprobs            bool      `json:"logprobs"`
 	TopLogprobs         *int      `json:"top_logprobs"`
 	ToolFields
+	// ChatTemplateKwargs are extra variables for a Jinja chat template, as
+	// vLLM's ({"enable_thinking": false} for Qwen 3); without Jinja they have
+	// no effect.
+	ChatTemplateKwargs json.RawMessage `json:"chat_template_kwargs"`
 }
 
 // ToolFields offer the model tools ([]Tool, decoded by toolsOf so that errors
@@ -348,6 +352,7 @@ type TokenizeRequest struct {
 	ToolFields
 	ResponseFormat *ResponseFormat `json:"response_format"`
 	StructuredFields
+	ChatTemplateKwargs json.RawMessage `json:"chat_template_kwargs"`
 }
 
 // TokenizeResponse is the body of a /tokenize answer.

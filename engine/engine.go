@@ -268,10 +268,10 @@ type Engine interface {
 	ClearMemory() error
 
 	// NewGrammar compiles a GBNF grammar for constrained sampling. With triggers it is
-	// lazy: it constrains nothing until the output contains one of the trigger
-	// strings, and from then on constrains the output from that trigger's first byte
-	// (the grammar's strings begin with a trigger).
-	NewGrammar(gbnf string, triggers []string) (Grammar, error)
+	// lazy: it constrains nothing until one of the triggers appears in the output,
+	// and from then on constrains the output from that trigger's first byte (the
+	// grammar's strings begin with a trigger).
+	NewGrammar(gbnf string, triggers []Trigger) (Grammar, error)
 
 	// Abort makes a Decode in progress (or the next one) return ErrAborted. Any goroutine.
 	Abort()
@@ -322,6 +322,14 @@ type Grammar interface {
 	// Accept advances the grammar past t.
 	Accept(t Token)
 	Close() error
+}
+
+// Trigger starts a lazy grammar (Engine.NewGrammar) where its text appears in the
+// output, as the text of its tokens without control tokens.
+type Trigger struct {
+	Text string
+	// AtStart: only at the output's start, after any whitespace.
+	AtStart bool
 }
 
 // GBNFLiteral quotes s as a GBNF string literal.

@@ -61,6 +61,66 @@ var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench
 // llama.cpp's built-in template matcher recognises by its markers.
 const ChatTemplate = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 
+// ToolsTemplate is ChatML that shows tools and earlier calls the way Hermes and
+// Qwen models were trained to see them: the tools as JSON in the system turn,
+// each call as {"name": ..., "arguments": ...} between <tool_call> tags, and
+// tool results between <tool_response> tags in a user turn. Models generated
+// with it (gen-model --tools hermes) exercise a model's own call format.
+const ToolsTemplate = `{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- 'These functions can be called, each given as a JSON signature:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nCall a function by writing its name and arguments as a JSON object between <tool_call> tags:\n<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for call in message.tool_calls %}
+            {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}`
+
+// Llama3ToolsTemplate lays out tools and calls the way Llama 3.1 to 3.3 were
+// trained to see them: the tools as JSON in a system turn, a call as the whole
+// assistant turn, {"name": ..., "parameters": ...}, tool results in "ipython"
+// turns.
+const Llama3ToolsTemplate = `{{- bos_token }}
+{%- if tools is defined %}
+    {{- '<|start_header_id|>system<|end_header_id|>\n\nAnswer with a JSON call {"name": function name, "parameters": arguments} of one of:\n' }}
+    {%- for t in tools %}{{- t | tojson }}{{- '\n' }}{%- endfor %}
+    {{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.tool_calls is defined %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + tool_call.name + '", "parameters": ' + (tool_call.arguments | tojson) + '}<|eot_id|>' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}`
+
 // Token ids fixed by the generated vocabulary.
 const (
 	TokenUnknown = 0

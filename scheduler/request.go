@@ -19,8 +19,8 @@ type Request struct {
 	// Grammar is GBNF constraining the output; empty for none.
 	Grammar string
 	// GrammarTriggers makes Grammar lazy (engine.Engine.NewGrammar): it applies
-	// from the first of these strings to appear in the output.
-	GrammarTriggers []string
+	// from the first of these to appear in the output.
+	GrammarTriggers []engine.Trigger
 	// Stop strings end a choice; the text before them is emitted, they are not.
 	Stop []string
 	// IgnoreEOS keeps generating past end-of-generation tokens (benchmarks).

@@ -126,7 +126,7 @@ type serveFlags struct {
 	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
 	kvMemory, schedulingPolicy                                              string
 	simSpeed, cacheFloor                                                    float64
-	embeddings                                                              bool
+	embeddings, jinja                                                       bool
 	pooling, chatTemplate                                                   string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port                                                                    int
@@ -173,6 +173,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
 	fs.StringVar(&f.chatTemplate, "chat-template", "", "chat format: a built-in name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, ChatML when it has none)")
+	fs.BoolVar(&f.jinja, "jinja", true, "render chats with the model's own Jinja chat template (tools in the model's own call format where it has one); false: llama.cpp's built-in format for it, tools described in the system message")
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
 	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
@@ -423,8 +424,12 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
 	}
-	srv.SetBackend(&api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
-		Sampling: samplingDefaults(log, f.sampling, info.Sampling)})
+	backend := &api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
+		Sampling: samplingDefaults(log, f.sampling, info.Sampling)}
+	if f.jinja {
+		backend.Template = info.Template
+	}
+	srv.SetBackend(backend)
 	scheme := "http"
 	if serverTLS != nil {
 		scheme = "https"

@@ -293,3 +293,179 @@ func TestModelSamplingDefaults(t *testing.T) {
 		t.Errorf("--top-p 0: %v", err)
 	}
 }
+
+// TestNativeToolCalls: a model whose template shows tools in the Hermes/Qwen
+// format gets the tools in its template and calls them in <tool_call> tags,
+// held by the grammar to the offered tools (from the first token when a call is
+// required, lazily under auto); the calls come back as OpenAI tool_calls, whole
+// or streamed, and the next turn renders them as the template lays them out.
+// --jinja=false falls back to the tool protocol.
+func TestNativeToolCalls(t *testing.T) {
+	spec := models.Small()
+	spec.ChatTemplate = models.ToolsTemplate
+	path := filepath.Join(t.TempDir(), "tools.gguf")
+	if err := models.Generate(path, spec); err != nil {
+		t.Fatal(err)
+	}
+	n := startNode(t, "--model", path)
+	if l := n.log(); !strings.Contains(l, "renderer=jinja") || !strings.Contains(l, "tool_calls=hermes") {
+		t.Fatalf("the template's call format was not recognised:\n%s", l)
+	}
+	c := n.client("")
+	ctx := context.Background()
+	weather := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
+		Name: "get_weather",
+		Parameters: shared.FunctionParameters{
+			"type":                 "object",
+			"properties":           map[string]any{"city": map[string]any{"type": "string", "enum": []string{"Oslo", "Paris"}}},
+			"required":             []string{"city"},
+			"additionalProperties": false,
+		},
+	})
+	clock := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "get_time"})
+	params := openai.ChatCompletionNewParams{
+		Model:             "tools",
+		Messages:          []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("You help."), openai.UserMessage("What is the weather in Oslo?")},
+		Tools:             []openai.ChatCompletionToolUnionParam{weather, clock},
+		ToolChoice:        openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
+		MaxTokens:         openai.Int(200),
+		Seed:              openai.Int(1),
+		ParallelToolCalls: openai.Bool(false),
+	}
+	check := func(what string, cc openai.ChatCompletionChoice, names ...string) {
+		t.Helper()
+		if cc.FinishReason != "tool_calls" || len(cc.Message.ToolCalls) != 1 || strings.Contains(cc.Message.Content, "<tool_call>") {
+			t.Fatalf("%s: finish %q, message %+v", what, cc.FinishReason, cc.Message)
+		}
+		call := cc.Message.ToolCalls[0]
+		var args map[string]any
+		if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil || call.ID == "" || !slices.Contains(names, call.Function.Name) {
+			t.Fatalf("%s: call %+v: %v", what, call, err)
+		}
+		if city := args["city"]; call.Function.Name == "get_weather" && city != "Oslo" && city != "Paris" {
+			t.Fatalf("%s: get_weather arguments %s", what, call.Function.Arguments)
+		}
+	}
+	chat, err := c.Chat.Completions.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("required", chat.Choices[0], "get_weather", "get_time")
+
+	params.ToolChoice = openai.ToolChoiceOptionFunctionToolChoice(openai.ChatCompletionNamedToolChoiceFunctionParam{Name: "get_weather"})
+	chat, err = c.Chat.Completions.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("named", chat.Choices[0], "get_weather")
+	stream := c.Chat.Completions.NewStreaming(ctx, params)
+	var acc openai.ChatCompletionAccumulator
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("streamed", acc.Choices[0], "get_weather")
+	if got, want := acc.Choices[0].Message.ToolCalls[0].Function, chat.Choices[0].Message.ToolCalls[0].Function; got.Name != want.Name || got.Arguments != want.Arguments {
+		t.Fatalf("streamed call %+v, whole %+v", got, want)
+	}
+
+	// Under auto the model writes text unless it opens a call; the tags never
+	// reach the content.
+	for seed := range 4 {
+		p := params
+		p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("auto")}
+		p.Seed, p.MaxTokens = openai.Int(int64(seed)), openai.Int(40)
+		r, err := c.Chat.Completions.New(ctx, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch cc := r.Choices[0]; cc.FinishReason {
+		case "tool_calls":
+			check("auto", cc, "get_weather", "get_time")
+		default:
+			if cc.Message.Content == "" || strings.Contains(cc.Message.Content, "<tool_call>") || len(cc.Message.ToolCalls) > 0 {
+				t.Fatalf("auto, seed %d: finish %q, message %+v", seed, cc.FinishReason, cc.Message)
+			}
+		}
+	}
+
+	// The next turn: the call and its result rendered by the template; /tokenize
+	// counts the prompt chat builds.
+	call := chat.Choices[0].Message.ToolCalls[0]
+	params.Messages = append(params.Messages, chat.Choices[0].Message.ToParam(), openai.ToolMessage(`{"temperature_c": 3}`, call.ID))
+	params.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("auto")}
+	params.MaxTokens = openai.Int(30)
+	next, err := c.Chat.Completions.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := json.Marshal(params)
+	resp, b := post(t, n.url+"/tokenize", string(body))
+	var tok struct {
+		Count  int     `json:"count"`
+		Tokens []int32 `json:"tokens"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &tok) != nil || tok.Count != int(next.Usage.PromptTokens) {
+		t.Fatalf("/tokenize counted %s for a chat prompt of %d tokens", b, next.Usage.PromptTokens)
+	}
+	detok, _ := json.Marshal(map[string]any{"model": "tools", "tokens": tok.Tokens})
+	resp, b = post(t, n.url+"/detokenize", string(detok))
+	var prompt struct {
+		Prompt string `json:"prompt"`
+	}
+	wantCall := fmt.Sprintf("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": %s}\n</tool_call>", strings.ReplaceAll(call.Function.Arguments, `":`, `": `))
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &prompt) != nil || !strings.Contains(prompt.Prompt, wantCall) ||
+		!strings.Contains(prompt.Prompt, "<tool_response>\n{\"temperature_c\": 3}\n</tool_response>") {
+		t.Fatalf("the next turn's prompt lacks the call %q or its result:\n%s", wantCall, b)
+	}
+
+	// Llama 3's format: one bare JSON call, {"name": ..., "parameters": ...}.
+	spec.ChatTemplate = models.Llama3ToolsTemplate
+	l3 := filepath.Join(t.TempDir(), "l3.gguf")
+	if err := models.Generate(l3, spec); err != nil {
+		t.Fatal(err)
+	}
+	n = startNode(t, "--model", l3)
+	if !strings.Contains(n.log(), "tool_calls=llama3") {
+		t.Fatalf("Llama 3's call format was not recognised:\n%s", n.log())
+	}
+	c = n.client("")
+	p := params
+	p.Model, p.Messages = "l3", params.Messages[:2]
+	p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
+	p.MaxTokens = openai.Int(200)
+	chat, err = c.Chat.Completions.New(ctx, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("llama3 required", chat.Choices[0], "get_weather", "get_time")
+	stream = c.Chat.Completions.NewStreaming(ctx, p)
+	acc = openai.ChatCompletionAccumulator{}
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("llama3 streamed", acc.Choices[0], "get_weather", "get_time")
+	if got, want := acc.Choices[0].Message.ToolCalls[0].Function, chat.Choices[0].Message.ToolCalls[0].Function; got.Name != want.Name || got.Arguments != want.Arguments {
+		t.Fatalf("llama3 streamed call %+v, whole %+v", got, want)
+	}
+
+	// --jinja=false: llama.cpp's ChatML, tools described in the system message.
+	n = startNode(t, "--model", path, "--jinja=false")
+	if strings.Contains(n.log(), "renderer=jinja") {
+		t.Fatal("--jinja=false rendered with Jinja")
+	}
+	params.Messages = params.Messages[:2]
+	params.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
+	params.MaxTokens = openai.Int(200)
+	c = n.client("")
+	chat, err = c.Chat.Completions.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("--jinja=false", chat.Choices[0], "get_weather", "get_time")
+}

@@ -60,7 +60,7 @@ func (f *Fake) Vocab() engine.Vocab                        { return f.vocab }
 func (f *Fake) Abort()                                     { f.mu.Lock(); f.aborted = true; f.mu.Unlock() }
 func (f *Fake) Close() error                               { return nil }
 func (f *Fake) Embeddings(engine.SeqID) ([]float32, error) { return nil, engine.ErrUnsupported }
-func (f *Fake) NewGrammar(string, []string) (engine.Grammar, error) {
+func (f *Fake) NewGrammar(string, []engine.Trigger) (engine.Grammar, error) {
 	return nil, engine.ErrUnsupported
 }
 

@@ -1098,7 +1098,7 @@ func TestLazyGrammar(t *testing.T) {
 		"across tokens":  {" th", " a", "b"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			g, err := e.NewGrammar(gbnf, []string{"ab", "zz"})
+			g, err := e.NewGrammar(gbnf, []engine.Trigger{{Text: "ab"}, {Text: "zz"}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -1120,7 +1120,19 @@ func TestLazyGrammar(t *testing.T) {
 			}
 		})
 	}
-	if _, err := e.NewGrammar(gbnf, []string{""}); !errors.Is(err, engine.ErrInvalidInput) {
+	if _, err := e.NewGrammar(gbnf, []engine.Trigger{{}}); !errors.Is(err, engine.ErrInvalidInput) {
 		t.Fatalf("an empty trigger: %v", err)
+	}
+	// A trigger at the start fires only before any text but whitespace.
+	for pieces, fires := range map[string]bool{" |ab": true, "ab": true, "x|ab": false, " | a|b": true, " x|ab": false} {
+		g, err := e.NewGrammar(gbnf, []engine.Trigger{{Text: "ab", AtStart: true}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		accept(g, strings.Split(pieces, "|")...)
+		if got := !allowed(g, "x"); got != fires {
+			t.Errorf("%q: fired %v, want %v", pieces, got, fires)
+		}
+		g.Close()
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"unicode"
 	"unsafe"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -36,7 +37,7 @@ var _ engine.Grammar = (*Grammar)(nil)
 
 // NewGrammar compiles a GBNF grammar whose start rule is "root", lazy when
 // triggers are given (engine.Engine).
-func (e *Engine) NewGrammar(gbnf string, triggers []string) (engine.Grammar, error) {
+func (e *Engine) NewGrammar(gbnf string, triggers []engine.Trigger) (engine.Grammar, error) {
 	if e.closed.Load() {
 		return nil, engine.ErrClosed
 	}
@@ -44,13 +45,15 @@ func (e *Engine) NewGrammar(gbnf string, triggers []string) (engine.Grammar, err
 	if err != nil || len(triggers) == 0 {
 		return g, err
 	}
+	l := &lazyGrammar{v: e.vocab, gbnf: gbnf, triggers: triggers, ready: g, lead: -1}
 	for _, t := range triggers {
-		if t == "" {
+		if t.Text == "" {
 			g.Close()
 			return nil, fmt.Errorf("grammar: empty trigger: %w", engine.ErrInvalidInput)
 		}
+		l.longest = max(l.longest, len(t.Text))
 	}
-	return &lazyGrammar{v: e.vocab, gbnf: gbnf, triggers: triggers, ready: g}, nil
+	return l, nil
 }
 
 func newGrammar(v *Vocab, gbnf, root string) (*Grammar, error) {
@@ -71,7 +74,7 @@ func newGrammar(v *Vocab, gbnf, root string) (*Grammar, error) {
 // the output from the trigger on. llama.cpp's own lazy grammar matches its
 // triggers with std::regex over all the output so far, which recurses once per
 // character and overflows the stack on long outputs; here the triggers are
-// plain strings, searched for in Go.
+// plain strings, searched for in Go over the output's last bytes.
 //
 // A trigger may begin inside a token ("\n<tool" then "_call>"): the grammar
 // then starts from that token, with the token's text before the trigger as a
@@ -79,13 +82,19 @@ func newGrammar(v *Vocab, gbnf, root string) (*Grammar, error) {
 type lazyGrammar struct {
 	v        *Vocab
 	gbnf     string
-	triggers []string
+	triggers []engine.Trigger
+	longest  int      // the longest trigger's length
 	ready    *Grammar // the grammar as given, for a trigger at a token's start
-	text     []byte   // the output while waiting
-	toks     []engine.Token
-	starts   []int    // where each of toks begins in text
-	g        *Grammar // set once triggered
-	err      error
+	// While waiting: the output's tail from absolute offset off, its tokens and
+	// where each begins (absolute), and where the output's first byte other
+	// than whitespace is (-1: none yet).
+	text   []byte
+	off    int
+	toks   []engine.Token
+	starts []int
+	lead   int
+	g      *Grammar // set once triggered
+	err    error
 }
 
 // Apply constrains the candidates once the grammar is triggered.
@@ -104,19 +113,35 @@ func (l *lazyGrammar) Accept(t engine.Token) {
 	case l.err != nil || l.v.IsEOG(t):
 		return
 	}
-	piece, err := l.v.Piece(t, true) // as llama.cpp's grammar reads tokens
+	piece, err := l.v.Piece(t, false) // the output's text, as the API reads it
 	if err != nil {
 		l.err = err
 		return
 	}
-	from := len(l.text)
+	from := l.off + len(l.text)
 	l.toks, l.starts = append(l.toks, t), append(l.starts, from)
 	l.text = append(l.text, piece...)
+	if l.lead < 0 {
+		if i := bytes.IndexFunc(piece, func(r rune) bool { return !unicode.IsSpace(r) }); i >= 0 {
+			l.lead = from + i
+		}
+	}
 	at := -1
 	for _, tr := range l.triggers {
-		lo := max(0, from-len(tr)+1)
-		if i := bytes.Index(l.text[lo:], []byte(tr)); i >= 0 && (at < 0 || lo+i < at) {
-			at = lo + i
+		i := -1
+		switch {
+		case tr.AtStart:
+			if l.lead >= l.off && bytes.HasPrefix(l.text[l.lead-l.off:], []byte(tr.Text)) {
+				i = l.lead
+			}
+		default:
+			lo := max(l.off, from-len(tr.Text)+1)
+			if j := bytes.Index(l.text[lo-l.off:], []byte(tr.Text)); j >= 0 {
+				i = lo + j
+			}
+		}
+		if i >= 0 && (at < 0 || i < at) {
+			at = i
 		}
 	}
 	if at < 0 {
@@ -127,7 +152,7 @@ func (l *lazyGrammar) Accept(t engine.Token) {
 	for k+1 < len(l.starts) && l.starts[k+1] <= at {
 		k++
 	}
-	if prefix := l.text[l.starts[k]:at]; len(prefix) == 0 {
+	if prefix := l.text[l.starts[k]-l.off : at-l.off]; len(prefix) == 0 {
 		l.g, l.ready = l.ready, nil
 	} else {
 		root := "shoal-lazy-root"
@@ -142,24 +167,20 @@ func (l *lazyGrammar) Accept(t engine.Token) {
 	l.text, l.toks, l.starts = nil, nil, nil
 }
 
-// trim forgets the tokens that end before any trigger could still begin.
+// trim forgets, in bulk, the tokens that end before any trigger could still
+// begin (a trigger at the start begins at or before the first such token).
 func (l *lazyGrammar) trim() {
-	longest := 0
-	for _, tr := range l.triggers {
-		longest = max(longest, len(tr))
-	}
+	end := l.off + len(l.text)
 	drop := 0
-	for drop+1 < len(l.starts) && len(l.text)-l.starts[drop+1] >= longest {
+	for drop+1 < len(l.starts) && end-l.starts[drop+1] >= l.longest {
 		drop++
 	}
-	if drop > len(l.toks)/2 && drop > 64 { // in bulk, so that trimming costs O(1) per token
+	if drop > 64 && drop > len(l.toks)/2 { // in bulk: trimming costs O(1) per token
 		base := l.starts[drop]
-		l.text = append(l.text[:0], l.text[base:]...)
+		l.text = append(l.text[:0], l.text[base-l.off:]...)
+		l.off = base
 		l.toks = append(l.toks[:0], l.toks[drop:]...)
 		l.starts = append(l.starts[:0], l.starts[drop:]...)
-		for i := range l.starts {
-			l.starts[i] -= base
-		}
 	}
 }
 

@@ -340,7 +340,7 @@ func Open(cfg Config) (*Engine, error) {
 	}
 	e.vocab = newVocab(model, cfg.ChatTemplate)
 	if e.vocab.unsupported {
-		logger.Load().Warn("llama.cpp does not support this model's chat template: chat requests will be refused until a built-in format is chosen (shoal serve --chat-template)",
+		logger.Load().Debug("llama.cpp's built-in formats do not recognise this model's chat template: Vocab.ApplyChatTemplate refuses chats (the API renders them with the template as Jinja unless --jinja=false; --chat-template chooses a built-in format)",
 			"formats", strings.Join(ChatTemplateNames(), ","))
 	}
 	e.info = e.readInfo(cfg.ModelPath)

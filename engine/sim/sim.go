@@ -170,7 +170,7 @@ func (e *Engine) Close() error              { e.closed.Store(true); return nil }
 func (e *Engine) Embeddings(engine.SeqID) ([]float32, error) {
 	return nil, engine.ErrUnsupported
 }
-func (e *Engine) NewGrammar(string, []string) (engine.Grammar, error) {
+func (e *Engine) NewGrammar(string, []engine.Trigger) (engine.Grammar, error) {
 	return nil, engine.ErrUnsupported
 }
 

@@ -1,0 +1,341 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/ardanlabs/jinja"
+)
+
+// Chats are rendered with the model's own Jinja chat template when it has one
+// (as llama-server --jinja and vLLM do): the template lays out system prompts,
+// earlier tool calls and tool results, and the tools themselves, exactly as the
+// model was trained. llama.cpp's built-in formats, which match a template by
+// its text and render only roles and contents, are the fallback: for a model
+// without a template, for --chat-template, and for a template the Jinja engine
+// cannot run.
+
+// chatTemplate is a model's compiled Jinja chat template.
+type chatTemplate struct {
+	t        *jinja.Template
+	bos, eos string // bos_token and eos_token as the template sees them
+	// stripBOS: tokenizing the prompt adds BOS, so a leading bos_token written by
+	// the template is dropped (else the prompt would begin with two).
+	stripBOS bool
+	// calls is how the template shows tools and how its model calls them, nil
+	// when it shows none: tools are then described in the system message (the
+	// tool protocol, tools.go).
+	calls *callFormat
+}
+
+// newChatTemplate compiles b.Template and checks that it renders a short chat.
+func newChatTemplate(b *Backend) (*chatTemplate, error) {
+	t, err := jinja.Compile(b.Template)
+	if err != nil {
+		return nil, err
+	}
+	ct := &chatTemplate{t: t, stripBOS: b.Vocab.AddBOS(), calls: detectCallFormat(b.Template)}
+	if p, err := b.Vocab.Piece(b.Vocab.BOS(), true); err == nil {
+		ct.bos = string(p)
+	}
+	if p, err := b.Vocab.Piece(b.Vocab.EOS(), true); err == nil {
+		ct.eos = string(p)
+	}
+	probe := []jinja.Value{turn("system", "s"), turn("user", "u"), turn("assistant", "a"), turn("user", "u")}
+	if _, err := ct.render(probe, jinja.Undefined(), nil); err != nil {
+		return nil, err
+	}
+	return ct, nil
+}
+
+// render lays out a chat, its assistant turn opened; tools is the tools the
+// template shows (undefined for none), extra the request's own variables.
+func (ct *chatTemplate) render(msgs []jinja.Value, tools jinja.Value, extra map[string]jinja.Value) (string, error) {
+	data := map[string]jinja.Value{}
+	for k, v := range extra {
+		data[k] = v
+	}
+	data["messages"] = jinja.NewList(msgs)
+	data["add_generation_prompt"] = jinja.NewBool(true)
+	data["bos_token"] = jinja.NewString(ct.bos)
+	data["eos_token"] = jinja.NewString(ct.eos)
+	if !tools.IsUndefined() {
+		data["tools"] = tools
+	}
+	text, err := ct.t.RenderValues(data)
+	if err != nil {
+		return "", err
+	}
+	if ct.stripBOS && ct.bos != "" {
+		text = strings.TrimPrefix(text, ct.bos)
+	}
+	return text, nil
+}
+
+// compileTemplate prepares b's Jinja template, or logs why llama.cpp's formats
+// render its chats instead.
+func (s *Server) compileTemplate(b *Backend) {
+	if b.Template == "" || b.Vocab == nil {
+		return
+	}
+	ct, err := newChatTemplate(b)
+	if err != nil {
+		s.log.Warn("the model's chat template does not run as Jinja here: chats are laid out by llama.cpp's built-in format for it instead, and tools are described in the system message",
+			"err", err)
+		return
+	}
+	b.chat = ct
+	format := "described in the system message"
+	if ct.calls != nil {
+		format = ct.calls.name
+	}
+	s.log.Info("chat template", "renderer", "jinja", "tool_calls", format)
+}
+
+// chatPrompt renders messages, with tp's tools when it offers any and the
+// request's chat_template_kwargs; chat and /tokenize share it so that /tokenize
+// counts the prompt chat builds. When the template shows tools itself and the
+// answer is free text, tp is switched to the model's own format for calls.
+func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) (string, error) {
+	ct := b.chat
+	var extra map[string]jinja.Value
+	if given(kwargs) {
+		var err error
+		if extra, err = templateKwargs(kwargs); err != nil {
+			return "", err
+		}
+	}
+	if ct != nil && tp != nil && ct.calls != nil && tp.plainAnswer() {
+		msgs, err := nativeTurns(in)
+		if err != nil {
+			return "", err
+		}
+		tp.format = ct.calls
+		return renderErr(ct.render(msgs, toolsValue(tp.tools), extra))
+	}
+	msgs, err := renderMessages(in, tp)
+	if err != nil {
+		return "", err
+	}
+	if ct != nil {
+		turns := make([]jinja.Value, len(msgs))
+		for i, m := range msgs {
+			turns[i] = turn(m.Role, m.Content)
+		}
+		return renderErr(ct.render(turns, jinja.Undefined(), extra))
+	}
+	return renderErr(b.Vocab.ApplyChatTemplate(msgs, true))
+}
+
+// templateKwargs reads chat_template_kwargs: an object whose keys become
+// template variables, other than those the chat itself sets.
+func templateKwargs(raw json.RawMessage) (map[string]jinja.Value, error) {
+	v, err := jsonValue(raw)
+	if err != nil || !v.IsDict() {
+		return nil, invalid("chat_template_kwargs", "chat_template_kwargs must be a JSON object of template variables")
+	}
+	extra := map[string]jinja.Value{}
+	d := v.AsDict()
+	for _, k := range d.OrderedKeys() {
+		switch k {
+		case "messages", "tools", "add_generation_prompt", "bos_token", "eos_token":
+			return nil, invalid("chat_template_kwargs", "chat_template_kwargs must not set %q: the request sets it", k)
+		}
+		extra[k], _ = d.Get(k)
+	}
+	return extra, nil
+}
+
+func renderErr(text string, err error) (string, error) {
+	if err != nil {
+		return "", invalid("messages", "chat template: %v", err)
+	}
+	return text, nil
+}
+
+// turn is a message with a role and a text.
+func turn(role, content string) jinja.Value {
+	m := jinja.NewDict()
+	d := m.AsDict()
+	d.Set("role", jinja.NewString(role))
+	d.Set("content", jinja.NewString(content))
+	return m
+}
+
+// nativeTurns maps a chat history to the template's messages as OpenAI sends
+// them: assistant turns with their tool_calls (arguments as objects, which
+// templates write with tojson), tool results as "tool" turns.
+func nativeTurns(in []Message) ([]jinja.Value, error) {
+	out := make([]jinja.Value, 0, len(in))
+	names := map[string]string{} // tool call id → function name
+	for i, m := range in {
+		param := fmt.Sprintf("messages[%d]", i)
+		var v jinja.Value
+		switch m.Role {
+		case "system", "developer", "user":
+			role := m.Role
+			if role == "developer" {
+				role = "system"
+			}
+			v = turn(role, string(m.Content))
+		case "assistant":
+			calls, err := historyCalls(m, param)
+			if err != nil {
+				return nil, err
+			}
+			v = turn("assistant", string(m.Content))
+			if len(calls) > 0 {
+				list := make([]jinja.Value, len(calls))
+				for j, c := range calls {
+					list[j] = callValue(c)
+					if c.ID != "" {
+						names[c.ID] = c.Function.Name
+					}
+				}
+				v.AsDict().Set("tool_calls", jinja.NewList(list))
+			}
+		case "tool":
+			v = turn("tool", string(m.Content))
+			name := cmpOr(names[m.ToolCallID], m.Name)
+			if m.ToolCallID != "" {
+				v.AsDict().Set("tool_call_id", jinja.NewString(m.ToolCallID))
+			}
+			if name != "" {
+				v.AsDict().Set("name", jinja.NewString(name))
+			}
+		default:
+			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// callValue is an earlier call as templates read it: {"id", "type",
+// "function": {"name", "arguments"}}, the arguments an object when they are
+// one.
+func callValue(c ToolCall) jinja.Value {
+	fn := jinja.NewDict()
+	fn.AsDict().Set("name", jinja.NewString(c.Function.Name))
+	args, err := jsonValue([]byte(c.Function.Arguments))
+	if err != nil || !args.IsDict() {
+		args = jinja.NewString(c.Function.Arguments)
+	}
+	fn.AsDict().Set("arguments", args)
+	v := jinja.NewDict()
+	if c.ID != "" {
+		v.AsDict().Set("id", jinja.NewString(c.ID))
+	}
+	v.AsDict().Set("type", jinja.NewString("function"))
+	v.AsDict().Set("function", fn)
+	return v
+}
+
+// toolsValue is the request's tools as templates read them, in OpenAI's form
+// with each schema's keys in the order the client sent them.
+func toolsValue(tools []FunctionDef) jinja.Value {
+	list := make([]jinja.Value, len(tools))
+	for i, f := range tools {
+		fn := jinja.NewDict()
+		fn.AsDict().Set("name", jinja.NewString(f.Name))
+		if f.Description != "" {
+			fn.AsDict().Set("description", jinja.NewString(f.Description))
+		}
+		params, err := jsonValue(f.Parameters)
+		if err != nil {
+			params = jinja.NewDict()
+		}
+		fn.AsDict().Set("parameters", params)
+		t := jinja.NewDict()
+		t.AsDict().Set("type", jinja.NewString("function"))
+		t.AsDict().Set("function", fn)
+		list[i] = t
+	}
+	return jinja.NewList(list)
+}
+
+// jsonValue decodes JSON into a template value, keeping objects' key order
+// (templates write schemas back out with tojson) and integers as integers.
+func jsonValue(raw []byte) (jinja.Value, error) {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	v, err := decodeValue(dec, 0)
+	if err != nil {
+		return jinja.Undefined(), err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return jinja.Undefined(), errors.New("json: text after the value")
+	}
+	return v, nil
+}
+
+func decodeValue(dec *json.Decoder, depth int) (jinja.Value, error) {
+	if depth > maxSchemaDepth {
+		return jinja.Undefined(), errors.New("json: nested too deeply")
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		return jinja.Undefined(), err
+	}
+	switch t := tok.(type) {
+	case json.Delim:
+		if t == '[' {
+			var items []jinja.Value
+			for dec.More() {
+				v, err := decodeValue(dec, depth+1)
+				if err != nil {
+					return jinja.Undefined(), err
+				}
+				items = append(items, v)
+			}
+			_, err := dec.Token()
+			return jinja.NewList(items), err
+		}
+		d := jinja.NewDict()
+		for dec.More() {
+			k, err := dec.Token()
+			if err != nil {
+				return jinja.Undefined(), err
+			}
+			v, err := decodeValue(dec, depth+1)
+			if err != nil {
+				return jinja.Undefined(), err
+			}
+			d.AsDict().Set(k.(string), v)
+		}
+		_, err := dec.Token()
+		return d, err
+	default:
+		return jinja.FromGoValue(t), nil // nil, bool, string, json.Number
+	}
+}
+
+// historyCalls decodes an earlier assistant turn's tool calls.
+func historyCalls(m Message, param string) ([]ToolCall, error) {
+	if given(m.FunctionCall) {
+		return nil, invalid(param+".function_call", "%s: function_call is deprecated and not supported: send tool_calls", param)
+	}
+	var calls []ToolCall
+	if given(m.ToolCalls) {
+		if err := json.Unmarshal(m.ToolCalls, &calls); err != nil {
+			return nil, invalid(param+".tool_calls", "%s.tool_calls: %v", param, err)
+		}
+	}
+	for j, c := range calls {
+		if c.Function.Name == "" {
+			return nil, invalid(param+".tool_calls", "%s.tool_calls[%d] has no function name", param, j)
+		}
+	}
+	return calls, nil
+}

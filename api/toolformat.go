@@ -1,0 +1,282 @@
+package api
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// A model whose chat template shows the tools itself was trained to call them
+// in its own format. Then the tools go into the template, the model answers in
+// its format, and a grammar holds each call to the offered tools' names and
+// parameters: under tool_choice "auto" it is lazy, so that the model writes
+// free text until it begins a call; under "required" or a named function the
+// output must be calls from its first token.
+
+// callFormat is a model's own way of writing tool calls: each call a JSON
+// object {"name": ..., args: {...}}, either between an opening and a closing
+// tag, with text before the first call, or bare: then the whole answer is one
+// call.
+type callFormat struct {
+	name        string // as logged
+	args        string // the arguments' key
+	open, close string // the tags around each call; "" for a bare call
+}
+
+func (f *callFormat) bare() bool { return f.open == "" }
+
+// hermesFormat is the format of Hermes, Qwen 2.5 and Qwen 3 and the many
+// models tuned like them:
+//
+//	<tool_call>
+//	{"name": "get_weather", "arguments": {"city": "Oslo"}}
+//	</tool_call>
+var hermesFormat = callFormat{name: "hermes", args: "arguments", open: "<tool_call>", close: "</tool_call>"}
+
+// llama3Format is Llama 3.1, 3.2 and 3.3's JSON tool calls: the answer is one
+// call, {"name": "get_weather", "parameters": {"city": "Oslo"}}.
+var llama3Format = callFormat{name: "llama3", args: "parameters"}
+
+// detectCallFormat recognises the call format a template teaches its model;
+// nil when it shows no tools, or writes calls in a format not supported here
+// (Qwen 3.5's and GLM's XML forms, Mistral's [TOOL_CALLS]): the tool protocol
+// is used for those.
+func detectCallFormat(tmpl string) *callFormat {
+	has := func(s string) bool { return strings.Contains(tmpl, s) }
+	switch {
+	case has("<tool_call>") && has(`"arguments"`) && !has("<function=") && !has("<arg_key>"):
+		return &hermesFormat
+	case has("<|start_header_id|>") && has(`"parameters"`) && has("tool_call"):
+		return &llama3Format
+	}
+	return nil
+}
+
+// callGrammar is the GBNF of tp's calls in its format, and the triggers that
+// make it lazy when the model may also answer in text.
+func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigger, err error) {
+	f := tp.format
+	schema, _ := json.Marshal(map[string]any{"anyOf": tp.callSchemas("#/anyOf", f.args)})
+	call, err := s.convertSchema("tools", schema)
+	if err != nil {
+		return "", nil, s.refusedTool(tp, err)
+	}
+	var b strings.Builder
+	b.WriteString(renameRule(call, "root", "shoal-call"))
+	switch {
+	case f.bare():
+		b.WriteString("\nroot ::= shoal-call\n") // one call: Llama 3's templates refuse more
+		if !tp.required {
+			triggers = []engine.Trigger{{Text: `{"name"`, AtStart: true}}
+		}
+	default:
+		b.WriteString("\nroot ::= shoal-block")
+		if tp.parallel {
+			b.WriteString(` ("\n"? "\n"? shoal-block)*`)
+		}
+		fmt.Fprintf(&b, "\nshoal-block ::= %s \"\\n\"? shoal-call \"\\n\"? %s\n", engine.GBNFLiteral(f.open), engine.GBNFLiteral(f.close))
+		if !tp.required {
+			triggers = []engine.Trigger{{Text: f.open}}
+		}
+	}
+	return b.String(), triggers, nil
+}
+
+// renameRule renames rule from to to wherever it is defined or referred to in
+// gbnf, leaving string literals, character classes and comments as they are.
+func renameRule(gbnf, from, to string) string {
+	var out strings.Builder
+	isName := func(c byte) bool {
+		return c == '-' || c == '_' || c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z'
+	}
+	for i := 0; i < len(gbnf); {
+		c := gbnf[i]
+		switch {
+		case c == '"' || c == '[':
+			end := byte('"')
+			if c == '[' {
+				end = ']'
+			}
+			j := i + 1
+			for j < len(gbnf) && gbnf[j] != end {
+				if gbnf[j] == '\\' {
+					j++
+				}
+				j++
+			}
+			j = min(j+1, len(gbnf))
+			out.WriteString(gbnf[i:j])
+			i = j
+		case c == '#':
+			j := strings.IndexByte(gbnf[i:], '\n')
+			if j < 0 {
+				j = len(gbnf) - i
+			}
+			out.WriteString(gbnf[i : i+j])
+			i += j
+		case isName(c):
+			j := i
+			for j < len(gbnf) && isName(gbnf[j]) {
+				j++
+			}
+			if gbnf[i:j] == from {
+				out.WriteString(to)
+			} else {
+				out.WriteString(gbnf[i:j])
+			}
+			i = j
+		default:
+			out.WriteByte(c)
+			i++
+		}
+	}
+	return out.String()
+}
+
+// callStream follows one choice's output in a model's own call format: text
+// before the first call is passed on as it comes (holding back what may begin
+// a call), the calls are kept until the output is whole.
+type callStream struct {
+	f     *callFormat
+	buf   strings.Builder
+	sent  int  // bytes of buf passed on, or held as the start of the calls
+	calls bool // buf[sent:] begins the calls
+	text  bool // a bare format's answer is text, not a call
+}
+
+func (c *callStream) follow(_ *scheduler.Stream, ev scheduler.Event) string { return c.add(ev.Text) }
+
+func (c *callStream) add(piece string) string {
+	c.buf.WriteString(piece)
+	if c.calls {
+		return ""
+	}
+	s := c.buf.String()
+	if c.f.bare() && !c.text {
+		// One call or text: decided by the answer's first character.
+		switch t := strings.TrimLeft(s, " \t\r\n"); {
+		case t == "":
+			return ""
+		case t[0] == '{':
+			c.calls = true
+			return ""
+		}
+		c.text = true
+	}
+	if c.text {
+		text := s[c.sent:]
+		c.sent = len(s)
+		return text
+	}
+	if i := strings.Index(s[c.sent:], c.f.open); i >= 0 {
+		text := s[c.sent : c.sent+i]
+		c.sent += i
+		c.calls = true
+		return text
+	}
+	keep := len(s) - c.sent
+	for keep > 0 && !strings.HasPrefix(c.f.open, s[len(s)-keep:]) {
+		keep--
+	}
+	text := s[c.sent : len(s)-keep]
+	c.sent = len(s) - keep
+	return text
+}
+
+func (c *callStream) end(newID func() string) (string, []ToolCall) {
+	rest := c.buf.String()[c.sent:]
+	if !c.calls {
+		return rest, nil
+	}
+	parse := parseTagged
+	if c.f.bare() {
+		parse = parseBare
+	}
+	calls, after, ok := parse(rest, c.f, newID)
+	if !ok {
+		return rest, nil // not calls after all: nothing generated is lost
+	}
+	return after, calls
+}
+
+func (c *callStream) finishReason(generated string, calls []ToolCall) string {
+	if len(calls) > 0 && generated != "length" {
+		return "tool_calls"
+	}
+	return generated
+}
+
+// cutByStop is false: stop strings are matched by the scheduler in the output
+// as it is generated.
+func (c *callStream) cutByStop() bool { return false }
+
+// parseTagged reads calls in format f from text, which begins with f.open.
+// A call cut short (by max_tokens) is returned with the arguments generated so
+// far, as OpenAI returns one. after is the text after the last call; ok is
+// false when not even one call could be read.
+func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, ok bool) {
+	rest := text
+	for {
+		body, found := strings.CutPrefix(strings.TrimLeft(rest, jsonSpace), f.open)
+		if !found {
+			break
+		}
+		call, n, whole := readCall(strings.TrimLeft(body, jsonSpace), f, newID)
+		if call == nil {
+			break
+		}
+		calls = append(calls, *call)
+		if !whole {
+			return calls, "", true
+		}
+		tail := strings.TrimLeft(strings.TrimLeft(body, jsonSpace)[n:], jsonSpace)
+		rest = strings.TrimPrefix(tail, f.close)
+		if len(rest) == len(tail) { // cut before the closing tag
+			return calls, "", true
+		}
+	}
+	if len(calls) == 0 {
+		return nil, "", false
+	}
+	return calls, strings.TrimSpace(rest), true
+}
+
+// parseBare reads a bare format's one call from text.
+func parseBare(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, ok bool) {
+	body := strings.TrimLeft(text, jsonSpace)
+	call, n, _ := readCall(body, f, newID)
+	if call == nil {
+		return nil, "", false
+	}
+	return []ToolCall{*call}, strings.TrimSpace(body[n:]), true
+}
+
+const jsonSpace = " \t\r\n"
+
+// readCall reads the call that body begins with, and n, the bytes it took.
+// Cut short, the call holds the arguments generated so far and whole is false;
+// call is nil when body does not begin with a call.
+func readCall(body string, f *callFormat, newID func() string) (call *ToolCall, n int, whole bool) {
+	dec := json.NewDecoder(strings.NewReader(body))
+	var obj map[string]json.RawMessage
+	var name string
+	if err := dec.Decode(&obj); err == nil && json.Unmarshal(obj["name"], &name) == nil && name != "" {
+		args := compactJSON(obj[f.args])
+		if len(args) == 0 || string(args) == "null" {
+			args = json.RawMessage("{}")
+		}
+		return &ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: string(args)}}, int(dec.InputOffset()), true
+	}
+	m := cutCallIn(f.args).FindStringSubmatch(body)
+	if m == nil || json.Unmarshal([]byte(m[1]), &name) != nil {
+		return nil, 0, false
+	}
+	args := strings.TrimSpace(m[2])
+	if f.close != "" {
+		args = strings.TrimSpace(strings.TrimSuffix(args, f.close))
+	}
+	return &ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: args}}, len(body), false
+}

@@ -1,0 +1,297 @@
+package api
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/enginetest"
+	"github.com/shoal-ai/shoal/models"
+)
+
+func TestDetectCallFormat(t *testing.T) {
+	for tmpl, want := range map[string]*callFormat{
+		models.ChatTemplate:  nil,
+		models.ToolsTemplate: &hermesFormat,
+		// Qwen 3.5's XML calls also sit in <tool_call> tags, but are not JSON.
+		`<tool_call>\n<function=name>\n<parameter=p>"arguments"`: nil,
+		`<tool_call>{name}<arg_key>k</arg_key> "arguments"`:      nil,
+		models.Llama3ToolsTemplate:                               &llama3Format,
+	} {
+		if got := detectCallFormat(tmpl); got != want {
+			t.Errorf("%.40q: format %v, want %v", tmpl, got, want)
+		}
+	}
+}
+
+// TestCallStream: text before a call is passed on as it comes, a tag split
+// across pieces is held back, and calls come whole at the end, also cut short.
+func TestCallStream(t *testing.T) {
+	ids := 0
+	newID := func() string { ids++; return fmt.Sprintf("call-%d", ids) }
+	cases := []struct {
+		name   string
+		pieces []string
+		sent   string // passed on while streaming
+		rest   string // returned by end
+		calls  []string
+		finish string
+	}{
+		{"text", []string{"It is ", "sunny <", "b>"}, "It is sunny <b>", "", nil, "stop"},
+		{"text ending in a partial tag", []string{"a <tool"}, "a ", "<tool", nil, "stop"},
+		{"call after text", []string{"Let me look.\n<to", "ol_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"},
+			"Let me look.\n", "", []string{`get_weather{"city":"Oslo"}`}, "tool_calls"},
+		{"two calls", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>{\"name\": \"b\", \"arguments\": {\"x\": [1, 2]}}</tool_call>"},
+			"", "", []string{`a{}`, `b{"x":[1,2]}`}, "tool_calls"},
+		{"cut in the arguments", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {\"city\": \"Os"}, "", "", []string{`a{"city": "Os`}, "length"},
+		{"cut before the closing tag", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool"}, "", "", []string{`a{}`}, "length"},
+		{"not a call after all", []string{"<tool_call> oops"}, "", "<tool_call> oops", nil, "stop"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			cs := &callStream{f: &hermesFormat}
+			var sent strings.Builder
+			for _, p := range c.pieces {
+				sent.WriteString(cs.add(p))
+			}
+			rest, calls := cs.end(newID)
+			if sent.String() != c.sent || rest != c.rest {
+				t.Fatalf("passed on %q then %q, want %q then %q", sent.String(), rest, c.sent, c.rest)
+			}
+			var got []string
+			for _, call := range calls {
+				if call.ID == "" || call.Type != "function" {
+					t.Fatalf("call %+v", call)
+				}
+				got = append(got, call.Function.Name+call.Function.Arguments)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(c.calls) {
+				t.Fatalf("calls %q, want %q", got, c.calls)
+			}
+			generated := "stop"
+			if c.finish == "length" {
+				generated = "length"
+			}
+			if f := cs.finishReason(generated, calls); f != c.finish {
+				t.Fatalf("finish %q, want %q", f, c.finish)
+			}
+		})
+	}
+}
+
+// TestBareCallStream: a bare format's answer is one call when it begins with
+// "{", else text passed on as it comes.
+func TestBareCallStream(t *testing.T) {
+	newID := func() string { return "call-1" }
+	for _, c := range []struct {
+		pieces     []string
+		sent, rest string
+		call       string
+		generated  string
+		wantFinish string
+	}{
+		{[]string{" ", "It is ", "sunny."}, " It is sunny.", "", "", "stop", "stop"},
+		{[]string{"\n", `{"name": "get_weather", `, `"parameters": {"city": "Oslo"}}`}, "", "", `get_weather{"city":"Oslo"}`, "stop", "tool_calls"},
+		{[]string{`{"type": "function", "name": "f", "parameters": {}}`}, "", "", `f{}`, "stop", "tool_calls"},
+		{[]string{`{"name": "f", "parameters": {"x": "ab`}, "", "", `f{"x": "ab`, "length", "length"},
+		{[]string{`{"answer": 42}`}, "", `{"answer": 42}`, "", "stop", "stop"},
+	} {
+		cs := &callStream{f: &llama3Format}
+		var sent strings.Builder
+		for _, p := range c.pieces {
+			sent.WriteString(cs.add(p))
+		}
+		rest, calls := cs.end(newID)
+		var call string
+		if len(calls) == 1 {
+			call = calls[0].Function.Name + calls[0].Function.Arguments
+		}
+		if sent.String() != c.sent || rest != c.rest || call != c.call || len(calls) > 1 || cs.finishReason(c.generated, calls) != c.wantFinish {
+			t.Errorf("%q: passed on %q then %q, calls %v, finish %q", c.pieces, sent.String(), rest, calls, cs.finishReason(c.generated, calls))
+		}
+	}
+}
+
+func TestRenameRule(t *testing.T) {
+	in := "root ::= \"{\" space root-x (\"root\" | [root]) root # root here\nroot-x ::= root\n"
+	want := "shoal-call ::= \"{\" space root-x (\"root\" | [root]) shoal-call # root here\nroot-x ::= shoal-call\n"
+	if got := renameRule(in, "root", "shoal-call"); got != want {
+		t.Fatalf("got  %q\nwant %q", got, want)
+	}
+}
+
+func TestJSONValueKeepsOrder(t *testing.T) {
+	v, err := jsonValue([]byte(`{"z": 1, "a": [true, null, 2.5, "s"], "m": {"y": 9007199254740993, "b": {}}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := v.AsDict().OrderedKeys(); fmt.Sprint(got) != "[z a m]" {
+		t.Fatalf("keys %v", got)
+	}
+	for _, bad := range []string{`{"a":`, `{} {}`, strings.Repeat("[", 100) + strings.Repeat("]", 100)} {
+		if _, err := jsonValue([]byte(bad)); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+}
+
+// TestNativeToolPrompt: with a template that shows tools, chat renders them in
+// the client's order, earlier calls with their arguments as objects and tool
+// results as the template lays them out, and the grammar holds the calls.
+func TestNativeToolPrompt(t *testing.T) {
+	f := enginetest.New(256, 4, 64)
+	b := &Backend{Vocab: f.Vocab(), Info: f.Info(), Template: models.ToolsTemplate}
+	s := &Server{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	s.compileTemplate(b)
+	if b.chat == nil || b.chat.calls != &hermesFormat {
+		t.Fatalf("template not compiled as hermes: %+v", b.chat)
+	}
+	var req ChatRequest
+	body := `{"messages": [
+		{"role": "developer", "content": "Be brief."},
+		{"role": "user", "content": "Weather in Oslo?"},
+		{"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"zcity\": \"Oslo\", \"a\": 1}"}}]},
+		{"role": "tool", "tool_call_id": "c1", "content": "3 C"}],
+		"tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"zcity": {"type": "string"}, "a": {"type": "integer"}}}}}],
+		"tool_choice": "required"}`
+	if err := json.Unmarshal([]byte(body), &req); err != nil {
+		t.Fatal(err)
+	}
+	tp, err := toolsOf(&req.ToolFields, &req.SamplingFields)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, err := chatPrompt(b, req.Messages, tp, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"<|im_start|>system\nBe brief.\n\n",
+		`{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"zcity": {"type": "string"}, "a": {"type": "integer"}}}}}`,
+		"<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"zcity\": \"Oslo\", \"a\": 1}}\n</tool_call><|im_end|>\n",
+		"<|im_start|>user\n<tool_response>\n3 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+	} {
+		if !strings.Contains(text, want) {
+			t.Errorf("prompt lacks %q:\n%s", want, text)
+		}
+	}
+	if tp.format != &hermesFormat {
+		t.Fatal("the plan does not use the template's call format")
+	}
+	s.cfg.SchemaToGrammar = func([]byte) (string, error) { return "root ::= \"{}\"\n", nil }
+	g, triggers, err := s.callGrammar(tp)
+	if err != nil || triggers != nil || !strings.Contains(g, `shoal-call ::= "{}"`) || !strings.Contains(g, `shoal-block ::= "<tool_call>"`) {
+		t.Fatalf("required: grammar %q, triggers %v, %v", g, triggers, err)
+	}
+	tp.required = false
+	if _, triggers, _ = s.callGrammar(tp); fmt.Sprint(triggers) != "[{<tool_call> false}]" {
+		t.Fatalf("auto: triggers %v", triggers)
+	}
+
+	// Llama 3: one bare call, lazily only at the answer's start.
+	b = &Backend{Vocab: f.Vocab(), Info: f.Info(), Template: models.Llama3ToolsTemplate}
+	s.compileTemplate(b)
+	tp, _ = toolsOf(&req.ToolFields, &req.SamplingFields)
+	if text, err = chatPrompt(b, req.Messages, tp, nil); err != nil || tp.format != &llama3Format {
+		t.Fatalf("llama3: format %v, %v", tp.format, err)
+	}
+	for _, want := range []string{
+		`{"type": "function", "function": {"name": "get_weather"`,
+		"<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \"parameters\": {\"zcity\": \"Oslo\", \"a\": 1}}<|eot_id|>",
+		"<|start_header_id|>ipython<|end_header_id|>\n\n3 C<|eot_id|>",
+	} {
+		if !strings.Contains(text, want) {
+			t.Errorf("llama3 prompt lacks %q:\n%s", want, text)
+		}
+	}
+	tp.required = false
+	g, triggers, err = s.callGrammar(tp)
+	if err != nil || fmt.Sprint(triggers) != `[{{"name" true}]` || !strings.Contains(g, "root ::= shoal-call\n") {
+		t.Fatalf("llama3 auto: grammar %q, triggers %v, %v", g, triggers, err)
+	}
+	tp.format = nil
+	tp.required = true
+
+	// Under an output constraint the tool protocol is used: an answer in the
+	// model's own format would be free text.
+	req.ResponseFormat = &ResponseFormat{Type: "json_object"}
+	tp, err = toolsOf(&req.ToolFields, &req.SamplingFields)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if text, err = chatPrompt(b, req.Messages, tp, nil); err != nil || tp.format != nil || !strings.Contains(text, `{"tool_calls"`) {
+		t.Fatalf("with response_format: format %v, %v, prompt:\n%s", tp.format, err, text)
+	}
+
+	// A template that fails on a history is a 400 naming it.
+	b.Template = `{{ raise_exception("roles must alternate") }}`
+	b.chat = nil
+	s.compileTemplate(b)
+	if b.chat != nil {
+		t.Fatal("a template that fails on every chat was kept")
+	}
+	ct, err := newChatTemplate(&Backend{Vocab: f.Vocab(), Template: `{% if messages|length > 4 %}{{ raise_exception("too long") }}{% endif %}ok`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.chat = ct
+	long := make([]Message, 5)
+	for i := range long {
+		long[i] = Message{Role: "user", Content: "x"}
+	}
+	if _, err := chatPrompt(b, long, nil, nil); err == nil || !strings.Contains(err.Error(), "too long") {
+		t.Fatalf("template error: %v", err)
+	}
+}
+
+// bosVocab reads BOS as "<s>", EOS as "</s>".
+type bosVocab struct{ engine.Vocab }
+
+func (v bosVocab) Piece(t engine.Token, special bool) ([]byte, error) {
+	switch t {
+	case v.BOS():
+		return []byte("<s>"), nil
+	case v.EOS():
+		return []byte("</s>"), nil
+	}
+	return v.Vocab.Piece(t, special)
+}
+
+// TestTemplateBOS: a template's leading bos_token is dropped, since tokenizing
+// the prompt adds BOS (the vocabulary's AddBOS); eos_token is given as is.
+func TestTemplateBOS(t *testing.T) {
+	v := bosVocab{enginetest.New(256, 4, 64).Vocab()}
+	ct, err := newChatTemplate(&Backend{Vocab: v, Template: `{{ bos_token }}{{ messages[-1].content }}{{ eos_token }}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := chatPrompt(&Backend{Vocab: v, chat: ct}, []Message{{Role: "user", Content: "hi"}}, nil, nil); err != nil || got != "hi</s>" {
+		t.Fatalf("rendered %q, %v; want %q", got, err, "hi</s>")
+	}
+}
+
+// TestChatTemplateKwargs: chat_template_kwargs become template variables (as
+// vLLM's enable_thinking for Qwen 3); the variables a chat sets are refused.
+func TestChatTemplateKwargs(t *testing.T) {
+	f := enginetest.New(256, 4, 64)
+	ct, err := newChatTemplate(&Backend{Vocab: f.Vocab(), Template: `{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{{ messages[-1].content }}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &Backend{Vocab: f.Vocab(), chat: ct}
+	msgs := []Message{{Role: "user", Content: "hi"}}
+	for kwargs, want := range map[string]string{``: "hi", `{"enable_thinking": false}`: "<think></think>hi", `{"enable_thinking": true}`: "hi"} {
+		if got, err := chatPrompt(b, msgs, nil, json.RawMessage(kwargs)); err != nil || got != want {
+			t.Errorf("%s: %q, %v; want %q", kwargs, got, err, want)
+		}
+	}
+	for _, bad := range []string{`[1]`, `{"messages": []}`, `{"add_generation_prompt": false}`} {
+		if _, err := chatPrompt(b, msgs, nil, json.RawMessage(bad)); err == nil || !strings.Contains(err.Error(), "chat_template_kwargs") {
+			t.Errorf("%s: %v", bad, err)
+		}
+	}
+}
