@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -60,6 +60,11 @@ bench-quant: build
 # Scheduler throughput vs. the ceiling, and the shared-prefix workload (docs/benchmarks.md).
 bench-scheduler: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler(Decode|Sampling|SharedPrefix)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 120m ./engine/llama | tee bench-scheduler.txt
+
+# Laying out a chat: the model's Jinja template beside llama.cpp's built-in formatter (docs/benchmarks.md).
+bench-template: build
+	@$(CGO_ENV); { $(GO) test -run '^$$' -bench 'BenchmarkChatPrompt' -benchtime $(BENCHTIME) -count $(COUNT) ./api; \
+		$(GO) test -run '^$$' -bench 'BenchmarkApplyChatTemplate' -benchtime $(BENCHTIME) -count $(COUNT) ./engine/llama; } | tee bench-template.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

@@ -32,6 +32,12 @@ type chatTemplate struct {
 	calls *callFormat
 }
 
+// CheckTemplate reports whether src parses as a Jinja template.
+func CheckTemplate(src string) error {
+	_, err := jinja.Compile(src)
+	return err
+}
+
 // newChatTemplate compiles b.Template and checks that it renders a short chat.
 func newChatTemplate(b *Backend) (*chatTemplate, error) {
 	t, err := jinja.Compile(b.Template)

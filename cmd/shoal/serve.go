@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -127,7 +128,7 @@ type serveFlags struct {
 	kvMemory, schedulingPolicy                                              string
 	simSpeed, cacheFloor                                                    float64
 	embeddings, jinja                                                       bool
-	pooling, chatTemplate                                                   string
+	pooling, chatTemplate, chatTemplateFile                                 string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port                                                                    int
 	mmap, caching                                                           bool
@@ -172,7 +173,8 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
-	fs.StringVar(&f.chatTemplate, "chat-template", "", "chat format: a built-in name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, ChatML when it has none)")
+	fs.StringVar(&f.chatTemplate, "chat-template", "", "a llama.cpp built-in chat format instead of the model's own template: a name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, run as Jinja; ChatML when it has none)")
+	fs.StringVar(&f.chatTemplateFile, "chat-template-file", "", "a Jinja chat template file to render chats with instead of the model's own (as llama-server's)")
 	fs.BoolVar(&f.jinja, "jinja", true, "render chats with the model's own Jinja chat template (tools in the model's own call format where it has one); false: llama.cpp's built-in format for it, tools described in the system message")
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
@@ -230,10 +232,27 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
 	}
+	var template string
+	if f.chatTemplateFile != "" {
+		switch {
+		case f.chatTemplate != "":
+			return errors.New("--chat-template and --chat-template-file: give one (a llama.cpp built-in format, or a Jinja template)")
+		case !f.jinja:
+			return errors.New("--chat-template-file with --jinja=false: the file is a Jinja template")
+		}
+		b, err := os.ReadFile(f.chatTemplateFile)
+		if err != nil {
+			return fmt.Errorf("--chat-template-file: %w", err)
+		}
+		if err := api.CheckTemplate(string(b)); err != nil {
+			return fmt.Errorf("--chat-template-file %s: %w", f.chatTemplateFile, err)
+		}
+		template = string(b)
+	}
 	var profile sim.Profile
 	if f.sim != "" {
-		if f.chatTemplate != "" {
-			return errors.New("--chat-template has no effect with --sim: simulated nodes render ChatML")
+		if f.chatTemplate != "" || f.chatTemplateFile != "" {
+			return errors.New("--chat-template and --chat-template-file have no effect with --sim: simulated nodes render ChatML")
 		}
 		if f.embeddings {
 			return errors.New("--embeddings with --sim: simulated nodes generate; they have no pooled embeddings")
@@ -427,7 +446,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	backend := &api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
 		Sampling: samplingDefaults(log, f.sampling, info.Sampling)}
 	if f.jinja {
-		backend.Template = info.Template
+		backend.Template = cmp.Or(template, info.Template)
 	}
 	srv.SetBackend(backend)
 	scheme := "http"

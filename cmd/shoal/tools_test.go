@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -468,4 +469,44 @@ func TestNativeToolCalls(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("--jinja=false", chat.Choices[0], "get_weather", "get_time")
+}
+
+// TestChatTemplateFile: --chat-template-file renders chats with a Jinja template
+// instead of the model's own; a file that does not parse, or one given with
+// --chat-template or --jinja=false, stops the start.
+func TestChatTemplateFile(t *testing.T) {
+	dir := t.TempDir()
+	good, bad := filepath.Join(dir, "tools.jinja"), filepath.Join(dir, "bad.jinja")
+	if err := os.WriteFile(good, []byte(models.ToolsTemplate), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bad, []byte("{% for m in messages %}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{
+		{"--chat-template-file", bad},
+		{"--chat-template-file", filepath.Join(dir, "none.jinja")},
+		{"--chat-template-file", good, "--chat-template", "chatml"},
+		{"--chat-template-file", good, "--jinja=false"},
+	} {
+		if err := runServe(append([]string{"--model", smallModel(t)}, args...), io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "chat-template") {
+			t.Errorf("%q: %v", args, err)
+		}
+	}
+	n := startNode(t, "--model", smallModel(t), "--chat-template-file", good)
+	if !strings.Contains(n.log(), "tool_calls=hermes") {
+		t.Fatalf("the file's call format was not recognised:\n%s", n.log())
+	}
+	resp, b := post(t, n.url+"/tokenize", `{"messages": [{"role": "user", "content": "hi"}],
+		"tools": [{"type": "function", "function": {"name": "f"}}]}`)
+	var tok struct {
+		Tokens []int32 `json:"tokens"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &tok) != nil {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	detok, _ := json.Marshal(map[string]any{"tokens": tok.Tokens})
+	if resp, b = post(t, n.url+"/detokenize", string(detok)); resp.StatusCode != 200 || !strings.Contains(b, `{\"name\": \"f\"`) || !strings.Contains(b, "tools") {
+		t.Fatalf("the prompt does not show the tools as the file lays them out: %s", b)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -171,4 +172,22 @@ func benchPrefill(b *testing.B, name, path string, threads int, unified bool) {
 		}
 		b.ReportMetric(float64(p*b.N)/total.Seconds(), "tok/s")
 	})
+}
+
+// BenchmarkApplyChatTemplate: llama.cpp's built-in formatter (ChatML) on the
+// chat BenchmarkChatPrompt in api lays out with Jinja: 21 turns of ~200 bytes.
+func BenchmarkApplyChatTemplate(b *testing.B) {
+	e := openTest(b, models.Tiny(), nil)
+	msgs := []engine.ChatMessage{{Role: "system", Content: "You are a helpful assistant."}}
+	for i := range 10 {
+		msgs = append(msgs, engine.ChatMessage{Role: "user", Content: strings.Repeat(fmt.Sprintf("question %d ", i), 16)},
+			engine.ChatMessage{Role: "assistant", Content: strings.Repeat(fmt.Sprintf("answer %d ", i), 20)})
+	}
+	msgs = append(msgs, engine.ChatMessage{Role: "user", Content: "And now?"})
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := e.Vocab().ApplyChatTemplate(msgs, true); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
