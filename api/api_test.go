@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/shoal-ai/shoal/engine/enginetest"
+	"github.com/shoal-ai/shoal/models"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -541,11 +542,25 @@ func FuzzRequests(f *testing.F) {
 		f.Add(b, uint8(0))
 		f.Add(b, uint8(1))
 	}
+	// A second server renders chats with a Jinja template that shows tools in
+	// the Hermes format (its grammars then come from a stand-in converter).
+	js := newTestServer(f, func(c *Config, sc *scheduler.Config) {
+		c.MaxTokensCap = 8
+		c.SchemaToGrammar = func([]byte) (string, error) { return "root ::= \"{}\"\n", nil }
+	})
+	b := *js.backend.Load()
+	b.Template = models.ToolsTemplate
+	js.SetBackend(&b)
+	f.Add(`{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]},{"role":"tool","content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":3,"chat_template_kwargs":{"x":1}}`, uint8(4))
 	paths := []string{"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
 	f.Fuzz(func(t *testing.T, body string, which uint8) {
-		w := s.do(t, "POST", paths[int(which)%len(paths)], body)
+		srv := s
+		if which >= 4 {
+			srv = js
+		}
+		w := srv.do(t, "POST", paths[int(which)%len(paths)], body)
 		if w.Code >= 500 {
-			t.Fatalf("status %d for %q: %s", w.Code, body, w.Body)
+			t.Fatalf("status %d for %q (jinja %v): %s", w.Code, body, which >= 4, w.Body)
 		}
 		if w.Code != 200 {
 			var e ErrorBody

@@ -295,3 +295,54 @@ func TestChatTemplateKwargs(t *testing.T) {
 		}
 	}
 }
+
+// FuzzCallStream: whatever the model writes, following it in a call format
+// never panics, does not depend on how the output is cut into pieces, and loses
+// nothing: without calls, the text passed on and the rest are the output.
+func FuzzCallStream(f *testing.F) {
+	f.Add("Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>", 3, false)
+	f.Add("<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"x", 1, false)
+	f.Add("  {\"name\": \"f\", \"parameters\": {}}", 2, true)
+	f.Add("<tool_<tool_call>call>", 4, false)
+	f.Fuzz(func(t *testing.T, out string, k int, bare bool) {
+		format := &hermesFormat
+		if bare {
+			format = &llama3Format
+		}
+		run := func(k int) ([2]string, []ToolCall) {
+			cs := &callStream{f: format}
+			var sent strings.Builder
+			for i := 0; i < len(out); i += k {
+				sent.WriteString(cs.add(out[i:min(i+k, len(out))]))
+			}
+			rest, calls := cs.end(func() string { return "id" })
+			return [2]string{sent.String(), rest}, calls
+		}
+		if k < 1 || k > len(out) {
+			k = 1
+		}
+		text, calls := run(k)
+		wholeText, wholeCalls := run(max(len(out), 1))
+		if text != wholeText || fmt.Sprint(calls) != fmt.Sprint(wholeCalls) {
+			t.Fatalf("pieces of %d: %q %v; whole: %q %v", k, text, calls, wholeText, wholeCalls)
+		}
+		if len(calls) == 0 && text[0]+text[1] != out {
+			t.Fatalf("no calls, but %q passed on for %q", text, out)
+		}
+	})
+}
+
+// FuzzJSONValue: request JSON (tool schemas, arguments, chat_template_kwargs)
+// becomes a template value or an error, never a panic; valid JSON within the
+// depth bound always converts.
+func FuzzJSONValue(f *testing.F) {
+	for _, s := range []string{`{"a": [1, 2.5, "x", null, true]}`, `[[[]]]`, `"s"`, `{"a":`, `1e999`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		_, err := jsonValue([]byte(s))
+		if err != nil && json.Valid([]byte(s)) && schemaDepth([]byte(s)) <= maxSchemaDepth {
+			t.Fatalf("valid JSON %q refused: %v", s, err)
+		}
+	})
+}
