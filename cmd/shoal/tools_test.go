@@ -27,75 +27,12 @@ func TestToolCalling(t *testing.T) {
 	n := startNode(t, "--model", smallModel(t))
 	c := n.client("")
 	ctx := context.Background()
-	weather := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
-		Name:        "get_weather",
-		Description: openai.String("The weather now in a city"),
-		Parameters: shared.FunctionParameters{
-			"type":                 "object",
-			"properties":           map[string]any{"city": map[string]any{"type": "string", "enum": []string{"Oslo", "Paris"}}},
-			"required":             []string{"city"},
-			"additionalProperties": false,
-		},
-	})
-	clock := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "get_time"})
-	params := openai.ChatCompletionNewParams{
-		Model:      "small",
-		Messages:   []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("You help."), openai.UserMessage("What is the weather in Oslo?")},
-		Tools:      []openai.ChatCompletionToolUnionParam{weather, clock},
-		ToolChoice: openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
-		MaxTokens:  openai.Int(200),
-		Seed:       openai.Int(1),
-		// A model this small, left to call tools in parallel, calls them until
-		// max_tokens; several calls in one answer are checked in the api tests.
-		ParallelToolCalls: openai.Bool(false),
-	}
+	weather, clock, params := toolRequest("small")
 	checkCalls := func(what string, cc openai.ChatCompletionChoice, names ...string) {
 		t.Helper()
-		if cc.FinishReason != "tool_calls" || len(cc.Message.ToolCalls) == 0 || cc.Message.Content != "" {
-			t.Fatalf("%s: finish %q, message %+v", what, cc.FinishReason, cc.Message)
-		}
-		for _, call := range cc.Message.ToolCalls {
-			var args map[string]any
-			if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil || call.ID == "" || call.Type != "function" {
-				t.Fatalf("%s: call %+v: %v", what, call, err)
-			}
-			if !slices.Contains(names, call.Function.Name) {
-				t.Fatalf("%s: called %q, want one of %v", what, call.Function.Name, names)
-			}
-			if city := args["city"]; call.Function.Name == "get_weather" && city != "Oslo" && city != "Paris" {
-				t.Fatalf("%s: get_weather arguments %s", what, call.Function.Arguments)
-			}
-		}
+		checkToolCalls(t, what, cc, names...)
 	}
-	chat, err := c.Chat.Completions.New(ctx, params)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkCalls("required", chat.Choices[0], "get_weather", "get_time")
-
-	params.ToolChoice = openai.ToolChoiceOptionFunctionToolChoice(openai.ChatCompletionNamedToolChoiceFunctionParam{Name: "get_weather"})
-	chat, err = c.Chat.Completions.New(ctx, params)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkCalls("named", chat.Choices[0], "get_weather")
-	if len(chat.Choices[0].Message.ToolCalls) != 1 {
-		t.Fatalf("parallel_tool_calls false gave %d calls", len(chat.Choices[0].Message.ToolCalls))
-	}
-
-	// Streamed, the same seed gives the same call, as the SDK accumulates it.
-	stream := c.Chat.Completions.NewStreaming(ctx, params)
-	var acc openai.ChatCompletionAccumulator
-	for stream.Next() {
-		acc.AddChunk(stream.Current())
-	}
-	if err := stream.Err(); err != nil {
-		t.Fatal(err)
-	}
-	checkCalls("streamed", acc.Choices[0], "get_weather")
-	if got, want := acc.Choices[0].Message.ToolCalls[0].Function, chat.Choices[0].Message.ToolCalls[0].Function; got.Name != want.Name || got.Arguments != want.Arguments {
-		t.Fatalf("streamed call %+v, whole %+v", got, want)
-	}
+	chat := callRequiredNamedStreamed(t, c, params, checkCalls)
 
 	// Cut short by max_tokens, the calls made so far come back as calls, never
 	// as the protocol's JSON in content.
@@ -241,6 +178,90 @@ func TestToolCalling(t *testing.T) {
 	}
 }
 
+// toolRequest is a chat that asks for the weather with two tools offered,
+// get_weather (a city from an enum) and get_time (no parameters), one call
+// required.
+func toolRequest(model string) (weather, clock openai.ChatCompletionToolUnionParam, params openai.ChatCompletionNewParams) {
+	weather = openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
+		Name:        "get_weather",
+		Description: openai.String("The weather now in a city"),
+		Parameters: shared.FunctionParameters{
+			"type":                 "object",
+			"properties":           map[string]any{"city": map[string]any{"type": "string", "enum": []string{"Oslo", "Paris"}}},
+			"required":             []string{"city"},
+			"additionalProperties": false,
+		},
+	})
+	clock = openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "get_time"})
+	params = openai.ChatCompletionNewParams{
+		Model:      model,
+		Messages:   []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("You help."), openai.UserMessage("What is the weather in Oslo?")},
+		Tools:      []openai.ChatCompletionToolUnionParam{weather, clock},
+		ToolChoice: openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
+		MaxTokens:  openai.Int(200),
+		Seed:       openai.Int(1),
+		// A model this small, left to call tools in parallel, calls them until
+		// max_tokens; several calls in one answer are checked in the api tests.
+		ParallelToolCalls: openai.Bool(false),
+	}
+	return weather, clock, params
+}
+
+// callRequiredNamedStreamed asks for a call under tool_choice required, then
+// for get_weather by name, whole and streamed: the same seed gives the same
+// call, as the SDK accumulates it. It returns the named call's completion.
+func callRequiredNamedStreamed(t *testing.T, c openai.Client, params openai.ChatCompletionNewParams, check func(string, openai.ChatCompletionChoice, ...string)) *openai.ChatCompletion {
+	t.Helper()
+	ctx := context.Background()
+	chat, err := c.Chat.Completions.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("required", chat.Choices[0], "get_weather", "get_time")
+	params.ToolChoice = openai.ToolChoiceOptionFunctionToolChoice(openai.ChatCompletionNamedToolChoiceFunctionParam{Name: "get_weather"})
+	if chat, err = c.Chat.Completions.New(ctx, params); err != nil {
+		t.Fatal(err)
+	}
+	check("named", chat.Choices[0], "get_weather")
+	if len(chat.Choices[0].Message.ToolCalls) != 1 {
+		t.Fatalf("parallel_tool_calls false gave %d calls", len(chat.Choices[0].Message.ToolCalls))
+	}
+	stream := c.Chat.Completions.NewStreaming(ctx, params)
+	var acc openai.ChatCompletionAccumulator
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("streamed", acc.Choices[0], "get_weather")
+	if got, want := acc.Choices[0].Message.ToolCalls[0].Function, chat.Choices[0].Message.ToolCalls[0].Function; got.Name != want.Name || got.Arguments != want.Arguments {
+		t.Fatalf("streamed call %+v, whole %+v", got, want)
+	}
+	return chat
+}
+
+// checkToolCalls: cc ended in calls, without text, each to one of names with
+// JSON arguments (a city from the enum for get_weather).
+func checkToolCalls(t *testing.T, what string, cc openai.ChatCompletionChoice, names ...string) {
+	t.Helper()
+	if cc.FinishReason != "tool_calls" || len(cc.Message.ToolCalls) == 0 || cc.Message.Content != "" {
+		t.Fatalf("%s: finish %q, message %+v", what, cc.FinishReason, cc.Message)
+	}
+	for _, call := range cc.Message.ToolCalls {
+		var args map[string]any
+		if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil || call.ID == "" || call.Type != "function" {
+			t.Fatalf("%s: call %+v: %v", what, call, err)
+		}
+		if !slices.Contains(names, call.Function.Name) {
+			t.Fatalf("%s: called %q, want one of %v", what, call.Function.Name, names)
+		}
+		if city := args["city"]; call.Function.Name == "get_weather" && city != "Oslo" && city != "Paris" {
+			t.Fatalf("%s: get_weather arguments %s", what, call.Function.Arguments)
+		}
+	}
+}
+
 // TestModelSamplingDefaults: a request that gives no temperature samples at the
 // model's recommended one (general.sampling.temp), unless --temp overrides it;
 // a recommendation out of range is ignored with a warning.
@@ -314,63 +335,14 @@ func TestNativeToolCalls(t *testing.T) {
 	}
 	c := n.client("")
 	ctx := context.Background()
-	weather := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
-		Name: "get_weather",
-		Parameters: shared.FunctionParameters{
-			"type":                 "object",
-			"properties":           map[string]any{"city": map[string]any{"type": "string", "enum": []string{"Oslo", "Paris"}}},
-			"required":             []string{"city"},
-			"additionalProperties": false,
-		},
-	})
-	clock := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "get_time"})
-	params := openai.ChatCompletionNewParams{
-		Model:             "tools",
-		Messages:          []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("You help."), openai.UserMessage("What is the weather in Oslo?")},
-		Tools:             []openai.ChatCompletionToolUnionParam{weather, clock},
-		ToolChoice:        openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
-		MaxTokens:         openai.Int(200),
-		Seed:              openai.Int(1),
-		ParallelToolCalls: openai.Bool(false),
-	}
+	_, _, params := toolRequest("tools")
 	check := func(what string, cc openai.ChatCompletionChoice, names ...string) {
 		t.Helper()
-		if cc.FinishReason != "tool_calls" || len(cc.Message.ToolCalls) != 1 || strings.Contains(cc.Message.Content, "<tool_call>") {
-			t.Fatalf("%s: finish %q, message %+v", what, cc.FinishReason, cc.Message)
-		}
-		call := cc.Message.ToolCalls[0]
-		var args map[string]any
-		if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil || call.ID == "" || !slices.Contains(names, call.Function.Name) {
-			t.Fatalf("%s: call %+v: %v", what, call, err)
-		}
-		if city := args["city"]; call.Function.Name == "get_weather" && city != "Oslo" && city != "Paris" {
-			t.Fatalf("%s: get_weather arguments %s", what, call.Function.Arguments)
+		if checkToolCalls(t, what, cc, names...); len(cc.Message.ToolCalls) != 1 {
+			t.Fatalf("%s: %d calls with parallel_tool_calls false", what, len(cc.Message.ToolCalls))
 		}
 	}
-	chat, err := c.Chat.Completions.New(ctx, params)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check("required", chat.Choices[0], "get_weather", "get_time")
-
-	params.ToolChoice = openai.ToolChoiceOptionFunctionToolChoice(openai.ChatCompletionNamedToolChoiceFunctionParam{Name: "get_weather"})
-	chat, err = c.Chat.Completions.New(ctx, params)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check("named", chat.Choices[0], "get_weather")
-	stream := c.Chat.Completions.NewStreaming(ctx, params)
-	var acc openai.ChatCompletionAccumulator
-	for stream.Next() {
-		acc.AddChunk(stream.Current())
-	}
-	if err := stream.Err(); err != nil {
-		t.Fatal(err)
-	}
-	check("streamed", acc.Choices[0], "get_weather")
-	if got, want := acc.Choices[0].Message.ToolCalls[0].Function, chat.Choices[0].Message.ToolCalls[0].Function; got.Name != want.Name || got.Arguments != want.Arguments {
-		t.Fatalf("streamed call %+v, whole %+v", got, want)
-	}
+	chat := callRequiredNamedStreamed(t, c, params, check)
 
 	// Under auto the model writes text unless it opens a call; the tags never
 	// reach the content.
@@ -437,23 +409,7 @@ func TestNativeToolCalls(t *testing.T) {
 	p.Model, p.Messages = "l3", params.Messages[:2]
 	p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
 	p.MaxTokens = openai.Int(200)
-	chat, err = c.Chat.Completions.New(ctx, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	check("llama3 required", chat.Choices[0], "get_weather", "get_time")
-	stream = c.Chat.Completions.NewStreaming(ctx, p)
-	acc = openai.ChatCompletionAccumulator{}
-	for stream.Next() {
-		acc.AddChunk(stream.Current())
-	}
-	if err := stream.Err(); err != nil {
-		t.Fatal(err)
-	}
-	check("llama3 streamed", acc.Choices[0], "get_weather", "get_time")
-	if got, want := acc.Choices[0].Message.ToolCalls[0].Function, chat.Choices[0].Message.ToolCalls[0].Function; got.Name != want.Name || got.Arguments != want.Arguments {
-		t.Fatalf("llama3 streamed call %+v, whole %+v", got, want)
-	}
+	callRequiredNamedStreamed(t, c, p, check)
 
 	// --jinja=false: llama.cpp's ChatML, tools described in the system message.
 	n = startNode(t, "--model", path, "--jinja=false")
