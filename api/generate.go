@@ -440,19 +440,19 @@ func (s *Server) chat(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	switch {
-	case tp != nil && tp.format != nil:
-		if p.req.Grammar, p.req.GrammarTriggers, err = s.callGrammar(tp); err != nil {
+	if tp != nil {
+		if tp.format != nil {
+			p.req.Grammar, p.req.GrammarTriggers, err = s.callGrammar(tp)
+		} else {
+			p.req.Grammar, err = s.toolGrammar(tp)
+		}
+		if err != nil {
 			abort(c, err)
 			return
 		}
 		p.tools = tp
-	case tp != nil:
-		if p.req.Grammar, err = s.toolGrammar(tp); err != nil {
-			abort(c, err)
-			return
-		}
-		p.tools = tp
+		// Stop strings are matched in the answer's text, not in calls (nor in
+		// the tool protocol's JSON around an answer).
 		tp.stops, p.req.Stop = p.req.Stop, nil
 	}
 	toks, err := b.Vocab.Tokenize(text, true, true)
@@ -773,7 +773,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 				if len(calls) > 0 {
 					// Text the model wrote before its calls is kept, as vLLM does.
 					cc.Message.ToolCalls = calls
-					if text = strings.TrimSpace(text); text == "" {
+					if strings.TrimSpace(text) == "" {
 						cc.Message.Content = nil
 					}
 				}

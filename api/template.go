@@ -9,6 +9,8 @@ import (
 	"strings"
 
 	"github.com/ardanlabs/jinja"
+
+	"github.com/shoal-ai/shoal/engine"
 )
 
 // Chats are rendered with the model's own Jinja chat template when it has one
@@ -30,6 +32,10 @@ type chatTemplate struct {
 	// when it shows none: tools are then described in the system message (the
 	// tool protocol, tools.go).
 	calls *callFormat
+	// foldSystem: the template refuses system turns (Gemma's, Mistral's
+	// first), so their text opens the next user turn instead, as llama.cpp's
+	// built-in formats for those models do.
+	foldSystem bool
 }
 
 // CheckTemplate reports whether src parses as a Jinja template.
@@ -51,9 +57,12 @@ func newChatTemplate(b *Backend) (*chatTemplate, error) {
 	if p, err := b.Vocab.Piece(b.Vocab.EOS(), true); err == nil {
 		ct.eos = string(p)
 	}
-	probe := []jinja.Value{turn("system", "s"), turn("user", "u"), turn("assistant", "a"), turn("user", "u")}
-	if _, err := ct.render(probe, jinja.Undefined(), nil); err != nil {
-		return nil, err
+	probe := []chatTurn{{role: "system", content: "s"}, {role: "user", content: "u"}, {role: "assistant", content: "a"}, {role: "user", content: "u"}}
+	if _, err := ct.render(values(probe), jinja.Undefined(), nil); err != nil {
+		if _, err2 := ct.render(values(probe[1:]), jinja.Undefined(), nil); err2 != nil {
+			return nil, err
+		}
+		ct.foldSystem = true
 	}
 	return ct, nil
 }
@@ -83,29 +92,36 @@ func (ct *chatTemplate) render(msgs []jinja.Value, tools jinja.Value, extra map[
 }
 
 // compileTemplate prepares b's Jinja template, or logs why llama.cpp's formats
-// render its chats instead.
+// render its chats instead, and warns when neither can.
 func (s *Server) compileTemplate(b *Backend) {
-	if b.Template == "" || b.Vocab == nil {
-		return
-	}
-	ct, err := newChatTemplate(b)
-	if err != nil {
-		s.log.Warn("the model's chat template does not run as Jinja here: chats are laid out by llama.cpp's built-in format for it instead, and tools are described in the system message",
+	if b.Template != "" && b.Vocab != nil {
+		ct, err := newChatTemplate(b)
+		if err == nil {
+			b.chat = ct
+			format := "described in the system message"
+			if ct.calls != nil {
+				format = ct.calls.name
+			}
+			s.log.Info("chat template", "renderer", "jinja", "tool_calls", format, "system_turns", !ct.foldSystem)
+			return
+		}
+		s.log.Warn("the chat template does not run as Jinja here: chats are laid out by llama.cpp's built-in format for it instead, and tools are described in the system message",
 			"err", err)
+	}
+	if b.Vocab == nil || b.Info.Pooling {
 		return
 	}
-	b.chat = ct
-	format := "described in the system message"
-	if ct.calls != nil {
-		format = ct.calls.name
+	if _, err := b.Vocab.ApplyChatTemplate([]engine.ChatMessage{{Role: "user", Content: "hi"}}, true); err != nil {
+		s.log.Warn("chat requests will be refused: no chat format renders this model's chats (give --chat-template NAME for a llama.cpp built-in format, or --chat-template-file FILE for a Jinja template)",
+			"err", err)
 	}
-	s.log.Info("chat template", "renderer", "jinja", "tool_calls", format)
 }
 
 // chatPrompt renders messages, with tp's tools when it offers any and the
 // request's chat_template_kwargs; chat and /tokenize share it so that /tokenize
-// counts the prompt chat builds. When the template shows tools itself and the
-// answer is free text, tp is switched to the model's own format for calls.
+// counts the prompt chat builds. When the template shows tools itself, earlier
+// calls are laid out by it, and an offer of tools whose answer is free text is
+// switched to the model's own format for calls.
 func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) (string, error) {
 	ct := b.chat
 	var extra map[string]jinja.Value
@@ -115,26 +131,31 @@ func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) 
 			return "", err
 		}
 	}
-	if ct != nil && tp != nil && ct.calls != nil && tp.plainAnswer() {
-		msgs, err := nativeTurns(in)
+	if ct != nil && ct.calls != nil && (tp == nil || tp.plainAnswer()) {
+		turns, err := nativeTurns(in)
 		if err != nil {
 			return "", err
 		}
-		tp.format = ct.calls
-		return renderErr(ct.render(msgs, toolsValue(tp.tools), extra))
+		tools := jinja.Undefined()
+		if tp != nil {
+			tp.format, tools = ct.calls, toolsValue(tp.tools)
+		}
+		return renderErr(ct.render(values(fold(turns, ct.foldSystem, false)), tools, extra))
 	}
 	msgs, err := renderMessages(in, tp)
 	if err != nil {
 		return "", err
 	}
-	if ct != nil {
-		turns := make([]jinja.Value, len(msgs))
-		for i, m := range msgs {
-			turns[i] = turn(m.Role, m.Content)
-		}
-		return renderErr(ct.render(turns, jinja.Undefined(), extra))
+	if ct == nil {
+		return renderErr(b.Vocab.ApplyChatTemplate(msgs, true))
 	}
-	return renderErr(b.Vocab.ApplyChatTemplate(msgs, true))
+	turns := make([]chatTurn, len(msgs))
+	for i, m := range msgs {
+		turns[i] = chatTurn{role: m.Role, content: m.Content}
+	}
+	// The tool protocol's results are user turns: one after another, they are
+	// joined, as templates that want roles to alternate require.
+	return renderErr(ct.render(values(fold(turns, ct.foldSystem, true)), jinja.Undefined(), extra))
 }
 
 // templateKwargs reads chat_template_kwargs: an object whose keys become
@@ -163,6 +184,13 @@ func renderErr(text string, err error) (string, error) {
 	return text, nil
 }
 
+// chatTurn is one message as a template reads it.
+type chatTurn struct {
+	role, content string
+	calls         []ToolCall // an assistant turn's
+	callID, name  string     // a tool turn's
+}
+
 // turn is a message with a role and a text.
 func turn(role, content string) jinja.Value {
 	m := jinja.NewDict()
@@ -172,51 +200,90 @@ func turn(role, content string) jinja.Value {
 	return m
 }
 
+// values are turns as the template reads them: assistant turns with their
+// tool_calls (arguments as objects, which templates write with tojson), tool
+// turns with tool_call_id and name.
+func values(turns []chatTurn) []jinja.Value {
+	out := make([]jinja.Value, len(turns))
+	for i, t := range turns {
+		v := turn(t.role, t.content)
+		d := v.AsDict()
+		if len(t.calls) > 0 {
+			list := make([]jinja.Value, len(t.calls))
+			for j, c := range t.calls {
+				list[j] = callValue(c)
+			}
+			d.Set("tool_calls", jinja.NewList(list))
+		}
+		if t.callID != "" {
+			d.Set("tool_call_id", jinja.NewString(t.callID))
+		}
+		if t.name != "" {
+			d.Set("name", jinja.NewString(t.name))
+		}
+		out[i] = v
+	}
+	return out
+}
+
+// fold opens the next user turn with the system turns' text when the template
+// refuses system turns, and joins consecutive user turns when asked.
+func fold(turns []chatTurn, system, users bool) []chatTurn {
+	if !system && !users {
+		return turns
+	}
+	out := make([]chatTurn, 0, len(turns))
+	var pending []string // system text for the next user turn
+	for _, t := range turns {
+		switch {
+		case system && t.role == "system":
+			pending = append(pending, t.content)
+			continue
+		case t.role == "user" && len(pending) > 0:
+			t.content = strings.Join(append(pending, t.content), "\n\n")
+			pending = nil
+		}
+		if n := len(out); users && t.role == "user" && n > 0 && out[n-1].role == "user" {
+			out[n-1].content += "\n\n" + t.content
+			continue
+		}
+		out = append(out, t)
+	}
+	if len(pending) > 0 { // system text with no user turn after it
+		out = append(out, chatTurn{role: "user", content: strings.Join(pending, "\n\n")})
+	}
+	return out
+}
+
 // nativeTurns maps a chat history to the template's messages as OpenAI sends
-// them: assistant turns with their tool_calls (arguments as objects, which
-// templates write with tojson), tool results as "tool" turns.
-func nativeTurns(in []Message) ([]jinja.Value, error) {
-	out := make([]jinja.Value, 0, len(in))
+// them: assistant turns with their tool calls, tool results as "tool" turns.
+func nativeTurns(in []Message) ([]chatTurn, error) {
+	out := make([]chatTurn, 0, len(in))
 	names := map[string]string{} // tool call id → function name
 	for i, m := range in {
 		param := fmt.Sprintf("messages[%d]", i)
-		var v jinja.Value
+		t := chatTurn{role: m.Role, content: string(m.Content)}
 		switch m.Role {
-		case "system", "developer", "user":
-			role := m.Role
-			if role == "developer" {
-				role = "system"
-			}
-			v = turn(role, string(m.Content))
+		case "system", "user":
+		case "developer":
+			t.role = "system"
 		case "assistant":
 			calls, err := historyCalls(m, param)
 			if err != nil {
 				return nil, err
 			}
-			v = turn("assistant", string(m.Content))
-			if len(calls) > 0 {
-				list := make([]jinja.Value, len(calls))
-				for j, c := range calls {
-					list[j] = callValue(c)
-					if c.ID != "" {
-						names[c.ID] = c.Function.Name
-					}
+			t.calls = calls
+			for _, c := range calls {
+				if c.ID != "" {
+					names[c.ID] = c.Function.Name
 				}
-				v.AsDict().Set("tool_calls", jinja.NewList(list))
 			}
 		case "tool":
-			v = turn("tool", string(m.Content))
-			name := cmpOr(names[m.ToolCallID], m.Name)
-			if m.ToolCallID != "" {
-				v.AsDict().Set("tool_call_id", jinja.NewString(m.ToolCallID))
-			}
-			if name != "" {
-				v.AsDict().Set("name", jinja.NewString(name))
-			}
+			t.callID, t.name = m.ToolCallID, cmpOr(names[m.ToolCallID], m.Name)
 		default:
 			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
 		}
-		out = append(out, v)
+		out = append(out, t)
 	}
 	return out, nil
 }

@@ -138,26 +138,40 @@ func renameRule(gbnf, from, to string) string {
 
 // callStream follows one choice's output in a model's own call format: text
 // before the first call is passed on as it comes (holding back what may begin
-// a call), the calls are kept until the output is whole.
+// a call, and cut at a stop string), the calls are kept until the output is
+// whole. Stop strings are matched in the text only, never inside a call.
 type callStream struct {
-	f     *callFormat
-	buf   strings.Builder
-	sent  int  // bytes of buf passed on, or held as the start of the calls
-	calls bool // buf[sent:] begins the calls
-	text  bool // a bare format's answer is text, not a call
+	f       *callFormat
+	stop    stopMatcher
+	buf     strings.Builder
+	sent    int  // bytes of buf passed on, or held as the start of the calls
+	calls   bool // buf[sent:] begins the calls
+	text    bool // a bare format's answer is text, not a call
+	partial bool // end: the last call was cut short
 }
 
-func (c *callStream) follow(_ *scheduler.Stream, ev scheduler.Event) string { return c.add(ev.Text) }
+func (c *callStream) follow(st *scheduler.Stream, ev scheduler.Event) string {
+	return c.stop.follow(c.add, st, ev)
+}
 
+// add takes the next piece of output and returns the text to pass on.
 func (c *callStream) add(piece string) string {
+	if c.stop.stopped {
+		return ""
+	}
 	c.buf.WriteString(piece)
+	return c.stop.cut(c.next(), false)
+}
+
+// next moves on past the text that can be passed on and returns it.
+func (c *callStream) next() string {
 	if c.calls {
 		return ""
 	}
 	s := c.buf.String()
 	if c.f.bare() && !c.text {
 		// One call or text: decided by the answer's first character.
-		switch t := strings.TrimLeft(s, " \t\r\n"); {
+		switch t := strings.TrimLeft(s, jsonSpace); {
 		case t == "":
 			return ""
 		case t[0] == '{':
@@ -187,71 +201,86 @@ func (c *callStream) add(piece string) string {
 }
 
 func (c *callStream) end(newID func() string) (string, []ToolCall) {
+	if c.stop.stopped {
+		return "", nil // what followed the stop string is not the answer's
+	}
 	rest := c.buf.String()[c.sent:]
 	if !c.calls {
-		return rest, nil
+		return c.stop.cut(rest, true), nil
 	}
 	parse := parseTagged
 	if c.f.bare() {
 		parse = parseBare
 	}
-	calls, after, ok := parse(rest, c.f, newID)
+	calls, after, whole, ok := parse(rest, c.f, newID)
 	if !ok {
-		return rest, nil // not calls after all: nothing generated is lost
+		return c.stop.cut(rest, true), nil // not calls after all: nothing generated is lost
 	}
-	return after, calls
+	c.partial = !whole
+	return c.stop.cut(after, true), calls
 }
 
+// finishReason is tool_calls for calls ended in full.
 func (c *callStream) finishReason(generated string, calls []ToolCall) string {
-	if len(calls) > 0 && generated != "length" {
+	switch {
+	case c.stop.stopped:
+		return "stop"
+	case len(calls) > 0 && !c.partial && generated != "length":
 		return "tool_calls"
 	}
 	return generated
 }
 
-// cutByStop is false: stop strings are matched by the scheduler in the output
-// as it is generated.
-func (c *callStream) cutByStop() bool { return false }
+func (c *callStream) cutByStop() bool { return c.stop.stopped }
 
 // parseTagged reads calls in format f from text, which begins with f.open.
 // A call cut short (by max_tokens) is returned with the arguments generated so
-// far, as OpenAI returns one. after is the text after the last call; ok is
-// false when not even one call could be read.
-func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, ok bool) {
+// far, as OpenAI returns one, and whole is false. after is the text after the
+// last call; ok is false when not even one call could be read.
+func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	rest := text
 	for {
 		body, found := strings.CutPrefix(strings.TrimLeft(rest, jsonSpace), f.open)
 		if !found {
+			if t := strings.TrimLeft(rest, jsonSpace); len(calls) > 0 && t != "" && strings.HasPrefix(f.open, t) {
+				return calls, "", false, true // cut in the next call's opening tag
+			}
 			break
 		}
-		call, n, whole := readCall(strings.TrimLeft(body, jsonSpace), f, newID)
-		if call == nil {
-			break
+		body = strings.TrimLeft(body, jsonSpace)
+		call, n, complete := readCall(body, f, newID)
+		switch {
+		case call == nil && len(calls) > 0:
+			// After a call only calls follow (the grammar holds them): this is
+			// the next one, cut before its name.
+			return calls, "", false, true
+		case call == nil:
+			return nil, "", false, false
 		}
 		calls = append(calls, *call)
-		if !whole {
-			return calls, "", true
+		if !complete {
+			return calls, "", false, true
 		}
-		tail := strings.TrimLeft(strings.TrimLeft(body, jsonSpace)[n:], jsonSpace)
+		tail := strings.TrimLeft(body[n:], jsonSpace)
 		rest = strings.TrimPrefix(tail, f.close)
 		if len(rest) == len(tail) { // cut before the closing tag
-			return calls, "", true
+			return calls, "", false, true
 		}
 	}
 	if len(calls) == 0 {
-		return nil, "", false
+		return nil, "", false, false
 	}
-	return calls, strings.TrimSpace(rest), true
+	return calls, strings.TrimSpace(rest), true, true
 }
 
 // parseBare reads a bare format's one call from text.
-func parseBare(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, ok bool) {
+func parseBare(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	body := strings.TrimLeft(text, jsonSpace)
-	call, n, _ := readCall(body, f, newID)
+	call, n, complete := readCall(body, f, newID)
 	if call == nil {
-		return nil, "", false
+		return nil, "", false, false
 	}
-	return []ToolCall{*call}, strings.TrimSpace(body[n:]), true
+	return []ToolCall{*call}, strings.TrimSpace(body[n:]), complete, true
 }
 
 const jsonSpace = " \t\r\n"

@@ -50,6 +50,8 @@ func TestCallStream(t *testing.T) {
 		{"cut in the arguments", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {\"city\": \"Os"}, "", "", []string{`a{"city": "Os`}, "length"},
 		{"cut before the closing tag", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool"}, "", "", []string{`a{}`}, "length"},
 		{"not a call after all", []string{"<tool_call> oops"}, "", "<tool_call> oops", nil, "stop"},
+		{"cut before the second call's name", []string{"<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n<tool_call>\n{\"na"}, "", "", []string{`a{}`}, "length"},
+		{"cut in the second call's tag", []string{"<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n<tool_"}, "", "", []string{`a{}`}, "length"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -112,6 +114,32 @@ func TestBareCallStream(t *testing.T) {
 		}
 		if sent.String() != c.sent || rest != c.rest || call != c.call || len(calls) > 1 || cs.finishReason(c.generated, calls) != c.wantFinish {
 			t.Errorf("%q: passed on %q then %q, calls %v, finish %q", c.pieces, sent.String(), rest, calls, cs.finishReason(c.generated, calls))
+		}
+	}
+}
+
+// TestCallStreamStops: stop strings end the text before calls, and are not
+// matched inside a call.
+func TestCallStreamStops(t *testing.T) {
+	call := "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"
+	for _, c := range []struct {
+		pieces     []string
+		sent, rest string
+		calls      int
+		finish     string
+	}{
+		{[]string{"Weather in Os", "lo? " + call}, "Weather in ", "", 0, "stop"},
+		{[]string{"Let me see.\n", call}, "Let me see.\n", "", 1, "tool_calls"},
+		{[]string{"Nothing in O"}, "Nothing in ", "O", 0, "stop"},
+	} {
+		cs := &callStream{f: &hermesFormat, stop: stopMatcher{stops: []string{"Oslo"}}}
+		var sent strings.Builder
+		for _, p := range c.pieces {
+			sent.WriteString(cs.add(p))
+		}
+		rest, calls := cs.end(func() string { return "id" })
+		if sent.String() != c.sent || rest != c.rest || len(calls) != c.calls || cs.finishReason("stop", calls) != c.finish {
+			t.Errorf("%q: passed on %q then %q, %d calls, finish %q", c.pieces, sent.String(), rest, len(calls), cs.finishReason("stop", calls))
 		}
 	}
 }
@@ -241,7 +269,7 @@ func TestNativeToolPrompt(t *testing.T) {
 	b.chat = ct
 	long := make([]Message, 5)
 	for i := range long {
-		long[i] = Message{Role: "user", Content: "x"}
+		long[i] = Message{Role: []string{"user", "assistant"}[i%2], Content: "x"}
 	}
 	if _, err := chatPrompt(b, long, nil, nil); err == nil || !strings.Contains(err.Error(), "too long") {
 		t.Fatalf("template error: %v", err)
@@ -345,4 +373,47 @@ func FuzzJSONValue(f *testing.F) {
 			t.Fatalf("valid JSON %q refused: %v", s, err)
 		}
 	})
+}
+
+// TestTemplateTurns: a template that refuses system turns gets their text at
+// the start of the next user turn; tool results under the tool protocol are
+// joined into one user turn for templates that want roles to alternate; and a
+// template that shows tools lays out earlier calls itself even when the
+// request offers none.
+func TestTemplateTurns(t *testing.T) {
+	f := enginetest.New(256, 4, 64)
+	const strict = `{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception("System role not supported") }}{% endif %}` +
+		`{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception("Conversation roles must alternate") }}{% endif %}` +
+		`[{{ m.role }}: {{ m.content }}]{% endfor %}`
+	b := &Backend{Vocab: f.Vocab(), Template: strict}
+	s := &Server{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	s.compileTemplate(b)
+	if b.chat == nil || !b.chat.foldSystem {
+		t.Fatalf("a template refusing system turns: %+v", b.chat)
+	}
+	var req ChatRequest
+	if err := json.Unmarshal([]byte(`{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+		{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}, {"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+		{"role": "tool", "tool_call_id": "a", "content": "1"}, {"role": "tool", "tool_call_id": "b", "content": "2"}],
+		"tools": [{"type": "function", "function": {"name": "f"}}]}`), &req); err != nil {
+		t.Fatal(err)
+	}
+	tp, err := toolsOf(&req.ToolFields, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, err := chatPrompt(b, req.Messages, tp, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(text, "[user: Be brief.\n\n") || strings.Count(text, "[user:") != 2 || !strings.Contains(text, `"tool_call_id":"a"`) || !strings.Contains(text, `"tool_call_id":"b"`) {
+		t.Fatalf("prompt:\n%s", text)
+	}
+
+	b = &Backend{Vocab: f.Vocab(), Template: models.ToolsTemplate}
+	s.compileTemplate(b)
+	text, err = chatPrompt(b, req.Messages, nil, nil)
+	if err != nil || !strings.Contains(text, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>") || !strings.Contains(text, "<tool_response>\n2\n</tool_response>") {
+		t.Fatalf("no tools offered, history laid out by the template: %v\n%s", err, text)
+	}
 }

@@ -111,9 +111,9 @@ type toolFollower interface {
 // follow follows one choice's output.
 func (tp *toolPlan) follow() toolFollower {
 	if tp.format != nil {
-		return &callStream{f: tp.format}
+		return &callStream{f: tp.format, stop: stopMatcher{stops: tp.stops}}
 	}
-	return &answerStream{stops: tp.stops}
+	return &answerStream{stop: stopMatcher{stops: tp.stops}}
 }
 
 // maxTools bounds a request's tools.
@@ -563,13 +563,51 @@ func cutCalls(text string) (calls []protocolCall, ok bool) {
 // output is whole. (The scheduler matches stop strings in the output it
 // generates, here JSON, so it is not given them.)
 type answerStream struct {
+	stop stopMatcher
+	buf  strings.Builder // the output so far
+	mode int             // streamUndecided, streamResponse, streamCalls
+	str  []byte          // streamResponse: the JSON string's undecoded rest
+	done bool            // the answer's text has ended
+}
+
+// stopMatcher cuts an answer's text at the first of the request's stop
+// strings, matched across pieces.
+type stopMatcher struct {
 	stops   []string
-	buf     strings.Builder // the output so far
-	mode    int             // streamUndecided, streamResponse, streamCalls
-	str     []byte          // streamResponse: the JSON string's undecoded rest
-	done    bool            // the answer's text has ended
-	held    string          // decoded text that may begin a stop string
-	stopped bool            // a stop string ended the answer
+	held    string // text that may begin a stop string
+	stopped bool   // a stop string ended the answer
+}
+
+// cut returns what of the next piece of text can be passed on: all of it up to
+// a stop string, holding back an end that may begin one unless final.
+func (m *stopMatcher) cut(text string, final bool) string {
+	switch {
+	case m.stopped:
+		return ""
+	case len(m.stops) == 0:
+		return text
+	}
+	emit, held, stopped := scheduler.MatchStop(m.held+text, m.stops)
+	m.held = held
+	if stopped {
+		m.stopped, m.held = true, ""
+	}
+	if final {
+		emit, m.held = emit+m.held, ""
+	}
+	return emit
+}
+
+// follow calls add and, when a stop string ends the answer, asks the
+// scheduler to end the choice: the scheduler is not given the stop strings of
+// a request with tools.
+func (m *stopMatcher) follow(add func(string) string, st *scheduler.Stream, ev scheduler.Event) string {
+	stopped := m.stopped
+	text := add(ev.Text)
+	if m.stopped && !stopped {
+		st.Stop(ev.Index)
+	}
+	return text
 }
 
 const (
@@ -611,7 +649,7 @@ func mayStartResponse(s string) bool {
 func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) {
 	switch {
 	case a.mode == streamResponse:
-		text, a.held = a.held, "" // the rest; cut short, it ends where it was cut
+		text = a.stop.cut("", true) // the rest; cut short, it ends where it was cut
 		return text, nil
 	case a.mode == streamUndecided && mayStartResponse(a.buf.String()):
 		return "", nil // cut short before the answer's text began
@@ -632,7 +670,7 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	return a.release(*response), nil
 }
 
-func (a *answerStream) cutByStop() bool { return a.stopped }
+func (a *answerStream) cutByStop() bool { return a.stop.stopped }
 
 // finishReason is a choice's finish_reason given the generator's (stop or
 // length) and the calls end returned: tool_calls for a call list ended in full,
@@ -641,22 +679,17 @@ func (a *answerStream) finishReason(generated string, calls []ToolCall) string {
 	switch {
 	case len(calls) > 0 && generated != "length":
 		return "tool_calls"
-	case a.stopped:
+	case a.stop.stopped:
 		return "stop"
 	}
 	return generated
 }
 
-// follow is add for the text of ev, an event of st: when a stop string ends the
-// answer, it asks the scheduler to end the choice (the output's JSON would
-// otherwise go on being generated until it closes).
+// follow is add for the text of ev, an event of st; a stop string in the
+// answer ends the choice (the output's JSON would otherwise go on being
+// generated until it closes).
 func (a *answerStream) follow(st *scheduler.Stream, ev scheduler.Event) string {
-	stopped := a.stopped
-	text := a.add(ev.Text)
-	if a.stopped && !stopped {
-		st.Stop(ev.Index)
-	}
-	return text
+	return a.stop.follow(a.add, st, ev)
 }
 
 // add takes the next piece of output and returns the answer text to pass on.
@@ -687,16 +720,9 @@ func (a *answerStream) add(piece string) string {
 // release returns the decoded text that can be passed on: all of it up to a
 // stop string, holding back an end that may begin one until the answer ends.
 func (a *answerStream) release(text string) string {
-	if len(a.stops) == 0 {
-		return text
-	}
-	emit, held, stopped := scheduler.MatchStop(a.held+text, a.stops)
-	a.held = held
-	if stopped {
-		a.stopped, a.done, a.held = true, true, ""
-	}
-	if a.done {
-		emit, a.held = emit+a.held, ""
+	emit := a.stop.cut(text, a.done)
+	if a.stop.stopped {
+		a.done = true
 	}
 	return emit
 }

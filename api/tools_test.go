@@ -202,13 +202,13 @@ func TestToolSchema(t *testing.T) {
 // k is 1) and returns the text passed on, the calls and whether a stop string
 // ended the answer.
 func feed(out string, k int, stops ...string) (string, []ToolCall, bool) {
-	a := answerStream{stops: stops}
+	a := answerStream{stop: stopMatcher{stops: stops}}
 	var text strings.Builder
 	for i := 0; i < len(out); i += k {
 		text.WriteString(a.add(out[i:min(i+k, len(out))]))
 	}
 	rest, calls := a.end(func() string { return "call-1" })
-	return text.String() + rest, calls, a.stopped
+	return text.String() + rest, calls, a.stop.stopped
 }
 
 func TestAnswerStream(t *testing.T) {

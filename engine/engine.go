@@ -328,7 +328,7 @@ type Grammar interface {
 // output, as the text of its tokens without control tokens.
 type Trigger struct {
 	Text string
-	// AtStart: only at the output's start, after any whitespace.
+	// AtStart: only at the output's start, after any spaces, tabs and newlines.
 	AtStart bool
 }
 

@@ -466,3 +466,37 @@ func TestChatTemplateFile(t *testing.T) {
 		t.Fatalf("the prompt does not show the tools as the file lays them out: %s", b)
 	}
 }
+
+// TestTemplateFallbacks: a template llama.cpp's formats do not recognise is
+// rendered as Jinja (chats were refused before); with --jinja=false, or when it
+// runs neither way, the start warns and chats are refused with 400.
+func TestTemplateFallbacks(t *testing.T) {
+	gen := func(name, tmpl string) string {
+		spec := models.Tiny()
+		spec.ChatTemplate = tmpl
+		path := filepath.Join(t.TempDir(), name+".gguf")
+		if err := models.Generate(path, spec); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	own := gen("own", `{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}<<assistant>>`)
+	broken := gen("broken", `{% for m in messages %}`)
+	const chat = `{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}`
+	for _, c := range []struct {
+		args []string
+		code int
+		warn bool
+	}{
+		{[]string{"--model", own}, 200, false},
+		{[]string{"--model", own, "--jinja=false"}, 400, true},
+		{[]string{"--model", broken}, 400, true},
+	} {
+		n := startNode(t, c.args...)
+		resp, b := post(t, n.url+"/v1/chat/completions", chat)
+		warned := strings.Contains(n.log(), "chat requests will be refused")
+		if resp.StatusCode != c.code || warned != c.warn {
+			t.Errorf("%q: %d %s; warned %v", c.args, resp.StatusCode, b, warned)
+		}
+	}
+}

@@ -18,7 +18,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"unicode"
 	"unsafe"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -122,7 +121,7 @@ func (l *lazyGrammar) Accept(t engine.Token) {
 	l.toks, l.starts = append(l.toks, t), append(l.starts, from)
 	l.text = append(l.text, piece...)
 	if l.lead < 0 {
-		if i := bytes.IndexFunc(piece, func(r rune) bool { return !unicode.IsSpace(r) }); i >= 0 {
+		if i := bytes.IndexFunc(piece, func(r rune) bool { return r != ' ' && r != '\t' && r != '\n' && r != '\r' }); i >= 0 {
 			l.lead = from + i
 		}
 	}
