@@ -58,7 +58,8 @@ type plan struct {
 	model     string
 	chat      bool
 	completes bool      // legacy completions logprobs format
-	tools     *toolPlan // chat answers follow the tool protocol
+	tools     *toolPlan  // chat answers follow the tool protocol
+	think     *thinkPlan // chat answers' thoughts are passed on apart
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
 	// checked against the context; the context cuts it short instead).
 	maxTokensAsked bool
@@ -455,6 +456,7 @@ func (s *Server) chat(c *gin.Context) {
 		// the tool protocol's JSON around an answer).
 		tp.stops, p.req.Stop = p.req.Stop, nil
 	}
+	p.think = s.thinkingPlan(b, text, tp)
 	toks, err := b.Vocab.Tokenize(text, true, true)
 	if err != nil {
 		abort(c, err)
@@ -710,10 +712,12 @@ func randomID(prefix string) string {
 
 // choiceState accumulates one choice's output.
 type choiceState struct {
-	text     strings.Builder // under tools, the answer's text (answer)
-	finish   string
-	logprobs []TokenLogprob
-	answer   toolFollower // under tools
+	text      strings.Builder // under tools, the answer's text (output)
+	reasoning strings.Builder // a reasoning model's thoughts
+	finish    string
+	logprobs  []TokenLogprob
+	output    *choiceOutput // nil: the output is the text
+	started   bool          // output was made
 }
 
 func finishString(f scheduler.FinishReason) string {
@@ -736,17 +740,19 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
 			ch := &choices[sub.base+ev.Index]
+			if !ch.started {
+				ch.output, ch.started = p.newOutput(), true
+			}
 			text := ev.Text
-			if p.tools != nil {
-				if ch.answer == nil {
-					ch.answer = p.tools.follow()
-				}
-				text = ch.answer.follow(sub.stream, ev)
+			if ch.output != nil {
+				var reasoning string
+				reasoning, text = ch.output.follow(sub.stream, ev)
+				ch.reasoning.WriteString(reasoning)
 			}
 			switch ev.Kind {
 			case scheduler.EventToken:
 				ch.text.WriteString(text)
-				if p.logprobs && (ch.answer == nil || !ch.answer.cutByStop()) {
+				if p.logprobs && (ch.output == nil || !ch.output.cutByStop()) {
 					ch.logprobs = append(ch.logprobs, tokenLogprob(b.Vocab, ev))
 				}
 			case scheduler.EventFinish:
@@ -767,9 +773,10 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		for i := range choices {
 			text := choices[i].text.String()
 			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish}
-			if a := choices[i].answer; a != nil {
-				rest, calls := a.end(func() string { return s.newID("call") })
+			if o := choices[i].output; o != nil {
+				rest, calls, finish := o.end(func() string { return s.newID("call") }, cc.FinishReason)
 				text += rest
+				cc.FinishReason = finish
 				if len(calls) > 0 {
 					// Text the model wrote before its calls is kept, as vLLM does.
 					cc.Message.ToolCalls = calls
@@ -777,7 +784,9 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 						cc.Message.Content = nil
 					}
 				}
-				cc.FinishReason = a.finishReason(cc.FinishReason, calls)
+				if r := choices[i].reasoning.String(); r != "" {
+					cc.Message.ReasoningContent = &r
+				}
 			}
 			if p.logprobs {
 				cc.Logprobs = &ChatLogprobs{Content: nonNil(choices[i].logprobs)}

@@ -60,11 +60,14 @@ type Config struct {
 	// past a saturated cluster. Off, a priority other than 0 is refused (400), as
 	// vLLM refuses it under fcfs, so that no client can jump the queue of others.
 	PriorityScheduling bool
+	// ReasoningFormat is "auto" (a reasoning model's thoughts come back as
+	// reasoning_content, apart from content) or "none" (left in content).
+	ReasoningFormat string
 }
 
 // DefaultConfig returns the defaults with no API keys.
 func DefaultConfig() Config {
-	return Config{MaxBodyBytes: DefaultMaxBodyBytes, MaxTokensCap: DefaultMaxTokensCap}
+	return Config{MaxBodyBytes: DefaultMaxBodyBytes, MaxTokensCap: DefaultMaxTokensCap, ReasoningFormat: "auto"}
 }
 
 // Validate rejects unusable settings.
@@ -76,6 +79,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("api: max tokens cap %d must not be negative", c.MaxTokensCap)
 	case c.ModelName == "":
 		return errors.New("api: model name is empty")
+	case !slices.Contains(ReasoningFormats, c.ReasoningFormat):
+		return fmt.Errorf("api: reasoning format %q: want one of %s", c.ReasoningFormat, strings.Join(ReasoningFormats, ", "))
 	}
 	for _, k := range c.APIKeys {
 		if k == "" {
@@ -113,7 +118,8 @@ type Backend struct {
 	// own, Info.Template); empty: Vocab.ApplyChatTemplate, llama.cpp's formats.
 	Template string
 
-	chat *chatTemplate // Template compiled by SetBackend; nil when not used
+	chat   *chatTemplate // Template compiled by SetBackend; nil when not used
+	thinks bool          // the model's template writes </think>: it reasons first
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.

@@ -99,20 +99,28 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
 			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
 	}
-	// Under the tool protocol, the model's output is JSON: an answer's text is
-	// passed on as it is decoded, tool calls once whole.
-	answers := map[int]toolFollower{}
-	answerText := func(sub submitted, ev scheduler.Event) string {
-		if p.tools == nil {
-			return ev.Text
+	// A chat choice's output may hold thoughts, passed on apart, and, under
+	// tools, calls, passed on once whole (and under the tool protocol the
+	// answer's text is decoded from JSON as it comes).
+	outputs := map[int]*choiceOutput{}
+	output := func(idx int) *choiceOutput {
+		o, ok := outputs[idx]
+		if !ok {
+			o = p.newOutput()
+			outputs[idx] = o
 		}
-		idx := sub.base + ev.Index
-		a := answers[idx]
-		if a == nil {
-			a = p.tools.follow()
-			answers[idx] = a
+		return o
+	}
+	follow := func(sub submitted, ev scheduler.Event) (reasoning, text string) {
+		if o := output(sub.base + ev.Index); o != nil {
+			return o.follow(sub.stream, ev)
 		}
-		return a.follow(sub.stream, ev)
+		return "", ev.Text
+	}
+	think := func(idx int, reasoning string) {
+		if reasoning != "" {
+			chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ReasoningContent: &reasoning}})
+		}
 	}
 	for pi, sub := range subs {
 		for j := range p.n {
@@ -130,9 +138,10 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			idx := sub.base + ev.Index
 			switch ev.Kind {
 			case scheduler.EventToken:
-				text := answerText(sub, ev)
+				reasoning, text := follow(sub, ev)
+				think(idx, reasoning)
 				var lp *TokenLogprob
-				if p.logprobs && (p.tools == nil || !answers[idx].cutByStop()) {
+				if o := output(idx); p.logprobs && (o == nil || !o.cutByStop()) {
 					l := tokenLogprob(b.Vocab, ev)
 					lp = &l
 				}
@@ -140,13 +149,14 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					send(idx, &text, nil, lp, "")
 				}
 			case scheduler.EventFinish:
-				t := answerText(sub, ev)
+				reasoning, t := follow(sub, ev)
+				think(idx, reasoning)
 				f := finishString(ev.Finish)
 				var calls []ToolCall
-				if p.tools != nil {
+				if o := output(idx); o != nil {
 					var rest string
-					rest, calls = answers[idx].end(func() string { return s.newID("call") })
-					t, f = t+rest, answers[idx].finishReason(f, calls)
+					rest, calls, f = o.end(func() string { return s.newID("call") }, f)
+					t += rest
 				}
 				if t != "" {
 					send(idx, &t, nil, nil, "")

@@ -227,16 +227,20 @@ type PromptTokensDetails struct {
 
 // ChatMessageOut is an assistant message in a response.
 type ChatMessageOut struct {
-	Role      string     `json:"role"`
-	Content   *string    `json:"content"` // null when the model called tools
-	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
+	Role    string  `json:"role"`
+	Content *string `json:"content"` // null when the model called tools
+	// ReasoningContent is a reasoning model's thoughts, apart from its answer
+	// (llama-server's and DeepSeek's name).
+	ReasoningContent *string    `json:"reasoning_content,omitempty"`
+	ToolCalls        []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // ChatDelta is a streamed chunk's delta.
 type ChatDelta struct {
-	Role      string     `json:"role,omitempty"`
-	Content   *string    `json:"content,omitempty"`
-	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
+	Role             string     `json:"role,omitempty"`
+	Content          *string    `json:"content,omitempty"`
+	ReasoningContent *string    `json:"reasoning_content,omitempty"`
+	ToolCalls        []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // TopLogprob is one alternative token.

@@ -125,7 +125,7 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 
 type serveFlags struct {
 	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
-	kvMemory, schedulingPolicy                                              string
+	kvMemory, schedulingPolicy, reasoningFormat                             string
 	simSpeed, cacheFloor                                                    float64
 	embeddings, jinja                                                       bool
 	pooling, chatTemplate, chatTemplateFile                                 string
@@ -179,6 +179,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.maxBatchTokens, "max-batch-tokens", sc.MaxBatchTokens, "token budget of one scheduling step (decode rows plus prefill chunks)")
 	fs.IntVar(&f.maxRunning, "max-running", sc.MaxRunning, "most sequences decoding at once")
 	fs.IntVar(&f.maxWaiting, "max-waiting", sc.MaxWaiting, "most sequences waiting; beyond it requests get 429")
+	fs.StringVar(&f.reasoningFormat, "reasoning-format", ac.ReasoningFormat, "auto: a reasoning model's thoughts (<think>...</think>, when its chat template writes </think>) come back as reasoning_content, apart from content, as llama-server's and vLLM's reasoning parsers do; none: left in content")
 	fs.StringVar(&f.schedulingPolicy, "scheduling-policy", "fcfs", "fcfs: first come, first served (a request's priority other than 0 is refused); priority: a request's priority orders the queue (lower first) and below 0 is admitted past a saturated cluster, as vLLM's")
 	fs.IntVar(&f.defaultMaxTokens, "default-max-tokens", sc.DefaultMaxTokens, "max_tokens when a request gives none; 0: until end-of-generation or a full context, as vLLM")
 	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this (0: only the context bounds it)")
@@ -322,6 +323,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
 	ac.AllowedOrigins = f.allowedOrigins
 	ac.PriorityScheduling = f.schedulingPolicy == "priority"
+	ac.ReasoningFormat = f.reasoningFormat
 	if f.sim == "" {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}

@@ -1,0 +1,196 @@
+package api
+
+import (
+	"strings"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// Reasoning models (Qwen 3, QwQ, DeepSeek R1 and their distillations) think
+// between <think> and </think> before they answer. As llama-server's
+// --reasoning-format and vLLM's reasoning parsers do, the thoughts come back
+// apart from the answer, as reasoning_content (streamed as reasoning_content
+// deltas), and the answer as content. A model is taken to think this way when
+// its chat template writes </think>.
+//
+// The thoughts begin where the output begins with <think>, or at once when the
+// prompt itself ends in an open <think> (DeepSeek R1's template opens it). They
+// end at </think>, or where a call in the model's own format begins: Qwen 3
+// sometimes opens <tool_call> without closing its thoughts, and the call is
+// taken as a call (as Ollama and Transformers do).
+
+const (
+	thinkOpen  = "<think>"
+	thinkClose = "</think>"
+)
+
+// ReasoningFormats are the values of Config.ReasoningFormat: "auto" separates
+// the thoughts of models whose template writes </think>, "none" leaves them
+// in content.
+var ReasoningFormats = []string{"auto", "none"}
+
+// thinkPlan says how a request's choices separate their thoughts.
+type thinkPlan struct {
+	open bool   // the prompt ends in an open <think>
+	call string // the tag that begins a call in the model's own format, if any
+}
+
+// thinkingPlan is the plan for a chat prompt of b's, nil when thoughts are not
+// separated.
+func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan) *thinkPlan {
+	if s.cfg.ReasoningFormat == "none" || !b.thinks {
+		return nil
+	}
+	t := &thinkPlan{open: strings.HasSuffix(strings.TrimRight(prompt, jsonSpace), thinkOpen)}
+	if tp != nil && tp.format != nil {
+		t.call = tp.format.open
+	}
+	return t
+}
+
+// thinkSplit splits one choice's output into thoughts and the rest.
+type thinkSplit struct {
+	plan *thinkPlan
+	mode int    // thinkUndecided, thinkInside, thinkDone
+	held string // output that may begin <think> (undecided) or </think> (inside)
+	// trim: the thoughts just began or ended; the whitespace after the tag is
+	// neither the thoughts' nor the answer's.
+	trim bool
+}
+
+const (
+	thinkUndecided = iota
+	thinkInside
+	thinkDone
+)
+
+func newThinkSplit(p *thinkPlan) *thinkSplit {
+	t := &thinkSplit{plan: p}
+	if p.open {
+		t.mode, t.trim = thinkInside, true
+	}
+	return t
+}
+
+// add takes the next piece of output and returns the thoughts and the rest of
+// the output that can be passed on.
+func (t *thinkSplit) add(piece string) (reasoning, rest string) {
+	s := t.held + piece
+	t.held = ""
+	if t.mode == thinkUndecided {
+		lead := strings.TrimLeft(s, jsonSpace)
+		switch {
+		case strings.HasPrefix(lead, thinkOpen):
+			t.mode, t.trim, s = thinkInside, true, lead[len(thinkOpen):]
+		case strings.HasPrefix(thinkOpen, lead):
+			t.held = s // may yet begin <think>
+			return "", ""
+		default:
+			t.mode = thinkDone
+		}
+	}
+	if t.mode == thinkDone {
+		if t.trim {
+			s = strings.TrimLeft(s, jsonSpace)
+			t.trim = s == ""
+		}
+		return "", s
+	}
+	// Inside: thoughts up to </think> or a call, holding back what may begin one.
+	if t.trim {
+		s = strings.TrimLeft(s, jsonSpace)
+		t.trim = s == ""
+	}
+	end, after := strings.Index(s, thinkClose), len(thinkClose)
+	if t.plan.call != "" {
+		if i := strings.Index(s, t.plan.call); i >= 0 && (end < 0 || i < end) {
+			end, after = i, 0 // the call is the answer's
+		}
+	}
+	if end >= 0 {
+		rest = strings.TrimLeft(s[end+after:], jsonSpace)
+		t.mode, t.trim = thinkDone, rest == ""
+		return s[:end], rest
+	}
+	keep := holdBack(s, thinkClose)
+	if t.plan.call != "" {
+		keep = max(keep, holdBack(s, t.plan.call))
+	}
+	t.held = s[len(s)-keep:]
+	return s[:len(s)-keep], ""
+}
+
+// flush returns what is held once the output is whole: thoughts cut short
+// stay thoughts.
+func (t *thinkSplit) flush() (reasoning, rest string) {
+	held := t.held
+	t.held = ""
+	if t.mode == thinkInside {
+		return held, ""
+	}
+	return "", held
+}
+
+// holdBack is the length of the longest end of s that begins tag.
+func holdBack(s, tag string) int {
+	for keep := min(len(s), len(tag)-1); keep > 0; keep-- {
+		if strings.HasPrefix(tag, s[len(s)-keep:]) {
+			return keep
+		}
+	}
+	return 0
+}
+
+// choiceOutput follows one chat choice's output: its thoughts apart, then the
+// answer's text and, under tools, its calls.
+type choiceOutput struct {
+	think *thinkSplit  // nil: thoughts are not separated
+	tools toolFollower // nil: no tools offered
+}
+
+// newOutput is a follower for one of p's choices, nil when the output is
+// passed on as it is.
+func (p *plan) newOutput() *choiceOutput {
+	if p.think == nil && p.tools == nil {
+		return nil
+	}
+	o := &choiceOutput{}
+	if p.think != nil {
+		o.think = newThinkSplit(p.think)
+	}
+	if p.tools != nil {
+		o.tools = p.tools.follow()
+	}
+	return o
+}
+
+// follow takes ev, an event of st, and returns the thoughts and the answer
+// text to pass on.
+func (o *choiceOutput) follow(st *scheduler.Stream, ev scheduler.Event) (reasoning, text string) {
+	text = ev.Text
+	if o.think != nil {
+		reasoning, text = o.think.add(text)
+		if ev.Kind == scheduler.EventFinish {
+			r, t := o.think.flush()
+			reasoning, text = reasoning+r, text+t
+		}
+	}
+	if o.tools != nil {
+		ev.Text = text
+		text = o.tools.follow(st, ev)
+	}
+	return reasoning, text
+}
+
+// end is called after the finish event: the answer's text not yet passed on,
+// the calls made, and the choice's finish_reason given the generator's.
+func (o *choiceOutput) end(newID func() string, generated string) (text string, calls []ToolCall, finish string) {
+	if o.tools == nil {
+		return "", nil, generated
+	}
+	text, calls = o.tools.end(newID)
+	return text, calls, o.tools.finishReason(generated, calls)
+}
+
+// cutByStop reports whether a stop string ended the answer.
+func (o *choiceOutput) cutByStop() bool { return o.tools != nil && o.tools.cutByStop() }

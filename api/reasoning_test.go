@@ -1,0 +1,85 @@
+package api
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// TestThinkSplit: thoughts between <think> and </think> (or from the start,
+// when the prompt opened them) come apart from the answer, whatever the pieces;
+// a call in the model's own format ends them.
+func TestThinkSplit(t *testing.T) {
+	cases := []struct {
+		name            string
+		plan            thinkPlan
+		tools           bool
+		out             string
+		reasoning, text string
+		calls           int
+	}{
+		{"thoughts then answer", thinkPlan{}, false, "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.\n", "It is 4.", 0},
+		{"no thoughts", thinkPlan{}, false, "It is <think> 4.", "", "It is <think> 4.", 0},
+		{"opened by the prompt", thinkPlan{open: true}, false, "\nSo 4.</think>4", "So 4.", "4", 0},
+		{"cut short while thinking", thinkPlan{}, false, "  <think>Let me see", "Let me see", "", 0},
+		{"only a tag's start", thinkPlan{}, false, "<thi", "", "<thi", 0},
+		{"a call ends the thoughts", thinkPlan{call: "<tool_call>"}, true,
+			"<think>I will call f.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "I will call f.\n", "", 1},
+		{"thoughts, then a call", thinkPlan{call: "<tool_call>"}, true,
+			"<think>f it is</think>\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "f it is", "", 1},
+	}
+	for _, c := range cases {
+		for _, k := range []int{1, 2, 3, 7, len(c.out)} {
+			t.Run(fmt.Sprintf("%s/%d", c.name, k), func(t *testing.T) {
+				p := &plan{think: &c.plan}
+				if c.tools {
+					p.tools = &toolPlan{format: &hermesFormat}
+				}
+				o := p.newOutput()
+				var reasoning, text strings.Builder
+				for i := 0; i < len(c.out); i += k {
+					ev := scheduler.Event{Kind: scheduler.EventToken, Text: c.out[i:min(i+k, len(c.out))]}
+					if i+k >= len(c.out) {
+						ev.Kind = scheduler.EventFinish
+					}
+					r, tx := o.follow(nil, ev)
+					reasoning.WriteString(r)
+					text.WriteString(tx)
+				}
+				rest, calls, _ := o.end(func() string { return "id" }, "stop")
+				text.WriteString(rest)
+				if reasoning.String() != c.reasoning || text.String() != c.text || len(calls) != c.calls {
+					t.Fatalf("reasoning %q, text %q, %d calls; want %q, %q, %d", reasoning.String(), text.String(), len(calls), c.reasoning, c.text, c.calls)
+				}
+			})
+		}
+	}
+}
+
+// FuzzThinkSplit: splitting never panics and does not depend on how the
+// output is cut into pieces.
+func FuzzThinkSplit(f *testing.F) {
+	f.Add("<think>a</think>b", 2, false)
+	f.Add(" <thi</think>", 1, true)
+	f.Fuzz(func(t *testing.T, out string, k int, open bool) {
+		run := func(k int) string {
+			s := newThinkSplit(&thinkPlan{open: open, call: "<tool_call>"})
+			var r, x strings.Builder
+			for i := 0; i < len(out); i += k {
+				a, b := s.add(out[i:min(i+k, len(out))])
+				r.WriteString(a)
+				x.WriteString(b)
+			}
+			a, b := s.flush()
+			return r.String() + a + "|" + x.String() + b
+		}
+		if k < 1 || k > len(out) {
+			k = 1
+		}
+		if got, want := run(k), run(max(len(out), 1)); got != want {
+			t.Fatalf("pieces of %d: %q; whole: %q", k, got, want)
+		}
+	})
+}

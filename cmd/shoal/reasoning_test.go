@@ -1,0 +1,96 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/openai/openai-go/v3"
+
+	"github.com/shoal-ai/shoal/models"
+)
+
+// thinkingTemplate is ChatML whose assistant turn opens with <think>, as
+// DeepSeek R1's template does: everything a model generates under it, until it
+// writes </think>, is thought.
+const thinkingTemplate = `{%- for message in messages %}
+    {%- set content = message.content %}
+    {%- if message.role == 'assistant' and '</think>' in content %}
+        {%- set content = content.split('</think>')[-1] %}
+    {%- endif %}
+    {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
+{%- endif %}`
+
+// TestReasoningContent: a reasoning model's thoughts come back as
+// reasoning_content, whole and streamed, and not in content; with
+// --reasoning-format none they stay in content.
+func TestReasoningContent(t *testing.T) {
+	spec := models.Small()
+	spec.ChatTemplate = thinkingTemplate
+	path := filepath.Join(t.TempDir(), "think.gguf")
+	if err := models.Generate(path, spec); err != nil {
+		t.Fatal(err)
+	}
+	n := startNode(t, "--model", path)
+	const body = `{"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 24, "seed": 3}`
+	var whole struct {
+		Choices []struct {
+			Message struct {
+				Content          *string `json:"content"`
+				ReasoningContent *string `json:"reasoning_content"`
+			} `json:"message"`
+			FinishReason string `json:"finish_reason"`
+		} `json:"choices"`
+	}
+	resp, b := post(t, n.url+"/v1/chat/completions", body)
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &whole) != nil || len(whole.Choices) != 1 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	m := whole.Choices[0].Message
+	// A model this small does not write </think> in 24 tokens: all is thought.
+	if m.ReasoningContent == nil || *m.ReasoningContent == "" || (m.Content != nil && *m.Content != "") {
+		t.Fatalf("the thoughts did not come apart: %s", b)
+	}
+
+	// Streamed, the reasoning_content deltas add up to the same thoughts.
+	c := n.client("")
+	stream := c.Chat.Completions.NewStreaming(context.Background(), openai.ChatCompletionNewParams{
+		Model: "think", Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("What is 2+2?")},
+		MaxTokens: openai.Int(24), Seed: openai.Int(3)})
+	var reasoning, content strings.Builder
+	for stream.Next() {
+		for _, ch := range stream.Current().Choices {
+			var d struct {
+				ReasoningContent string `json:"reasoning_content"`
+			}
+			if err := json.Unmarshal([]byte(ch.Delta.RawJSON()), &d); err != nil {
+				t.Fatal(err)
+			}
+			reasoning.WriteString(d.ReasoningContent)
+			content.WriteString(ch.Delta.Content)
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if reasoning.String() != *m.ReasoningContent || content.String() != "" {
+		t.Fatalf("streamed thoughts %q and content %q; whole thoughts %q", reasoning.String(), content.String(), *m.ReasoningContent)
+	}
+
+	// --reasoning-format none: the same output, all in content.
+	n = startNode(t, "--model", path, "--reasoning-format", "none")
+	resp, b = post(t, n.url+"/v1/chat/completions", body)
+	whole.Choices = nil
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &whole) != nil || whole.Choices[0].Message.ReasoningContent != nil ||
+		whole.Choices[0].Message.Content == nil || !strings.Contains(*whole.Choices[0].Message.Content, *m.ReasoningContent) {
+		t.Fatalf("--reasoning-format none: %s", b)
+	}
+	if err := runServe([]string{"--model", path, "--reasoning-format", "deepseek-legacy"}, nil, nil); err == nil || !strings.Contains(err.Error(), "reasoning") {
+		t.Fatalf("an unknown reasoning format: %v", err)
+	}
+}
