@@ -57,7 +57,7 @@ type plan struct {
 	top       int
 	model     string
 	chat      bool
-	completes bool      // legacy completions logprobs format
+	completes bool       // legacy completions logprobs format
 	tools     *toolPlan  // chat answers follow the tool protocol
 	think     *thinkPlan // chat answers' thoughts are passed on apart
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
