@@ -456,7 +456,7 @@ func (s *Server) chat(c *gin.Context) {
 		// the tool protocol's JSON around an answer).
 		tp.stops, p.req.Stop = p.req.Stop, nil
 	}
-	p.think = s.thinkingPlan(b, text, tp)
+	p.think = s.thinkingPlan(b, text, tp, &p.req)
 	toks, err := b.Vocab.Tokenize(text, true, true)
 	if err != nil {
 		abort(c, err)

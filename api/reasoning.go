@@ -15,7 +15,7 @@ import (
 //
 // The thoughts begin where the output begins with <think>, or at once when the
 // prompt itself ends in an open <think> (DeepSeek R1's template opens it). They
-// end at </think>, or where a call in the model's own format begins: Qwen 3
+// end at </think>, or where a call in the Hermes format begins: Qwen 3
 // sometimes opens <tool_call> without closing its thoughts, and the call is
 // taken as a call (as Ollama and Transformers do).
 
@@ -36,9 +36,11 @@ type thinkPlan struct {
 }
 
 // thinkingPlan is the plan for a chat prompt of b's, nil when thoughts are not
-// separated.
-func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan) *thinkPlan {
-	if s.cfg.ReasoningFormat == "none" || !b.thinks {
+// separated: also when a grammar holds the output from its first token (the
+// tool protocol, a required call, response_format), which leaves the model no
+// room to think.
+func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan, req *scheduler.Request) *thinkPlan {
+	if s.cfg.ReasoningFormat == "none" || !b.thinks || (req.Grammar != "" && len(req.GrammarTriggers) == 0) {
 		return nil
 	}
 	t := &thinkPlan{open: strings.HasSuffix(strings.TrimRight(prompt, jsonSpace), thinkOpen)}
@@ -110,11 +112,15 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 	if end >= 0 {
 		rest = strings.TrimLeft(s[end+after:], jsonSpace)
 		t.mode, t.trim = thinkDone, rest == ""
-		return s[:end], rest
+		return strings.TrimRight(s[:end], jsonSpace), rest
 	}
 	keep := holdBack(s, thinkClose)
 	if t.plan.call != "" {
 		keep = max(keep, holdBack(s, t.plan.call))
+	}
+	// Whitespace before a tag is neither's: held until it is known not to be.
+	for keep < len(s) && strings.IndexByte(jsonSpace, s[len(s)-keep-1]) >= 0 {
+		keep++
 	}
 	t.held = s[len(s)-keep:]
 	return s[:len(s)-keep], ""

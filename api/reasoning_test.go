@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -20,13 +21,13 @@ func TestThinkSplit(t *testing.T) {
 		reasoning, text string
 		calls           int
 	}{
-		{"thoughts then answer", thinkPlan{}, false, "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.\n", "It is 4.", 0},
+		{"thoughts then answer", thinkPlan{}, false, "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.", "It is 4.", 0},
 		{"no thoughts", thinkPlan{}, false, "It is <think> 4.", "", "It is <think> 4.", 0},
 		{"opened by the prompt", thinkPlan{open: true}, false, "\nSo 4.</think>4", "So 4.", "4", 0},
 		{"cut short while thinking", thinkPlan{}, false, "  <think>Let me see", "Let me see", "", 0},
 		{"only a tag's start", thinkPlan{}, false, "<thi", "", "<thi", 0},
 		{"a call ends the thoughts", thinkPlan{call: "<tool_call>"}, true,
-			"<think>I will call f.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "I will call f.\n", "", 1},
+			"<think>I will call f.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "I will call f.", "", 1},
 		{"thoughts, then a call", thinkPlan{call: "<tool_call>"}, true,
 			"<think>f it is</think>\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "f it is", "", 1},
 	}
@@ -55,6 +56,26 @@ func TestThinkSplit(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestThinkingPlan: thoughts are separated for a model whose template writes
+// </think>, unless a grammar holds the output from its first token.
+func TestThinkingPlan(t *testing.T) {
+	s := &Server{cfg: DefaultConfig()}
+	b := &Backend{thinks: true}
+	if p := s.thinkingPlan(b, "<|im_start|>assistant\n<think>\n", nil, &scheduler.Request{}); p == nil || !p.open {
+		t.Fatalf("an open <think>: %+v", p)
+	}
+	if p := s.thinkingPlan(b, "x", nil, &scheduler.Request{Grammar: "root ::= \"a\""}); p != nil {
+		t.Fatal("thoughts separated under a grammar that holds the whole output")
+	}
+	if p := s.thinkingPlan(b, "x", &toolPlan{format: &hermesFormat}, &scheduler.Request{Grammar: "g", GrammarTriggers: []engine.Trigger{{Text: "<tool_call>"}}}); p == nil || p.call != "<tool_call>" {
+		t.Fatalf("under a lazy grammar: %+v", p)
+	}
+	s.cfg.ReasoningFormat = "none"
+	if p := s.thinkingPlan(b, "x", nil, &scheduler.Request{}); p != nil {
+		t.Fatal("thoughts separated under --reasoning-format none")
 	}
 }
 

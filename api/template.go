@@ -156,7 +156,7 @@ func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) 
 	}
 	// The tool protocol's results are user turns: one after another, they are
 	// joined, as templates that want roles to alternate require.
-	return renderErr(ct.render(values(fold(turns, ct.foldSystem, true)), jinja.Undefined(), extra))
+	return renderErr(ct.render(values(fold(turns, ct.foldSystem, tp != nil)), jinja.Undefined(), extra))
 }
 
 // templateKwargs reads chat_template_kwargs: an object whose keys become
@@ -251,7 +251,12 @@ func fold(turns []chatTurn, system, users bool) []chatTurn {
 		out = append(out, t)
 	}
 	if len(pending) > 0 { // system text with no user turn after it
-		out = append(out, chatTurn{role: "user", content: strings.Join(pending, "\n\n")})
+		text := strings.Join(pending, "\n\n")
+		if n := len(out); n > 0 && out[n-1].role == "user" {
+			out[n-1].content += "\n\n" + text
+		} else {
+			out = append(out, chatTurn{role: "user", content: text})
+		}
 	}
 	return out
 }

@@ -223,10 +223,10 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 // finishReason is tool_calls for calls ended in full.
 func (c *callStream) finishReason(generated string, calls []ToolCall) string {
 	switch {
+	case len(calls) > 0 && !c.partial && generated != "length":
+		return "tool_calls" // also when a stop string came in text after them
 	case c.stop.stopped:
 		return "stop"
-	case len(calls) > 0 && !c.partial && generated != "length":
-		return "tool_calls"
 	}
 	return generated
 }

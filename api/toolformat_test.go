@@ -410,6 +410,17 @@ func TestTemplateTurns(t *testing.T) {
 		t.Fatalf("prompt:\n%s", text)
 	}
 
+	if text, err = chatPrompt(b, []Message{{Role: "user", Content: "hi"}, {Role: "system", Content: "s"}}, nil, nil); err != nil || text != "[user: hi\n\ns]" {
+		t.Fatalf("system text after the last user turn: %q, %v", text, err)
+	}
+
+	// Without tools, consecutive user turns stay apart.
+	b = &Backend{Vocab: f.Vocab(), Template: models.ChatTemplate}
+	s.compileTemplate(b)
+	if text, err = chatPrompt(b, []Message{{Role: "user", Content: "a"}, {Role: "user", Content: "b"}}, nil, nil); err != nil || strings.Count(text, "<|im_start|>user") != 2 {
+		t.Fatalf("two user turns without tools: %q, %v", text, err)
+	}
+
 	b = &Backend{Vocab: f.Vocab(), Template: models.ToolsTemplate}
 	s.compileTemplate(b)
 	text, err = chatPrompt(b, req.Messages, nil, nil)
