@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/gin-gonic/gin"
@@ -38,11 +39,25 @@ func decodeBody(c *gin.Context, v any) error {
 	if err := json.Unmarshal(body, v); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
-			return invalid(te.Field, "field %q: expected %s, got JSON %s", te.Field, te.Type, te.Value)
+			field := jsonField(te.Field)
+			return invalid(field, "field %q: expected %s, got JSON %s", field, te.Type, te.Value)
 		}
 		return invalid("", "invalid JSON body: %v", err)
 	}
 	return nil
+}
+
+// jsonField is a decoding error's field path as the client wrote it: without
+// the names of the Go structs it passed through ("ToolFields.tools" → "tools").
+func jsonField(path string) string {
+	parts := strings.Split(path, ".")
+	out := parts[:0]
+	for _, p := range parts {
+		if r, _ := utf8.DecodeRuneInString(p); !unicode.IsUpper(r) {
+			out = append(out, p)
+		}
+	}
+	return strings.Join(out, ".")
 }
 
 // plan is a validated generation request ready for the scheduler.
@@ -333,6 +348,9 @@ func (s *Server) schemaGrammar(param string, raw json.RawMessage) (string, error
 	}
 	if d := schemaDepth(raw); d > maxSchemaDepth {
 		return "", invalid(param, "%s: the schema nests %d levels deep, more than %d", param, d, maxSchemaDepth)
+	}
+	if at := emptyChoice(v, "schema"); at != "" {
+		return "", invalid(param, "%s: %s is an empty list: no value would match", param, at)
 	}
 	return s.convertSchema(param, raw)
 }

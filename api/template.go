@@ -38,9 +38,14 @@ type chatTemplate struct {
 	foldSystem bool
 }
 
-// CheckTemplate reports whether src parses as a Jinja template.
-func CheckTemplate(src string) error {
-	_, err := jinja.Compile(src)
+// CheckTemplate reports whether src parses as a Jinja template and, given the
+// model's vocabulary, lays out a short chat.
+func CheckTemplate(src string, v engine.Vocab) error {
+	if v == nil {
+		_, err := jinja.Compile(src)
+		return err
+	}
+	_, err := newChatTemplate(&Backend{Vocab: v, Template: src})
 	return err
 }
 
@@ -112,7 +117,9 @@ func (s *Server) compileTemplate(b *Backend) {
 	if b.Vocab == nil || b.Info.Pooling {
 		return
 	}
-	if _, err := b.Vocab.ApplyChatTemplate([]engine.ChatMessage{{Role: "user", Content: "hi"}}, true); err != nil {
+	if _, err := b.Vocab.ApplyChatTemplate([]engine.ChatMessage{{Role: "user", Content: "hi"}}, true); err == nil {
+		s.log.Info("chat template", "renderer", "llama.cpp", "format", b.Info.ChatTemplate, "tool_calls", "described in the system message")
+	} else {
 		s.log.Warn("chat requests will be refused: no chat format renders this model's chats (give --chat-template NAME for a llama.cpp built-in format, or --chat-template-file FILE for a Jinja template)",
 			"err", err)
 	}

@@ -2,7 +2,9 @@ package api
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"regexp"
 	"strings"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -248,11 +250,11 @@ func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolC
 			break
 		}
 		body = strings.TrimLeft(body, jsonSpace)
-		call, n, complete := readCall(body, f, newID)
+		call, n, complete, cut := readCall(body, f, newID)
 		switch {
-		case call == nil && len(calls) > 0:
+		case call == nil && (len(calls) > 0 || cut || body == ""):
 			// After a call only calls follow (the grammar holds them): this is
-			// the next one, cut before its name.
+			// the next one, cut before its name; so is an object cut short.
 			return calls, "", false, true
 		case call == nil:
 			return nil, "", false, false
@@ -276,8 +278,11 @@ func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolC
 // parseBare reads a bare format's one call from text.
 func parseBare(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	body := strings.TrimLeft(text, jsonSpace)
-	call, n, complete := readCall(body, f, newID)
-	if call == nil {
+	call, n, complete, cut := readCall(body, f, newID)
+	switch {
+	case call == nil && cut:
+		return nil, "", false, true // cut before its name
+	case call == nil:
 		return nil, "", false, false
 	}
 	return []ToolCall{*call}, strings.TrimSpace(body[n:]), complete, true
@@ -286,9 +291,11 @@ func parseBare(text string, f *callFormat, newID func() string) (calls []ToolCal
 const jsonSpace = " \t\r\n"
 
 // readCall reads the call that body begins with, and n, the bytes it took.
-// Cut short, the call holds the arguments generated so far and whole is false;
-// call is nil when body does not begin with a call.
-func readCall(body string, f *callFormat, newID func() string) (call *ToolCall, n int, whole bool) {
+// Cut short, the call holds what was generated of it (its name, and its
+// arguments so far, as OpenAI returns a cut call) and whole is false; cut
+// before its name, call is nil and cut true. call is nil and cut false when
+// body does not begin with a call.
+func readCall(body string, f *callFormat, newID func() string) (call *ToolCall, n int, whole, cut bool) {
 	dec := json.NewDecoder(strings.NewReader(body))
 	var obj map[string]json.RawMessage
 	var name string
@@ -297,15 +304,55 @@ func readCall(body string, f *callFormat, newID func() string) (call *ToolCall, 
 		if len(args) == 0 || string(args) == "null" {
 			args = json.RawMessage("{}")
 		}
-		return &ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: string(args)}}, int(dec.InputOffset()), true
+		return &ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: string(args)}}, int(dec.InputOffset()), true, false
 	}
-	m := cutCallIn(f.args).FindStringSubmatch(body)
-	if m == nil || json.Unmarshal([]byte(m[1]), &name) != nil {
-		return nil, 0, false
+	if !cutCallStart(body) {
+		return nil, 0, false, false
 	}
-	args := strings.TrimSpace(m[2])
-	if f.close != "" {
-		args = strings.TrimSpace(strings.TrimSuffix(args, f.close))
+	var args string
+	if m := cutCallIn(f.args).FindStringSubmatch(body); m != nil {
+		name, args = m[1], strings.TrimSpace(m[2])
+	} else if m := cutName.FindStringSubmatch(body); m != nil {
+		name = m[1]
+	} else {
+		return nil, 0, false, true
 	}
-	return &ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: args}}, len(body), false
+	if json.Unmarshal([]byte(name), &name) != nil {
+		return nil, 0, false, true
+	}
+	return &ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: args}}, len(body), false, true
+}
+
+// cutName matches a call cut short after its name.
+var cutName = regexp.MustCompile(`^[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")`)
+
+// cutCallStart reports whether s is a call cut short: a JSON object whose first
+// key is (or may yet be) "name", valid as far as it goes, and not closed.
+func cutCallStart(s string) bool {
+	t := strings.TrimLeft(s, jsonSpace)
+	if t == "" || t[0] != '{' {
+		return false
+	}
+	switch key := strings.TrimLeft(t[1:], jsonSpace); {
+	case strings.HasPrefix(`"name"`, key):
+		return true // cut in or before the first key
+	case !strings.HasPrefix(key, `"name"`):
+		return false
+	}
+	dec := json.NewDecoder(strings.NewReader(t))
+	depth := 0
+	for {
+		tok, err := dec.Token()
+		switch {
+		case err != nil:
+			var se *json.SyntaxError
+			return depth > 0 && !errors.As(err, &se)
+		case tok == json.Delim('{') || tok == json.Delim('['):
+			depth++
+		case tok == json.Delim('}') || tok == json.Delim(']'):
+			if depth--; depth == 0 {
+				return false // closed: whole, and not a call
+			}
+		}
+	}
 }

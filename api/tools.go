@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"regexp"
 	"slices"
 	"strings"
@@ -127,7 +128,7 @@ var toolName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
 // offered tools: none were given, or tool_choice is "none" (the tools are then
 // not shown, as the model may not call them).
 func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
-	if given(req.Functions) && !isString(req.FunctionCall, "none") {
+	if (given(req.Functions) || given(req.FunctionCall)) && !isString(req.FunctionCall, "none") {
 		return nil, invalid("functions", "functions and function_call are deprecated and not supported: send tools and tool_choice")
 	}
 	var tools []Tool
@@ -166,6 +167,9 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 		}
 		if d := schemaDepth(f.Parameters); d > maxSchemaDepth {
 			return nil, invalid(param, "%s: parameters nest %d levels deep, more than %d", param, d, maxSchemaDepth)
+		}
+		if at := emptyChoice(params, "parameters"); at != "" {
+			return nil, invalid(param, "%s: %s is an empty list: no value would match", param, at)
 		}
 		tp.tools = append(tp.tools, f)
 	}
@@ -210,6 +214,33 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 		}
 	}
 	return tp, nil
+}
+
+// emptyChoice is the path of the first keyword in a JSON schema that lists no
+// choices (enum, anyOf, oneOf, allOf or type as []), "" when there is none:
+// llama.cpp's converter turns those into grammars that let through values
+// that are not JSON, or that do not parse.
+func emptyChoice(v any, at string) string {
+	switch v := v.(type) {
+	case map[string]any:
+		for _, k := range []string{"enum", "anyOf", "oneOf", "allOf", "type"} {
+			if l, ok := v[k].([]any); ok && len(l) == 0 {
+				return at + "." + k
+			}
+		}
+		for _, k := range slices.Sorted(maps.Keys(v)) {
+			if p := emptyChoice(v[k], at+"."+k); p != "" {
+				return p
+			}
+		}
+	case []any:
+		for i, x := range v {
+			if p := emptyChoice(x, fmt.Sprintf("%s[%d]", at, i)); p != "" {
+				return p
+			}
+		}
+	}
+	return ""
 }
 
 // anySlice is v as a list, or nil when it is not one.

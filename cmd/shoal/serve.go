@@ -245,7 +245,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return fmt.Errorf("--chat-template-file: %w", err)
 		}
-		if err := api.CheckTemplate(string(b)); err != nil {
+		if err := api.CheckTemplate(string(b), nil); err != nil {
 			return fmt.Errorf("--chat-template-file %s: %w", f.chatTemplateFile, err)
 		}
 		template = string(b)
@@ -422,7 +422,13 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
 		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
 		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse,
-		"chat_template", abbrev(info.ChatTemplate, 40))
+		"chat_template", cmp.Or(f.chatTemplateFile, abbrev(info.ChatTemplate, 40)))
+	if template != "" {
+		// Given by the operator, it must run: no quiet fallback to another format.
+		if err := api.CheckTemplate(template, eng.Vocab()); err != nil {
+			return fmt.Errorf("--chat-template-file %s: %w", f.chatTemplateFile, err)
+		}
+	}
 	sched, err := scheduler.New(sc, eng, log)
 	if err != nil {
 		return err

@@ -428,8 +428,9 @@ func TestNativeToolCalls(t *testing.T) {
 }
 
 // TestChatTemplateFile: --chat-template-file renders chats with a Jinja template
-// instead of the model's own; a file that does not parse, or one given with
-// --chat-template or --jinja=false, stops the start.
+// instead of the model's own; a file that does not parse or cannot lay out a
+// short chat, or one given with --chat-template or --jinja=false, stops the
+// start.
 func TestChatTemplateFile(t *testing.T) {
 	dir := t.TempDir()
 	good, bad := filepath.Join(dir, "tools.jinja"), filepath.Join(dir, "bad.jinja")
@@ -439,8 +440,13 @@ func TestChatTemplateFile(t *testing.T) {
 	if err := os.WriteFile(bad, []byte("{% for m in messages %}"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	raises := filepath.Join(dir, "raises.jinja")
+	if err := os.WriteFile(raises, []byte(`{% if messages|length > 1 %}{{ raise_exception("one message only") }}{% endif %}x`), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, args := range [][]string{
 		{"--chat-template-file", bad},
+		{"--chat-template-file", raises}, // it must lay out a chat, not fall back
 		{"--chat-template-file", filepath.Join(dir, "none.jinja")},
 		{"--chat-template-file", good, "--chat-template", "chatml"},
 		{"--chat-template-file", good, "--jinja=false"},
