@@ -26,6 +26,7 @@ type callFormat struct {
 	name        string // as logged
 	args        string // the arguments' key
 	open, close string // the tags around each call; "" for a bare call
+	xml         bool   // each call in XML within the tags (xmlcalls.go), not JSON
 }
 
 func (f *callFormat) bare() bool { return f.open == "" }
@@ -44,11 +45,13 @@ var llama3Format = callFormat{name: "llama3", args: "parameters"}
 
 // detectCallFormat recognises the call format a template teaches its model;
 // nil when it shows no tools, or writes calls in a format not supported here
-// (Qwen 3.5's and GLM's XML forms, Mistral's [TOOL_CALLS]): the tool protocol
-// is used for those.
+// (GLM's XML form, Mistral's [TOOL_CALLS]): the tool protocol is used for
+// those.
 func detectCallFormat(tmpl string) *callFormat {
 	has := func(s string) bool { return strings.Contains(tmpl, s) }
 	switch {
+	case has("<tool_call>") && has("<function=") && has("<parameter="):
+		return &qwenXMLFormat
 	case has("<tool_call>") && has(`"arguments"`) && !has("<function=") && !has("<arg_key>"):
 		return &hermesFormat
 	case has("<|start_header_id|>") && has(`"parameters"`) && has("tool_call"):
@@ -61,6 +64,15 @@ func detectCallFormat(tmpl string) *callFormat {
 // make it lazy when the model may also answer in text.
 func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigger, err error) {
 	f := tp.format
+	if f.xml {
+		if gbnf, err = s.xmlCallGrammar(tp); err != nil {
+			return "", nil, err
+		}
+		if !tp.required {
+			triggers = []engine.Trigger{{Text: f.open}}
+		}
+		return gbnf, triggers, nil
+	}
 	schema, _ := json.Marshal(map[string]any{"anyOf": tp.callSchemas("#/anyOf", f.args)})
 	call, err := s.convertSchema("tools", schema)
 	if err != nil {
@@ -90,6 +102,34 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 // renameRule renames rule from to to wherever it is defined or referred to in
 // gbnf, leaving string literals, character classes and comments as they are.
 func renameRule(gbnf, from, to string) string {
+	return renameRules(gbnf, func(name string) string {
+		if name == from {
+			return to
+		}
+		return name
+	})
+}
+
+// prefixRules puts prefix before the name of every rule gbnf defines, so that
+// grammars converted one by one can be joined.
+func prefixRules(gbnf, prefix string) string {
+	defined := map[string]bool{}
+	for _, line := range strings.Split(gbnf, "\n") {
+		if name, _, ok := strings.Cut(line, " ::="); ok && !strings.ContainsAny(name, " \t\"[#") {
+			defined[name] = true
+		}
+	}
+	return renameRules(gbnf, func(name string) string {
+		if defined[name] {
+			return prefix + name
+		}
+		return name
+	})
+}
+
+// renameRules maps every rule name in gbnf, defined or referred to, through
+// rename, leaving string literals, character classes and comments as they are.
+func renameRules(gbnf string, rename func(string) string) string {
 	var out strings.Builder
 	isName := func(c byte) bool {
 		return c == '-' || c == '_' || c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z'
@@ -124,11 +164,7 @@ func renameRule(gbnf, from, to string) string {
 			for j < len(gbnf) && isName(gbnf[j]) {
 				j++
 			}
-			if gbnf[i:j] == from {
-				out.WriteString(to)
-			} else {
-				out.WriteString(gbnf[i:j])
-			}
+			out.WriteString(rename(gbnf[i:j]))
 			i = j
 		default:
 			out.WriteByte(c)
@@ -144,6 +180,7 @@ func renameRule(gbnf, from, to string) string {
 // whole. Stop strings are matched in the text only, never inside a call.
 type callStream struct {
 	f       *callFormat
+	params  map[string][]toolParam // the XML format's: each tool's parameters
 	stop    stopMatcher
 	buf     strings.Builder
 	sent    int  // bytes of buf passed on, or held as the start of the calls
@@ -210,11 +247,17 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 	if !c.calls {
 		return c.stop.cut(rest, true), nil
 	}
-	parse := parseTagged
-	if c.f.bare() {
-		parse = parseBare
+	var calls []ToolCall
+	var after string
+	var whole, ok bool
+	switch {
+	case c.f.xml:
+		calls, after, whole, ok = parseXML(rest, c.params, newID)
+	case c.f.bare():
+		calls, after, whole, ok = parseBare(rest, c.f, newID)
+	default:
+		calls, after, whole, ok = parseTagged(rest, c.f, newID)
 	}
-	calls, after, whole, ok := parse(rest, c.f, newID)
 	if !ok {
 		return c.stop.cut(rest, true), nil // not calls after all: nothing generated is lost
 	}

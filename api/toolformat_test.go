@@ -18,7 +18,8 @@ func TestDetectCallFormat(t *testing.T) {
 		models.ChatTemplate:  nil,
 		models.ToolsTemplate: &hermesFormat,
 		// Qwen 3.5's XML calls also sit in <tool_call> tags, but are not JSON.
-		`<tool_call>\n<function=name>\n<parameter=p>"arguments"`: nil,
+		`<tool_call>\n<function=name>\n<parameter=p>"arguments"`: &qwenXMLFormat,
+		models.QwenXMLToolsTemplate:                              &qwenXMLFormat,
 		`<tool_call>{name}<arg_key>k</arg_key> "arguments"`:      nil,
 		models.Llama3ToolsTemplate:                               &llama3Format,
 	} {
@@ -341,17 +342,16 @@ func TestChatTemplateKwargs(t *testing.T) {
 // never panics, does not depend on how the output is cut into pieces, and loses
 // nothing: without calls, the text passed on and the rest are the output.
 func FuzzCallStream(f *testing.F) {
-	f.Add("Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>", 3, false)
-	f.Add("<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"x", 1, false)
-	f.Add("  {\"name\": \"f\", \"parameters\": {}}", 2, true)
-	f.Add("<tool_<tool_call>call>", 4, false)
-	f.Fuzz(func(t *testing.T, out string, k int, bare bool) {
-		format := &hermesFormat
-		if bare {
-			format = &llama3Format
-		}
+	f.Add("Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>", 3, uint8(0))
+	f.Add("<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"x", 1, uint8(0))
+	f.Add("  {\"name\": \"f\", \"parameters\": {}}", 2, uint8(1))
+	f.Add("<tool_<tool_call>call>", 4, uint8(0))
+	f.Add("Ok <tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>\n</tool_call>", 5, uint8(2))
+	params := map[string][]toolParam{"f": {{name: "a", text: true}, {name: "b"}}}
+	f.Fuzz(func(t *testing.T, out string, k int, which uint8) {
+		format := []*callFormat{&hermesFormat, &llama3Format, &qwenXMLFormat}[which%3]
 		run := func(k int) ([2]string, []ToolCall) {
-			cs := &callStream{f: format}
+			cs := &callStream{f: format, params: params}
 			var sent strings.Builder
 			for i := 0; i < len(out); i += k {
 				sent.WriteString(cs.add(out[i:min(i+k, len(out))]))

@@ -91,6 +91,9 @@ type toolPlan struct {
 	// format is the model's own way of calling tools (toolformat.go), when its
 	// chat template shows the tools; nil: the tool protocol described here.
 	format *callFormat
+	// params are each callable tool's parameters, for the XML call format
+	// (set with its grammar).
+	params map[string][]toolParam
 }
 
 // toolFollower follows one choice's output under tools.
@@ -112,7 +115,7 @@ type toolFollower interface {
 // follow follows one choice's output.
 func (tp *toolPlan) follow() toolFollower {
 	if tp.format != nil {
-		return &callStream{f: tp.format, stop: stopMatcher{stops: tp.stops}}
+		return &callStream{f: tp.format, params: tp.params, stop: stopMatcher{stops: tp.stops}}
 	}
 	return &answerStream{stop: stopMatcher{stops: tp.stops}}
 }

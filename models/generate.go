@@ -121,6 +121,53 @@ const Llama3ToolsTemplate = `{{- bos_token }}
 {%- endfor %}
 {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}`
 
+// QwenXMLToolsTemplate lays out tools and calls in the XML form of Qwen3-Coder
+// and Qwen 3.5: each call a <function=...> with one <parameter=...> per
+// argument, strings as raw text and other values as JSON, between <tool_call>
+// tags.
+const QwenXMLToolsTemplate = `{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- 'These functions can be called:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nCall a function in this form, one parameter per tag:\n<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for call in message.tool_calls %}
+            {{- '\n<tool_call>\n<function=' + call.function.name + '>\n' }}
+            {%- for key, value in call.function.arguments | items %}
+                {{- '<parameter=' + key + '>\n' }}
+                {%- if value is string %}
+                    {{- value }}
+                {%- else %}
+                    {{- value | tojson }}
+                {%- endif %}
+                {{- '\n</parameter>\n' }}
+            {%- endfor %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}`
+
 // Token ids fixed by the generated vocabulary.
 const (
 	TokenUnknown = 0

@@ -21,7 +21,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	preset := fs.String("preset", "tiny", "model size: "+strings.Join(names, ", "))
 	out := fs.String("out", "", "output GGUF path (required)")
 	seed := fs.Uint64("seed", 0, "weight seed (0: the preset's)")
-	tools := fs.String("tools", "", "write a chat template that shows tools in a model's own call format: hermes (Hermes/Qwen <tool_call> tags) or llama3 (Llama 3's bare JSON calls); default: plain ChatML")
+	tools := fs.String("tools", "", "write a chat template that shows tools in a model's own call format: hermes (Hermes/Qwen <tool_call> tags), qwen3-coder (Qwen3-Coder/Qwen 3.5 XML calls) or llama3 (Llama 3's bare JSON calls); default: plain ChatML")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -40,10 +40,12 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	case "":
 	case "hermes":
 		spec.ChatTemplate = models.ToolsTemplate
+	case "qwen3-coder":
+		spec.ChatTemplate = models.QwenXMLToolsTemplate
 	case "llama3":
 		spec.ChatTemplate = models.Llama3ToolsTemplate
 	default:
-		return fmt.Errorf("--tools %q: want hermes or llama3", *tools)
+		return fmt.Errorf("--tools %q: want hermes, qwen3-coder or llama3", *tools)
 	}
 	if err := models.Generate(*out, spec); err != nil {
 		return err

@@ -394,22 +394,58 @@ func TestNativeToolCalls(t *testing.T) {
 		t.Fatalf("the next turn's prompt lacks the call %q or its result:\n%s", wantCall, b)
 	}
 
-	// Llama 3's format: one bare JSON call, {"name": ..., "parameters": ...}.
-	spec.ChatTemplate = models.Llama3ToolsTemplate
-	l3 := filepath.Join(t.TempDir(), "l3.gguf")
-	if err := models.Generate(l3, spec); err != nil {
+	// Llama 3's format, one bare JSON call ({"name": ..., "parameters": ...}),
+	// and Qwen 3.5's XML calls, each parameter in its own tag.
+	for format, tmpl := range map[string]string{"llama3": models.Llama3ToolsTemplate, "qwen3-coder": models.QwenXMLToolsTemplate} {
+		spec.ChatTemplate = tmpl
+		path := filepath.Join(t.TempDir(), format+".gguf")
+		if err := models.Generate(path, spec); err != nil {
+			t.Fatal(err)
+		}
+		n := startNode(t, "--model", path)
+		if !strings.Contains(n.log(), "tool_calls="+format) {
+			t.Fatalf("%s's call format was not recognised:\n%s", format, n.log())
+		}
+		p := params
+		p.Model, p.Messages = format, params.Messages[:2]
+		p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
+		p.MaxTokens = openai.Int(200)
+		callRequiredNamedStreamed(t, n.client(""), p, check)
+	}
+	// A string parameter in the XML format is free text up to its closing tag.
+	note := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "note", Parameters: shared.FunctionParameters{
+		"type": "object", "properties": map[string]any{"text": map[string]any{"type": "string"}, "n": map[string]any{"type": "integer"}}, "required": []string{"text", "n"}}})
+	xml := models.Small()
+	xml.ChatTemplate = models.QwenXMLToolsTemplate
+	xmlPath := filepath.Join(t.TempDir(), "xml.gguf")
+	if err := models.Generate(xmlPath, xml); err != nil {
 		t.Fatal(err)
 	}
-	n = startNode(t, "--model", l3)
-	if !strings.Contains(n.log(), "tool_calls=llama3") {
-		t.Fatalf("Llama 3's call format was not recognised:\n%s", n.log())
-	}
+	n = startNode(t, "--model", xmlPath)
 	c = n.client("")
-	p := params
-	p.Model, p.Messages = "l3", params.Messages[:2]
-	p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
-	p.MaxTokens = openai.Int(200)
-	callRequiredNamedStreamed(t, c, p, check)
+	for seed := range 3 {
+		r, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "xml", Messages: params.Messages[:2],
+			Tools: []openai.ChatCompletionToolUnionParam{note}, ToolChoice: openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
+			MaxTokens: openai.Int(120), Seed: openai.Int(int64(seed)), ParallelToolCalls: openai.Bool(false)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cc := r.Choices[0]
+		if len(cc.Message.ToolCalls) > 1 || cc.Message.Content != "" || (cc.FinishReason != "tool_calls" && cc.FinishReason != "length") {
+			t.Fatalf("seed %d: finish %q, message %+v", seed, cc.FinishReason, cc.Message)
+		}
+		for _, call := range cc.Message.ToolCalls {
+			var args struct {
+				Text *string `json:"text"`
+				N    *int    `json:"n"`
+			}
+			if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil || call.Function.Name != "note" ||
+				(cc.FinishReason == "tool_calls" && (args.Text == nil || args.N == nil)) {
+				t.Fatalf("seed %d: finish %q, call %+v: %v", seed, cc.FinishReason, call.Function, err)
+			}
+		}
+		t.Logf("seed %d: %s after %d tokens", seed, cc.FinishReason, r.Usage.CompletionTokens)
+	}
 
 	// --jinja=false: llama.cpp's ChatML, tools described in the system message.
 	n = startNode(t, "--model", path, "--jinja=false")

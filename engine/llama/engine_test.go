@@ -1136,3 +1136,51 @@ func TestLazyGrammar(t *testing.T) {
 		g.Close()
 	}
 }
+
+// TestUntilGrammar: llama.cpp reads the "any text up to a closing tag" rules
+// that api/xmlcalls.go's untilRules writes (here for the tag "\n</p>") as
+// meant: the tag may appear in the text only without its newline, and once
+// written in full it ends the text.
+func TestUntilGrammar(t *testing.T) {
+	e := openTest(t, models.Small(), nil)
+	v := e.Vocab()
+	ids := map[string]engine.Token{}
+	for i := range v.Size() {
+		if p, err := v.Piece(engine.Token(i), true); err == nil {
+			if _, ok := ids[string(p)]; !ok {
+				ids[string(p)] = engine.Token(i)
+			}
+		}
+	}
+	const gbnf = `root ::= "<" t "\x0A</p>" "!"
+t ::= t-0
+t-0 ::= | [^\n] t-0 | "\x0A" t-1
+t-1 ::= | "\x0A" t-1 | [^<\n] t-0 | "<" t-2
+t-2 ::= | "\x0A" t-1 | [^/\n] t-0 | "/" t-3
+t-3 ::= | "\x0A" t-1 | [^p\n] t-0 | "p" t-4
+t-4 ::= | "\x0A" t-1 | [^>\n] t-0
+`
+	g, err := e.NewGrammar(gbnf, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	allowed := func(piece string) bool {
+		c := []engine.TokenLogit{{Token: ids[piece]}}
+		g.Apply(c)
+		return !math.IsInf(float64(c[0].Logit), -1)
+	}
+	for _, c := range strings.Split("<|a|b|\n|\n|<|/|x|<|/|p|>|\n|<|/|p", "|") {
+		if !allowed(c) {
+			t.Fatalf("%q refused", c)
+		}
+		g.Accept(ids[c])
+	}
+	if !allowed(">") || !allowed("a") { // the tag, or text that only began like it
+		t.Fatal("after \"\\n</p\" both the tag's end and more text must be allowed")
+	}
+	g.Accept(ids[">"])
+	if !allowed("!") || allowed("a") {
+		t.Fatal("once written in full, the tag ends the text: only what follows it is allowed")
+	}
+}

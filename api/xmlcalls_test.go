@@ -1,0 +1,85 @@
+package api
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ai/shoal/models"
+)
+
+func TestXMLCalls(t *testing.T) {
+	params, _, err := toolParams(json.RawMessage(`{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "tags": {"type": "array"}}, "required": ["city"]}`))
+	if err != nil || len(params) != 3 || params[0].name != "city" || !params[0].text || !params[0].required || params[1].text || params[1].required {
+		t.Fatalf("params %+v, %v", params, err)
+	}
+	tools := map[string][]toolParam{"get_weather": params}
+	call := "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n</function>\n</tool_call>"
+	for _, c := range []struct {
+		name, out string
+		calls     []string
+		whole, ok bool
+	}{
+		{"one call", call, []string{`get_weather{"city":"New\nYork","days":3,"tags":["a",1]}`}, true, true},
+		{"two calls", call + "\n" + strings.Replace(call, "3", "x", 1), []string{`get_weather{"city":"New\nYork","days":3,"tags":["a",1]}`, `get_weather{"city":"New\nYork","days":"x","tags":["a",1]}`}, true, true},
+		{"cut in a value", call[:strings.Index(call, "3")], []string{`get_weather{"city":"New\nYork"}`}, false, true},
+		{"cut in the name", "<tool_call>\n<function=get_wea", nil, false, true},
+		{"cut before the closing tag", call[:len(call)-5], []string{`get_weather{"city":"New\nYork","days":3,"tags":["a",1]}`}, false, true},
+		{"not a call", "<tool_call> oops", nil, false, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			calls, _, whole, ok := parseXML(c.out, tools, func() string { return "id" })
+			var got []string
+			for _, x := range calls {
+				got = append(got, x.Function.Name+x.Function.Arguments)
+				if !json.Valid([]byte(x.Function.Arguments)) {
+					t.Errorf("arguments %q are not JSON", x.Function.Arguments)
+				}
+			}
+			if fmt.Sprint(got) != fmt.Sprint(c.calls) || whole != c.whole || ok != c.ok {
+				t.Fatalf("calls %q, whole %v, ok %v; want %q, %v, %v", got, whole, ok, c.calls, c.whole, c.ok)
+			}
+		})
+	}
+}
+
+// TestXMLCallGrammar: the grammar names each tool and parameter, strings as
+// text up to the parameter's closing tag, enums as their values, other values
+// through the JSON-schema converter with its rules kept apart per parameter.
+func TestXMLCallGrammar(t *testing.T) {
+	s := &Server{}
+	s.cfg.SchemaToGrammar = func([]byte) (string, error) { return "root ::= \"1\" space\nspace ::= \" \"?\n", nil }
+	var f ToolFields
+	_ = json.Unmarshal([]byte(`{"tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object",
+		"properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}, "days": {"type": "integer"}, "hours": {"type": "integer"}}, "required": ["city", "days"]}}}]}`), &f)
+	tp, err := toolsOf(&f, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tp.format = &qwenXMLFormat
+	g, triggers, err := s.callGrammar(tp)
+	if err != nil || fmt.Sprint(triggers) != "[{<tool_call> false}]" {
+		t.Fatalf("%v %v", triggers, err)
+	}
+	for _, want := range []string{
+		`shoal-fn-0 ::= "<function=w>" "\n" shoal-fn-0-p0 shoal-fn-0-p1? shoal-fn-0-p2 shoal-fn-0-p3? "</function>"`,
+		`shoal-fn-0-p0 ::= "<parameter=city>" "\n" shoal-text "\x0A</parameter>" "\n"`,
+		`shoal-fn-0-p1-v ::= "c" | "f"`,
+		`shoal-fn-0-p2-v ::= "1" shoal-fn-0-p2-space`,
+		`shoal-fn-0-p3-space ::= " "?`,
+		`shoal-text-12 ::= | "\x0A" shoal-text-1 | [^>\n] shoal-text-0`,
+		`shoal-block ::= "<tool_call>" "\n" shoal-call "\n" "</tool_call>"`,
+	} {
+		if !strings.Contains(g, want) {
+			t.Errorf("grammar lacks %q:\n%s", want, g)
+		}
+	}
+	if tp.params["w"] == nil {
+		t.Fatal("the parameters were not kept for parsing")
+	}
+	// The template lays out earlier calls in the same form.
+	if detectCallFormat(models.QwenXMLToolsTemplate) != &qwenXMLFormat {
+		t.Fatal("the XML template's format was not recognised")
+	}
+}
