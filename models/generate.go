@@ -66,7 +66,36 @@ const ChatTemplate = "{% for message in messages %}{{'<|im_start|>' + message['r
 // each call as {"name": ..., "arguments": ...} between <tool_call> tags, and
 // tool results between <tool_response> tags in a user turn. Models generated
 // with it (gen-model --tools hermes) exercise a model's own call format.
-const ToolsTemplate = `{%- if tools %}
+const ToolsTemplate = chatMLToolsHead +
+	`Call a function by writing its name and arguments as a JSON object between <tool_call> tags:\n<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>` +
+	chatMLToolsTurns + `
+            {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}` +
+	chatMLToolsTail
+
+// QwenXMLToolsTemplate lays out tools and calls in the XML form of Qwen3-Coder
+// and Qwen 3.5, otherwise as ToolsTemplate: each call a <function=...> with one
+// <parameter=...> per argument, strings as raw text and other values as JSON,
+// between <tool_call> tags.
+const QwenXMLToolsTemplate = chatMLToolsHead +
+	`Call a function in this form, one parameter per tag:\n<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call>` +
+	chatMLToolsTurns + `
+            {{- '\n<tool_call>\n<function=' + call.function.name + '>\n' }}
+            {%- for key, value in call.function.arguments | items %}
+                {{- '<parameter=' + key + '>\n' }}
+                {%- if value is string %}
+                    {{- value }}
+                {%- else %}
+                    {{- value | tojson }}
+                {%- endif %}
+                {{- '\n</parameter>\n' }}
+            {%- endfor %}
+            {{- '</function>\n</tool_call>' }}` +
+	chatMLToolsTail
+
+// The parts of the ChatML templates with tools: the system turn up to the
+// instructions on calling, the turns up to an earlier call, and the rest.
+const (
+	chatMLToolsHead = `{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content + '\n\n' }}
@@ -75,7 +104,8 @@ const ToolsTemplate = `{%- if tools %}
     {%- for tool in tools %}
         {{- '\n' + (tool | tojson) }}
     {%- endfor %}
-    {{- '\n</tools>\n\nCall a function by writing its name and arguments as a JSON object between <tool_call> tags:\n<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n' }}
+    {{- '\n</tools>\n\n` // the instructions on calling follow
+	chatMLToolsTurns = `<|im_end|>\n' }}
 {%- elif messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -87,8 +117,8 @@ const ToolsTemplate = `{%- if tools %}
         {%- if message.content %}
             {{- '\n' + message.content }}
         {%- endif %}
-        {%- for call in message.tool_calls %}
-            {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}
+        {%- for call in message.tool_calls %}` // an earlier call's layout follows
+	chatMLToolsTail = `
         {%- endfor %}
         {{- '<|im_end|>\n' }}
     {%- elif message.role == 'tool' %}
@@ -98,6 +128,7 @@ const ToolsTemplate = `{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}`
+)
 
 // Llama3ToolsTemplate lays out tools and calls the way Llama 3.1 to 3.3 were
 // trained to see them: the tools as JSON in a system turn, a call as the whole
@@ -120,53 +151,6 @@ const Llama3ToolsTemplate = `{{- bos_token }}
     {%- endif %}
 {%- endfor %}
 {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}`
-
-// QwenXMLToolsTemplate lays out tools and calls in the XML form of Qwen3-Coder
-// and Qwen 3.5: each call a <function=...> with one <parameter=...> per
-// argument, strings as raw text and other values as JSON, between <tool_call>
-// tags.
-const QwenXMLToolsTemplate = `{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- 'These functions can be called:\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' + (tool | tojson) }}
-    {%- endfor %}
-    {{- '\n</tools>\n\nCall a function in this form, one parameter per tag:\n<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant' }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for call in message.tool_calls %}
-            {{- '\n<tool_call>\n<function=' + call.function.name + '>\n' }}
-            {%- for key, value in call.function.arguments | items %}
-                {{- '<parameter=' + key + '>\n' }}
-                {%- if value is string %}
-                    {{- value }}
-                {%- else %}
-                    {{- value | tojson }}
-                {%- endif %}
-                {{- '\n</parameter>\n' }}
-            {%- endfor %}
-            {{- '</function>\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}`
 
 // Token ids fixed by the generated vocabulary.
 const (

@@ -1062,18 +1062,26 @@ func TestMootWarnings(t *testing.T) {
 	}
 }
 
+// pieceIDs maps each token's text to the first token with that text.
+func pieceIDs(v engine.Vocab) map[string]engine.Token {
+	ids := map[string]engine.Token{}
+	for i := range v.Size() {
+		if p, err := v.Piece(engine.Token(i), true); err == nil {
+			if _, ok := ids[string(p)]; !ok {
+				ids[string(p)] = engine.Token(i)
+			}
+		}
+	}
+	return ids
+}
+
 // TestLazyGrammar: a lazy grammar lets anything through until its trigger
 // appears, then constrains the output from the trigger's first byte, also when
 // the trigger begins inside a token.
 func TestLazyGrammar(t *testing.T) {
 	e := openTest(t, models.Small(), nil)
 	v := e.Vocab()
-	ids := map[string]engine.Token{}
-	for i := range v.Size() {
-		if p, err := v.Piece(engine.Token(i), true); err == nil {
-			ids[string(p)] = engine.Token(i)
-		}
-	}
+	ids := pieceIDs(v)
 	token := func(piece string) engine.Token { // the token whose text is piece
 		id, ok := ids[piece]
 		if !ok {
@@ -1144,14 +1152,7 @@ func TestLazyGrammar(t *testing.T) {
 func TestUntilGrammar(t *testing.T) {
 	e := openTest(t, models.Small(), nil)
 	v := e.Vocab()
-	ids := map[string]engine.Token{}
-	for i := range v.Size() {
-		if p, err := v.Piece(engine.Token(i), true); err == nil {
-			if _, ok := ids[string(p)]; !ok {
-				ids[string(p)] = engine.Token(i)
-			}
-		}
-	}
+	ids := pieceIDs(v)
 	const gbnf = `root ::= "<" t "\x0A</p>" "!"
 t ::= t-0
 t-0 ::= | [^\n] t-0 | "\x0A" t-1
