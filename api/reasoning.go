@@ -1,6 +1,7 @@
 package api
 
 import (
+	"fmt"
 	"strings"
 
 	"github.com/shoal-ai/shoal/scheduler"
@@ -14,7 +15,8 @@ import (
 // its chat template writes </think>.
 //
 // The thoughts begin where the output begins with <think>, or at once when the
-// prompt itself ends in an open <think> (DeepSeek R1's template opens it). They
+// prompt itself ends in an open <think> (DeepSeek R1's and Qwen 3.5's templates
+// open it). They
 // end at </think>, or where a call in the Hermes format begins: Qwen 3
 // sometimes opens <tool_call> without closing its thoughts, and the call is
 // taken as a call (as Ollama and Transformers do).
@@ -36,18 +38,37 @@ type thinkPlan struct {
 }
 
 // thinkingPlan is the plan for a chat prompt of b's, nil when thoughts are not
-// separated: also when a grammar holds the output from its first token (the
-// tool protocol, a required call, response_format), which leaves the model no
-// room to think.
+// separated. A grammar that holds the output from its first token (the tool
+// protocol, a required call, response_format) is made to let the thoughts
+// come first, as llama-server does: the model thinks, then answers in form.
 func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan, req *scheduler.Request) *thinkPlan {
-	if s.cfg.ReasoningFormat == "none" || !b.thinks || (req.Grammar != "" && len(req.GrammarTriggers) == 0) {
+	if s.cfg.ReasoningFormat == "none" || !b.thinks {
 		return nil
 	}
 	t := &thinkPlan{open: strings.HasSuffix(strings.TrimRight(prompt, jsonSpace), thinkOpen)}
 	if tp != nil && tp.format != nil {
 		t.call = tp.format.open
 	}
+	if req.Grammar != "" && len(req.GrammarTriggers) == 0 {
+		req.Grammar = t.wrap(req.Grammar)
+	}
 	return t
+}
+
+// wrap lets gbnf's strings follow thoughts: when the prompt opened them, text
+// up to </think> first; else an optional <think>...</think> block.
+func (t *thinkPlan) wrap(gbnf string) string {
+	var b strings.Builder
+	b.WriteString(renameRule(gbnf, "root", "shoal-answer"))
+	b.WriteString("\n")
+	b.WriteString(untilRules("shoal-thought", thinkClose))
+	thought := `shoal-thought "</think>" [ \t\r\n]{0,4}`
+	if t.open {
+		fmt.Fprintf(&b, "root ::= %s shoal-answer\n", thought)
+	} else {
+		fmt.Fprintf(&b, "root ::= (\"<think>\" %s)? shoal-answer\n", thought)
+	}
+	return b.String()
 }
 
 // thinkSplit splits one choice's output into thoughts and the rest.

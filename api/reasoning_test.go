@@ -67,8 +67,15 @@ func TestThinkingPlan(t *testing.T) {
 	if p := s.thinkingPlan(b, "<|im_start|>assistant\n<think>\n", nil, &scheduler.Request{}); p == nil || !p.open {
 		t.Fatalf("an open <think>: %+v", p)
 	}
-	if p := s.thinkingPlan(b, "x", nil, &scheduler.Request{Grammar: "root ::= \"a\""}); p != nil {
-		t.Fatal("thoughts separated under a grammar that holds the whole output")
+	// A grammar that holds the whole output lets the thoughts come first.
+	req := &scheduler.Request{Grammar: "root ::= \"a\" root?\n"}
+	if p := s.thinkingPlan(b, "<think>\n", nil, req); p == nil || !strings.Contains(req.Grammar, `shoal-answer ::= "a" shoal-answer?`) ||
+		!strings.Contains(req.Grammar, `root ::= shoal-thought "</think>" [ \t\r\n]{0,4} shoal-answer`) {
+		t.Fatalf("an open <think> under a grammar: %+v\n%s", p, req.Grammar)
+	}
+	req = &scheduler.Request{Grammar: "root ::= \"a\"\n"}
+	if p := s.thinkingPlan(b, "x", nil, req); p == nil || !strings.Contains(req.Grammar, `root ::= ("<think>" shoal-thought "</think>" [ \t\r\n]{0,4})? shoal-answer`) {
+		t.Fatalf("a grammar, no <think> in the prompt: %+v\n%s", p, req.Grammar)
 	}
 	if p := s.thinkingPlan(b, "x", &toolPlan{format: &hermesFormat}, &scheduler.Request{Grammar: "g", GrammarTriggers: []engine.Trigger{{Text: "<tool_call>"}}}); p == nil || p.call != "<tool_call>" {
 		t.Fatalf("under a lazy grammar: %+v", p)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -80,6 +81,36 @@ func TestReasoningContent(t *testing.T) {
 	}
 	if reasoning.String() != *m.ReasoningContent || content.String() != "" {
 		t.Fatalf("streamed thoughts %q and content %q; whole thoughts %q", reasoning.String(), content.String(), *m.ReasoningContent)
+	}
+
+	// Under a grammar (here response_format) the thoughts still come first: the
+	// grammar lets text up to </think> precede the JSON.
+	resp, b = post(t, n.url+"/v1/chat/completions", `{"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 24, "seed": 3, "response_format": {"type": "json_object"}}`)
+	whole.Choices = nil
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &whole) != nil || whole.Choices[0].Message.ReasoningContent == nil ||
+		*whole.Choices[0].Message.ReasoningContent == "" {
+		t.Fatalf("response_format after thoughts: %s", b)
+	}
+
+	// A template that lets the model open <think> itself (Qwen 3's): under a
+	// grammar the thoughts are optional, and what follows them is the JSON.
+	spec.ChatTemplate = strings.Replace(thinkingTemplate, `'<|im_start|>assistant\n<think>\n'`, `'<|im_start|>assistant\n'`, 1)
+	optional := filepath.Join(t.TempDir(), "optional.gguf")
+	if err := models.Generate(optional, spec); err != nil {
+		t.Fatal(err)
+	}
+	on := startNode(t, "--model", optional)
+	for seed := range 4 {
+		resp, b = post(t, on.url+"/v1/chat/completions", fmt.Sprintf(`{"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 60, "seed": %d, "response_format": {"type": "json_object"}}`, seed))
+		whole.Choices = nil
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &whole) != nil {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		c := whole.Choices[0]
+		if c.FinishReason == "stop" && (c.Message.Content == nil || !json.Valid([]byte(*c.Message.Content))) {
+			t.Fatalf("seed %d: an answer that is not JSON: %s", seed, b)
+		}
+		t.Logf("seed %d: finish %s, thoughts %v", seed, c.FinishReason, c.Message.ReasoningContent != nil)
 	}
 
 	// --reasoning-format none: the same output, all in content.
