@@ -50,7 +50,8 @@ func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan, req *sche
 		t.call = tp.format.open
 	}
 	if req.Grammar != "" && len(req.GrammarTriggers) == 0 {
-		req.Grammar = t.wrap(req.Grammar)
+		// The grammar ends the thoughts at </think>, whatever they hold.
+		req.Grammar, t.call = t.wrap(req.Grammar), ""
 	}
 	return t
 }
