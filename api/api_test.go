@@ -604,3 +604,22 @@ func TestPromtoolCheckMetrics(t *testing.T) {
 		}
 	}
 }
+
+// TestGrammarCheckedBeforeAnswer: a grammar llama.cpp would refuse is a 400
+// before anything is sent, streamed or not (not an error event mid-stream).
+func TestGrammarCheckedBeforeAnswer(t *testing.T) {
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) {
+		c.SchemaToGrammar = func([]byte) (string, error) { return "root ::= (", nil }
+	})
+	b := *s.backend.Load()
+	b.CheckGrammar = func(string) error { return errors.New("parse error") }
+	s.SetBackend(&b)
+	for _, stream := range []string{"false", "true"} {
+		w := s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"stream":`+stream+
+			`,"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object"}}}}`)
+		var e ErrorBody
+		if w.Code != 400 || json.Unmarshal(w.Body.Bytes(), &e) != nil || e.Error.Param == nil || *e.Error.Param != "response_format" {
+			t.Errorf("stream %s: %d %s", stream, w.Code, w.Body)
+		}
+	}
+}

@@ -504,6 +504,16 @@ func given(raw json.RawMessage) bool {
 
 // routeOrRun serves the request here unless routing sends it elsewhere.
 func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool, toks []engine.Token) {
+	if p.req.Grammar != "" && b.CheckGrammar != nil {
+		if err := b.CheckGrammar(p.req.Grammar); err != nil {
+			param := "response_format"
+			if p.tools != nil {
+				param = "tools"
+			}
+			abort(c, invalid(param, "%s: the grammar built from the request's schema does not parse: %v", param, err))
+			return
+		}
+	}
 	if !forwarded {
 		answered, done := s.route(c, p.model, toks, p.req.Priority)
 		defer done()

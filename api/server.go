@@ -117,6 +117,9 @@ type Backend struct {
 	// Template is the Jinja chat template chats are rendered with (the model's
 	// own, Info.Template); empty: Vocab.ApplyChatTemplate, llama.cpp's formats.
 	Template string
+	// CheckGrammar, when set, checks a request's grammar before it is
+	// answered (safe for concurrent use).
+	CheckGrammar func(gbnf string) error
 
 	chat   *chatTemplate // Template compiled by SetBackend; nil when not used
 	thinks bool          // the model's template writes </think>: it reasons first

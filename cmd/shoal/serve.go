@@ -456,6 +456,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if f.jinja {
 		backend.Template = cmp.Or(template, info.Template)
 	}
+	if v, ok := eng.Vocab().(*llama.Vocab); ok {
+		backend.CheckGrammar = v.CheckGrammar
+	}
 	srv.SetBackend(backend)
 	scheme := "http"
 	if serverTLS != nil {

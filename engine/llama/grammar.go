@@ -55,6 +55,18 @@ func (e *Engine) NewGrammar(gbnf string, triggers []engine.Trigger) (engine.Gram
 	return l, nil
 }
 
+// CheckGrammar reports whether llama.cpp parses gbnf (start rule "root"). Like
+// every Vocab method it is safe for concurrent use: the API checks a request's
+// grammar before it answers, so that one llama.cpp refuses is a 400, not an
+// error in the middle of a stream.
+func (v *Vocab) CheckGrammar(gbnf string) error {
+	g, err := newGrammar(v, gbnf, "root")
+	if err == nil {
+		g.Close()
+	}
+	return err
+}
+
 func newGrammar(v *Vocab, gbnf, root string) (*Grammar, error) {
 	if gbnf == "" {
 		return nil, fmt.Errorf("grammar: empty: %w", engine.ErrInvalidInput)
