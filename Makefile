@@ -61,10 +61,10 @@ bench-quant: build
 bench-scheduler: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler(Decode|Sampling|SharedPrefix)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 120m ./engine/llama | tee bench-scheduler.txt
 
-# Laying out a chat: the model's Jinja template beside llama.cpp's built-in formatter (docs/benchmarks.md).
+# Laying out a chat: the model's Jinja template beside llama.cpp's built-in formatter, and checking a grammar (docs/benchmarks.md).
 bench-template: build
 	@$(CGO_ENV); { $(GO) test -run '^$$' -bench 'BenchmarkChatPrompt' -benchtime $(BENCHTIME) -count $(COUNT) ./api; \
-		$(GO) test -run '^$$' -bench 'BenchmarkApplyChatTemplate' -benchtime $(BENCHTIME) -count $(COUNT) ./engine/llama; } | tee bench-template.txt
+		$(GO) test -run '^$$' -bench 'Benchmark(ApplyChatTemplate|CheckGrammar)' -benchtime $(BENCHTIME) -count $(COUNT) ./engine/llama; } | tee bench-template.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

@@ -191,3 +191,31 @@ func BenchmarkApplyChatTemplate(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkCheckGrammar: what checking a request's grammar before answering
+// costs (api Backend.CheckGrammar): a one-tool call grammar and one of 60
+// integer-range properties (~40 KB of GBNF).
+func BenchmarkCheckGrammar(b *testing.B) {
+	e := openTest(b, models.Tiny(), nil)
+	small, err := SchemaToGrammar([]byte(`{"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"}},"required":["city"]}},"required":["name","arguments"]}`))
+	if err != nil {
+		b.Fatal(err)
+	}
+	var props []string
+	for i := range 60 {
+		props = append(props, fmt.Sprintf(`"p%d":{"type":"integer","minimum":%d,"maximum":%d}`, i, 13+i, 987654+i*7919))
+	}
+	big, err := SchemaToGrammar([]byte(`{"type":"object","properties":{` + strings.Join(props, ",") + `}}`))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for name, g := range map[string]string{"one-tool": small, "60-ranges": big} {
+		b.Run(fmt.Sprintf("%s-%dB", name, len(g)), func(b *testing.B) {
+			for b.Loop() {
+				if err := e.vocab.CheckGrammar(g); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
