@@ -56,7 +56,7 @@ func newTestServer(t testing.TB, mod func(*Config, *scheduler.Config)) *testServ
 	go func() { defer close(done); sched.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
 	reg := prometheus.NewRegistry()
-	s, err := New(cfg, reg, nil)
+	s, err := New(cfg, reg, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -487,7 +487,7 @@ func TestNotReadyAndDrain(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	cfg := DefaultConfig()
 	cfg.ModelName = "m"
-	s, err := New(cfg, reg, nil)
+	s, err := New(cfg, reg, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -75,6 +75,8 @@ type plan struct {
 	completes bool       // legacy completions logprobs format
 	tools     *toolPlan  // chat answers follow the tool protocol
 	think     *thinkPlan // chat answers' thoughts are passed on apart
+	// grammarParam is the request field req.Grammar comes from.
+	grammarParam string
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
 	// checked against the context; the context cuts it short instead).
 	maxTokensAsked bool
@@ -157,11 +159,10 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		}
 	}
 	r.Sampling = sp
-	g, err := s.grammarFor(f)
-	if err != nil {
+	var err error
+	if p.grammarParam, r.Grammar, err = s.grammarFor(f); err != nil {
 		return p, err
 	}
-	r.Grammar = g
 	return p, nil
 }
 
@@ -296,15 +297,19 @@ func constraintOf(f *SamplingFields) (*constraint, error) {
 }
 
 // grammarFor is the GBNF of the output constraint a request names, if any.
-func (s *Server) grammarFor(f *SamplingFields) (string, error) {
+// grammarFor is the grammar of f's output constraint, if it has one, and the
+// field that asked for it.
+func (s *Server) grammarFor(f *SamplingFields) (param, gbnf string, err error) {
 	c, err := constraintOf(f)
 	switch {
 	case err != nil || c == nil:
-		return "", err
+		return "", "", err
 	case c.choices != nil:
-		return choiceGrammar(c.param, c.choices)
+		gbnf, err = choiceGrammar(c.param, c.choices)
+	default:
+		gbnf, err = s.schemaGrammar(c.param, c.schema)
 	}
-	return s.schemaGrammar(c.param, c.schema)
+	return c.param, gbnf, err
 }
 
 // answerSchema is the schema of a tool protocol answer's "response" under the
@@ -469,7 +474,7 @@ func (s *Server) chat(c *gin.Context) {
 			abort(c, err)
 			return
 		}
-		p.tools = tp
+		p.tools, p.grammarParam = tp, "tools"
 		// Stop strings are matched in the answer's text, not in calls (nor in
 		// the tool protocol's JSON around an answer).
 		tp.stops, p.req.Stop = p.req.Stop, nil
@@ -506,11 +511,7 @@ func given(raw json.RawMessage) bool {
 func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool, toks []engine.Token) {
 	if p.req.Grammar != "" && b.CheckGrammar != nil {
 		if err := b.CheckGrammar(p.req.Grammar); err != nil {
-			param := "response_format"
-			if p.tools != nil {
-				param = "tools"
-			}
-			abort(c, invalid(param, "%s: the grammar built from the request's schema does not parse: %v", param, err))
+			abort(c, invalid(p.grammarParam, "%s: the grammar built from it does not parse: %v", p.grammarParam, err))
 			return
 		}
 	}

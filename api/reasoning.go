@@ -17,7 +17,7 @@ import (
 // The thoughts begin where the output begins with <think>, or at once when the
 // prompt itself ends in an open <think> (DeepSeek R1's and Qwen 3.5's templates
 // open it). They
-// end at </think>, or where a call in the Hermes format begins: Qwen 3
+// end at </think>, or where a call in the model's own tagged format begins: Qwen 3
 // sometimes opens <tool_call> without closing its thoughts, and the call is
 // taken as a call (as Ollama and Transformers do).
 
@@ -60,14 +60,14 @@ func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan, req *sche
 // up to </think> first; else an optional <think>...</think> block.
 func (t *thinkPlan) wrap(gbnf string) string {
 	var b strings.Builder
-	b.WriteString(renameRule(gbnf, "root", "shoal-answer"))
+	b.WriteString(prefixRules(gbnf, "shoal-answer-")) // named apart from the rules added here
 	b.WriteString("\n")
 	b.WriteString(untilRules("shoal-thought", thinkClose))
 	thought := `shoal-thought "</think>" [ \t\r\n]{0,4}`
 	if t.open {
-		fmt.Fprintf(&b, "root ::= %s shoal-answer\n", thought)
+		fmt.Fprintf(&b, "root ::= %s shoal-answer-root\n", thought)
 	} else {
-		fmt.Fprintf(&b, "root ::= (\"<think>\" %s)? shoal-answer\n", thought)
+		fmt.Fprintf(&b, "root ::= (\"<think>\" %s)? shoal-answer-root\n", thought)
 	}
 	return b.String()
 }

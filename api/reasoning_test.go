@@ -69,12 +69,12 @@ func TestThinkingPlan(t *testing.T) {
 	}
 	// A grammar that holds the whole output lets the thoughts come first.
 	req := &scheduler.Request{Grammar: "root ::= \"a\" root?\n"}
-	if p := s.thinkingPlan(b, "<think>\n", nil, req); p == nil || !strings.Contains(req.Grammar, `shoal-answer ::= "a" shoal-answer?`) ||
-		!strings.Contains(req.Grammar, `root ::= shoal-thought "</think>" [ \t\r\n]{0,4} shoal-answer`) {
+	if p := s.thinkingPlan(b, "<think>\n", nil, req); p == nil || !strings.Contains(req.Grammar, `shoal-answer-root ::= "a" shoal-answer-root?`) ||
+		!strings.Contains(req.Grammar, `root ::= shoal-thought "</think>" [ \t\r\n]{0,4} shoal-answer-root`) {
 		t.Fatalf("an open <think> under a grammar: %+v\n%s", p, req.Grammar)
 	}
 	req = &scheduler.Request{Grammar: "root ::= \"a\"\n"}
-	if p := s.thinkingPlan(b, "x", nil, req); p == nil || !strings.Contains(req.Grammar, `root ::= ("<think>" shoal-thought "</think>" [ \t\r\n]{0,4})? shoal-answer`) {
+	if p := s.thinkingPlan(b, "x", nil, req); p == nil || !strings.Contains(req.Grammar, `root ::= ("<think>" shoal-thought "</think>" [ \t\r\n]{0,4})? shoal-answer-root`) {
 		t.Fatalf("a grammar, no <think> in the prompt: %+v\n%s", p, req.Grammar)
 	}
 	if p := s.thinkingPlan(b, "x", &toolPlan{format: &hermesFormat}, &scheduler.Request{Grammar: "g", GrammarTriggers: []engine.Trigger{{Text: "<tool_call>"}}}); p == nil || p.call != "<tool_call>" {

@@ -139,7 +139,7 @@ func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) 
 			return "", err
 		}
 	}
-	if ct != nil && ct.calls != nil && (tp == nil || tp.plainAnswer()) {
+	if ct != nil && ct.calls != nil && (tp == nil || tp.plainAnswer() && (!ct.calls.xml || xmlFits(tp.tools))) {
 		turns, err := nativeTurns(in)
 		if err != nil {
 			return "", err
@@ -405,6 +405,18 @@ func decodeValue(dec *json.Decoder, depth int) (jinja.Value, error) {
 	default:
 		return jinja.FromGoValue(t), nil // nil, bool, string, json.Number
 	}
+}
+
+// jsonText is v as JSON, leaving <, > and & as they are (json.Marshal writes
+// them as \u003c and the like, which a model reads as something else).
+func jsonText(v any) []byte {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return []byte("null")
+	}
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n"))
 }
 
 // historyCalls decodes an earlier assistant turn's tool calls.

@@ -79,7 +79,9 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 		return "", nil, s.refusedTool(tp, err)
 	}
 	var b strings.Builder
-	b.WriteString(renameRule(call, "root", "shoal-call"))
+	// The converter's rules, named apart from those added here.
+	b.WriteString(prefixRules(call, "shoal-json-"))
+	b.WriteString("\nshoal-call ::= shoal-json-root\n")
 	switch {
 	case f.bare():
 		b.WriteString("\nroot ::= shoal-call\n") // one call: Llama 3's templates refuse more

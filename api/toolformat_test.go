@@ -226,7 +226,7 @@ func TestNativeToolPrompt(t *testing.T) {
 	}
 	s.cfg.SchemaToGrammar = func([]byte) (string, error) { return "root ::= \"{}\"\n", nil }
 	g, triggers, err := s.callGrammar(tp)
-	if err != nil || triggers != nil || !strings.Contains(g, `shoal-call ::= "{}"`) || !strings.Contains(g, `shoal-block ::= "<tool_call>"`) {
+	if err != nil || triggers != nil || !strings.Contains(g, `shoal-json-root ::= "{}"`) || !strings.Contains(g, `shoal-block ::= "<tool_call>"`) {
 		t.Fatalf("required: grammar %q, triggers %v, %v", g, triggers, err)
 	}
 	tp.required = false

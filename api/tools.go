@@ -275,7 +275,7 @@ func (tp *toolPlan) system() string {
 	var b strings.Builder
 	b.WriteString("You have access to the following tools, each given by its name, what it does and a JSON schema of its arguments:\n")
 	for _, f := range tp.tools {
-		d, _ := json.Marshal(struct {
+		d := jsonText(struct {
 			Name        string          `json:"name"`
 			Description string          `json:"description,omitempty"`
 			Parameters  json.RawMessage `json:"parameters"`
@@ -467,7 +467,7 @@ func renderMessages(in []Message, tp *toolPlan) ([]engine.ChatMessage, error) {
 				ToolCallID string          `json:"tool_call_id,omitempty"`
 				Content    json.RawMessage `json:"content"`
 			}{name, m.ToolCallID, jsonOrString(string(m.Content))}
-			b, _ := json.Marshal(map[string]any{"tool_response": resp})
+			b := jsonText(map[string]any{"tool_response": resp})
 			msgs = append(msgs, engine.ChatMessage{Role: "user", Content: string(b)})
 		default:
 			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
@@ -490,7 +490,7 @@ func assistantText(content string, calls []ToolCall, protocol bool) string {
 		if !protocol {
 			return content
 		}
-		b, _ := json.Marshal(map[string]string{"response": content})
+		b := jsonText(map[string]string{"response": content})
 		return string(b)
 	}
 	pc := make([]protocolCall, len(calls))
@@ -499,7 +499,7 @@ func assistantText(content string, calls []ToolCall, protocol bool) string {
 	}
 	// Any text beside the calls is left out: the model is shown only answers
 	// of the form it is asked for.
-	b, _ := json.Marshal(map[string]any{"tool_calls": pc})
+	b := jsonText(map[string]any{"tool_calls": pc})
 	return string(b)
 }
 
@@ -508,8 +508,7 @@ func jsonOrString(s string) json.RawMessage {
 	if t := strings.TrimSpace(s); t != "" && json.Valid([]byte(t)) {
 		return compactJSON(json.RawMessage(t))
 	}
-	b, _ := json.Marshal(s)
-	return b
+	return jsonText(s)
 }
 
 // parseCalls reads an output as the tool protocol's answer. Cut short by

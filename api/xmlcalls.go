@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -34,15 +36,24 @@ type toolParam struct {
 	enum     []string // a string's allowed values, if the schema lists them
 }
 
-// toolParams reads the parameters of a tool's schema in the order given.
-func toolParams(schema json.RawMessage) ([]toolParam, json.RawMessage, error) {
+// toolParams reads the parameters of a tool's schema in the order given, and
+// the definitions its references may point into ($defs, definitions).
+func toolParams(schema json.RawMessage) ([]toolParam, map[string]json.RawMessage, error) {
 	var top struct {
-		Properties json.RawMessage `json:"properties"`
-		Required   []string        `json:"required"`
-		Defs       json.RawMessage `json:"$defs"`
+		Properties  json.RawMessage `json:"properties"`
+		Required    []string        `json:"required"`
+		Defs        json.RawMessage `json:"$defs"`
+		Definitions json.RawMessage `json:"definitions"`
 	}
 	if err := json.Unmarshal(schema, &top); err != nil {
 		return nil, nil, err
+	}
+	defs := map[string]json.RawMessage{}
+	if given(top.Defs) {
+		defs["$defs"] = top.Defs
+	}
+	if given(top.Definitions) {
+		defs["definitions"] = top.Definitions
 	}
 	var params []toolParam
 	if given(top.Properties) && string(bytes.TrimSpace(top.Properties)) != "{}" {
@@ -65,7 +76,7 @@ func toolParams(schema json.RawMessage) ([]toolParam, json.RawMessage, error) {
 				Enum []any           `json:"enum"`
 			}
 			_ = json.Unmarshal(raw, &ps)
-			if isString(ps.Type, "string") {
+			if stringType(ps.Type) {
 				p.text = true
 				for _, e := range ps.Enum {
 					if s, ok := e.(string); ok {
@@ -79,7 +90,63 @@ func toolParams(schema json.RawMessage) ([]toolParam, json.RawMessage, error) {
 			params = append(params, p)
 		}
 	}
-	return params, top.Defs, nil
+	return params, defs, nil
+}
+
+// stringType reports whether a schema's type is a string (or a string or null,
+// which the XML format writes as text all the same).
+func stringType(raw json.RawMessage) bool {
+	if isString(raw, "string") {
+		return true
+	}
+	var l []string
+	if json.Unmarshal(raw, &l) != nil || !slices.Contains(l, "string") {
+		return false
+	}
+	for _, t := range l {
+		if t != "string" && t != "null" {
+			return false
+		}
+	}
+	return true
+}
+
+// xmlFits reports whether every tool's parameters can be written in the XML
+// format: named properties (not a free object or alternatives at the top),
+// names that cannot be taken for the tags around them, and references only
+// into the tool's definitions. Requests whose tools do not fit use the tool
+// protocol.
+func xmlFits(tools []FunctionDef) bool {
+	for _, f := range tools {
+		var top map[string]json.RawMessage
+		if json.Unmarshal(f.Parameters, &top) != nil {
+			return false
+		}
+		for _, k := range []string{"anyOf", "oneOf", "allOf", "$ref", "patternProperties"} {
+			if _, ok := top[k]; ok {
+				return false
+			}
+		}
+		if ap, ok := top["additionalProperties"]; ok && string(bytes.TrimSpace(ap)) != "false" {
+			return false
+		}
+		params, _, err := toolParams(f.Parameters)
+		if err != nil || len(params) == 0 && string(bytes.TrimSpace(top["additionalProperties"])) != "false" {
+			return false // a free object: no parameter tags to write it in
+		}
+		for _, p := range params {
+			if p.name == "" || strings.ContainsAny(p.name, "<>=\r\n") {
+				return false
+			}
+		}
+		for _, m := range localRef.FindAllIndex(f.Parameters, -1) {
+			rest := f.Parameters[m[1]:]
+			if !bytes.HasPrefix(rest, []byte("/$defs/")) && !bytes.HasPrefix(rest, []byte("/definitions/")) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // xmlCallGrammar is the GBNF of calls to tp's callable tools in the XML format.
@@ -110,16 +177,13 @@ func (s *Server) xmlCallGrammar(tp *toolPlan) (string, error) {
 			case p.text:
 				value, textRule = "shoal-text", true
 			default:
-				schema := p.schema
-				if given(defs) { // the parameter's references into the tool's $defs
-					schema = mergeDefs(p.schema, defs)
-				}
-				g, err := s.convertSchema("tools", schema)
+				g, err := s.convertSchema("tools", mergeDefs(p.schema, defs))
 				if err != nil {
 					return "", s.refusedTool(tp, err)
 				}
-				b.WriteString(renameRule(prefixRules(g, rule+"-"), rule+"-root", value))
+				b.WriteString(prefixRules(g, rule+"-"))
 				b.WriteString("\n")
+				value = rule + "-root"
 			}
 			fmt.Fprintf(&b, "%s ::= %s \"\\n\" %s %s \"\\n\"\n", rule, engine.GBNFLiteral("<parameter="+p.name+">"), value, engine.GBNFLiteral(paramEnd))
 			if p.required {
@@ -142,15 +206,22 @@ func (s *Server) xmlCallGrammar(tp *toolPlan) (string, error) {
 	return b.String(), nil
 }
 
-// mergeDefs is a parameter's schema with the tool's $defs beside it, so that
-// its references ("#/$defs/...") resolve when it is converted alone.
-func mergeDefs(schema, defs json.RawMessage) json.RawMessage {
+// mergeDefs is a parameter's schema with the tool's definitions beside it, so
+// that its references ("#/$defs/...", "#/definitions/...") resolve when it is
+// converted alone. Its own definitions of the same names win.
+func mergeDefs(schema json.RawMessage, defs map[string]json.RawMessage) json.RawMessage {
 	var m map[string]json.RawMessage
-	if json.Unmarshal(schema, &m) != nil || m == nil {
+	if len(defs) == 0 || json.Unmarshal(schema, &m) != nil || m == nil {
 		return schema
 	}
-	if _, ok := m["$defs"]; !ok {
-		m["$defs"] = defs
+	for key, tool := range defs {
+		var own, all map[string]json.RawMessage
+		_ = json.Unmarshal(m[key], &own)
+		if json.Unmarshal(tool, &all) != nil {
+			continue
+		}
+		maps.Copy(all, own)
+		m[key], _ = json.Marshal(all)
 	}
 	b, _ := json.Marshal(m)
 	return b
@@ -235,8 +306,7 @@ func parseXML(text string, params map[string][]toolParam, newID func() string) (
 			if args.Len() > 1 {
 				args.WriteString(",")
 			}
-			k, _ := json.Marshal(key)
-			args.Write(k)
+			args.Write(jsonText(key))
 			args.WriteByte(':')
 			args.Write(paramValue(value, params[name], key))
 		}
@@ -273,13 +343,11 @@ func cutTag(s, tag string) (value, rest string, found bool) {
 func paramValue(value string, params []toolParam, key string) []byte {
 	for _, p := range params {
 		if p.name == key && p.text {
-			b, _ := json.Marshal(value)
-			return b
+			return jsonText(value)
 		}
 	}
 	if v := strings.TrimSpace(value); v != "" && json.Valid([]byte(v)) {
 		return compactJSON(json.RawMessage(v))
 	}
-	b, _ := json.Marshal(value)
-	return b
+	return jsonText(value)
 }

@@ -66,7 +66,8 @@ func TestXMLCallGrammar(t *testing.T) {
 		`shoal-fn-0 ::= "<function=w>" "\n" shoal-fn-0-p0 shoal-fn-0-p1? shoal-fn-0-p2 shoal-fn-0-p3? "</function>"`,
 		`shoal-fn-0-p0 ::= "<parameter=city>" "\n" shoal-text "\x0A</parameter>" "\n"`,
 		`shoal-fn-0-p1-v ::= "c" | "f"`,
-		`shoal-fn-0-p2-v ::= "1" shoal-fn-0-p2-space`,
+		`shoal-fn-0-p2-root ::= "1" shoal-fn-0-p2-space`,
+		`shoal-fn-0-p2 ::= "<parameter=days>" "\n" shoal-fn-0-p2-root "\x0A</parameter>" "\n"`,
 		`shoal-fn-0-p3-space ::= " "?`,
 		`shoal-text-12 ::= | "\x0A" shoal-text-1 | [^>\n] shoal-text-0`,
 		`shoal-block ::= "<tool_call>" "\n" shoal-call "\n" "</tool_call>"`,
@@ -81,5 +82,43 @@ func TestXMLCallGrammar(t *testing.T) {
 	// The template lays out earlier calls in the same form.
 	if detectCallFormat(models.QwenXMLToolsTemplate) != &qwenXMLFormat {
 		t.Fatal("the XML template's format was not recognised")
+	}
+}
+
+// TestXMLFits: tools whose parameters the XML format cannot write take the
+// tool protocol.
+func TestXMLFits(t *testing.T) {
+	for params, want := range map[string]bool{
+		`{"type":"object","properties":{"city":{"type":"string"}}}`:      true,
+		`{"type":"object","properties":{},"additionalProperties":false}`: true, // no arguments
+		`{"type":"object"}`: false, // any object
+		`{"type":"object","properties":{"a":{"type":"string"}},"additionalProperties":{"type":"integer"}}`: false,
+		`{"anyOf":[{"type":"object"}]}`:                                                                          false,
+		`{"type":"object","properties":{"a>b":{"type":"string"}}}`:                                               false, // the tag could not be read back
+		`{"type":"object","properties":{"a":{"$ref":"#/$defs/A"}},"$defs":{"A":{"type":"integer"}}}`:             true,
+		`{"type":"object","properties":{"a":{"$ref":"#/properties/b"},"b":{"type":"integer"}}}`:                  false,
+		`{"type":"object","properties":{"a":{"$ref":"#/definitions/A"}},"definitions":{"A":{"type":"integer"}}}`: true,
+	} {
+		if got := xmlFits([]FunctionDef{{Name: "f", Parameters: json.RawMessage(params)}}); got != want {
+			t.Errorf("%s: fits %v, want %v", params, got, want)
+		}
+	}
+	// A parameter's references resolve against the tool's definitions.
+	merged := mergeDefs(json.RawMessage(`{"$ref":"#/definitions/A","$defs":{"B":{}}}`), map[string]json.RawMessage{
+		"definitions": json.RawMessage(`{"A":{"type":"integer"}}`), "$defs": json.RawMessage(`{"B":{"type":"string"},"C":{}}`)})
+	var m struct {
+		Definitions map[string]json.RawMessage `json:"definitions"`
+	}
+	if json.Unmarshal(merged, &m) != nil || string(m.Definitions["A"]) != `{"type":"integer"}` || !strings.Contains(string(merged), `"B":{}`) || !strings.Contains(string(merged), `"C":{}`) {
+		t.Errorf("merged %s", merged)
+	}
+	// Strings, also those that may be null, are written as text, and read back
+	// without HTML escapes.
+	params, _, _ := toolParams(json.RawMessage(`{"type":"object","properties":{"code":{"type":["string","null"]}}}`))
+	if len(params) != 1 || !params[0].text {
+		t.Fatalf("params %+v", params)
+	}
+	if v := string(paramValue("a < b && c", params, "code")); v != `"a < b && c"` {
+		t.Errorf("value %s", v)
 	}
 }
