@@ -285,6 +285,16 @@ func nativeTurns(in []Message) ([]chatTurn, error) {
 			if err != nil {
 				return nil, err
 			}
+			// Templates write the arguments out key by key: they must be an
+			// object (vLLM decodes them too).
+			for j, c := range calls {
+				args := strings.TrimSpace(c.Function.Arguments)
+				if args == "" {
+					calls[j].Function.Arguments = "{}"
+				} else if v, err := jsonValue([]byte(args)); err != nil || !v.IsDict() {
+					return nil, invalid(param+".tool_calls", "%s.tool_calls[%d].function.arguments must be a JSON object, got %.40q", param, j, args)
+				}
+			}
 			t.calls = calls
 			for _, c := range calls {
 				if c.ID != "" {

@@ -247,6 +247,10 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 	}
 	rest := c.buf.String()[c.sent:]
 	if !c.calls {
+		if len(rest) > 1 && c.f.open != "" && strings.HasPrefix(c.f.open, rest) {
+			c.partial = true
+			return "", nil // a call cut in its opening tag
+		}
 		return c.stop.cut(rest, true), nil
 	}
 	var calls []ToolCall

@@ -43,7 +43,8 @@ func TestCallStream(t *testing.T) {
 		finish string
 	}{
 		{"text", []string{"It is ", "sunny <", "b>"}, "It is sunny <b>", "", nil, "stop"},
-		{"text ending in a partial tag", []string{"a <tool"}, "a ", "<tool", nil, "stop"},
+		{"text ending in a partial tag", []string{"a <tool"}, "a ", "", nil, "stop"}, // a call cut in its tag
+		{"text ending in <", []string{"a <"}, "a ", "<", nil, "stop"},
 		{"call after text", []string{"Let me look.\n<to", "ol_call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"},
 			"Let me look.\n", "", []string{`get_weather{"city":"Oslo"}`}, "tool_calls"},
 		{"two calls", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>{\"name\": \"b\", \"arguments\": {\"x\": [1, 2]}}</tool_call>"},

@@ -132,7 +132,11 @@ var toolName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
 // not shown, as the model may not call them).
 func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 	if (given(req.Functions) || given(req.FunctionCall)) && !isString(req.FunctionCall, "none") {
-		return nil, invalid("functions", "functions and function_call are deprecated and not supported: send tools and tool_choice")
+		param := "functions"
+		if !given(req.Functions) {
+			param = "function_call"
+		}
+		return nil, invalid(param, "functions and function_call are deprecated and not supported: send tools and tool_choice")
 	}
 	var tools []Tool
 	if given(req.Tools) {

@@ -62,7 +62,7 @@ func TestToolsOf(t *testing.T) {
 		`{"tool_choice":"required"}`:                                                                   "tool_choice",
 		`{"tool_choice":{"type":"function","function":{"name":"f"}}}`:                                  "tool_choice",
 		`{"functions":[{"name":"f"}]}`:                                                                 "functions",
-		`{"function_call":"auto"}`:                                                                     "functions",
+		`{"function_call":"auto"}`:                                                                     "function_call",
 		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"c":{"enum":[]}}}}}]}`:           "tools[0]",
 		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"c":{"anyOf":[]}}}}}]}`:          "tools[0]",
 		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"c":{"items":{"type":[]}}}}}}]}`: "tools[0]",

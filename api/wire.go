@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 )
 
 // OpenAI wire types. Field names and shapes follow the OpenAI API reference;
@@ -68,6 +69,23 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	return errors.New("must be a string, an array of strings, an array of token ids, or an array of such arrays")
 }
 
+// jsonKind names the kind of JSON value b is, as encoding/json's errors do.
+func jsonKind(b []byte) string {
+	switch {
+	case len(b) == 0:
+		return "nothing"
+	case b[0] == '{':
+		return "object"
+	case b[0] == '[':
+		return "array"
+	case b[0] == '"':
+		return "string"
+	case b[0] == 't' || b[0] == 'f':
+		return "bool"
+	}
+	return "number"
+}
+
 // Content is a chat message's content: a string or an array of parts, of which only
 // text parts are supported.
 type Content string
@@ -88,7 +106,8 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 		Text *string `json:"text"`
 	}
 	if err := json.Unmarshal(b, &parts); err != nil {
-		return errors.New("must be a string or an array of content parts")
+		// A type error names the field (messages.content) in decodeBody.
+		return &json.UnmarshalTypeError{Value: jsonKind(b), Type: reflect.TypeFor[string]()}
 	}
 	var buf bytes.Buffer
 	for i, p := range parts {

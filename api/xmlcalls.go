@@ -76,7 +76,7 @@ func toolParams(schema json.RawMessage) ([]toolParam, map[string]json.RawMessage
 				Enum []any           `json:"enum"`
 			}
 			_ = json.Unmarshal(raw, &ps)
-			if stringType(ps.Type) {
+			if stringType(ps.Type) && !constrainedString(raw) {
 				p.text = true
 				for _, e := range ps.Enum {
 					if s, ok := e.(string); ok {
@@ -91,6 +91,22 @@ func toolParams(schema json.RawMessage) ([]toolParam, map[string]json.RawMessage
 		}
 	}
 	return params, defs, nil
+}
+
+// constrainedString reports whether a string schema limits its text beyond an
+// enum (a pattern, a format, a length, a constant): such a parameter is
+// written as a JSON string, which the converter's grammar holds to them.
+func constrainedString(raw json.RawMessage) bool {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(raw, &m) != nil {
+		return true
+	}
+	for _, k := range []string{"pattern", "format", "minLength", "maxLength", "const"} {
+		if _, ok := m[k]; ok {
+			return true
+		}
+	}
+	return false
 }
 
 // stringType reports whether a schema's type is a string (or a string or null,
@@ -128,11 +144,11 @@ func xmlFits(tools []FunctionDef) bool {
 			}
 		}
 		if ap, ok := top["additionalProperties"]; ok && string(bytes.TrimSpace(ap)) != "false" {
-			return false
+			return false // a free object: no parameter tags to write it in
 		}
 		params, _, err := toolParams(f.Parameters)
-		if err != nil || len(params) == 0 && string(bytes.TrimSpace(top["additionalProperties"])) != "false" {
-			return false // a free object: no parameter tags to write it in
+		if err != nil {
+			return false
 		}
 		for _, p := range params {
 			if p.name == "" || strings.ContainsAny(p.name, "<>=\r\n") {
@@ -213,6 +229,13 @@ func mergeDefs(schema json.RawMessage, defs map[string]json.RawMessage) json.Raw
 	var m map[string]json.RawMessage
 	if len(defs) == 0 || json.Unmarshal(schema, &m) != nil || m == nil {
 		return schema
+	}
+	if ref, ok := m["$ref"]; ok && m["allOf"] == nil {
+		// llama.cpp's converter resolves a reference at the root, but not
+		// the references inside what it points to (they become any object);
+		// under allOf it resolves them all.
+		delete(m, "$ref")
+		m["allOf"], _ = json.Marshal([]map[string]json.RawMessage{{"$ref": ref}})
 	}
 	for key, tool := range defs {
 		var own, all map[string]json.RawMessage

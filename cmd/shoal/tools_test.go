@@ -412,9 +412,13 @@ func TestNativeToolCalls(t *testing.T) {
 		p.MaxTokens = openai.Int(200)
 		callRequiredNamedStreamed(t, n.client(""), p, check)
 	}
-	// A string parameter in the XML format is free text up to its closing tag.
-	note := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "note", Parameters: shared.FunctionParameters{
-		"type": "object", "properties": map[string]any{"text": map[string]any{"type": "string"}, "n": map[string]any{"type": "integer"}}, "required": []string{"text", "n"}}})
+	// References inside referenced definitions resolve in the XML format too.
+	addr := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "mk", Parameters: shared.FunctionParameters{
+		"$defs": map[string]any{
+			"Kind": map[string]any{"type": "string", "enum": []string{"home", "work"}},
+			"Addr": map[string]any{"type": "object", "properties": map[string]any{"zip": map[string]any{"type": "integer", "minimum": 1, "maximum": 99}, "kind": map[string]any{"$ref": "#/$defs/Kind"}},
+				"required": []string{"zip", "kind"}, "additionalProperties": false}},
+		"type": "object", "properties": map[string]any{"addr": map[string]any{"$ref": "#/$defs/Addr"}}, "required": []string{"addr"}}})
 	xml := models.Small()
 	xml.ChatTemplate = models.QwenXMLToolsTemplate
 	xmlPath := filepath.Join(t.TempDir(), "xml.gguf")
@@ -423,6 +427,29 @@ func TestNativeToolCalls(t *testing.T) {
 	}
 	n = startNode(t, "--model", xmlPath)
 	c = n.client("")
+	for seed := range 3 {
+		r, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "xml", Messages: params.Messages[:2],
+			Tools: []openai.ChatCompletionToolUnionParam{addr}, ToolChoice: openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
+			MaxTokens: openai.Int(300), Seed: openai.Int(int64(seed)), ParallelToolCalls: openai.Bool(false)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var args struct {
+			Addr struct {
+				Zip  int    `json:"zip"`
+				Kind string `json:"kind"`
+			} `json:"addr"`
+		}
+		cc := r.Choices[0]
+		if cc.FinishReason != "tool_calls" || json.Unmarshal([]byte(cc.Message.ToolCalls[0].Function.Arguments), &args) != nil ||
+			(args.Addr.Kind != "home" && args.Addr.Kind != "work") || args.Addr.Zip < 1 || args.Addr.Zip > 99 {
+			t.Fatalf("seed %d: finish %q, calls %+v", seed, cc.FinishReason, cc.Message.ToolCalls)
+		}
+	}
+
+	// A string parameter in the XML format is free text up to its closing tag.
+	note := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "note", Parameters: shared.FunctionParameters{
+		"type": "object", "properties": map[string]any{"text": map[string]any{"type": "string"}, "n": map[string]any{"type": "integer"}}, "required": []string{"text", "n"}}})
 	for seed := range 3 {
 		r, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "xml", Messages: params.Messages[:2],
 			Tools: []openai.ChatCompletionToolUnionParam{note}, ToolChoice: openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")},
