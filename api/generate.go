@@ -357,6 +357,13 @@ func (s *Server) schemaGrammar(param string, raw json.RawMessage) (string, error
 	if at := emptyChoice(v, "schema"); at != "" {
 		return "", invalid(param, "%s: %s is an empty list: no value would match", param, at)
 	}
+	if m, ok := v.(map[string]any); ok && m["$ref"] != nil {
+		var top map[string]json.RawMessage
+		if json.Unmarshal(raw, &top) == nil {
+			rootRefUnderAllOf(top)
+			raw, _ = json.Marshal(top)
+		}
+	}
 	return s.convertSchema(param, raw)
 }
 

@@ -230,13 +230,7 @@ func mergeDefs(schema json.RawMessage, defs map[string]json.RawMessage) json.Raw
 	if len(defs) == 0 || json.Unmarshal(schema, &m) != nil || m == nil {
 		return schema
 	}
-	if ref, ok := m["$ref"]; ok && m["allOf"] == nil {
-		// llama.cpp's converter resolves a reference at the root, but not
-		// the references inside what it points to (they become any object);
-		// under allOf it resolves them all.
-		delete(m, "$ref")
-		m["allOf"], _ = json.Marshal([]map[string]json.RawMessage{{"$ref": ref}})
-	}
+	rootRefUnderAllOf(m)
 	for key, tool := range defs {
 		var own, all map[string]json.RawMessage
 		_ = json.Unmarshal(m[key], &own)
@@ -248,6 +242,16 @@ func mergeDefs(schema json.RawMessage, defs map[string]json.RawMessage) json.Raw
 	}
 	b, _ := json.Marshal(m)
 	return b
+}
+
+// rootRefUnderAllOf moves a schema's root reference under allOf: llama.cpp's
+// converter resolves a reference at the root, but not the references inside
+// what it points to (they become any object); under allOf it resolves them all.
+func rootRefUnderAllOf(m map[string]json.RawMessage) {
+	if ref, ok := m["$ref"]; ok && m["allOf"] == nil {
+		delete(m, "$ref")
+		m["allOf"], _ = json.Marshal([]map[string]json.RawMessage{{"$ref": ref}})
+	}
 }
 
 // untilRules defines name as any text that does not contain end: one rule per

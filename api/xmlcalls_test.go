@@ -124,3 +124,17 @@ func TestXMLFits(t *testing.T) {
 		t.Errorf("value %s", v)
 	}
 }
+
+// TestRootRefUnderAllOf: a schema whose root is a reference reaches llama.cpp's
+// converter under allOf, where it resolves the references inside the target.
+func TestRootRefUnderAllOf(t *testing.T) {
+	var got string
+	s := &Server{}
+	s.cfg.SchemaToGrammar = func(b []byte) (string, error) { got = string(b); return "root ::= \"x\"\n", nil }
+	if _, err := s.schemaGrammar("response_format", json.RawMessage(`{"$ref":"#/$defs/A","$defs":{"A":{"type":"object"}}}`)); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(got, `"allOf":[{"$ref":"#/$defs/A"}]`) || strings.HasPrefix(got, `{"$ref"`) {
+		t.Fatalf("converter got %s", got)
+	}
+}
