@@ -127,6 +127,7 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 	}
 	r.Stop = f.Stop
 	r.IgnoreEOS = f.IgnoreEOS
+	r.SpecialTokens = f.SkipSpecialTokens != nil && !*f.SkipSpecialTokens
 	if f.Priority != nil {
 		r.Priority = *f.Priority
 	}

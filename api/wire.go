@@ -173,6 +173,7 @@ type SamplingFields struct {
 	RepetitionPenalty *float64           `json:"repetition_penalty"`
 	Priority          *int               `json:"priority"`
 	IgnoreEOS         bool               `json:"ignore_eos"`
+	SkipSpecialTokens *bool              `json:"skip_special_tokens"`
 	StructuredFields
 }
 

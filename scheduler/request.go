@@ -25,8 +25,11 @@ type Request struct {
 	Stop []string
 	// IgnoreEOS keeps generating past end-of-generation tokens (benchmarks).
 	IgnoreEOS bool
-	N         int // choices; 0 means 1
-	Priority  int // lower first, as vLLM's priority (default 0; negative: urgent)
+	// SpecialTokens renders control tokens in the output's text (vLLM's
+	// skip_special_tokens: false); by default they render as nothing.
+	SpecialTokens bool
+	N             int // choices; 0 means 1
+	Priority      int // lower first, as vLLM's priority (default 0; negative: urgent)
 	// Deadline, if set, cancels the request when reached, waiting or running.
 	Deadline time.Time
 	// Embed asks for the prompt's pooled embedding (EventEmbedding) instead of

@@ -928,7 +928,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 		return
 	}
 	q.tokens = append(q.tokens, tok)
-	piece, err := s.vocab.Piece(tok, false)
+	piece, err := s.vocab.Piece(tok, g.req.SpecialTokens)
 	if err != nil {
 		s.fail(g, fmt.Errorf("detokenize: %w", err))
 		return

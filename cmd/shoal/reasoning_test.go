@@ -125,3 +125,21 @@ func TestReasoningContent(t *testing.T) {
 		t.Fatalf("an unknown reasoning format: %v", err)
 	}
 }
+
+// TestSkipSpecialTokens: control tokens render as nothing unless a request
+// sets skip_special_tokens false, as vLLM's.
+func TestSkipSpecialTokens(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t))
+	for skip, want := range map[string]string{"": "", `,"skip_special_tokens":true`: "", `,"skip_special_tokens":false`: "<|im_start|><|im_start|><|im_start|>"} {
+		// The generated vocabulary's token 3 is <|im_start|>, a control token.
+		resp, b := post(t, n.url+"/v1/completions", `{"prompt":"a","max_tokens":3,"logit_bias":{"3":100}`+skip+`}`)
+		var r struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 || r.Choices[0].Text != want {
+			t.Errorf("%q: %d %s, want text %q", skip, resp.StatusCode, b, want)
+		}
+	}
+}
