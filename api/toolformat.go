@@ -249,7 +249,7 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 	if !c.calls {
 		if len(rest) > 1 && c.f.open != "" && strings.HasPrefix(c.f.open, rest) {
 			c.partial = true
-			return "", nil // a call cut in its opening tag
+			return c.stop.cut("", true), nil // a call cut in its opening tag
 		}
 		return c.stop.cut(rest, true), nil
 	}
