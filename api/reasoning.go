@@ -16,10 +16,9 @@ import (
 //
 // The thoughts begin where the output begins with <think>, or at once when the
 // prompt itself ends in an open <think> (DeepSeek R1's and Qwen 3.5's templates
-// open it). They
-// end at </think>, or where a call in the model's own tagged format begins: Qwen 3
-// sometimes opens <tool_call> without closing its thoughts, and the call is
-// taken as a call (as Ollama and Transformers do).
+// open it). They end at </think>, or where a call in the model's own tagged
+// format begins: Qwen 3 sometimes opens <tool_call> without closing its
+// thoughts, and the call is taken as a call (as Ollama and Transformers do).
 
 const (
 	thinkOpen  = "<think>"
@@ -113,18 +112,14 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 			t.mode = thinkDone
 		}
 	}
-	if t.mode == thinkDone {
-		if t.trim {
-			s = strings.TrimLeft(s, jsonSpace)
-			t.trim = s == ""
-		}
-		return "", s
-	}
-	// Inside: thoughts up to </think> or a call, holding back what may begin one.
 	if t.trim {
 		s = strings.TrimLeft(s, jsonSpace)
 		t.trim = s == ""
 	}
+	if t.mode == thinkDone {
+		return "", s
+	}
+	// Inside: thoughts up to </think> or a call, holding back what may begin one.
 	end, after := strings.Index(s, thinkClose), len(thinkClose)
 	if t.plan.call != "" {
 		if i := strings.Index(s, t.plan.call); i >= 0 && (end < 0 || i < end) {

@@ -2,10 +2,12 @@ package api
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"strings"
 
 	"github.com/ardanlabs/jinja"
@@ -76,9 +78,7 @@ func newChatTemplate(b *Backend) (*chatTemplate, error) {
 // template shows (undefined for none), extra the request's own variables.
 func (ct *chatTemplate) render(msgs []jinja.Value, tools jinja.Value, extra map[string]jinja.Value) (string, error) {
 	data := map[string]jinja.Value{}
-	for k, v := range extra {
-		data[k] = v
-	}
+	maps.Copy(data, extra)
 	data["messages"] = jinja.NewList(msgs)
 	data["add_generation_prompt"] = jinja.NewBool(true)
 	data["bos_token"] = jinja.NewString(ct.bos)
@@ -195,8 +195,8 @@ func renderErr(text string, err error) (string, error) {
 // chatTurn is one message as a template reads it.
 type chatTurn struct {
 	role, content string
-	calls         []ToolCall // an assistant turn's
-	callID, name  string     // a tool turn's
+	calls         []jinja.Value // an assistant turn's, as callValue makes them
+	callID, name  string        // a tool turn's
 }
 
 // turn is a message with a role and a text.
@@ -217,11 +217,7 @@ func values(turns []chatTurn) []jinja.Value {
 		v := turn(t.role, t.content)
 		d := v.AsDict()
 		if len(t.calls) > 0 {
-			list := make([]jinja.Value, len(t.calls))
-			for j, c := range t.calls {
-				list[j] = callValue(c)
-			}
-			d.Set("tool_calls", jinja.NewList(list))
+			d.Set("tool_calls", jinja.NewList(t.calls))
 		}
 		if t.callID != "" {
 			d.Set("tool_call_id", jinja.NewString(t.callID))
@@ -285,24 +281,24 @@ func nativeTurns(in []Message) ([]chatTurn, error) {
 			if err != nil {
 				return nil, err
 			}
-			// Templates write the arguments out key by key: they must be an
-			// object (vLLM decodes them too).
 			for j, c := range calls {
-				args := strings.TrimSpace(c.Function.Arguments)
-				if args == "" {
-					calls[j].Function.Arguments = "{}"
-				} else if v, err := jsonValue([]byte(args)); err != nil || !v.IsDict() {
-					return nil, invalid(param+".tool_calls", "%s.tool_calls[%d].function.arguments must be a JSON object, got %.40q", param, j, args)
+				// Templates write the arguments out key by key: they must be
+				// an object (vLLM decodes them too).
+				args := jinja.NewDict()
+				if a := strings.TrimSpace(c.Function.Arguments); a != "" {
+					v, err := jsonValue([]byte(a))
+					if err != nil || !v.IsDict() {
+						return nil, invalid(param+".tool_calls", "%s.tool_calls[%d].function.arguments must be a JSON object, got %.40q", param, j, a)
+					}
+					args = v
 				}
-			}
-			t.calls = calls
-			for _, c := range calls {
+				t.calls = append(t.calls, callValue(c, args))
 				if c.ID != "" {
 					names[c.ID] = c.Function.Name
 				}
 			}
 		case "tool":
-			t.callID, t.name = m.ToolCallID, cmpOr(names[m.ToolCallID], m.Name)
+			t.callID, t.name = m.ToolCallID, cmp.Or(names[m.ToolCallID], m.Name)
 		default:
 			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
 		}
@@ -311,23 +307,11 @@ func nativeTurns(in []Message) ([]chatTurn, error) {
 	return out, nil
 }
 
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
-}
-
 // callValue is an earlier call as templates read it: {"id", "type",
-// "function": {"name", "arguments"}}, the arguments an object when they are
-// one.
-func callValue(c ToolCall) jinja.Value {
+// "function": {"name", "arguments"}}, with its arguments decoded.
+func callValue(c ToolCall, args jinja.Value) jinja.Value {
 	fn := jinja.NewDict()
 	fn.AsDict().Set("name", jinja.NewString(c.Function.Name))
-	args, err := jsonValue([]byte(c.Function.Arguments))
-	if err != nil || !args.IsDict() {
-		args = jinja.NewString(c.Function.Arguments)
-	}
 	fn.AsDict().Set("arguments", args)
 	v := jinja.NewDict()
 	if c.ID != "" {

@@ -101,17 +101,6 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 	return b.String(), triggers, nil
 }
 
-// renameRule renames rule from to to wherever it is defined or referred to in
-// gbnf, leaving string literals, character classes and comments as they are.
-func renameRule(gbnf, from, to string) string {
-	return renameRules(gbnf, func(name string) string {
-		if name == from {
-			return to
-		}
-		return name
-	})
-}
-
 // prefixRules puts prefix before the name of every rule gbnf defines, so that
 // grammars converted one by one can be joined.
 func prefixRules(gbnf, prefix string) string {

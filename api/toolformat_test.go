@@ -163,7 +163,13 @@ func TestJSONField(t *testing.T) {
 func TestRenameRule(t *testing.T) {
 	in := "root ::= \"{\" space root-x (\"root\" | [root]) root # root here\nroot-x ::= root\n"
 	want := "shoal-call ::= \"{\" space root-x (\"root\" | [root]) shoal-call # root here\nroot-x ::= shoal-call\n"
-	if got := renameRule(in, "root", "shoal-call"); got != want {
+	rename := func(name string) string {
+		if name == "root" {
+			return "shoal-call"
+		}
+		return name
+	}
+	if got := renameRules(in, rename); got != want {
 		t.Fatalf("got  %q\nwant %q", got, want)
 	}
 }

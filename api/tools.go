@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -465,7 +466,7 @@ func renderMessages(in []Message, tp *toolPlan) ([]engine.ChatMessage, error) {
 				}
 			}
 		case "tool":
-			name := cmpOr(names[m.ToolCallID], m.Name)
+			name := cmp.Or(names[m.ToolCallID], m.Name)
 			resp := struct {
 				Name       string          `json:"name,omitempty"`
 				ToolCallID string          `json:"tool_call_id,omitempty"`

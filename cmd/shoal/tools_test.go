@@ -157,11 +157,21 @@ func TestToolCalling(t *testing.T) {
 
 	// The next turn: the call and its result in the history, the model free to
 	// answer or call again.
+	nextTurn(t, n, params, chat)
+}
+
+// nextTurn asks for the turn after chat's first call, with the call and its
+// result ({"temperature_c": 3}) in the history, the model free to answer or
+// call again. /tokenize must count the prompt chat builds; it returns those
+// tokens.
+func nextTurn(t *testing.T, n *node, params openai.ChatCompletionNewParams, chat *openai.ChatCompletion) []int32 {
+	t.Helper()
 	call := chat.Choices[0].Message.ToolCalls[0]
 	params.Messages = append(params.Messages, chat.Choices[0].Message.ToParam(), openai.ToolMessage(`{"temperature_c": 3}`, call.ID))
 	params.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("auto")}
 	params.MaxTokens = openai.Int(30)
-	next, err := c.Chat.Completions.New(ctx, params)
+	c := n.client("")
+	next, err := c.Chat.Completions.New(context.Background(), params)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,11 +181,13 @@ func TestToolCalling(t *testing.T) {
 	body, _ := json.Marshal(params)
 	resp, b := post(t, n.url+"/tokenize", string(body))
 	var tok struct {
-		Count int `json:"count"`
+		Count  int     `json:"count"`
+		Tokens []int32 `json:"tokens"`
 	}
 	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &tok) != nil || tok.Count != int(next.Usage.PromptTokens) {
 		t.Fatalf("/tokenize counted %s for a chat prompt of %d tokens", b, next.Usage.PromptTokens)
 	}
+	return tok.Tokens
 }
 
 // toolRequest is a chat that asks for the weather with two tools offered,
@@ -364,27 +376,10 @@ func TestNativeToolCalls(t *testing.T) {
 		}
 	}
 
-	// The next turn: the call and its result rendered by the template; /tokenize
-	// counts the prompt chat builds.
+	// The next turn: the call and its result rendered by the template.
 	call := chat.Choices[0].Message.ToolCalls[0]
-	params.Messages = append(params.Messages, chat.Choices[0].Message.ToParam(), openai.ToolMessage(`{"temperature_c": 3}`, call.ID))
-	params.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("auto")}
-	params.MaxTokens = openai.Int(30)
-	next, err := c.Chat.Completions.New(ctx, params)
-	if err != nil {
-		t.Fatal(err)
-	}
-	body, _ := json.Marshal(params)
-	resp, b := post(t, n.url+"/tokenize", string(body))
-	var tok struct {
-		Count  int     `json:"count"`
-		Tokens []int32 `json:"tokens"`
-	}
-	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &tok) != nil || tok.Count != int(next.Usage.PromptTokens) {
-		t.Fatalf("/tokenize counted %s for a chat prompt of %d tokens", b, next.Usage.PromptTokens)
-	}
-	detok, _ := json.Marshal(map[string]any{"model": "tools", "tokens": tok.Tokens})
-	resp, b = post(t, n.url+"/detokenize", string(detok))
+	detok, _ := json.Marshal(map[string]any{"model": "tools", "tokens": nextTurn(t, n, params, chat)})
+	resp, b := post(t, n.url+"/detokenize", string(detok))
 	var prompt struct {
 		Prompt string `json:"prompt"`
 	}
@@ -483,7 +478,7 @@ func TestNativeToolCalls(t *testing.T) {
 	params.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
 	params.MaxTokens = openai.Int(200)
 	c = n.client("")
-	chat, err = c.Chat.Completions.New(ctx, params)
+	chat, err := c.Chat.Completions.New(ctx, params)
 	if err != nil {
 		t.Fatal(err)
 	}
