@@ -126,6 +126,25 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		}
 	}
 	r.Stop = f.Stop
+	r.IncludeStop = f.IncludeStopStr
+	if len(f.StopTokenIDs) > MaxStopTokens {
+		return p, invalid("stop_token_ids", "at most %d stop token ids are allowed, got %d", MaxStopTokens, len(f.StopTokenIDs))
+	}
+	for _, id := range f.StopTokenIDs {
+		if id < 0 || id >= b.Vocab.Size() {
+			return p, invalid("stop_token_ids", "stop token id %d is not a token id of this model (0..%d)", id, b.Vocab.Size()-1)
+		}
+		r.StopTokens = append(r.StopTokens, engine.Token(id))
+	}
+	if f.MinTokens != nil {
+		if *f.MinTokens < 0 {
+			return p, invalid("min_tokens", "min_tokens must not be negative, got %d", *f.MinTokens)
+		}
+		if maxTokens != nil && *f.MinTokens > *maxTokens {
+			return p, invalid("min_tokens", "min_tokens %d exceeds %s %d", *f.MinTokens, param, *maxTokens)
+		}
+		r.MinTokens = *f.MinTokens
+	}
 	r.IgnoreEOS = f.IgnoreEOS
 	r.SpecialTokens = f.SkipSpecialTokens != nil && !*f.SkipSpecialTokens
 	if f.Priority != nil {
@@ -485,7 +504,8 @@ func (s *Server) chat(c *gin.Context) {
 		p.tools, p.grammarParam = tp, "tools"
 		// Stop strings are matched in the answer's text, not in calls (nor in
 		// the tool protocol's JSON around an answer).
-		tp.stops, p.req.Stop = p.req.Stop, nil
+		tp.stopAt = stopMatcher{stops: p.req.Stop, include: p.req.IncludeStop, min: p.req.MinTokens}
+		p.req.Stop = nil
 	}
 	p.think = s.thinkingPlan(b, text, tp, &p.req)
 	toks, err := b.Vocab.Tokenize(text, true, true)
@@ -550,6 +570,10 @@ func (s *Server) completions(c *gin.Context) {
 	}
 	if req.MaxTokens == nil {
 		p.req.MaxTokens = CompletionsMaxTokens
+		if p.req.MinTokens > p.req.MaxTokens {
+			abort(c, invalid("min_tokens", "min_tokens %d exceeds max_tokens, %d by default on /v1/completions", p.req.MinTokens, p.req.MaxTokens))
+			return
+		}
 	}
 	if req.Prompt == nil || (len(req.Prompt.Texts) == 0 && len(req.Prompt.Tokens) == 0) {
 		abort(c, invalid("prompt", "prompt is required"))

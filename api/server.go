@@ -38,6 +38,8 @@ const (
 	CompletionsMaxTokens = 16
 	// MaxStops bounds the stop strings of one request.
 	MaxStops = 16
+	// MaxStopTokens bounds a request's stop_token_ids.
+	MaxStopTokens = 256
 )
 
 // Config configures the API. Only cmd fills it.

@@ -11,6 +11,7 @@ import (
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/enginetest"
 	"github.com/shoal-ai/shoal/models"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 func TestDetectCallFormat(t *testing.T) {
@@ -138,12 +139,22 @@ func TestCallStreamStops(t *testing.T) {
 		{[]string{"Weather in Os", "lo? " + call}, "Weather in ", "", 0, "stop"},
 		{[]string{"Let me see.\n", call}, "Let me see.\n", "", 1, "tool_calls"},
 		{[]string{"Nothing in O"}, "Nothing in ", "O", 0, "stop"},
-		{[]string{"Nothing in O<tool_c"}, "Nothing in ", "O", 0, "stop"}, // a call cut in its tag: the text held stays
+		{[]string{"Nothing in O<tool_c"}, "Nothing in ", "O", 0, "stop"},  // a call cut in its tag: the text held stays
+		{[]string{"In Oslo", "? " + call}, "In Oslo", "", 0, "stop"},      // include_stop_str_in_output
+		{[]string{"Oslo ", "Oslo ", "Oslo"}, "Oslo Oslo ", "", 0, "stop"}, // min_tokens 3
 	} {
 		cs := &callStream{f: &hermesFormat, stop: stopMatcher{stops: []string{"Oslo"}}}
+		switch c.pieces[0] {
+		case "In Oslo":
+			cs.stop.include = true
+		case "Oslo ":
+			cs.stop.min = 3
+		}
+		ev := scheduler.Event{Kind: scheduler.EventToken}
 		var sent strings.Builder
 		for _, p := range c.pieces {
-			sent.WriteString(cs.add(p))
+			ev.Text = p
+			sent.WriteString(cs.follow(&scheduler.Stream{}, ev))
 		}
 		rest, calls := cs.end(func() string { return "id" })
 		if sent.String() != c.sent || rest != c.rest || len(calls) != c.calls || cs.finishReason("stop", calls) != c.finish {

@@ -85,7 +85,7 @@ type toolPlan struct {
 	required bool          // tool_choice "required" or a named function
 	named    string        // tool_choice's function, if one is named
 	parallel bool          // parallel_tool_calls
-	stops    []string      // the request's stop strings, matched in answers' text
+	stopAt   stopMatcher   // the request's stop strings, matched in answers' text
 	// answer is the JSON schema of an answer without calls: a string, or what
 	// the request's output constraint (response_format, ...) asks for.
 	answer json.RawMessage
@@ -116,9 +116,9 @@ type toolFollower interface {
 // follow follows one choice's output.
 func (tp *toolPlan) follow() toolFollower {
 	if tp.format != nil {
-		return &callStream{f: tp.format, params: tp.params, stop: stopMatcher{stops: tp.stops}}
+		return &callStream{f: tp.format, params: tp.params, stop: tp.stopAt}
 	}
-	return &answerStream{stop: stopMatcher{stops: tp.stops}}
+	return &answerStream{stop: tp.stopAt}
 }
 
 // maxTools bounds a request's tools.
@@ -611,9 +611,11 @@ type answerStream struct {
 // stopMatcher cuts an answer's text at the first of the request's stop
 // strings, matched across pieces.
 type stopMatcher struct {
-	stops   []string
-	held    string // text that may begin a stop string
-	stopped bool   // a stop string ended the answer
+	stops    []string
+	include  bool   // a stop string is part of the answer (include_stop_str_in_output)
+	min, gen int    // none is matched before min tokens (min_tokens); gen so far
+	held     string // text that may begin a stop string
+	stopped  bool   // a stop string ended the answer
 }
 
 // cut returns what of the next piece of text can be passed on: all of it up to
@@ -622,10 +624,10 @@ func (m *stopMatcher) cut(text string, final bool) string {
 	switch {
 	case m.stopped:
 		return ""
-	case len(m.stops) == 0:
-		return text
+	case len(m.stops) == 0 || m.gen < m.min:
+		return text // held is empty: nothing is held before min tokens
 	}
-	emit, held, stopped := scheduler.MatchStop(m.held+text, m.stops)
+	emit, held, stopped := scheduler.MatchStop(m.held+text, m.stops, m.include)
 	m.held = held
 	if stopped {
 		m.stopped, m.held = true, ""
@@ -641,6 +643,9 @@ func (m *stopMatcher) cut(text string, final bool) string {
 // a request with tools.
 func (m *stopMatcher) follow(add func(string) string, st *scheduler.Stream, ev scheduler.Event) string {
 	stopped := m.stopped
+	if ev.Kind == scheduler.EventToken {
+		m.gen++
+	}
 	text := add(ev.Text)
 	if m.stopped && !stopped {
 		st.Stop(ev.Index)

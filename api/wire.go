@@ -174,6 +174,9 @@ type SamplingFields struct {
 	Priority          *int               `json:"priority"`
 	IgnoreEOS         bool               `json:"ignore_eos"`
 	SkipSpecialTokens *bool              `json:"skip_special_tokens"`
+	MinTokens         *int               `json:"min_tokens"`
+	StopTokenIDs      []int              `json:"stop_token_ids"`
+	IncludeStopStr    bool               `json:"include_stop_str_in_output"`
 	StructuredFields
 }
 

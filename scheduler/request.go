@@ -21,8 +21,16 @@ type Request struct {
 	// GrammarTriggers makes Grammar lazy (engine.Engine.NewGrammar): it applies
 	// from the first of these to appear in the output.
 	GrammarTriggers []engine.Trigger
-	// Stop strings end a choice; the text before them is emitted, they are not.
-	Stop []string
+	// Stop strings end a choice; the text before them is emitted, they are not
+	// unless IncludeStop (vLLM's include_stop_str_in_output).
+	Stop        []string
+	IncludeStop bool
+	// StopTokens end a choice when generated (vLLM's stop_token_ids); their text
+	// is part of the output (none for a control token unless SpecialTokens).
+	StopTokens []engine.Token
+	// MinTokens: no end-of-generation token, stop token or stop string ends a
+	// choice before it has this many tokens (vLLM's min_tokens).
+	MinTokens int
 	// IgnoreEOS keeps generating past end-of-generation tokens (benchmarks).
 	IgnoreEOS bool
 	// SpecialTokens renders control tokens in the output's text (vLLM's
@@ -56,6 +64,14 @@ func (r *Request) validate(vocab int) error {
 		if s == "" {
 			return fmt.Errorf("%w: empty stop string", ErrInvalid)
 		}
+	}
+	for _, t := range r.StopTokens {
+		if t < 0 || int(t) >= vocab {
+			return fmt.Errorf("%w: stop token %d outside the vocabulary of %d", ErrInvalid, t, vocab)
+		}
+	}
+	if r.MinTokens < 0 || r.MaxTokens > 0 && r.MinTokens > r.MaxTokens {
+		return fmt.Errorf("%w: min_tokens %d must be in [0, max_tokens %d]", ErrInvalid, r.MinTokens, r.MaxTokens)
 	}
 	if r.Embed && (r.N > 1 || r.Grammar != "") {
 		return fmt.Errorf("%w: an embedding request has one result and no grammar", ErrInvalid)

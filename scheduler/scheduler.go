@@ -82,9 +82,10 @@ type Scheduler struct {
 	// failure, a quarter more after every capRecoverSteps successful steps (0: no
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
-	decodeRows       int  // rows of this step that decode a generated token
-	ended            int  // sequences that left the running batch since the last step
-	endedAny         bool // one has: the finish rate is measured, not predicted
+	decodeRows       int            // rows of this step that decode a generated token
+	eog              []engine.Token // the vocabulary's end tokens, once listed (endTokens)
+	ended            int            // sequences that left the running batch since the last step
+	endedAny         bool           // one has: the finish rate is measured, not predicted
 	stats            Load
 	prefillPS        rate // feeds stats.PrefillTokensPS, and so on
 	decodePS         rate
@@ -936,13 +937,17 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	text := q.held + q.detok.Add(piece)
 	q.held = ""
 	var stopped bool
-	text, q.held, stopped = MatchStop(text, g.req.Stop)
+	if q.gen >= g.req.MinTokens {
+		text, q.held, stopped = MatchStop(text, g.req.Stop, g.req.IncludeStop)
+	}
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top}
 	g.stream.push(ev)
 	switch {
 	case stopped:
 		q.held = ""
 		s.finish(q, FinishStop, "")
+	case slices.Contains(g.req.StopTokens, tok):
+		s.finish(q, FinishStop, q.held+q.detok.Flush())
 	case q.gen >= q.maxNew || len(q.tokens) >= s.MaxContext():
 		s.finish(q, FinishLength, q.held+q.detok.Flush())
 	}
@@ -959,6 +964,13 @@ func (s *Scheduler) newSampler(q *seq) error {
 			return fmt.Errorf("%w: grammar: %w", ErrInvalid, err)
 		}
 	}
+	if g.req.MinTokens > 0 {
+		p.MinTokens = g.req.MinTokens
+		if !g.req.IgnoreEOS {
+			p.EndTokens = s.endTokens()
+		}
+		p.EndTokens = append(slices.Clip(p.EndTokens), g.req.StopTokens...)
+	}
 	sm, err := sample.New(p, gr)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
@@ -970,20 +982,37 @@ func (s *Scheduler) newSampler(q *seq) error {
 	return nil
 }
 
-// MatchStop finds the earliest stop string in text. Without one, it splits text into
-// what can be emitted and the longest suffix that could still begin a stop string
-// (the api applies it to tool-protocol answers, whose text is decoded from JSON).
-func MatchStop(text string, stops []string) (emit, held string, stopped bool) {
+// endTokens are the vocabulary's end-of-generation tokens, listed once.
+func (s *Scheduler) endTokens() []engine.Token {
+	if s.eog == nil {
+		s.eog = []engine.Token{}
+		for t := range engine.Token(s.vocab.Size()) {
+			if s.vocab.IsEOG(t) {
+				s.eog = append(s.eog, t)
+			}
+		}
+	}
+	return s.eog
+}
+
+// MatchStop finds the earliest stop string in text and returns the text before
+// it (through it when include). Without one, it splits text into what can be
+// emitted and the longest suffix that could still begin a stop string (the api
+// applies it to tool-protocol answers, whose text is decoded from JSON).
+func MatchStop(text string, stops []string, include bool) (emit, held string, stopped bool) {
 	if len(stops) == 0 {
 		return text, "", false
 	}
-	first := -1
+	first, end := -1, 0
 	for _, st := range stops {
-		if i := strings.Index(text, st); i >= 0 && (first < 0 || i < first) {
-			first = i
+		if i := strings.Index(text, st); i >= 0 && (first < 0 || i < first || i == first && i+len(st) > end) {
+			first, end = i, i+len(st)
 		}
 	}
 	if first >= 0 {
+		if include {
+			return text[:end], "", true
+		}
 		return text[:first], "", true
 	}
 	keep := 0

@@ -9,7 +9,7 @@
 // engine.Grammar, because re-implementing its grammar engine would be a large
 // duplicate of well-tested code.
 //
-// Order of operations: logit bias, repetition/frequency/presence penalties, grammar,
+// Order of operations: logit bias, end tokens banned before min tokens, repetition/frequency/presence penalties, grammar,
 // then greedy (temperature 0) or top-k, temperature, top-p and min-p before drawing.
 // Log-probabilities are those of the raw model distribution (log-softmax of the
 // unmodified logits), as vLLM reports them by default.
@@ -54,6 +54,11 @@ type Params struct {
 
 	LogitBias map[engine.Token]float32 // added to the logit; -100 or less bans the token
 
+	// EndTokens are banned until MinTokens tokens have been generated (vLLM's
+	// min_tokens: the end-of-generation and stop tokens).
+	EndTokens []engine.Token
+	MinTokens int
+
 	Seed uint64 // seeds the generator; equal seeds give equal draws
 
 	Logprobs    bool // compute the chosen token's log-probability (costs a pass over the vocabulary)
@@ -81,6 +86,13 @@ func (p Params) Validate() error {
 		return fmt.Errorf("repeat_last_n %d must be >= -1", p.RepeatLastN)
 	case p.TopLogprobs < 0 || p.TopLogprobs > MaxTopLogprobs:
 		return fmt.Errorf("top_logprobs %d must be in [0, %d]", p.TopLogprobs, MaxTopLogprobs)
+	case p.MinTokens < 0:
+		return fmt.Errorf("min_tokens %d must be >= 0", p.MinTokens)
+	}
+	for _, t := range p.EndTokens {
+		if t < 0 {
+			return fmt.Errorf("end token %d must be >= 0", t)
+		}
 	}
 	for t, b := range p.LogitBias {
 		if t < 0 || isNaN(b) || b < -100 || b > 100 {
@@ -112,6 +124,7 @@ type Sampler struct {
 	history   []engine.Token       // recent tokens for RepeatPenalty (ring of RepeatLastN)
 	counts    map[engine.Token]int // occurrences within history
 	generated map[engine.Token]int // occurrences among generated tokens (OpenAI penalties)
+	ngen      int                  // tokens generated so far
 	cands     []engine.TokenLogit  // scratch, reused across steps
 	mass      []float64            // scratch for top-p over the whole vocabulary (lazily made)
 }
@@ -140,6 +153,9 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 
 // Accept records t for the penalties and advances the grammar past generated tokens.
 func (s *Sampler) Accept(t engine.Token, generated bool) {
+	if generated {
+		s.ngen++
+	}
 	if generated && s.grammar != nil {
 		s.grammar.Accept(t)
 	}
@@ -177,7 +193,7 @@ func (s *Sampler) Sample(logits []float32) (engine.Sampled, error) {
 	}
 	var tok engine.Token
 	var err error
-	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 {
+	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 && !s.holdingEnd() {
 		tok = argmax(logits)
 		if s.grammar != nil && !s.allowed(tok, logits[tok]) {
 			tok, err = s.sampleAll(logits)
@@ -209,7 +225,19 @@ func (s *Sampler) allowed(t engine.Token, logit float32) bool {
 
 // sampleAll runs the full pipeline over every token.
 func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
-	c := s.candidates(logits)
+	hold := s.holdingEnd()
+	t, err := s.sampleFrom(logits, hold)
+	if hold && errors.Is(err, ErrNoCandidates) {
+		// Only an end is allowed (a complete grammar): min_tokens gives way, as
+		// nothing else may follow.
+		return s.sampleFrom(logits, false)
+	}
+	return t, err
+}
+
+// sampleFrom runs the pipeline, with the end tokens banned when holdEnd.
+func (s *Sampler) sampleFrom(logits []float32, holdEnd bool) (engine.Token, error) {
+	c := s.candidates(logits, holdEnd)
 	if !s.p.greedy() {
 		// Draw first and check only the drawn token against the grammar, as llama.cpp's
 		// common sampler does; fall back to masking the whole vocabulary when it fails.
@@ -217,7 +245,7 @@ func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
 			return t, nil
 		}
 		if s.grammar != nil {
-			c = s.candidates(logits) // draw reordered c and turned logits into probabilities
+			c = s.candidates(logits, holdEnd) // draw reordered c and turned logits into probabilities
 		}
 	}
 	if s.grammar != nil {
@@ -241,9 +269,12 @@ func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
 	return 0, ErrNoCandidates
 }
 
-// candidates is every token with its logit after bias and penalties, in token order
-// (in the sampler's scratch).
-func (s *Sampler) candidates(logits []float32) []engine.TokenLogit {
+// holdingEnd reports whether the end tokens are still banned.
+func (s *Sampler) holdingEnd() bool { return s.ngen < s.p.MinTokens && len(s.p.EndTokens) > 0 }
+
+// candidates is every token with its logit after bias and penalties (and the
+// end tokens banned when holdEnd), in token order (in the sampler's scratch).
+func (s *Sampler) candidates(logits []float32, holdEnd bool) []engine.TokenLogit {
 	c := s.cands[:0]
 	for i, l := range logits {
 		c = append(c, engine.TokenLogit{Token: engine.Token(i), Logit: l})
@@ -255,6 +286,13 @@ func (s *Sampler) candidates(logits []float32) []engine.TokenLogit {
 				c[t].Logit = float32(math.Inf(-1))
 			} else {
 				c[t].Logit += b
+			}
+		}
+	}
+	if holdEnd {
+		for _, t := range s.p.EndTokens {
+			if int(t) < len(c) {
+				c[t].Logit = float32(math.Inf(-1))
 			}
 		}
 	}

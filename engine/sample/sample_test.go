@@ -175,6 +175,44 @@ func (g *evenGrammar) Apply(c []engine.TokenLogit) {
 func (g *evenGrammar) Accept(t engine.Token) { g.accepted = append(g.accepted, t) }
 func (g *evenGrammar) Close() error          { return nil }
 
+// onlyGrammar allows one token: a grammar that must end.
+type onlyGrammar engine.Token
+
+func (g onlyGrammar) Apply(c []engine.TokenLogit) {
+	for i := range c {
+		if c[i].Token != engine.Token(g) {
+			c[i].Logit = float32(math.Inf(-1))
+		}
+	}
+}
+func (onlyGrammar) Accept(engine.Token) {}
+func (onlyGrammar) Close() error        { return nil }
+
+func TestMinTokens(t *testing.T) {
+	l := []float32{1, 3, 2, 0}
+	for _, p := range []Params{{}, {Temperature: 1, Seed: 3, TopK: 1}} {
+		p.MinTokens, p.EndTokens = 2, []engine.Token{1, 3}
+		s := mustNew(t, p, nil)
+		var got []engine.Token
+		for range 3 {
+			x, err := s.Sample(l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, x.Token)
+			s.Accept(x.Token, true)
+		}
+		if !slices.Equal(got, []engine.Token{2, 2, 1}) {
+			t.Errorf("%+v: drew %v, want the end token banned for two draws", p, got)
+		}
+	}
+	// A grammar that allows only an end: min_tokens gives way.
+	s := mustNew(t, Params{MinTokens: 5, EndTokens: []engine.Token{1}}, onlyGrammar(1))
+	if x, err := s.Sample(l); err != nil || x.Token != 1 {
+		t.Errorf("grammar's end: %v %v", x.Token, err)
+	}
+}
+
 func TestGrammarConstrains(t *testing.T) {
 	for _, p := range []Params{{}, {Temperature: 1, Seed: 9}} {
 		g := &evenGrammar{}

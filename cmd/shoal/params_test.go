@@ -1,0 +1,74 @@
+package main
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+// TestVLLMStopParams: vLLM's min_tokens, stop_token_ids and
+// include_stop_str_in_output on a real engine. logit_bias makes the choice of
+// the random model: token 4 is <|im_end|> (EOS), 102 the byte "a".
+func TestVLLMStopParams(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t))
+	cases := []struct {
+		name, body, text, finish string
+		tokens                   int
+	}{
+		{"EOS", `"logit_bias":{"4":100}`, "", "stop", 1},
+		{"EOS after min_tokens", `"logit_bias":{"4":100},"min_tokens":5`, "?", "stop", 6}, // "?": the model's text
+		{"stop token", `"logit_bias":{"102":100},"stop_token_ids":[102]`, "a", "stop", 1},
+		{"stop token after min_tokens", `"logit_bias":{"102":100,"103":99},"stop_token_ids":[102],"min_tokens":3`, "bbba", "stop", 4},
+		{"stop string", `"logit_bias":{"102":100},"stop":["aa"]`, "", "stop", 2},
+		{"stop string kept", `"logit_bias":{"102":100},"stop":["aa"],"include_stop_str_in_output":true`, "aa", "stop", 2},
+		{"stop string after min_tokens", `"logit_bias":{"102":100},"stop":["aa"],"min_tokens":4,"include_stop_str_in_output":true`, "aaaaa", "stop", 5},
+	}
+	for _, c := range cases {
+		resp, b := post(t, n.url+"/v1/completions", `{"prompt":"x","max_tokens":10,`+c.body+`}`)
+		var r struct {
+			Choices []struct {
+				Text         string `json:"text"`
+				FinishReason string `json:"finish_reason"`
+			} `json:"choices"`
+			Usage struct {
+				CompletionTokens int `json:"completion_tokens"`
+			} `json:"usage"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
+			t.Errorf("%s: %d %s", c.name, resp.StatusCode, b)
+			continue
+		}
+		if ch := r.Choices[0]; ch.Text != c.text && c.text != "?" || ch.FinishReason != c.finish || r.Usage.CompletionTokens != c.tokens {
+			t.Errorf("%s: text %q finish %s after %d tokens, want %q %s after %d", c.name, ch.Text, ch.FinishReason, r.Usage.CompletionTokens, c.text, c.finish, c.tokens)
+		}
+	}
+	// Streamed chat keeps the stop string too.
+	resp, b := post(t, n.url+"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"stream":true,"logit_bias":{"102":100},"stop":["aaa"],"include_stop_str_in_output":true}`)
+	var text strings.Builder
+	for line := range strings.SplitSeq(b, "\n") {
+		var ev struct {
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if data, ok := strings.CutPrefix(line, "data: "); ok && json.Unmarshal([]byte(data), &ev) == nil && len(ev.Choices) > 0 {
+			text.WriteString(ev.Choices[0].Delta.Content)
+		}
+	}
+	if resp.StatusCode != 200 || text.String() != "aaa" {
+		t.Errorf("streamed: %d content %q, want \"aaa\": %s", resp.StatusCode, text.String(), b)
+	}
+	for _, body := range []string{
+		`{"prompt":"x","max_tokens":4,"min_tokens":5}`,
+		`{"prompt":"x","min_tokens":17}`, // /v1/completions' default max_tokens is 16
+		`{"prompt":"x","min_tokens":-1}`,
+		`{"prompt":"x","stop_token_ids":[1000000]}`,
+		`{"prompt":"x","stop_token_ids":"a"}`,
+	} {
+		if resp, b := post(t, n.url+"/v1/completions", body); resp.StatusCode != 400 || !strings.Contains(b, `"param"`) {
+			t.Errorf("%s: %d %s, want 400 naming the field", body, resp.StatusCode, b)
+		}
+	}
+}
