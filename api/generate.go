@@ -776,6 +776,7 @@ type choiceState struct {
 	text      strings.Builder // under tools, the answer's text (output)
 	reasoning strings.Builder // a reasoning model's thoughts
 	finish    string
+	stop      any // stop_reason
 	logprobs  []TokenLogprob
 	output    *choiceOutput // nil: the output is the text
 	started   bool          // output was made
@@ -786,6 +787,30 @@ func finishString(f scheduler.FinishReason) string {
 		return "length"
 	}
 	return "stop"
+}
+
+// stopReason is vLLM's stop_reason of a finish event: the stop string or the
+// stop token id that ended the choice, nil when neither did.
+func stopReason(ev scheduler.Event) any {
+	switch {
+	case ev.StopString != "":
+		return ev.StopString
+	case ev.ByStopToken:
+		return int(ev.Token)
+	}
+	return nil
+}
+
+// outputStop is the stop_reason of a choice whose output o followed, given
+// the generator's and the finish_reason.
+func outputStop(o *choiceOutput, generated any, finish string) any {
+	switch {
+	case finish != "stop":
+		return nil
+	case o != nil && o.stopString() != "":
+		return o.stopString()
+	}
+	return generated
 }
 
 func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submitted) {
@@ -818,7 +843,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 				}
 			case scheduler.EventFinish:
 				ch.text.WriteString(text)
-				ch.finish = finishString(ev.Finish)
+				ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
 			}
 		})
 		if err != nil {
@@ -833,11 +858,11 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 			SystemFingerprint: fingerprint, Usage: usage}
 		for i := range choices {
 			text := choices[i].text.String()
-			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish}
+			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish, StopReason: choices[i].stop}
 			if o := choices[i].output; o != nil {
 				rest, calls, finish := o.end(func() string { return s.newID("call") }, cc.FinishReason)
 				text += rest
-				cc.FinishReason = finish
+				cc.FinishReason, cc.StopReason = finish, outputStop(o, cc.StopReason, finish)
 				if len(calls) > 0 {
 					// Text the model wrote before its calls is kept, as vLLM does.
 					cc.Message.ToolCalls = calls
@@ -861,7 +886,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		SystemFingerprint: fingerprint, Usage: &usage}
 	for i := range choices {
 		f := choices[i].finish
-		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f}
+		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f, StopReason: choices[i].stop}
 		if p.logprobs {
 			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0) // no echo with logprobs
 		}

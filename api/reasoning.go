@@ -216,4 +216,13 @@ func (o *choiceOutput) end(newID func() string, generated string) (text string, 
 }
 
 // cutByStop reports whether a stop string ended the answer.
-func (o *choiceOutput) cutByStop() bool { return o.tools != nil && o.tools.cutByStop() }
+func (o *choiceOutput) cutByStop() bool { return o.stopString() != "" }
+
+// stopString is the stop string that ended the answer, if one did under
+// tools (otherwise the scheduler matches them).
+func (o *choiceOutput) stopString() string {
+	if o.tools == nil {
+		return ""
+	}
+	return o.tools.stopString()
+}

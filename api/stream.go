@@ -78,9 +78,9 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		w.data(chatChunkJSON{ChatChunk: ChatChunk{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
 			Choices: []ChatChunkChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
 	}
-	send := func(index int, text *string, finish *string, lp *TokenLogprob, role string) {
+	send := func(index int, text *string, finish *string, lp *TokenLogprob, role string, stop any) {
 		if p.chat {
-			ch := ChatChunkChoice{Index: index, Delta: ChatDelta{Role: role, Content: text}, FinishReason: finish}
+			ch := ChatChunkChoice{Index: index, Delta: ChatDelta{Role: role, Content: text}, FinishReason: finish, StopReason: stop}
 			if lp != nil {
 				ch.Logprobs = &ChatLogprobs{Content: []TokenLogprob{*lp}}
 			}
@@ -91,7 +91,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		if text != nil {
 			t = *text
 		}
-		ch := CompletionChoice{Index: index, Text: t, FinishReason: finish}
+		ch := CompletionChoice{Index: index, Text: t, FinishReason: finish, StopReason: stop}
 		if lp != nil {
 			ch.Logprobs = legacyLogprobs([]TokenLogprob{*lp}, sentChars[index])
 		}
@@ -128,10 +128,10 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			switch {
 			case p.chat:
 				empty := ""
-				send(idx, &empty, nil, nil, "assistant")
+				send(idx, &empty, nil, nil, "assistant", nil)
 			case pi < len(p.echo):
 				e := p.echo[pi]
-				send(idx, &e, nil, nil, "")
+				send(idx, &e, nil, nil, "", nil)
 			}
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
@@ -146,26 +146,27 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					lp = &l
 				}
 				if text != "" || lp != nil {
-					send(idx, &text, nil, lp, "")
+					send(idx, &text, nil, lp, "", nil)
 				}
 			case scheduler.EventFinish:
 				reasoning, t := follow(sub, ev)
 				think(idx, reasoning)
-				f := finishString(ev.Finish)
+				f, stop := finishString(ev.Finish), stopReason(ev)
 				var calls []ToolCall
 				if o := output(idx); o != nil {
 					var rest string
 					rest, calls, f = o.end(func() string { return s.newID("call") }, f)
 					t += rest
+					stop = outputStop(o, stop, f)
 				}
 				if t != "" {
-					send(idx, &t, nil, nil, "")
+					send(idx, &t, nil, nil, "", nil)
 				}
 				for i, tc := range calls {
 					tc.Index = &i
 					chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: []ToolCall{tc}}})
 				}
-				send(idx, nil, &f, nil, "")
+				send(idx, nil, &f, nil, "", stop)
 			}
 		})
 		if err != nil {

@@ -271,7 +271,7 @@ func (c *callStream) finishReason(generated string, calls []ToolCall) string {
 	return generated
 }
 
-func (c *callStream) cutByStop() bool { return c.stop.stopped }
+func (c *callStream) stopString() string { return c.stop.matched }
 
 // parseTagged reads calls in format f from text, which begins with f.open.
 // A call cut short (by max_tokens) is returned with the arguments generated so

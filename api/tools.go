@@ -108,9 +108,9 @@ type toolFollower interface {
 	// finishReason is the choice's finish_reason given the generator's (stop
 	// or length) and the calls end returned.
 	finishReason(generated string, calls []ToolCall) string
-	// cutByStop reports whether a stop string ended the answer (tokens after
-	// it are not the answer's).
-	cutByStop() bool
+	// stopString is the stop string that ended the answer, "" if none did
+	// (tokens after it are not the answer's).
+	stopString() string
 }
 
 // follow follows one choice's output.
@@ -616,6 +616,7 @@ type stopMatcher struct {
 	min, gen int    // none is matched before min tokens (min_tokens); gen so far
 	held     string // text that may begin a stop string
 	stopped  bool   // a stop string ended the answer
+	matched  string // which
 }
 
 // cut returns what of the next piece of text can be passed on: all of it up to
@@ -627,10 +628,10 @@ func (m *stopMatcher) cut(text string, final bool) string {
 	case len(m.stops) == 0 || m.gen < m.min:
 		return text // held is empty: nothing is held before min tokens
 	}
-	emit, held, stopped := scheduler.MatchStop(m.held+text, m.stops, m.include)
+	emit, held, stop := scheduler.MatchStop(m.held+text, m.stops, m.include)
 	m.held = held
-	if stopped {
-		m.stopped, m.held = true, ""
+	if stop != "" {
+		m.stopped, m.held, m.matched = true, "", stop
 	}
 	if final {
 		emit, m.held = emit+m.held, ""
@@ -713,7 +714,7 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	return a.release(*response), nil
 }
 
-func (a *answerStream) cutByStop() bool { return a.stop.stopped }
+func (a *answerStream) stopString() string { return a.stop.matched }
 
 // finishReason is a choice's finish_reason given the generator's (stop or
 // length) and the calls end returned: tool_calls for a call list ended in full,

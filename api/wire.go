@@ -292,6 +292,7 @@ type ChatChoice struct {
 	Message      ChatMessageOut `json:"message"`
 	Logprobs     *ChatLogprobs  `json:"logprobs"`
 	FinishReason string         `json:"finish_reason"`
+	StopReason   any            `json:"stop_reason,omitempty"` // vLLM's: the stop string or stop token id that ended it
 }
 
 // ChatResponse is the body of a non-streamed chat completion.
@@ -311,6 +312,7 @@ type ChatChunkChoice struct {
 	Delta        ChatDelta     `json:"delta"`
 	Logprobs     *ChatLogprobs `json:"logprobs"`
 	FinishReason *string       `json:"finish_reason"`
+	StopReason   any           `json:"stop_reason,omitempty"`
 }
 
 // ChatChunk is one SSE event of a streamed chat completion.
@@ -338,6 +340,7 @@ type CompletionChoice struct {
 	Text         string              `json:"text"`
 	Logprobs     *CompletionLogprobs `json:"logprobs"`
 	FinishReason *string             `json:"finish_reason"`
+	StopReason   any                 `json:"stop_reason,omitempty"`
 }
 
 // CompletionResponse is the body of a completion and of each streamed chunk.

@@ -845,7 +845,7 @@ func (s *Scheduler) emitEmbedding(q *seq) {
 	}
 	s.stats.PromptTokens += uint64(q.g.usage.PromptTokens)
 	q.g.stream.push(Event{Kind: EventEmbedding, Index: q.index, Vector: vec})
-	s.finish(q, FinishStop, "")
+	s.finish(q, Event{Finish: FinishStop})
 }
 
 // sampled is one sequence's draw of a step.
@@ -925,7 +925,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 
 	if !g.req.IgnoreEOS && s.vocab.IsEOG(tok) {
 		// Text held back as the possible start of a stop string is output after all.
-		s.finish(q, FinishStop, q.held+q.detok.Flush())
+		s.finish(q, Event{Finish: FinishStop, Text: q.held + q.detok.Flush()})
 		return
 	}
 	q.tokens = append(q.tokens, tok)
@@ -936,20 +936,20 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	}
 	text := q.held + q.detok.Add(piece)
 	q.held = ""
-	var stopped bool
+	var stop string
 	if q.gen >= g.req.MinTokens {
-		text, q.held, stopped = MatchStop(text, g.req.Stop, g.req.IncludeStop)
+		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
 	}
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top}
 	g.stream.push(ev)
 	switch {
-	case stopped:
+	case stop != "":
 		q.held = ""
-		s.finish(q, FinishStop, "")
+		s.finish(q, Event{Finish: FinishStop, StopString: stop})
 	case slices.Contains(g.req.StopTokens, tok):
-		s.finish(q, FinishStop, q.held+q.detok.Flush())
+		s.finish(q, Event{Finish: FinishStop, Text: q.held + q.detok.Flush(), Token: tok, ByStopToken: true})
 	case q.gen >= q.maxNew || len(q.tokens) >= s.MaxContext():
-		s.finish(q, FinishLength, q.held+q.detok.Flush())
+		s.finish(q, Event{Finish: FinishLength, Text: q.held + q.detok.Flush()})
 	}
 }
 
@@ -995,13 +995,14 @@ func (s *Scheduler) endTokens() []engine.Token {
 	return s.eog
 }
 
-// MatchStop finds the earliest stop string in text and returns the text before
-// it (through it when include). Without one, it splits text into what can be
-// emitted and the longest suffix that could still begin a stop string (the api
-// applies it to tool-protocol answers, whose text is decoded from JSON).
-func MatchStop(text string, stops []string, include bool) (emit, held string, stopped bool) {
+// MatchStop finds the earliest stop string in text and returns it and the text
+// before it (through it when include). Without one, it splits text into what
+// can be emitted and the longest suffix that could still begin a stop string
+// (the api applies it to tool-protocol answers, whose text is decoded from
+// JSON).
+func MatchStop(text string, stops []string, include bool) (emit, held, stop string) {
 	if len(stops) == 0 {
-		return text, "", false
+		return text, "", ""
 	}
 	first, end := -1, 0
 	for _, st := range stops {
@@ -1011,9 +1012,9 @@ func MatchStop(text string, stops []string, include bool) (emit, held string, st
 	}
 	if first >= 0 {
 		if include {
-			return text[:end], "", true
+			return text[:end], "", text[first:end]
 		}
-		return text[:first], "", true
+		return text[:first], "", text[first:end]
 	}
 	keep := 0
 	for _, st := range stops {
@@ -1024,11 +1025,12 @@ func MatchStop(text string, stops []string, include bool) (emit, held string, st
 			}
 		}
 	}
-	return text[:len(text)-keep], text[len(text)-keep:], false
+	return text[:len(text)-keep], text[len(text)-keep:], ""
 }
 
-// finish ends choice q with reason; tail is text held back until now.
-func (s *Scheduler) finish(q *seq, reason FinishReason, tail string) {
+// finish ends choice q with ev, an EventFinish without its kind and index:
+// the reason, the text held back until now, what stopped it.
+func (s *Scheduler) finish(q *seq, ev Event) {
 	if q.done {
 		return
 	}
@@ -1042,7 +1044,8 @@ func (s *Scheduler) finish(q *seq, reason FinishReason, tail string) {
 		q.sampler.Close()
 	}
 	g := q.g
-	g.stream.push(Event{Kind: EventFinish, Index: q.index, Finish: reason, Text: tail})
+	ev.Kind, ev.Index = EventFinish, q.index
+	g.stream.push(ev)
 	g.open--
 	if g.open == 0 {
 		g.stream.push(Event{Kind: EventDone, Usage: g.usage})
@@ -1129,7 +1132,7 @@ func (s *Scheduler) end(q *seq, reason FinishReason) {
 	} else if q.kv == nil {
 		s.waiting.Add(-1) // waiting for its fork
 	}
-	s.finish(q, reason, "")
+	s.finish(q, Event{Finish: reason})
 }
 
 func (s *Scheduler) publish() {

@@ -497,23 +497,22 @@ func TestMinTokensAndStopTokens(t *testing.T) {
 
 func TestMatchStop(t *testing.T) {
 	cases := []struct {
-		text, emit, held string
-		stopped          bool
+		text, emit, held, stop string
 	}{
-		{"hello wor", "hello ", "wor", false},
-		{"hello world!", "hello ", "", true},
-		{"abc", "abc", "", false},
-		{"xx<|e", "xx", "<|e", false},
+		{"hello wor", "hello ", "wor", ""},
+		{"hello world!", "hello ", "", "world"},
+		{"abc", "abc", "", ""},
+		{"xx<|e", "xx", "<|e", ""},
 	}
 	for _, c := range cases {
 		e, h, s := MatchStop(c.text, []string{"world", "<|end|>"}, false)
-		if e != c.emit || h != c.held || s != c.stopped {
-			t.Errorf("%q: got %q %q %v", c.text, e, h, s)
+		if e != c.emit || h != c.held || s != c.stop {
+			t.Errorf("%q: got %q %q %q", c.text, e, h, s)
 		}
 	}
 	// Included, the longest of the stop strings found at the earliest place.
-	if e, _, s := MatchStop("say hello world", []string{"hello", "hello w", "world"}, true); e != "say hello w" || !s {
-		t.Errorf("include: got %q %v", e, s)
+	if e, _, s := MatchStop("say hello world", []string{"hello", "hello w", "world"}, true); e != "say hello w" || s != "hello w" {
+		t.Errorf("include: got %q %q", e, s)
 	}
 }
 

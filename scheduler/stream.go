@@ -53,9 +53,13 @@ type Event struct {
 	Logprob float32            // when the request asked for logprobs
 	Top     []engine.TokenProb // top alternatives, when asked for
 	Finish  FinishReason
-	Usage   Usage
-	Err     error
-	Vector  []float32
+	// StopString, or Token when ByStopToken, ended the choice (EventFinish;
+	// vLLM's stop_reason).
+	StopString  string
+	ByStopToken bool
+	Usage       Usage
+	Err         error
+	Vector      []float32
 	// At is when the scheduler produced the event: latency metrics read it, not the
 	// time a reader (busy with another choice, or a slow client) got to it.
 	At time.Time

@@ -14,21 +14,24 @@ func TestVLLMStopParams(t *testing.T) {
 	cases := []struct {
 		name, body, text, finish string
 		tokens                   int
+		stop                     any // stop_reason, as vLLM's
 	}{
-		{"EOS", `"logit_bias":{"4":100}`, "", "stop", 1},
-		{"EOS after min_tokens", `"logit_bias":{"4":100},"min_tokens":5`, "?", "stop", 6}, // "?": the model's text
-		{"stop token", `"logit_bias":{"102":100},"stop_token_ids":[102]`, "a", "stop", 1},
-		{"stop token after min_tokens", `"logit_bias":{"102":100,"103":99},"stop_token_ids":[102],"min_tokens":3`, "bbba", "stop", 4},
-		{"stop string", `"logit_bias":{"102":100},"stop":["aa"]`, "", "stop", 2},
-		{"stop string kept", `"logit_bias":{"102":100},"stop":["aa"],"include_stop_str_in_output":true`, "aa", "stop", 2},
-		{"stop string after min_tokens", `"logit_bias":{"102":100},"stop":["aa"],"min_tokens":4,"include_stop_str_in_output":true`, "aaaaa", "stop", 5},
+		{"EOS", `"logit_bias":{"4":100}`, "", "stop", 1, nil},
+		{"EOS after min_tokens", `"logit_bias":{"4":100},"min_tokens":5`, "?", "stop", 6, nil}, // "?": the model's text
+		{"stop token", `"logit_bias":{"102":100},"stop_token_ids":[102]`, "a", "stop", 1, 102.0},
+		{"stop token after min_tokens", `"logit_bias":{"102":100,"103":90},"stop_token_ids":[102],"min_tokens":3`, "bbba", "stop", 4, 102.0},
+		{"stop string", `"logit_bias":{"102":100},"stop":["aa"]`, "", "stop", 2, "aa"},
+		{"stop string kept", `"logit_bias":{"102":100},"stop":["aa"],"include_stop_str_in_output":true`, "aa", "stop", 2, "aa"},
+		{"stop string after min_tokens", `"logit_bias":{"102":100},"stop":["aa"],"min_tokens":4,"include_stop_str_in_output":true`, "aaaaa", "stop", 5, "aa"},
+		{"length", `"logit_bias":{"102":100},"max_tokens":3`, "aaa", "length", 3, nil},
 	}
 	for _, c := range cases {
-		resp, b := post(t, n.url+"/v1/completions", `{"prompt":"x","max_tokens":10,`+c.body+`}`)
+		resp, b := post(t, n.url+"/v1/completions", `{"prompt":"x","temperature":0,"max_tokens":10,`+c.body+`}`) // a later max_tokens wins
 		var r struct {
 			Choices []struct {
 				Text         string `json:"text"`
 				FinishReason string `json:"finish_reason"`
+				StopReason   any    `json:"stop_reason"`
 			} `json:"choices"`
 			Usage struct {
 				CompletionTokens int `json:"completion_tokens"`
@@ -38,8 +41,8 @@ func TestVLLMStopParams(t *testing.T) {
 			t.Errorf("%s: %d %s", c.name, resp.StatusCode, b)
 			continue
 		}
-		if ch := r.Choices[0]; ch.Text != c.text && c.text != "?" || ch.FinishReason != c.finish || r.Usage.CompletionTokens != c.tokens {
-			t.Errorf("%s: text %q finish %s after %d tokens, want %q %s after %d", c.name, ch.Text, ch.FinishReason, r.Usage.CompletionTokens, c.text, c.finish, c.tokens)
+		if ch := r.Choices[0]; ch.Text != c.text && c.text != "?" || ch.FinishReason != c.finish || r.Usage.CompletionTokens != c.tokens || ch.StopReason != c.stop {
+			t.Errorf("%s: text %q finish %s (%v) after %d tokens, want %q %s (%v) after %d", c.name, ch.Text, ch.FinishReason, ch.StopReason, r.Usage.CompletionTokens, c.text, c.finish, c.stop, c.tokens)
 		}
 	}
 	// Streamed chat keeps the stop string too.
