@@ -552,21 +552,30 @@ func FuzzRequests(f *testing.F) {
 	b := *js.backend.Load()
 	b.Template = models.ToolsTemplate
 	js.SetBackend(&b)
-	f.Add(`{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]},{"role":"tool","content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":3,"chat_template_kwargs":{"x":1}}`, uint8(4))
-	paths := []string{"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
+	f.Add(`{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]},{"role":"tool","content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":3,"chat_template_kwargs":{"x":1}}`, uint8(6))
+	// Anthropic's Messages API (its errors also have error.message).
+	for _, b := range []string{
+		`{"max_tokens":3,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{"a":1}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"r"},{"type":"text","text":"y"}]}],"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"any"},"stream":true}`,
+		`{"max_tokens":2,"messages":[{"role":"user","content":"x"}],"thinking":{"type":"enabled","budget_tokens":9},"output_config":{"format":{"type":"json_schema","schema":{"type":"object"}}},"stop_sequences":["a"]}`,
+	} {
+		f.Add(b, uint8(4))
+		f.Add(b, uint8(5))
+		f.Add(b, uint8(10))
+	}
+	paths := []string{"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens"}
 	f.Fuzz(func(t *testing.T, body string, which uint8) {
 		srv := s
-		if which >= 4 {
+		if which >= 6 {
 			srv = js
 		}
 		w := srv.do(t, "POST", paths[int(which)%len(paths)], body)
 		if w.Code >= 500 {
-			t.Fatalf("status %d for %q (jinja %v): %s", w.Code, body, which >= 4, w.Body)
+			t.Fatalf("status %d for %q (jinja %v): %s", w.Code, body, which >= 6, w.Body)
 		}
 		if w.Code != 200 {
 			var e ErrorBody
 			if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || e.Error.Message == "" {
-				t.Fatalf("status %d without an OpenAI error body: %s", w.Code, w.Body)
+				t.Fatalf("status %d without an error body: %s", w.Code, w.Body)
 			}
 		}
 	})

@@ -73,6 +73,7 @@ type plan struct {
 	model     string
 	chat      bool
 	completes bool       // legacy completions logprobs format
+	anthropic bool       // answered as Anthropic's Messages API
 	tools     *toolPlan  // chat answers follow the tool protocol
 	think     *thinkPlan // chat answers' thoughts are passed on apart
 	// grammarParam is the request field req.Grammar comes from.
@@ -467,29 +468,35 @@ func (s *Server) chat(c *gin.Context) {
 	if !ok || !generates(c, b) {
 		return
 	}
+	p, err := s.chatPlan(b, &req)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	s.routeOrRun(c, b, p, forwarded)
+}
+
+// chatPlan validates a chat request into a plan with its one prompt.
+func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 	maxTokens, param := req.MaxTokens, "max_tokens"
 	if req.MaxCompletionTokens != nil {
 		maxTokens, param = req.MaxCompletionTokens, "max_completion_tokens"
 	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, param, maxTokens)
 	if err != nil {
-		abort(c, err)
-		return
+		return nil, err
 	}
 	p.chat = true
 	if len(req.Messages) == 0 {
-		abort(c, invalid("messages", "messages must not be empty"))
-		return
+		return nil, invalid("messages", "messages must not be empty")
 	}
 	tp, err := toolsOf(&req.ToolFields, &req.SamplingFields)
 	if err != nil {
-		abort(c, err)
-		return
+		return nil, err
 	}
 	text, err := chatPrompt(b, req.Messages, tp, req.ChatTemplateKwargs)
 	if err != nil {
-		abort(c, err)
-		return
+		return nil, err
 	}
 	if tp != nil {
 		if tp.format != nil {
@@ -498,8 +505,7 @@ func (s *Server) chat(c *gin.Context) {
 			p.req.Grammar, err = s.toolGrammar(tp)
 		}
 		if err != nil {
-			abort(c, err)
-			return
+			return nil, err
 		}
 		p.tools, p.grammarParam = tp, "tools"
 		// Stop strings are matched in the answer's text, not in calls (nor in
@@ -510,23 +516,20 @@ func (s *Server) chat(c *gin.Context) {
 	p.think = s.thinkingPlan(b, text, tp, &p.req)
 	toks, err := b.Vocab.Tokenize(text, true, true)
 	if err != nil {
-		abort(c, err)
-		return
+		return nil, err
 	}
 	p.prompts = [][]engine.Token{toks}
 	if req.TopLogprobs != nil {
 		if *req.TopLogprobs < 0 || *req.TopLogprobs > sample.MaxTopLogprobs {
-			abort(c, invalid("top_logprobs", "top_logprobs must be between 0 and %d", sample.MaxTopLogprobs))
-			return
+			return nil, invalid("top_logprobs", "top_logprobs must be between 0 and %d", sample.MaxTopLogprobs)
 		}
 		if !req.Logprobs {
-			abort(c, invalid("top_logprobs", "top_logprobs requires logprobs: true"))
-			return
+			return nil, invalid("top_logprobs", "top_logprobs requires logprobs: true")
 		}
 		p.top = *req.TopLogprobs
 	}
 	p.logprobs = req.Logprobs
-	s.routeOrRun(c, b, &p, forwarded, toks)
+	return &p, nil
 }
 
 // given reports whether a raw JSON field holds something (not absent, null or []).
@@ -535,8 +538,9 @@ func given(raw json.RawMessage) bool {
 	return s != "" && s != "null" && s != "[]"
 }
 
-// routeOrRun serves the request here unless routing sends it elsewhere.
-func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool, toks []engine.Token) {
+// routeOrRun serves the request here unless routing sends it elsewhere (by
+// its first prompt's tokens).
+func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool) {
 	if p.req.Grammar != "" && b.CheckGrammar != nil {
 		if err := b.CheckGrammar(p.req.Grammar); err != nil {
 			abort(c, invalid(p.grammarParam, "%s: the grammar built from it does not parse: %v", p.grammarParam, err))
@@ -544,7 +548,7 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool,
 		}
 	}
 	if !forwarded {
-		answered, done := s.route(c, p.model, toks, p.req.Priority)
+		answered, done := s.route(c, p.model, p.prompts[0], p.req.Priority)
 		defer done()
 		if answered {
 			return
@@ -630,7 +634,7 @@ func (s *Server) completions(c *gin.Context) {
 		abort(c, invalid("echo", "echo with logprobs is not supported: prompt logprobs are not computed"))
 		return
 	}
-	s.routeOrRun(c, b, &p, forwarded, p.prompts[0])
+	s.routeOrRun(c, b, &p, forwarded)
 }
 
 // begin decodes a request into req (whose model and priority, if any, are read from
@@ -753,9 +757,14 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 		}
 		subs = append(subs, submitted{stream: st, base: i * p.n, start: time.Now()})
 	}
-	if p.stream {
+	switch {
+	case p.anthropic && p.stream:
+		s.messageStream(c, b, p, subs)
+	case p.anthropic:
+		s.messageWhole(c, b, p, subs)
+	case p.stream:
 		s.streamResponse(c, b, p, subs)
-	} else {
+	default:
 		s.wholeResponse(c, b, p, subs)
 	}
 	if c.Request.Context().Err() != nil {
@@ -814,10 +823,50 @@ func outputStop(o *choiceOutput, generated any, finish string) any {
 }
 
 func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	choices, usage, ok := s.collect(c, b, p, subs)
+	if !ok {
+		return
+	}
+	created := s.now().Unix()
+	if p.chat {
+		resp := ChatResponse{ID: s.newID("chatcmpl"), Object: "chat.completion", Created: created, Model: p.model,
+			SystemFingerprint: fingerprint, Usage: usage}
+		for i := range choices {
+			a := s.answer(&choices[i])
+			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &a.text, ToolCalls: a.calls},
+				FinishReason: a.finish, StopReason: a.stop}
+			if len(a.calls) > 0 && strings.TrimSpace(a.text) == "" {
+				cc.Message.Content = nil // text the model wrote before its calls is kept, as vLLM does
+			}
+			if a.reasoning != "" {
+				cc.Message.ReasoningContent = &a.reasoning
+			}
+			if p.logprobs {
+				cc.Logprobs = &ChatLogprobs{Content: nonNil(choices[i].logprobs)}
+			}
+			resp.Choices = append(resp.Choices, cc)
+		}
+		c.JSON(http.StatusOK, resp)
+		return
+	}
+	resp := CompletionResponse{ID: s.newID("cmpl"), Object: "text_completion", Created: created, Model: p.model,
+		SystemFingerprint: fingerprint, Usage: &usage}
+	for i := range choices {
+		f := choices[i].finish
+		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f, StopReason: choices[i].stop}
+		if p.logprobs {
+			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0) // no echo with logprobs
+		}
+		resp.Choices = append(resp.Choices, cc)
+	}
+	c.JSON(http.StatusOK, resp)
+}
+
+// collect reads every choice of p to its end; ok is false when it answered
+// with an error instead.
+func (s *Server) collect(c *gin.Context, b *Backend, p *plan, subs []submitted) (choices []choiceState, usage Usage, ok bool) {
 	ctx := c.Request.Context()
-	total := len(p.prompts) * p.n
-	choices := make([]choiceState, total)
-	var usage Usage
+	choices = make([]choiceState, len(p.prompts)*p.n)
 	for pi, sub := range subs {
 		if pi < len(p.echo) {
 			for j := range p.n {
@@ -848,51 +897,31 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		})
 		if err != nil {
 			abort(c, err)
-			return
+			return nil, usage, false
 		}
 		addUsage(&usage, u)
 	}
-	created := s.now().Unix()
-	if p.chat {
-		resp := ChatResponse{ID: s.newID("chatcmpl"), Object: "chat.completion", Created: created, Model: p.model,
-			SystemFingerprint: fingerprint, Usage: usage}
-		for i := range choices {
-			text := choices[i].text.String()
-			cc := ChatChoice{Index: i, Message: ChatMessageOut{Role: "assistant", Content: &text}, FinishReason: choices[i].finish, StopReason: choices[i].stop}
-			if o := choices[i].output; o != nil {
-				rest, calls, finish := o.end(func() string { return s.newID("call") }, cc.FinishReason)
-				text += rest
-				cc.FinishReason, cc.StopReason = finish, outputStop(o, cc.StopReason, finish)
-				if len(calls) > 0 {
-					// Text the model wrote before its calls is kept, as vLLM does.
-					cc.Message.ToolCalls = calls
-					if strings.TrimSpace(text) == "" {
-						cc.Message.Content = nil
-					}
-				}
-				if r := choices[i].reasoning.String(); r != "" {
-					cc.Message.ReasoningContent = &r
-				}
-			}
-			if p.logprobs {
-				cc.Logprobs = &ChatLogprobs{Content: nonNil(choices[i].logprobs)}
-			}
-			resp.Choices = append(resp.Choices, cc)
-		}
-		c.JSON(http.StatusOK, resp)
-		return
+	return choices, usage, true
+}
+
+// chatAnswer is a chat choice's output once whole.
+type chatAnswer struct {
+	text, reasoning string
+	calls           []ToolCall
+	finish          string
+	stop            any // stop_reason
+}
+
+// answer is ch's output once whole: under tools, the calls are read from it.
+func (s *Server) answer(ch *choiceState) chatAnswer {
+	a := chatAnswer{text: ch.text.String(), reasoning: ch.reasoning.String(), finish: ch.finish, stop: ch.stop}
+	if o := ch.output; o != nil {
+		var rest string
+		rest, a.calls, a.finish = o.end(func() string { return s.newID("call") }, a.finish)
+		a.text += rest
+		a.stop = outputStop(o, a.stop, a.finish)
 	}
-	resp := CompletionResponse{ID: s.newID("cmpl"), Object: "text_completion", Created: created, Model: p.model,
-		SystemFingerprint: fingerprint, Usage: &usage}
-	for i := range choices {
-		f := choices[i].finish
-		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f, StopReason: choices[i].stop}
-		if p.logprobs {
-			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0) // no echo with logprobs
-		}
-		resp.Choices = append(resp.Choices, cc)
-	}
-	c.JSON(http.StatusOK, resp)
+	return a
 }
 
 // fingerprint identifies the serving stack in responses.

@@ -173,6 +173,8 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
 	v1.POST("/embeddings", s.embeddings)
+	r.POST("/v1/messages", anthropicErrors, s.counted, s.auth, s.messages)
+	r.POST("/v1/messages/count_tokens", anthropicErrors, s.counted, s.auth, s.countTokens)
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
@@ -298,8 +300,11 @@ func (s *Server) auth(c *gin.Context) {
 		c.Next()
 		return
 	}
-	h := c.GetHeader("Authorization")
-	key, ok := strings.CutPrefix(h, "Bearer ")
+	key, ok := strings.CutPrefix(c.GetHeader("Authorization"), "Bearer ")
+	if !ok {
+		key = c.GetHeader("X-Api-Key") // as Anthropic's clients send it
+		ok = key != ""
+	}
 	if ok {
 		for _, k := range s.cfg.APIKeys {
 			if subtle.ConstantTimeCompare([]byte(key), []byte(k)) == 1 {
@@ -311,11 +316,16 @@ func (s *Server) auth(c *gin.Context) {
 	abort(c, errUnauthorized)
 }
 
-// abort writes err in OpenAI's format and stops the handler chain.
+// abort writes err in OpenAI's format (Anthropic's on the Messages API) and
+// stops the handler chain.
 func abort(c *gin.Context, err error) {
 	e := toAPIError(err)
 	if e.RetryAfter > 0 {
 		c.Header("Retry-After", fmt.Sprint(e.RetryAfter))
+	}
+	if c.GetBool(anthropicKey) {
+		c.AbortWithStatusJSON(e.Status, anthropicError(e))
+		return
 	}
 	c.AbortWithStatusJSON(e.Status, e.body())
 }

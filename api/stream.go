@@ -37,14 +37,27 @@ func (w *sseWriter) data(v any) {
 	w.raw(b)
 }
 
-func (w *sseWriter) raw(b []byte) {
+// event writes a named event, as Anthropic's stream has them: "event:
+// <name>\ndata: <json>\n\n".
+func (w *sseWriter) event(name string, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return
+	}
+	w.write("event: "+name+"\n", b)
+}
+
+func (w *sseWriter) raw(b []byte) { w.write("", b) }
+
+// write writes one event: head, then b as its data.
+func (w *sseWriter) write(head string, b []byte) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.failed {
 		return
 	}
-	buf := make([]byte, 0, len(b)+8)
-	buf = append(append(append(buf, "data: "...), b...), "\n\n"...)
+	buf := make([]byte, 0, len(head)+len(b)+8)
+	buf = append(append(append(append(buf, head...), "data: "...), b...), "\n\n"...)
 	if _, err := w.c.Writer.Write(buf); err != nil {
 		w.failed = true
 		return

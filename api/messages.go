@@ -1,0 +1,567 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// Anthropic's Messages API (POST /v1/messages), as llama-server, vLLM and
+// Ollama serve it for clients written against Anthropic's SDKs and tools: a
+// request is translated into a chat request and served by the same plan, then
+// its answer is written as a message of content blocks (thinking, text,
+// tool_use), whole or as Anthropic's stream of events.
+
+// MessagesRequest is the body of POST /v1/messages (and of count_tokens, which
+// needs no max_tokens).
+type MessagesRequest struct {
+	Model         string               `json:"model"`
+	MaxTokens     *int                 `json:"max_tokens"`
+	Messages      []AnthropicMessage   `json:"messages"`
+	System        AnthropicContent     `json:"system"`
+	StopSequences []string             `json:"stop_sequences"`
+	Stream        bool                 `json:"stream"`
+	Temperature   *float64             `json:"temperature"`
+	TopP          *float64             `json:"top_p"`
+	TopK          *int                 `json:"top_k"`
+	Tools         []AnthropicTool      `json:"tools"`
+	ToolChoice    *AnthropicToolChoice `json:"tool_choice"`
+	Thinking      *AnthropicThinking   `json:"thinking"`
+	OutputConfig  *struct {
+		// Format is structured output: {"type": "json_schema", "schema": ...}.
+		Format *struct {
+			Type   string          `json:"type"`
+			Schema json.RawMessage `json:"schema"`
+		} `json:"format"`
+	} `json:"output_config"` // effort: not used
+	Metadata json.RawMessage `json:"metadata"` // user_id: not used
+}
+
+// AnthropicMessage is one turn: a user's or the assistant's.
+type AnthropicMessage struct {
+	Role    string           `json:"role"`
+	Content AnthropicContent `json:"content"`
+}
+
+// AnthropicContent is a string or a list of content blocks; a string is one
+// text block.
+type AnthropicContent []ContentBlock
+
+func (a *AnthropicContent) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if bytes.Equal(b, []byte("null")) {
+		*a = nil
+		return nil
+	}
+	if len(b) > 0 && b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		*a = AnthropicContent{{Type: "text", Text: s}}
+		return nil
+	}
+	var blocks []ContentBlock
+	if err := json.Unmarshal(b, &blocks); err != nil {
+		return err
+	}
+	*a = blocks
+	return nil
+}
+
+// ContentBlock is one block of a message's content, of any type the request
+// may hold: text, tool_use (the assistant's), tool_result (the user's),
+// thinking. Images and documents are refused.
+type ContentBlock struct {
+	Type      string           `json:"type"`
+	Text      string           `json:"text"`
+	ID        string           `json:"id"`
+	Name      string           `json:"name"`
+	Input     json.RawMessage  `json:"input"`
+	ToolUseID string           `json:"tool_use_id"`
+	Content   AnthropicContent `json:"content"` // a tool result's
+	IsError   bool             `json:"is_error"`
+}
+
+// AnthropicTool is a client tool: its name, description and the JSON schema
+// of its input.
+type AnthropicTool struct {
+	Type        string          `json:"type"` // "", "custom"; Anthropic's server tools are refused
+	Name        string          `json:"name"`
+	Description string          `json:"description"`
+	InputSchema json.RawMessage `json:"input_schema"`
+}
+
+// AnthropicToolChoice is auto, any (a call is required), tool (that one) or none.
+type AnthropicToolChoice struct {
+	Type                   string `json:"type"`
+	Name                   string `json:"name"`
+	DisableParallelToolUse bool   `json:"disable_parallel_tool_use"`
+}
+
+// AnthropicThinking turns a reasoning model's thinking on or off (the
+// template's enable_thinking; adaptive leaves the template's default);
+// budget_tokens is not enforced.
+type AnthropicThinking struct {
+	Type         string `json:"type"`
+	BudgetTokens int    `json:"budget_tokens"`
+}
+
+// MessageResponse is a whole message, and the message of message_start.
+type MessageResponse struct {
+	ID           string         `json:"id"`
+	Type         string         `json:"type"`
+	Role         string         `json:"role"`
+	Model        string         `json:"model"`
+	Content      []any          `json:"content"`
+	StopReason   *string        `json:"stop_reason"`
+	StopSequence *string        `json:"stop_sequence"`
+	Usage        AnthropicUsage `json:"usage"`
+}
+
+// AnthropicUsage counts a message's tokens: input_tokens are the prompt's
+// tokens not read from the prefix cache, cache_read_input_tokens those that were.
+type AnthropicUsage struct {
+	InputTokens              int `json:"input_tokens"`
+	OutputTokens             int `json:"output_tokens"`
+	CacheCreationInputTokens int `json:"cache_creation_input_tokens"`
+	CacheReadInputTokens     int `json:"cache_read_input_tokens"`
+}
+
+func anthropicUsage(u Usage) AnthropicUsage {
+	cached := u.PromptTokensDetails.CachedTokens
+	return AnthropicUsage{InputTokens: u.PromptTokens - cached, OutputTokens: u.CompletionTokens, CacheReadInputTokens: cached}
+}
+
+type textBlock struct {
+	Type string `json:"type"`
+	Text string `json:"text"`
+}
+
+type thinkingBlock struct {
+	Type      string `json:"type"`
+	Thinking  string `json:"thinking"`
+	Signature string `json:"signature"`
+}
+
+type toolUseBlock struct {
+	Type  string          `json:"type"`
+	ID    string          `json:"id"`
+	Name  string          `json:"name"`
+	Input json.RawMessage `json:"input"`
+}
+
+// anthropicKey marks a request of the Messages API: its errors are written in
+// Anthropic's format.
+const anthropicKey = "shoal.anthropic"
+
+// anthropicErrors makes the handlers after it answer errors in Anthropic's
+// format (auth's too).
+func anthropicErrors(c *gin.Context) {
+	c.Set(anthropicKey, true)
+	c.Next()
+}
+
+// anthropicError is err's body in Anthropic's format.
+func anthropicError(e *Error) gin.H {
+	typ := "api_error"
+	switch e.Status {
+	case http.StatusBadRequest, http.StatusMethodNotAllowed:
+		typ = "invalid_request_error"
+	case http.StatusUnauthorized:
+		typ = "authentication_error"
+	case http.StatusForbidden:
+		typ = "permission_error"
+	case http.StatusNotFound:
+		typ = "not_found_error"
+	case http.StatusRequestEntityTooLarge:
+		typ = "request_too_large"
+	case http.StatusTooManyRequests:
+		typ = "rate_limit_error"
+	case http.StatusServiceUnavailable:
+		typ = "overloaded_error"
+	case http.StatusGatewayTimeout:
+		typ = "timeout_error"
+	}
+	return gin.H{"type": "error", "error": gin.H{"type": typ, "message": e.Message}}
+}
+
+// chatRequest translates r into a chat request: the system prompt first, each
+// user turn's tool results as tool messages, the assistant's tool_use blocks
+// as its calls. Thinking blocks of earlier turns are left out, as chat
+// templates leave out earlier turns' thoughts.
+func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
+	chat := &ChatRequest{}
+	f := &chat.SamplingFields
+	f.Model, f.Stream, f.Temperature, f.TopP, f.TopK = r.Model, r.Stream, r.Temperature, r.TopP, r.TopK
+	f.Stop = r.StopSequences
+	chat.MaxTokens = r.MaxTokens
+	if len(r.System) > 0 {
+		text, err := blockText(r.System, "system")
+		if err != nil {
+			return nil, err
+		}
+		chat.Messages = append(chat.Messages, Message{Role: "system", Content: Content(text)})
+	}
+	for i, m := range r.Messages {
+		where := fmt.Sprintf("messages[%d]", i)
+		var err error
+		switch m.Role {
+		case "user":
+			chat.Messages, err = userTurn(chat.Messages, m.Content, where)
+		case "assistant":
+			chat.Messages, err = assistantTurn(chat.Messages, m.Content, where)
+		default:
+			err = invalid("messages", "%s: role must be user or assistant, got %q", where, m.Role)
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if err := r.tools(chat); err != nil {
+		return nil, err
+	}
+	if oc := r.OutputConfig; oc != nil && oc.Format != nil {
+		if oc.Format.Type != "json_schema" || !given(oc.Format.Schema) {
+			return nil, invalid("output_config", "output_config.format must be {\"type\": \"json_schema\", \"schema\": ...}")
+		}
+		f.ResponseFormat = &ResponseFormat{Type: "json_object", Schema: oc.Format.Schema} // llama-server's spelling of a schema
+	}
+	if r.Thinking != nil {
+		switch r.Thinking.Type {
+		case "enabled", "disabled":
+			chat.ChatTemplateKwargs = json.RawMessage(fmt.Sprintf(`{"enable_thinking": %v}`, r.Thinking.Type == "enabled"))
+		case "adaptive": // the template's default
+		default:
+			return nil, invalid("thinking", "thinking.type must be enabled, disabled or adaptive, got %q", r.Thinking.Type)
+		}
+	}
+	return chat, nil
+}
+
+// blockText joins text blocks (a system prompt, a tool result).
+func blockText(blocks AnthropicContent, where string) (string, error) {
+	var parts []string
+	for _, b := range blocks {
+		if b.Type != "text" {
+			return "", invalid("messages", "%s: only text blocks are supported here, got %q", where, b.Type)
+		}
+		parts = append(parts, b.Text)
+	}
+	return strings.Join(parts, "\n"), nil
+}
+
+// userTurn appends a user turn's blocks: runs of text as user messages, tool
+// results as tool messages, in their order.
+func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, error) {
+	var text []string
+	flush := func() {
+		if len(text) > 0 {
+			out = append(out, Message{Role: "user", Content: Content(strings.Join(text, "\n"))})
+			text = nil
+		}
+	}
+	for _, b := range blocks {
+		switch b.Type {
+		case "text":
+			text = append(text, b.Text)
+		case "tool_result":
+			if b.ToolUseID == "" {
+				return nil, invalid("messages", "%s: a tool_result needs its tool_use_id", where)
+			}
+			result, err := blockText(b.Content, where+" tool_result")
+			if err != nil {
+				return nil, err
+			}
+			if b.IsError {
+				result = "Error: " + result
+			}
+			flush()
+			out = append(out, Message{Role: "tool", ToolCallID: b.ToolUseID, Content: Content(result)})
+		default:
+			return nil, invalid("messages", "%s: content blocks of type %q are not supported in a user turn (text and tool_result are)", where, b.Type)
+		}
+	}
+	flush()
+	return out, nil
+}
+
+// assistantTurn appends an assistant turn: its text, and its tool_use blocks
+// as calls.
+func assistantTurn(out []Message, blocks AnthropicContent, where string) ([]Message, error) {
+	var text []string
+	var calls []ToolCall
+	for _, b := range blocks {
+		switch b.Type {
+		case "text":
+			text = append(text, b.Text)
+		case "tool_use":
+			if b.ID == "" || b.Name == "" {
+				return nil, invalid("messages", "%s: a tool_use needs an id and a name", where)
+			}
+			input := bytes.TrimSpace(b.Input)
+			if len(input) == 0 || input[0] != '{' {
+				return nil, invalid("messages", "%s: tool_use %q: input must be an object", where, b.Name)
+			}
+			calls = append(calls, ToolCall{ID: b.ID, Type: "function", Function: FunctionCall{Name: b.Name, Arguments: string(input)}})
+		case "thinking", "redacted_thinking":
+		default:
+			return nil, invalid("messages", "%s: content blocks of type %q are not supported in an assistant turn", where, b.Type)
+		}
+	}
+	m := Message{Role: "assistant", Content: Content(strings.Join(text, ""))}
+	if len(calls) > 0 {
+		raw, err := json.Marshal(calls)
+		if err != nil {
+			return nil, err
+		}
+		m.ToolCalls = raw
+	}
+	return append(out, m), nil
+}
+
+// tools translates r's tools and tool_choice into chat's.
+func (r *MessagesRequest) tools(chat *ChatRequest) error {
+	if len(r.Tools) > 0 {
+		type function struct {
+			Name        string          `json:"name"`
+			Description string          `json:"description,omitempty"`
+			Parameters  json.RawMessage `json:"parameters,omitempty"`
+		}
+		type tool struct {
+			Type     string   `json:"type"`
+			Function function `json:"function"`
+		}
+		var tools []tool
+		for i, t := range r.Tools {
+			if t.Type != "" && t.Type != "custom" {
+				return invalid("tools", "tools[%d]: %q tools are Anthropic's own and not served here; client tools (with an input_schema) are", i, t.Type)
+			}
+			tools = append(tools, tool{Type: "function", Function: function{Name: t.Name, Description: t.Description, Parameters: t.InputSchema}})
+		}
+		raw, err := json.Marshal(tools)
+		if err != nil {
+			return err
+		}
+		chat.Tools = raw
+	}
+	tc := r.ToolChoice
+	if tc == nil {
+		return nil
+	}
+	var choice any
+	switch tc.Type {
+	case "auto":
+		choice = "auto"
+	case "any":
+		choice = "required"
+	case "none":
+		choice = "none"
+	case "tool":
+		choice = map[string]any{"type": "function", "function": map[string]string{"name": tc.Name}}
+	default:
+		return invalid("tool_choice", "tool_choice.type must be auto, any, tool or none, got %q", tc.Type)
+	}
+	raw, _ := json.Marshal(choice)
+	chat.ToolChoice = raw
+	if tc.DisableParallelToolUse {
+		no := false
+		chat.ParallelToolCalls = &no
+	}
+	return nil
+}
+
+// messages serves POST /v1/messages.
+func (s *Server) messages(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	var req MessagesRequest
+	forwarded, ok := s.begin(c, &req, &req.Model, nil)
+	if !ok || !generates(c, b) {
+		return
+	}
+	if req.MaxTokens == nil {
+		abort(c, invalid("max_tokens", "max_tokens is required"))
+		return
+	}
+	chat, err := req.chatRequest()
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	p, err := s.chatPlan(b, chat)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	p.anthropic = true
+	s.routeOrRun(c, b, p, forwarded)
+}
+
+// countTokens serves POST /v1/messages/count_tokens: the prompt tokens a
+// message request would have.
+func (s *Server) countTokens(c *gin.Context) {
+	var req MessagesRequest
+	b, ok := s.decodeFor(c, &req, &req.Model)
+	if !ok {
+		return
+	}
+	chat, err := req.chatRequest()
+	if err == nil && len(chat.Messages) == 0 {
+		err = invalid("messages", "messages must not be empty")
+	}
+	var text string
+	if err == nil {
+		var tp *toolPlan
+		if tp, err = toolsOf(&chat.ToolFields, &chat.SamplingFields); err == nil {
+			text, err = chatPrompt(b, chat.Messages, tp, chat.ChatTemplateKwargs)
+		}
+	}
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	toks, err := b.Vocab.Tokenize(text, true, true)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	c.JSON(http.StatusOK, gin.H{"input_tokens": len(toks)})
+}
+
+// stopReason is Anthropic's stop_reason and stop_sequence of an answer.
+func (a *chatAnswer) anthropicStop() (reason string, sequence *string) {
+	switch a.finish {
+	case "length":
+		return "max_tokens", nil
+	case "tool_calls":
+		return "tool_use", nil
+	}
+	if s, ok := a.stop.(string); ok {
+		return "stop_sequence", &s
+	}
+	return "end_turn", nil
+}
+
+// blocks are a's content blocks: its thinking, its text, its calls.
+func (a *chatAnswer) blocks() []any {
+	out := []any{}
+	if a.reasoning != "" {
+		out = append(out, thinkingBlock{Type: "thinking", Thinking: a.reasoning})
+	}
+	if a.text != "" && (len(a.calls) == 0 || strings.TrimSpace(a.text) != "") {
+		out = append(out, textBlock{Type: "text", Text: a.text})
+	}
+	for _, tc := range a.calls {
+		out = append(out, toolUseBlock{Type: "tool_use", ID: tc.ID, Name: tc.Function.Name, Input: callInput(tc.Function.Arguments)})
+	}
+	return out
+}
+
+// callInput is a call's arguments as an object; a call cut short by
+// max_tokens, whose arguments are not whole JSON, gets an empty one.
+func callInput(args string) json.RawMessage {
+	if json.Valid([]byte(args)) && strings.HasPrefix(strings.TrimSpace(args), "{") {
+		return json.RawMessage(args)
+	}
+	return json.RawMessage("{}")
+}
+
+// messageWhole answers a message request with the whole message.
+func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	choices, usage, ok := s.collect(c, b, p, subs)
+	if !ok {
+		return
+	}
+	a := s.answer(&choices[0])
+	reason, seq := a.anthropicStop()
+	c.JSON(http.StatusOK, MessageResponse{ID: s.newID("msg"), Type: "message", Role: "assistant", Model: p.model,
+		Content: a.blocks(), StopReason: &reason, StopSequence: seq, Usage: anthropicUsage(usage)})
+}
+
+// messageStream answers a message request with Anthropic's events:
+// message_start, then each content block's start, deltas and stop (thinking
+// and text as they come, each tool call once whole), message_delta with the
+// stop reason and usage, and message_stop.
+func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	ctx := c.Request.Context()
+	w := &sseWriter{c: c}
+	w.start()
+	sub := subs[0]
+	w.event("message_start", gin.H{"type": "message_start", "message": MessageResponse{ID: s.newID("msg"), Type: "message",
+		Role: "assistant", Model: p.model, Content: []any{}, Usage: AnthropicUsage{InputTokens: len(p.prompts[0])}}})
+	w.event("ping", gin.H{"type": "ping"})
+	index, open := -1, "" // the open block and its kind
+	closeBlock := func() {
+		if open != "" {
+			w.event("content_block_stop", gin.H{"type": "content_block_stop", "index": index})
+			open = ""
+		}
+	}
+	emit := func(kind, text string) {
+		if text == "" {
+			return
+		}
+		if open != kind {
+			closeBlock()
+			index, open = index+1, kind
+			var block any = textBlock{Type: "text"}
+			if kind == "thinking" {
+				block = thinkingBlock{Type: "thinking"}
+			}
+			w.event("content_block_start", gin.H{"type": "content_block_start", "index": index, "content_block": block})
+		}
+		delta := gin.H{"type": "text_delta", "text": text}
+		if kind == "thinking" {
+			delta = gin.H{"type": "thinking_delta", "thinking": text}
+		}
+		w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index, "delta": delta})
+	}
+	var ch choiceState
+	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+		if !ch.started {
+			ch.output, ch.started = p.newOutput(), true
+		}
+		reasoning, text := "", ev.Text
+		if ch.output != nil {
+			reasoning, text = ch.output.follow(sub.stream, ev)
+		}
+		emit("thinking", reasoning)
+		emit("text", text)
+		if ev.Kind == scheduler.EventFinish {
+			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
+		}
+	})
+	if err != nil {
+		if ctx.Err() == nil {
+			// Headers are sent: the error is an event, as Anthropic sends one.
+			w.event("error", anthropicError(toAPIError(err)))
+		}
+		return
+	}
+	a := s.answer(&ch) // ch holds no text: it was passed on; end gives what was held
+	emit("text", a.text)
+	closeBlock()
+	for _, tc := range a.calls {
+		index++
+		w.event("content_block_start", gin.H{"type": "content_block_start", "index": index,
+			"content_block": toolUseBlock{Type: "tool_use", ID: tc.ID, Name: tc.Function.Name, Input: json.RawMessage("{}")}})
+		w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index,
+			"delta": gin.H{"type": "input_json_delta", "partial_json": string(callInput(tc.Function.Arguments))}})
+		w.event("content_block_stop", gin.H{"type": "content_block_stop", "index": index})
+	}
+	reason, seq := a.anthropicStop()
+	var usage Usage
+	addUsage(&usage, u)
+	w.event("message_delta", gin.H{"type": "message_delta", "delta": gin.H{"stop_reason": reason, "stop_sequence": seq},
+		"usage": anthropicUsage(usage)})
+	w.event("message_stop", gin.H{"type": "message_stop"})
+}
