@@ -1,12 +1,14 @@
 package api
 
 import (
+	"bytes"
 	"context"
 	"crypto/subtle"
 	"encoding/base64"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net/http"
@@ -20,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -313,7 +316,29 @@ func (s *Server) auth(c *gin.Context) {
 			}
 		}
 	}
+	if s.admittedByMember(c) {
+		c.Next()
+		return
+	}
 	abort(c, errUnauthorized)
+}
+
+// admittedByMember reports whether c is a request forwarded by a cluster
+// member, with a valid credential: that member checked the client's key
+// against its own, so nodes need not share their keys (one without keys
+// serves what the others forward). The body, read to verify the credential,
+// is put back for the handler.
+func (s *Server) admittedByMember(c *gin.Context) bool {
+	if c.GetHeader(cluster.HeaderHop) == "" || c.Request.Body == nil {
+		return false
+	}
+	body, err := io.ReadAll(c.Request.Body)
+	if err != nil {
+		return false
+	}
+	c.Request.Body = io.NopCloser(bytes.NewReader(body))
+	fwd, err := s.forwardedRequest(c, body)
+	return fwd && err == nil
 }
 
 // abort writes err in OpenAI's format (Anthropic's on the Messages API) and

@@ -1144,3 +1144,27 @@ func TestHolderWinsTiesOverTheKey(t *testing.T) {
 		}
 	}
 }
+
+// TestRejoinAfterRestart: a node that starts before the nodes it is told to
+// join keeps trying them, and a failed member that restarts with no --join
+// (a cluster's first node) is found again by the others.
+func TestRejoinAfterRestart(t *testing.T) {
+	fast := func(c *Config) { c.Reconnect = 100 * time.Millisecond }
+	seedAddr := freePort(t)
+	// b starts first: its --join address answers nothing yet.
+	b := startTestNode(t, "b", nil, []string{seedAddr}, &fakeLocal{}, fast)
+	seed := startTestNode(t, "seed", nil, nil, &fakeLocal{}, fast, func(c *Config) { c.Bind = seedAddr })
+	alive := func(n *Node, name string) func() bool {
+		return func() bool { m, ok := member(n, name); return ok && m.State == "alive" }
+	}
+	eventually(t, "b joins the seed once it is up", alive(b, "seed"))
+	eventually(t, "the seed sees b", alive(seed, "b"))
+
+	// The seed fails (no leave) and restarts alone on its address.
+	seed.stopOnce.Do(func() { close(seed.stop) }) // Leave, in the cleanup, does nothing more
+	seed.ml.Shutdown()
+	eventually(t, "b sees the seed dead", func() bool { m, ok := member(b, "seed"); return ok && m.State == "dead" })
+	again := startTestNode(t, "seed", nil, nil, &fakeLocal{}, fast, func(c *Config) { c.Bind = seedAddr })
+	eventually(t, "b finds the restarted seed", alive(b, "seed"))
+	eventually(t, "the restarted seed sees b", alive(again, "b"))
+}

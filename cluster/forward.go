@@ -135,8 +135,9 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 		return fmt.Errorf("forward to %s: %w", t.Name, err)
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests {
-		// Refused before running it (its own queue full: gossip lags), or failed.
+	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusUnauthorized {
+		// Refused before running it (its own queue full: gossip lags; a
+		// misconfigured peer refusing this node's credential), or failed.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return &RetryableError{Err: fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b))), Status: resp.StatusCode}
 	}

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	metrics "github.com/hashicorp/go-metrics"
+	"github.com/hashicorp/go-multierror"
 	"github.com/hashicorp/memberlist"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -37,6 +38,10 @@ const (
 	// DefaultPushPull exchanges full prefix summaries this often (memberlist's LAN
 	// default is 30s; summaries change faster than membership).
 	DefaultPushPull = 5 * time.Second
+	// DefaultReconnect is how often a node tries again to join what it lost: its
+	// --join addresses while none answered, and members that failed (Serf
+	// reconnects the same way).
+	DefaultReconnect = 5 * time.Second
 	// prefixChunk hashes per delta message keeps each under ~1 KB (UDP-safe).
 	prefixChunk = 120
 )
@@ -57,6 +62,7 @@ type Config struct {
 	LoadInterval time.Duration
 	FanOut       int // peers sent load and deltas per interval (see DefaultFanOut)
 	PushPull     time.Duration
+	Reconnect    time.Duration // see DefaultReconnect
 	HopCost      time.Duration
 	// MaxQueueWait marks a node saturated when its estimated queue wait exceeds it.
 	MaxQueueWait time.Duration
@@ -78,7 +84,7 @@ type Config struct {
 // DefaultConfig returns the defaults: prefix-aware routing over memberlist's LAN profile.
 func DefaultConfig() Config {
 	return Config{
-		Policy: PrefixAware, LoadInterval: DefaultLoadInterval, PushPull: DefaultPushPull, FanOut: DefaultFanOut,
+		Policy: PrefixAware, LoadInterval: DefaultLoadInterval, PushPull: DefaultPushPull, Reconnect: DefaultReconnect, FanOut: DefaultFanOut,
 		HopCost: DefaultHopCost, MaxQueueWait: 30 * time.Second, BlockTokens: kvcache.DefaultBlockTokens,
 	}
 }
@@ -94,8 +100,8 @@ func (c Config) Validate() error {
 		return errors.New("cluster: a cluster secret is required to authenticate forwarded requests (--cluster-secret, or --gossip-key)")
 	case len(c.GossipKey) != 0 && len(c.GossipKey) != 16 && len(c.GossipKey) != 24 && len(c.GossipKey) != 32:
 		return fmt.Errorf("cluster: gossip key of %d bytes: want 16, 24 or 32", len(c.GossipKey))
-	case c.LoadInterval <= 0 || c.PushPull <= 0:
-		return errors.New("cluster: load and push/pull intervals must be positive")
+	case c.LoadInterval <= 0 || c.PushPull <= 0 || c.Reconnect <= 0:
+		return errors.New("cluster: load, push/pull and reconnect intervals must be positive")
 	case c.FanOut < 1:
 		return errors.New("cluster: fan-out must be at least 1")
 	case c.BlockTokens < 1:
@@ -134,6 +140,8 @@ type Node struct {
 	reuseAt    time.Time                 // when reuse was last updated (under mu)
 	recent     map[string]*recentPrompts // per model: the last prompts routed (under mu)
 	joined     chan string               // members to send the full summary to
+	joinAddrs  []string                  // cfg.Join less this node's own address
+	joinFailed atomic.Bool               // no joinAddrs answered yet (reconnect tries them again)
 	loadSeq    atomic.Uint64
 	boot       uint64 // this process's Load.Boot
 	turns      int    // prompts routed by turn-taking policies, for the next turn (under mu)
@@ -250,17 +258,92 @@ func (n *Node) Start() error {
 	n.mu.Lock()
 	n.peers[n.cfg.Name] = &peer{name: n.cfg.Name, gossip: n.cfg.Advertise, state: "alive", meta: n.meta, metaOK: true}
 	n.mu.Unlock()
-	if len(n.cfg.Join) > 0 {
-		if _, err := ml.Join(n.cfg.Join); err != nil {
-			ml.Shutdown()
-			return fmt.Errorf("cluster: join %v: %w", n.cfg.Join, err)
+	for _, a := range n.cfg.Join {
+		if a != n.cfg.Advertise && a != n.cfg.Bind {
+			n.joinAddrs = append(n.joinAddrs, a)
+		}
+	}
+	if len(n.joinAddrs) > 0 {
+		if _, err := ml.Join(n.joinAddrs); err != nil {
+			if !unreachableOnly(err) {
+				// One answered and refused (another gossip key): misconfigured.
+				ml.Shutdown()
+				return fmt.Errorf("cluster: join %v: %w", n.joinAddrs, err)
+			}
+			// None is up yet (every node may be given the others' addresses and
+			// start in any order): this node starts alone and keeps trying.
+			n.joinFailed.Store(true)
+			n.log.Warn("could not join any of the given nodes; serving alone and trying again", "join", n.joinAddrs, "every", n.cfg.Reconnect, "err", err)
 		}
 	}
 	n.wg.Add(1)
 	go n.loop()
+	go n.reconnect() // not waited for, as summaries: memberlist's shutdown ends a join in progress
 	go n.summaries()
 	return nil
 }
+
+// reconnect joins again, every Reconnect interval, what this node lost: the
+// --join addresses while none has answered, and members that failed (not those
+// that left) while they are listed (goneLimit). A failed member that restarts
+// without --join, such as a cluster's first node, is found so by the others,
+// instead of forming a cluster of its own.
+func (n *Node) reconnect() {
+	t := time.NewTicker(n.cfg.Reconnect)
+	defer t.Stop()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-t.C:
+		}
+		var addrs []string
+		n.mu.Lock()
+		alone := true
+		for _, p := range n.peers {
+			switch {
+			case p.name == n.cfg.Name:
+			case p.state == "alive":
+				alone = false
+			case p.state == "dead" && p.gossip != "" && len(addrs) < maxReconnects:
+				addrs = append(addrs, p.gossip)
+			}
+		}
+		n.mu.Unlock()
+		if !alone {
+			n.joinFailed.Store(false) // another found this node
+		} else if n.joinFailed.Load() {
+			addrs = append(addrs, n.joinAddrs...)
+		}
+		if len(addrs) == 0 {
+			continue
+		}
+		if k, _ := n.ml.Join(addrs); k > 0 && n.joinFailed.Swap(false) {
+			n.log.Info("joined the cluster", "peers", k)
+		}
+	}
+}
+
+// unreachableOnly reports whether err, memberlist's Join error, says only that
+// no address could be reached or resolved (nothing listens there yet), not
+// that one answered and refused this node (another gossip key).
+func unreachableOnly(err error) bool {
+	errs := []error{err}
+	var me *multierror.Error
+	if errors.As(err, &me) {
+		errs = me.Errors
+	}
+	for _, e := range errs {
+		if s := e.Error(); !strings.Contains(s, "dial ") && !strings.HasPrefix(s, "failed to resolve") {
+			return false
+		}
+	}
+	return len(errs) > 0
+}
+
+// maxReconnects bounds the failed members one reconnect round tries (each may
+// wait for a connection timeout).
+const maxReconnects = 16
 
 func splitHostPort(s string) (string, int, error) {
 	h, p, err := net.SplitHostPort(s)
