@@ -156,6 +156,11 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		return p, err
 	}
 	sp := samplingParams(d)
+	for name, v := range map[string]*float64{"presence_penalty": f.PresencePenalty, "frequency_penalty": f.FrequencyPenalty} {
+		if v != nil && (math.IsNaN(*v) || *v < -2 || *v > 2) {
+			return p, invalid(name, "%s must be between -2 and 2, got %v", name, *v)
+		}
+	}
 	if f.PresencePenalty != nil {
 		sp.PresencePenalty = float32(*f.PresencePenalty)
 	}
@@ -175,6 +180,9 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 			id, err := strconv.Atoi(k)
 			if err != nil || id < 0 || id >= b.Vocab.Size() {
 				return p, invalid("logit_bias", "logit_bias key %q is not a token id of this model (0..%d)", k, b.Vocab.Size()-1)
+			}
+			if math.IsNaN(v) || v < -100 || v > 100 {
+				return p, invalid("logit_bias", "logit_bias %q: %v must be between -100 and 100", k, v)
 			}
 			sp.LogitBias[engine.Token(id)] = float32(v)
 		}
@@ -393,11 +401,61 @@ func (s *Server) convertSchema(param string, raw json.RawMessage) (string, error
 	if s.cfg.SchemaToGrammar == nil {
 		return "", invalid(param, "JSON schemas are not supported by this server")
 	}
-	g, err := s.cfg.SchemaToGrammar(raw)
+	g, err := s.schemaToGrammar(raw)
 	if err != nil {
 		return "", invalid(param, "%s: %v", param, err)
 	}
 	return g, nil
+}
+
+// schemaToGrammar converts a schema whose bounds some value can meet.
+func (s *Server) schemaToGrammar(raw json.RawMessage) (string, error) {
+	var v any
+	if err := json.Unmarshal(raw, &v); err == nil {
+		if err := checkBounds(v); err != nil {
+			return "", err
+		}
+	}
+	return s.cfg.SchemaToGrammar(raw)
+}
+
+// boundPairs are a schema's lower and upper bounds, and whether equal ones
+// leave no value (an exclusive bound).
+var boundPairs = []struct {
+	lo, hi string
+	open   bool
+}{
+	{"minLength", "maxLength", false}, {"minItems", "maxItems", false}, {"minProperties", "maxProperties", false},
+	{"minimum", "maximum", false}, {"exclusiveMinimum", "exclusiveMaximum", true},
+	{"minimum", "exclusiveMaximum", true}, {"exclusiveMinimum", "maximum", true},
+}
+
+// checkBounds refuses a schema, or any schema within it, whose lower bound
+// passes its upper: no value matches it, and the grammar llama.cpp would make
+// of minLength above maxLength never stops growing.
+func checkBounds(v any) error {
+	switch v := v.(type) {
+	case map[string]any:
+		for _, b := range boundPairs {
+			lo, ok1 := v[b.lo].(float64)
+			hi, ok2 := v[b.hi].(float64)
+			if ok1 && ok2 && (lo > hi || b.open && lo == hi) {
+				return fmt.Errorf("%s %v and %s %v: no value is within them", b.lo, lo, b.hi, hi)
+			}
+		}
+		for _, x := range v {
+			if err := checkBounds(x); err != nil {
+				return err
+			}
+		}
+	case []any:
+		for _, x := range v {
+			if err := checkBounds(x); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // toolGrammar is the GBNF of tp's answers. When the converter refuses it, the
@@ -417,7 +475,7 @@ func (s *Server) refusedTool(tp *toolPlan, err error) error {
 		return err
 	}
 	for i, f := range tp.tools {
-		if _, e := s.cfg.SchemaToGrammar(f.Parameters); e != nil {
+		if _, e := s.schemaToGrammar(f.Parameters); e != nil {
 			return invalid(fmt.Sprintf("tools[%d]", i), "tools[%d] (%s): parameters: %v", i, f.Name, e)
 		}
 	}

@@ -908,7 +908,12 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	g := q.g
 	if serr != nil {
-		if !errors.Is(serr, ErrInvalid) {
+		switch {
+		case errors.Is(serr, sample.ErrNoCandidates):
+			// The request's own constraint: a schema no value meets, a bias
+			// that bans every token.
+			serr = fmt.Errorf("%w: the request's output constraint (grammar, schema, logit_bias) allows no next token", ErrInvalid)
+		case !errors.Is(serr, ErrInvalid):
 			serr = fmt.Errorf("sample: %w", serr)
 		}
 		s.fail(g, serr)

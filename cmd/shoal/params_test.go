@@ -75,3 +75,40 @@ func TestVLLMStopParams(t *testing.T) {
 		}
 	}
 }
+
+// TestImpossibleSchemas: a schema whose bounds no value meets is a 400 naming
+// the field, at once, on the real converter and grammar parser: minLength above
+// maxLength once made llama.cpp's parser allocate until memory ran out, and an
+// integer range with its minimum above its maximum failed sampling with a 500.
+func TestImpossibleSchemas(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t))
+	chat := func(extra string) string {
+		return `{"messages":[{"role":"user","content":"x"}],"max_tokens":8,` + extra + `}`
+	}
+	format := func(schema string) string {
+		return chat(`"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":` + schema + `}}`)
+	}
+	for body, param := range map[string]string{
+		format(`{"type":"string","minLength":3,"maxLength":1}`):                                   "response_format",
+		format(`{"type":"string","pattern":"^a{5,3}$"}`):                                          "response_format",
+		format(`{"type":"integer","minimum":5,"maximum":3}`):                                      "response_format",
+		format(`{"type":"number","exclusiveMinimum":3,"exclusiveMaximum":3}`):                     "response_format",
+		format(`{"type":"object","properties":{"a":{"type":"array","minItems":2,"maxItems":1}}}`): "response_format",
+		chat(`"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"s":{"type":"string","minLength":9,"maxLength":2}}}}}],"tool_choice":"required"`): "tools[0]",
+		chat(`"presence_penalty":3`):    "presence_penalty",
+		chat(`"logit_bias":{"5":1000}`): "logit_bias",
+	} {
+		resp, b := post(t, n.url+"/v1/chat/completions", body)
+		var e struct {
+			Error struct {
+				Param string `json:"param"`
+			} `json:"error"`
+		}
+		if resp.StatusCode != 400 || json.Unmarshal([]byte(b), &e) != nil || e.Error.Param != param {
+			t.Errorf("%s: %d %s, want 400 naming %s", body, resp.StatusCode, b, param)
+		}
+	}
+	if resp, b := post(t, n.url+"/v1/chat/completions", chat(`"temperature":0`)); resp.StatusCode != 200 {
+		t.Fatalf("after them: %d %s", resp.StatusCode, b)
+	}
+}

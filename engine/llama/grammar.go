@@ -71,6 +71,9 @@ func newGrammar(v *Vocab, gbnf, root string) (*Grammar, error) {
 	if gbnf == "" {
 		return nil, fmt.Errorf("grammar: empty: %w", engine.ErrInvalidInput)
 	}
+	if err := engine.CheckRepetitions(gbnf); err != nil {
+		return nil, err // llama.cpp would allocate without end
+	}
 	cg, cr := C.CString(gbnf), C.CString(root)
 	defer C.free(unsafe.Pointer(cg))
 	defer C.free(unsafe.Pointer(cr))
