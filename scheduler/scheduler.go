@@ -678,6 +678,12 @@ func (s *Scheduler) decode(ctx context.Context) {
 			}
 			return
 		}
+		if ctx.Err() != nil {
+			// Stopping (a drain that ran out of time): Run's shutdown ends every
+			// request with ErrClosed, which clients read as the node shutting down.
+			s.undoBatch()
+			return
+		}
 		// A failed pass fails the requests in it; the node keeps serving.
 		s.log.Error("decode failed", "tokens", s.batch.Len(), "err", err)
 		affected := map[*group]bool{}

@@ -65,6 +65,19 @@ func (c *clusterFlags) gossipKey() ([]byte, error) {
 	return k, nil
 }
 
+// check refuses a gossip key, cluster secret or routing policy that
+// startCluster would refuse, before the model loads.
+func (c *clusterFlags) check() error {
+	key, err := c.gossipKey()
+	if err == nil {
+		_, err = c.clusterSecret(key)
+	}
+	if err == nil {
+		_, err = cluster.ParsePolicy(c.route)
+	}
+	return err
+}
+
 // clusterSecret is --cluster-secret, or a key derived from the gossip key.
 func (c *clusterFlags) clusterSecret(gossipKey []byte) ([]byte, error) {
 	if c.secret != "" {

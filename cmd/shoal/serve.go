@@ -344,7 +344,12 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("listen: %w", err)
 	}
 	if f.cluster.gossip != "" {
-		// Before the model loads (minutes, for a large one): peers must reach the API.
+		// Before the model loads (minutes, for a large one): the key, the secret
+		// and the policy must be usable, and peers must reach the API.
+		if err := f.cluster.check(); err != nil {
+			ln.Close()
+			return err
+		}
 		if err := f.cluster.resolveAdvertise(); err != nil {
 			ln.Close()
 			return err
@@ -497,7 +502,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	stopSched() // cancels whatever is still running
 	<-schedDone
 	if node != nil {
-		if err := node.Leave(5 * time.Second); err != nil {
+		// Peers already route around it (draining since the signal): the leave
+		// only tells them it left rather than failed, so it does not wait long.
+		if err := node.Leave(2 * time.Second); err != nil {
 			log.Warn("leave cluster", "err", err)
 		}
 	}

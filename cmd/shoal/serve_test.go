@@ -342,6 +342,45 @@ func TestSIGTERMDrains(t *testing.T) {
 	}
 }
 
+// TestDrainTimeoutEndsStreams: a stream still running when the drain runs out
+// of time ends with an error event saying the node is shutting down (not a
+// decode failure), and the process exits soon after.
+func TestDrainTimeoutEndsStreams(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--drain-timeout", "300ms")
+	req, _ := http.NewRequest("POST", n.url+"/v1/completions", strings.NewReader(`{"prompt":"a","max_tokens":4000,"ignore_eos":true,"stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	r := bufio.NewReader(resp.Body)
+	if _, err := r.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	sent := time.Now()
+	if err := n.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	rest, _ := io.ReadAll(r)
+	if !strings.Contains(string(rest), `"code":"draining"`) || strings.Contains(string(rest), "decode") {
+		t.Errorf("the stream's end: %s", rest[max(0, len(rest)-400):])
+	}
+	select {
+	case err := <-n.done:
+		if err != nil {
+			t.Fatalf("exit: %v", err)
+		}
+		if d := time.Since(sent); d > 5*time.Second {
+			t.Errorf("exited %v after the signal, with a 300ms drain", d)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("did not exit")
+	}
+	if l := n.log(); strings.Contains(l, "decode failed") {
+		t.Errorf("the cancel was logged as a failure:\n%s", l)
+	}
+}
+
 func TestServeStories260K(t *testing.T) {
 	if _, err := os.Stat(storiesGGUF); err != nil {
 		t.Skipf("skipping: %s not present", storiesGGUF)
