@@ -552,7 +552,11 @@ func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	text, err := chatPrompt(b, req.Messages, tp, req.ChatTemplateKwargs)
+	end, err := turnEndOf(req.AddGenerationPrompt, req.ContinueFinalMessage)
+	if err != nil {
+		return nil, err
+	}
+	text, err := chatPromptEnding(b, req.Messages, tp, req.ChatTemplateKwargs, end)
 	if err != nil {
 		return nil, err
 	}

@@ -224,6 +224,9 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 			return nil, err
 		}
 	}
+	if n := len(r.Messages); n > 0 && r.Messages[n-1].Role == "assistant" {
+		chat.ContinueFinalMessage = true // Anthropic's prefill: the answer goes on from it
+	}
 	if err := r.tools(chat); err != nil {
 		return nil, err
 	}
@@ -422,7 +425,7 @@ func (s *Server) countTokens(c *gin.Context) {
 	if err == nil {
 		var tp *toolPlan
 		if tp, err = toolsOf(&chat.ToolFields, &chat.SamplingFields); err == nil {
-			text, err = chatPrompt(b, chat.Messages, tp, chat.ChatTemplateKwargs)
+			text, err = chatPromptEnding(b, chat.Messages, tp, chat.ChatTemplateKwargs, turnEnd{continueLast: chat.ContinueFinalMessage})
 		}
 	}
 	if err != nil {

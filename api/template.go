@@ -65,8 +65,8 @@ func newChatTemplate(b *Backend) (*chatTemplate, error) {
 		ct.eos = string(p)
 	}
 	probe := []chatTurn{{role: "system", content: "s"}, {role: "user", content: "u"}, {role: "assistant", content: "a"}, {role: "user", content: "u"}}
-	if _, err := ct.render(values(probe), jinja.Undefined(), nil); err != nil {
-		if _, err2 := ct.render(values(probe[1:]), jinja.Undefined(), nil); err2 != nil {
+	if _, err := ct.render(values(probe), jinja.Undefined(), nil, turnEnd{}); err != nil {
+		if _, err2 := ct.render(values(probe[1:]), jinja.Undefined(), nil, turnEnd{}); err2 != nil {
 			return nil, err
 		}
 		ct.foldSystem = true
@@ -74,13 +74,14 @@ func newChatTemplate(b *Backend) (*chatTemplate, error) {
 	return ct, nil
 }
 
-// render lays out a chat, its assistant turn opened; tools is the tools the
-// template shows (undefined for none), extra the request's own variables.
-func (ct *chatTemplate) render(msgs []jinja.Value, tools jinja.Value, extra map[string]jinja.Value) (string, error) {
+// render lays out a chat, its assistant turn opened unless end says
+// otherwise; tools is the tools the template shows (undefined for none), extra
+// the request's own variables.
+func (ct *chatTemplate) render(msgs []jinja.Value, tools jinja.Value, extra map[string]jinja.Value, end turnEnd) (string, error) {
 	data := map[string]jinja.Value{}
 	maps.Copy(data, extra)
 	data["messages"] = jinja.NewList(msgs)
-	data["add_generation_prompt"] = jinja.NewBool(true)
+	data["add_generation_prompt"] = jinja.NewBool(end.open())
 	data["bos_token"] = jinja.NewString(ct.bos)
 	data["eos_token"] = jinja.NewString(ct.eos)
 	if !tools.IsUndefined() {
@@ -131,6 +132,56 @@ func (s *Server) compileTemplate(b *Backend) {
 // calls are laid out by it, and an offer of tools whose answer is free text is
 // switched to the model's own format for calls.
 func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) (string, error) {
+	return chatPromptEnding(b, in, tp, kwargs, turnEnd{})
+}
+
+// turnEnd says how a chat's prompt ends: by default with the assistant's turn
+// opened; vLLM's add_generation_prompt false leaves it out, and its
+// continue_final_message (Anthropic's and llama-server's prefill: a chat that
+// ends with an assistant message) leaves that message open, to be continued.
+type turnEnd struct {
+	noGeneration bool
+	continueLast bool
+}
+
+func (e turnEnd) open() bool { return !e.noGeneration && !e.continueLast }
+
+// turnEndOf reads vLLM's add_generation_prompt and continue_final_message.
+func turnEndOf(add *bool, cont bool) (turnEnd, error) {
+	if cont && add != nil && *add {
+		return turnEnd{}, invalid("continue_final_message", "continue_final_message continues the last message: add_generation_prompt cannot also be true")
+	}
+	return turnEnd{noGeneration: add != nil && !*add, continueLast: cont}, nil
+}
+
+// chatPromptEnding is chatPrompt, its end as end says.
+func chatPromptEnding(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage, end turnEnd) (string, error) {
+	if !end.continueLast {
+		return layOut(b, in, tp, kwargs, end)
+	}
+	if len(in) == 0 {
+		return "", invalid("messages", "messages must not be empty")
+	}
+	last := in[len(in)-1]
+	if last.Role != "assistant" || last.Content == "" || given(last.ToolCalls) {
+		return "", invalid("messages", "continuing the final message needs it to be an assistant message with text content (and no tool calls)")
+	}
+	text, err := layOut(b, in, tp, kwargs, end)
+	if err != nil {
+		return "", err
+	}
+	// The text up to the final message's content: its end of turn is cut off,
+	// as vLLM cuts it. Templates may trim the content.
+	for _, c := range []string{string(last.Content), strings.TrimSpace(string(last.Content))} {
+		if i := strings.LastIndex(text, c); i >= 0 && c != "" {
+			return text[:i+len(c)], nil
+		}
+	}
+	return "", invalid("messages", "the chat template does not show the final assistant message's content as given, so it cannot be continued")
+}
+
+// layOut renders in.
+func layOut(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage, end turnEnd) (string, error) {
 	ct := b.chat
 	var extra map[string]jinja.Value
 	if given(kwargs) {
@@ -148,14 +199,14 @@ func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) 
 		if tp != nil {
 			tp.format, tools = ct.calls, toolsValue(tp.tools)
 		}
-		return renderErr(ct.render(values(fold(turns, ct.foldSystem, false)), tools, extra))
+		return renderErr(ct.render(values(fold(turns, ct.foldSystem, false)), tools, extra, end))
 	}
 	msgs, err := renderMessages(in, tp)
 	if err != nil {
 		return "", err
 	}
 	if ct == nil {
-		return renderErr(b.Vocab.ApplyChatTemplate(msgs, true))
+		return renderErr(b.Vocab.ApplyChatTemplate(msgs, end.open()))
 	}
 	turns := make([]chatTurn, len(msgs))
 	for i, m := range msgs {
@@ -163,7 +214,7 @@ func chatPrompt(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage) 
 	}
 	// The tool protocol's results are user turns: one after another, they are
 	// joined, as templates that want roles to alternate require.
-	return renderErr(ct.render(values(fold(turns, ct.foldSystem, tp != nil)), jinja.Undefined(), extra))
+	return renderErr(ct.render(values(fold(turns, ct.foldSystem, tp != nil)), jinja.Undefined(), extra, end))
 }
 
 // templateKwargs reads chat_template_kwargs: an object whose keys become

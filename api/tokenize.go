@@ -43,8 +43,12 @@ func (s *Server) tokenize(c *gin.Context) {
 		text = *req.Prompt
 	case req.Prompt == nil && len(req.Messages) > 0:
 		tp, err := toolsOf(&req.ToolFields, &SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
+		var end turnEnd
 		if err == nil {
-			text, err = chatPrompt(b, req.Messages, tp, req.ChatTemplateKwargs)
+			end, err = turnEndOf(req.AddGenerationPrompt, req.ContinueFinalMessage)
+		}
+		if err == nil {
+			text, err = chatPromptEnding(b, req.Messages, tp, req.ChatTemplateKwargs, end)
 		}
 		if err != nil {
 			abort(c, err)

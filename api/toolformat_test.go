@@ -357,6 +357,45 @@ func TestChatTemplateKwargs(t *testing.T) {
 	}
 }
 
+// TestTurnEnd: vLLM's add_generation_prompt false leaves the assistant's turn
+// out; continue_final_message (Anthropic's prefill) leaves the final assistant
+// message open, its end of turn cut off; with Jinja and llama.cpp's formats.
+func TestTurnEnd(t *testing.T) {
+	f := enginetest.New(256, 4, 64)
+	ct, err := newChatTemplate(&Backend{Vocab: f.Vocab(), Template: models.ChatTemplate})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []Message{{Role: "user", Content: "hi"}, {Role: "assistant", Content: "Once upon"}}
+	for _, b := range []*Backend{{Vocab: f.Vocab(), chat: ct}, {Vocab: f.Vocab()}} {
+		jinja := b.chat != nil
+		want := map[turnEnd]string{ // the fake engine's own format
+			{}:                   "user: hi\nassistant: Once upon\nassistant:",
+			{noGeneration: true}: "user: hi\nassistant: Once upon\n",
+			{continueLast: true}: "user: hi\nassistant: Once upon",
+		}
+		if jinja {
+			want = map[turnEnd]string{
+				{}:                   "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon<|im_end|>\n<|im_start|>assistant\n",
+				{noGeneration: true}: "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon<|im_end|>\n",
+				{continueLast: true}: "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon",
+			}
+		}
+		for end, want := range want {
+			if got, err := chatPromptEnding(b, msgs, nil, nil, end); err != nil || got != want {
+				t.Errorf("jinja %v, %+v: %q, %v; want %q", jinja, end, got, err, want)
+			}
+		}
+		if _, err := chatPromptEnding(b, msgs[:1], nil, nil, turnEnd{continueLast: true}); err == nil {
+			t.Errorf("jinja %v: a user message continued", jinja)
+		}
+	}
+	yes := true
+	if _, err := turnEndOf(&yes, true); err == nil {
+		t.Error("add_generation_prompt and continue_final_message both true")
+	}
+}
+
 // FuzzCallStream: whatever the model writes, following it in a call format
 // never panics, does not depend on how the output is cut into pieces, and loses
 // nothing: without calls, the text passed on and the rest are the output.

@@ -213,6 +213,10 @@ type ChatRequest struct {
 	// vLLM's ({"enable_thinking": false} for Qwen 3); without Jinja they have
 	// no effect.
 	ChatTemplateKwargs json.RawMessage `json:"chat_template_kwargs"`
+	// AddGenerationPrompt (default true) and ContinueFinalMessage are vLLM's:
+	// how the prompt ends (turnEnd).
+	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
+	ContinueFinalMessage bool  `json:"continue_final_message"`
 }
 
 // ToolFields offer the model tools ([]Tool, decoded by toolsOf so that errors
@@ -382,7 +386,9 @@ type TokenizeRequest struct {
 	ToolFields
 	ResponseFormat *ResponseFormat `json:"response_format"`
 	StructuredFields
-	ChatTemplateKwargs json.RawMessage `json:"chat_template_kwargs"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+	ContinueFinalMessage bool            `json:"continue_final_message"`
 }
 
 // TokenizeResponse is the body of a /tokenize answer.

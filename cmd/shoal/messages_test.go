@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -64,6 +65,15 @@ func TestAnthropicMessages(t *testing.T) {
 	count, err := c.Messages.CountTokens(ctx, anthropic.MessageCountTokensParams{Model: "tools", System: anthropic.MessageCountTokensParamsSystemUnion{OfTextBlockArray: params.System}, Messages: params.Messages})
 	if err != nil || count.InputTokens != m.Usage.InputTokens+m.Usage.CacheReadInputTokens {
 		t.Fatalf("count_tokens %+v (%v), the message's input %d + cached %d", count, err, m.Usage.InputTokens, m.Usage.CacheReadInputTokens)
+	}
+	// A final assistant message is continued (prefill): the prompt ends with
+	// its text, and the answer is what follows it.
+	pre := params
+	pre.Messages = append(slices.Clone(params.Messages), anthropic.NewAssistantMessage(anthropic.NewTextBlock("Once upon")))
+	pm, err := c.Messages.New(ctx, pre)
+	pc, err2 := c.Messages.CountTokens(ctx, anthropic.MessageCountTokensParams{Model: "tools", System: anthropic.MessageCountTokensParamsSystemUnion{OfTextBlockArray: pre.System}, Messages: pre.Messages})
+	if err != nil || err2 != nil || pm.Usage.InputTokens+pm.Usage.CacheReadInputTokens != pc.InputTokens || pc.InputTokens <= count.InputTokens {
+		t.Fatalf("prefill: %v %v, input %d+%d, counted %d (without it %d)", err, err2, pm.Usage.InputTokens, pm.Usage.CacheReadInputTokens, pc.InputTokens, count.InputTokens)
 	}
 	text := m.Content[0].Text
 	if s := accumulate(t, c, params); len(s.Content) != 1 || s.Content[0].Text != text || s.StopReason != anthropic.StopReasonMaxTokens || s.Usage.OutputTokens != 12 {
