@@ -189,6 +189,13 @@ func TestErrors(t *testing.T) {
 		{"function call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"function_call":{"name":"f","arguments":"{}"}}]}`, auth, 400, ""},
 		{"malformed tool call history", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"arguments":"{}"}}]}]}`, auth, 400, ""},
 		{"logit bias key", "/v1/completions", `{"prompt":"x","logit_bias":{"abc":1}}`, auth, 400, ""},
+		{"logit bias value", "/v1/completions", `{"prompt":"x","logit_bias":{"3":1000}}`, auth, 400, ""},
+		{"penalty", "/v1/completions", `{"prompt":"x","frequency_penalty":5}`, auth, 400, ""},
+		{"min tokens", "/v1/completions", `{"prompt":"x","max_tokens":2,"min_tokens":3}`, auth, 400, ""},
+		{"stop token ids", "/v1/completions", `{"prompt":"x","stop_token_ids":[-1]}`, auth, 400, ""},
+		{"detokenize without tokens", "/detokenize", `{}`, auth, 400, ""},
+		{"continue a user message", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"continue_final_message":true}`, auth, 400, ""},
+		{"messages without max_tokens", "/v1/messages", `{"messages":[{"role":"user","content":"x"}]}`, auth, 400, ""},
 		{"priority under fcfs", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"priority":-1}`, auth, 400, ""},
 	}
 	for _, c := range cases {
@@ -410,6 +417,9 @@ func TestContextLengthError(t *testing.T) {
 	w := s.do(t, "POST", "/v1/completions", `{"prompt":[`+prompt+`]}`)
 	if w.Code != 400 || !strings.Contains(w.Body.String(), "4200 tokens") || !strings.Contains(w.Body.String(), "context_length_exceeded") {
 		t.Fatalf("%d %s", w.Code, w.Body)
+	}
+	if m := s.do(t, "GET", "/metrics", "").Body.String(); !strings.Contains(m, `shoal_requests_rejected_total{model_name="fake",reason="too_long"} 1`) {
+		t.Fatalf("the refusal is not counted as too_long:\n%s", m)
 	}
 }
 

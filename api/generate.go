@@ -792,12 +792,14 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	}
 	for i, toks := range p.prompts {
 		if len(toks) >= maxCtx {
+			s.metrics.rejected(scheduler.ErrPromptTooLong)
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
 				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), len(toks), where)})
 			return
 		}
 		if p.maxTokensAsked && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
 			// Like vLLM: the request can never be served in full.
+			s.metrics.rejected(scheduler.ErrPromptTooLong)
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
 				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, len(toks)+p.req.MaxTokens, len(toks), which(where, i, len(p.prompts)), p.req.MaxTokens, where)})
 			return

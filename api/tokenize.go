@@ -76,6 +76,10 @@ func (s *Server) detokenize(c *gin.Context) {
 	if !ok {
 		return
 	}
+	if req.Tokens == nil {
+		abort(c, invalid("tokens", "tokens is required (a list of token ids)"))
+		return
+	}
 	toks := make([]engine.Token, len(req.Tokens))
 	for i, t := range req.Tokens {
 		if t < 0 || t >= int64(b.Vocab.Size()) {
