@@ -90,6 +90,19 @@ func (c *clusterFlags) clusterSecret(gossipKey []byte) ([]byte, error) {
 	return nil, fmt.Errorf("clustering needs --cluster-secret or --gossip-key to authenticate forwarded requests")
 }
 
+// clientTLS verifies servers with the CA certificates in file.
+func clientTLS(file string) (*tls.Config, error) {
+	pem, err := os.ReadFile(file)
+	if err != nil {
+		return nil, fmt.Errorf("--tls-ca: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("--tls-ca %s: no certificate found", file)
+	}
+	return &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}, nil
+}
+
 // tlsConfigs returns the server's TLS config (nil: plain HTTP) and the forwarder's.
 func (c *clusterFlags) tlsConfigs() (server, client *tls.Config, err error) {
 	if (c.tlsCert == "") != (c.tlsKey == "") {
@@ -103,15 +116,9 @@ func (c *clusterFlags) tlsConfigs() (server, client *tls.Config, err error) {
 		server = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
 	}
 	if c.tlsCA != "" {
-		pem, err := os.ReadFile(c.tlsCA)
-		if err != nil {
-			return nil, nil, fmt.Errorf("--tls-ca: %w", err)
+		if client, err = clientTLS(c.tlsCA); err != nil {
+			return nil, nil, err
 		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return nil, nil, fmt.Errorf("--tls-ca %s: no certificate found", c.tlsCA)
-		}
-		client = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
 	} else if server != nil {
 		// A node that serves TLS forwards over TLS too, verified with the
 		// system's roots, never the client's key in the clear.
@@ -251,10 +258,22 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 	fs := newFlags("status", stdout)
 	addr := fs.String("addr", "127.0.0.1:8080", "API address of any node, HOST:PORT or a URL")
 	key := fs.String("api-key", os.Getenv("SHOAL_API_KEY"), "bearer key, if the node requires one")
+	ca := fs.String("tls-ca", "", "CA certificate (PEM) to verify a node serving TLS with (implies https)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	url := *addr
+	client := &http.Client{Timeout: 10 * time.Second}
+	if *ca != "" {
+		conf, err := clientTLS(*ca)
+		if err != nil {
+			return err
+		}
+		client.Transport = &http.Transport{TLSClientConfig: conf}
+		if !strings.Contains(url, "://") {
+			url = "https://" + url
+		}
+	}
 	if !strings.Contains(url, "://") {
 		url = "http://" + url
 	}
@@ -262,7 +281,7 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 	if *key != "" {
 		req.Header.Set("Authorization", "Bearer "+*key)
 	}
-	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		return err
 	}
@@ -292,8 +311,12 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		if m.Simulated {
 			state += ",SIMULATED"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.1f\t%.0fms\t%d\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","), cmp.Or(m.Device, "-"),
-			m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed, m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.FinishPS, m.Load.QueueWaitMS, m.SummaryBlocks, m.UpdatedAgoMS)
+		load := fmt.Sprintf("%d\t%d\t%.0f%%\t%.0f\t%.0f\t%.1f\t%.0fms\t%d", m.Load.Waiting, m.Load.Running, 100*m.Load.KVUsed,
+			m.Load.PrefillTPS, m.Load.DecodeTPS, m.Load.FinishPS, m.Load.QueueWaitMS, m.SummaryBlocks)
+		if m.State == "dead" || m.State == "left" {
+			load = strings.Repeat("-\t", 7) + "-" // its last load is not its load now
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","), cmp.Or(m.Device, "-"), load, m.UpdatedAgoMS)
 	}
 	return tw.Flush()
 }

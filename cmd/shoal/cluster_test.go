@@ -352,9 +352,11 @@ func TestTLSAndManyModels(t *testing.T) {
 	model := smallModel(t)
 	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 	g1 := freeAddr(t)
-	tlsArgs := []string{"--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--gossip-key", gk, "--model", model, "--threads", "1", "--api-key", "k1"}
-	x := startNode(t, append([]string{"--gossip-addr", g1, "--model-name", "x"}, tlsArgs...)...)
-	y := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--model-name", "y", "--join", g1, "--max-model-len", "300"}, tlsArgs...)...)
+	tlsArgs := []string{"--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--gossip-key", gk, "--model", model, "--threads", "1"}
+	// Each node its own API key: a request forwarded by a member that checked
+	// the client's key is taken on the cluster's credential.
+	x := startNode(t, append([]string{"--gossip-addr", g1, "--model-name", "x", "--api-key", "k1"}, tlsArgs...)...)
+	y := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--model-name", "y", "--join", g1, "--max-model-len", "300", "--api-key", "k2"}, tlsArgs...)...)
 	if !strings.HasPrefix(x.url, "https://") || !strings.HasPrefix(y.url, "https://") {
 		t.Fatalf("nodes not on TLS: %s %s", x.url, y.url)
 	}
@@ -406,5 +408,14 @@ func TestTLSAndManyModels(t *testing.T) {
 	}
 	if resp, b := do("GET", x.url+"/cluster", "", "k1"); resp.StatusCode != 200 || !strings.Contains(b, `"members"`) {
 		t.Fatalf("/cluster with the API key: %d %s", resp.StatusCode, b)
+	}
+	if resp, _ := do("GET", y.url+"/v1/models", "", "k1"); resp.StatusCode != 401 {
+		t.Fatalf("x's key straight to y: %d", resp.StatusCode)
+	}
+	// shoal status verifies a TLS node with --tls-ca.
+	var out, errb bytes.Buffer
+	if code := run([]string{"status", "--addr", strings.TrimPrefix(x.url, "https://"), "--tls-ca", ca, "--api-key", "k1"}, &out, &errb); code != 0 ||
+		!strings.Contains(out.String(), "(self)") || strings.Count(out.String(), "alive") != 2 {
+		t.Fatalf("shoal status --tls-ca: exit %d\n%s%s", code, out.String(), errb.String())
 	}
 }
