@@ -562,7 +562,7 @@ func FuzzRequests(f *testing.F) {
 	b := *js.backend.Load()
 	b.Template = models.ToolsTemplate
 	js.SetBackend(&b)
-	f.Add(`{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]},{"role":"tool","content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":3,"chat_template_kwargs":{"x":1}}`, uint8(6))
+	f.Add(`{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]},{"role":"tool","content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":3,"chat_template_kwargs":{"x":1}}`, uint8(7))
 	// Anthropic's Messages API (its errors also have error.message).
 	for _, b := range []string{
 		`{"max_tokens":3,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{"a":1}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"r"},{"type":"text","text":"y"}]}],"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"any"},"stream":true}`,
@@ -570,17 +570,25 @@ func FuzzRequests(f *testing.F) {
 	} {
 		f.Add(b, uint8(4))
 		f.Add(b, uint8(5))
-		f.Add(b, uint8(10))
+		f.Add(b, uint8(11))
 	}
-	paths := []string{"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens"}
+	// OpenAI's Responses API.
+	for _, b := range []string{
+		`{"input":"x","instructions":"s","max_output_tokens":3,"stream":true}`,
+		`{"input":[{"role":"user","content":[{"type":"input_text","text":"x"}]},{"type":"function_call","call_id":"c","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c","output":"r"}],"tools":[{"type":"function","name":"f","parameters":{"type":"object"}}],"tool_choice":"required","max_output_tokens":3,"text":{"format":{"type":"json_schema","name":"n","schema":{"type":"object"}}}}`,
+	} {
+		f.Add(b, uint8(6))
+		f.Add(b, uint8(13))
+	}
+	paths := []string{"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"}
 	f.Fuzz(func(t *testing.T, body string, which uint8) {
 		srv := s
-		if which >= 6 {
+		if which >= 7 {
 			srv = js
 		}
 		w := srv.do(t, "POST", paths[int(which)%len(paths)], body)
 		if w.Code >= 500 {
-			t.Fatalf("status %d for %q (jinja %v): %s", w.Code, body, which >= 6, w.Body)
+			t.Fatalf("status %d for %q (jinja %v): %s", w.Code, body, which >= 7, w.Body)
 		}
 		if w.Code != 200 {
 			var e ErrorBody

@@ -72,10 +72,11 @@ type plan struct {
 	top       int
 	model     string
 	chat      bool
-	completes bool       // legacy completions logprobs format
-	anthropic bool       // answered as Anthropic's Messages API
-	tools     *toolPlan  // chat answers follow the tool protocol
-	think     *thinkPlan // chat answers' thoughts are passed on apart
+	completes bool              // legacy completions logprobs format
+	anthropic bool              // answered as Anthropic's Messages API
+	responses *ResponsesRequest // answered as OpenAI's Responses API
+	tools     *toolPlan         // chat answers follow the tool protocol
+	think     *thinkPlan        // chat answers' thoughts are passed on apart
 	// grammarParam is the request field req.Grammar comes from.
 	grammarParam string
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
@@ -826,6 +827,10 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 		s.messageStream(c, b, p, subs)
 	case p.anthropic:
 		s.messageWhole(c, b, p, subs)
+	case p.responses != nil && p.stream:
+		s.responseStream(c, b, p, subs)
+	case p.responses != nil:
+		s.responseWhole(c, b, p, subs)
 	case p.stream:
 		s.streamResponse(c, b, p, subs)
 	default:

@@ -176,6 +176,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
 	v1.POST("/embeddings", s.embeddings)
+	v1.POST("/responses", s.responses)
 	r.POST("/v1/messages", anthropicErrors, s.counted, s.auth, s.messages)
 	r.POST("/v1/messages/count_tokens", anthropicErrors, s.counted, s.auth, s.countTokens)
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)

@@ -1,0 +1,496 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// OpenAI's Responses API (POST /v1/responses), as vLLM and Ollama serve it for
+// clients built on it (Codex, the Agents SDK), without state: every request
+// carries its whole conversation (previous_response_id is refused, nothing is
+// stored). A request is translated into a chat request and served by the same
+// plan; its answer is written as output items (reasoning, message,
+// function_call), whole or as the Responses stream of events.
+
+// ResponsesRequest is the body of POST /v1/responses.
+type ResponsesRequest struct {
+	Model              string          `json:"model"`
+	Input              json.RawMessage `json:"input"` // a string, or input items
+	Instructions       string          `json:"instructions"`
+	MaxOutputTokens    *int            `json:"max_output_tokens"`
+	Temperature        *float64        `json:"temperature"`
+	TopP               *float64        `json:"top_p"`
+	Tools              []ResponsesTool `json:"tools"`
+	ToolChoice         json.RawMessage `json:"tool_choice"`
+	ParallelToolCalls  *bool           `json:"parallel_tool_calls"`
+	Stream             bool            `json:"stream"`
+	PreviousResponseID string          `json:"previous_response_id"`
+	Background         bool            `json:"background"`
+	Text               *struct {
+		Format *struct {
+			Type   string          `json:"type"`
+			Name   string          `json:"name"`
+			Schema json.RawMessage `json:"schema"`
+		} `json:"format"`
+	} `json:"text"`
+	// Store, Metadata, User, Reasoning (effort), Include, Truncation: taken and
+	// not used (nothing is stored; a reasoning model reasons as its template says).
+	Store    *bool           `json:"store"`
+	Metadata json.RawMessage `json:"metadata"`
+}
+
+// ResponsesTool is a function tool, flat as the Responses API writes it.
+type ResponsesTool struct {
+	Type        string          `json:"type"`
+	Name        string          `json:"name"`
+	Description string          `json:"description,omitempty"`
+	Parameters  json.RawMessage `json:"parameters,omitempty"`
+	Strict      *bool           `json:"strict,omitempty"`
+}
+
+// responseItem is an input item: a message (type "message" or none), an
+// earlier function_call, its function_call_output, or reasoning (left out).
+type responseItem struct {
+	Type      string          `json:"type"`
+	Role      string          `json:"role"`
+	Content   json.RawMessage `json:"content"`
+	CallID    string          `json:"call_id"`
+	Name      string          `json:"name"`
+	Arguments string          `json:"arguments"`
+	Output    json.RawMessage `json:"output"`
+}
+
+// Response is a whole response, and the response of the stream's first and
+// last events.
+type Response struct {
+	ID                string          `json:"id"`
+	Object            string          `json:"object"`
+	CreatedAt         int64           `json:"created_at"`
+	Status            string          `json:"status"`
+	Model             string          `json:"model"`
+	Output            []any           `json:"output"`
+	Usage             *ResponseUsage  `json:"usage"`
+	IncompleteDetails *incomplete     `json:"incomplete_details"`
+	Error             *ErrorDetail    `json:"error"`
+	Instructions      *string         `json:"instructions"`
+	MaxOutputTokens   *int            `json:"max_output_tokens"`
+	ParallelToolCalls bool            `json:"parallel_tool_calls"`
+	ToolChoice        json.RawMessage `json:"tool_choice"`
+	Tools             []ResponsesTool `json:"tools"`
+	Store             bool            `json:"store"`
+}
+
+type incomplete struct {
+	Reason string `json:"reason"`
+}
+
+// ResponseUsage counts a response's tokens.
+type ResponseUsage struct {
+	InputTokens        int `json:"input_tokens"`
+	InputTokensDetails struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+	OutputTokens        int `json:"output_tokens"`
+	OutputTokensDetails struct {
+		ReasoningTokens int `json:"reasoning_tokens"`
+	} `json:"output_tokens_details"`
+	TotalTokens int `json:"total_tokens"`
+}
+
+type outputText struct {
+	Type        string `json:"type"`
+	Text        string `json:"text"`
+	Annotations []any  `json:"annotations"`
+}
+
+type messageItem struct {
+	Type    string       `json:"type"`
+	ID      string       `json:"id"`
+	Status  string       `json:"status"`
+	Role    string       `json:"role"`
+	Content []outputText `json:"content"`
+}
+
+type reasoningText struct {
+	Type string `json:"type"`
+	Text string `json:"text"`
+}
+
+type reasoningItem struct {
+	Type    string          `json:"type"`
+	ID      string          `json:"id"`
+	Summary []any           `json:"summary"`
+	Content []reasoningText `json:"content"`
+}
+
+type functionCallItem struct {
+	Type      string `json:"type"`
+	ID        string `json:"id"`
+	CallID    string `json:"call_id"`
+	Name      string `json:"name"`
+	Arguments string `json:"arguments"`
+	Status    string `json:"status"`
+}
+
+// chatRequest translates r into a chat request.
+func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
+	switch {
+	case r.PreviousResponseID != "":
+		return nil, invalid("previous_response_id", "responses are not stored here: send the whole conversation in input")
+	case r.Background:
+		return nil, invalid("background", "background responses are not supported")
+	}
+	chat := &ChatRequest{}
+	f := &chat.SamplingFields
+	f.Model, f.Stream, f.Temperature, f.TopP = r.Model, r.Stream, r.Temperature, r.TopP
+	chat.MaxTokens = r.MaxOutputTokens
+	if r.Instructions != "" {
+		chat.Messages = append(chat.Messages, Message{Role: "system", Content: Content(r.Instructions)})
+	}
+	msgs, err := inputMessages(r.Input)
+	if err != nil {
+		return nil, err
+	}
+	chat.Messages = append(chat.Messages, msgs...)
+	if len(r.Tools) > 0 {
+		var tools []Tool
+		for i, t := range r.Tools {
+			if t.Type != "function" {
+				return nil, invalid("tools", "tools[%d]: %q tools are not served here; function tools are", i, t.Type)
+			}
+			tools = append(tools, Tool{Type: "function", Function: &FunctionDef{Name: t.Name, Description: t.Description, Parameters: t.Parameters, Strict: t.Strict}})
+		}
+		chat.Tools, _ = json.Marshal(tools)
+	}
+	if given(r.ToolChoice) {
+		var named struct {
+			Type string `json:"type"`
+			Name string `json:"name"`
+		}
+		switch {
+		case bytes.HasPrefix(bytes.TrimSpace(r.ToolChoice), []byte(`"`)):
+			chat.ToolChoice = r.ToolChoice // auto, none, required
+		case json.Unmarshal(r.ToolChoice, &named) == nil && named.Type == "function":
+			chat.ToolChoice, _ = json.Marshal(map[string]any{"type": "function", "function": map[string]string{"name": named.Name}})
+		default:
+			return nil, invalid("tool_choice", "tool_choice must be auto, none, required or {\"type\": \"function\", \"name\": ...}")
+		}
+	}
+	chat.ParallelToolCalls = r.ParallelToolCalls
+	if r.Text != nil && r.Text.Format != nil {
+		switch tf := r.Text.Format; tf.Type {
+		case "text":
+		case "json_object":
+			f.ResponseFormat = &ResponseFormat{Type: "json_object"}
+		case "json_schema":
+			if !given(tf.Schema) {
+				return nil, invalid("text", "text.format json_schema needs a schema")
+			}
+			f.ResponseFormat = &ResponseFormat{Type: "json_object", Schema: tf.Schema} // llama-server's spelling of a schema
+		default:
+			return nil, invalid("text", "text.format.type must be text, json_object or json_schema, got %q", tf.Type)
+		}
+	}
+	return chat, nil
+}
+
+// inputMessages translates input (a string, or items) into chat messages:
+// function calls join the assistant turn before them, their outputs become
+// tool messages, reasoning items are left out.
+func inputMessages(input json.RawMessage) ([]Message, error) {
+	var text string
+	if json.Unmarshal(input, &text) == nil {
+		return []Message{{Role: "user", Content: Content(text)}}, nil
+	}
+	var items []responseItem
+	if err := json.Unmarshal(input, &items); err != nil || len(items) == 0 {
+		return nil, invalid("input", "input must be a string or a non-empty list of items")
+	}
+	var out []Message
+	var calls []ToolCall // of the assistant turn being built
+	flush := func() {
+		if len(calls) == 0 {
+			return
+		}
+		raw, _ := json.Marshal(calls)
+		if n := len(out); n > 0 && out[n-1].Role == "assistant" && !given(out[n-1].ToolCalls) {
+			out[n-1].ToolCalls = raw // the text the calls followed
+		} else {
+			out = append(out, Message{Role: "assistant", ToolCalls: raw})
+		}
+		calls = nil
+	}
+	for i, it := range items {
+		where := fmt.Sprintf("input[%d]", i)
+		switch it.Type {
+		case "", "message":
+			flush()
+			switch it.Role {
+			case "user", "system", "developer", "assistant":
+			default:
+				return nil, invalid("input", "%s: role must be user, system, developer or assistant, got %q", where, it.Role)
+			}
+			text, err := itemText(it.Content, where)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, Message{Role: it.Role, Content: Content(text)})
+		case "function_call":
+			if it.CallID == "" || it.Name == "" {
+				return nil, invalid("input", "%s: a function_call needs a call_id and a name", where)
+			}
+			calls = append(calls, ToolCall{ID: it.CallID, Type: "function", Function: FunctionCall{Name: it.Name, Arguments: it.Arguments}})
+		case "function_call_output":
+			flush()
+			result, err := itemText(it.Output, where)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, Message{Role: "tool", ToolCallID: it.CallID, Content: Content(result)})
+		case "reasoning":
+		default:
+			return nil, invalid("input", "%s: items of type %q are not supported (messages, function_call, function_call_output and reasoning are)", where, it.Type)
+		}
+	}
+	flush()
+	return out, nil
+}
+
+// itemText is a message's (or a function output's) content: a string, or
+// text parts joined.
+func itemText(raw json.RawMessage, where string) (string, error) {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s, nil
+	}
+	var parts []struct {
+		Type    string `json:"type"`
+		Text    string `json:"text"`
+		Refusal string `json:"refusal"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", invalid("input", "%s: content must be a string or a list of text parts", where)
+	}
+	var texts []string
+	for _, p := range parts {
+		switch p.Type {
+		case "input_text", "output_text", "text":
+			texts = append(texts, p.Text)
+		case "refusal":
+			texts = append(texts, p.Refusal)
+		default:
+			return "", invalid("input", "%s: content parts of type %q are not supported (text parts are)", where, p.Type)
+		}
+	}
+	return strings.Join(texts, "\n"), nil
+}
+
+// responses serves POST /v1/responses.
+func (s *Server) responses(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	var req ResponsesRequest
+	forwarded, ok := s.begin(c, &req, &req.Model, nil)
+	if !ok || !generates(c, b) {
+		return
+	}
+	chat, err := req.chatRequest()
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	p, err := s.chatPlan(b, chat)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	p.responses = &req
+	s.routeOrRun(c, b, p, forwarded)
+}
+
+// newResponse is the response object of p, as its stream starts.
+func (s *Server) newResponse(p *plan) Response {
+	r := p.responses
+	resp := Response{ID: s.newID("resp"), Object: "response", CreatedAt: s.now().Unix(), Status: "in_progress", Model: p.model,
+		Output: []any{}, MaxOutputTokens: r.MaxOutputTokens, ParallelToolCalls: r.ParallelToolCalls == nil || *r.ParallelToolCalls,
+		ToolChoice: r.ToolChoice, Tools: r.Tools}
+	if r.Instructions != "" {
+		resp.Instructions = &r.Instructions
+	}
+	if !given(resp.ToolChoice) {
+		resp.ToolChoice = json.RawMessage(`"auto"`)
+	}
+	if resp.Tools == nil {
+		resp.Tools = []ResponsesTool{}
+	}
+	return resp
+}
+
+// finish completes resp with a's output items (as given) and the usage.
+func finishResponse(resp *Response, a *chatAnswer, items []any, u Usage) {
+	resp.Output = items
+	resp.Status = "completed"
+	if a.finish == "length" {
+		resp.Status, resp.IncompleteDetails = "incomplete", &incomplete{Reason: "max_output_tokens"}
+	}
+	ru := &ResponseUsage{InputTokens: u.PromptTokens, OutputTokens: u.CompletionTokens, TotalTokens: u.TotalTokens}
+	ru.InputTokensDetails.CachedTokens = u.PromptTokensDetails.CachedTokens
+	resp.Usage = ru
+}
+
+// responseItems are a's output items: its reasoning, its text, its calls.
+func (s *Server) responseItems(a *chatAnswer) []any {
+	items := []any{}
+	if a.reasoning != "" {
+		items = append(items, reasoningItem{Type: "reasoning", ID: s.newID("rs"), Summary: []any{}, Content: []reasoningText{{Type: "reasoning_text", Text: a.reasoning}}})
+	}
+	if a.text != "" && (len(a.calls) == 0 || strings.TrimSpace(a.text) != "") {
+		items = append(items, messageItem{Type: "message", ID: s.newID("msg"), Status: "completed", Role: "assistant",
+			Content: []outputText{{Type: "output_text", Text: a.text, Annotations: []any{}}}})
+	}
+	for _, tc := range a.calls {
+		items = append(items, functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Arguments: tc.Function.Arguments, Status: "completed"})
+	}
+	if len(items) == 0 || len(items) == 1 && a.reasoning != "" && len(a.calls) == 0 && a.text == "" {
+		// An empty answer is an empty message.
+		items = append(items, messageItem{Type: "message", ID: s.newID("msg"), Status: "completed", Role: "assistant",
+			Content: []outputText{{Type: "output_text", Text: "", Annotations: []any{}}}})
+	}
+	return items
+}
+
+// responseWhole answers a Responses request with the whole response.
+func (s *Server) responseWhole(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	choices, usage, ok := s.collect(c, b, p, subs)
+	if !ok {
+		return
+	}
+	a := s.answer(&choices[0])
+	resp := s.newResponse(p)
+	finishResponse(&resp, &a, s.responseItems(&a), usage)
+	c.JSON(http.StatusOK, resp)
+}
+
+// responseStream answers a Responses request with its events: the response
+// created and in progress; per output item its addition, its deltas (thoughts
+// and text as they come, a call's arguments once whole) and its completion;
+// then the response completed (or incomplete), whole.
+func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []submitted) {
+	ctx := c.Request.Context()
+	w := &sseWriter{c: c}
+	w.start()
+	seq := 0
+	send := func(typ string, fields gin.H) {
+		fields["type"], fields["sequence_number"] = typ, seq
+		seq++
+		w.event(typ, fields)
+	}
+	resp := s.newResponse(p)
+	send("response.created", gin.H{"response": resp})
+	send("response.in_progress", gin.H{"response": resp})
+	var items []any
+	open, id := "", "" // the item being streamed: reasoning or message
+	var text strings.Builder
+	closeItem := func() {
+		idx, t := len(items), text.String()
+		switch open {
+		case "reasoning":
+			send("response.reasoning_text.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "text": t})
+			item := reasoningItem{Type: "reasoning", ID: id, Summary: []any{}, Content: []reasoningText{{Type: "reasoning_text", Text: t}}}
+			send("response.output_item.done", gin.H{"output_index": idx, "item": item})
+			items = append(items, item)
+		case "message":
+			part := outputText{Type: "output_text", Text: t, Annotations: []any{}}
+			send("response.output_text.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "text": t, "logprobs": []any{}})
+			send("response.content_part.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "part": part})
+			item := messageItem{Type: "message", ID: id, Status: "completed", Role: "assistant", Content: []outputText{part}}
+			send("response.output_item.done", gin.H{"output_index": idx, "item": item})
+			items = append(items, item)
+		}
+		open = ""
+		text.Reset()
+	}
+	start := func(kind string) {
+		closeItem()
+		idx := len(items)
+		if kind == "reasoning" {
+			open, id = kind, s.newID("rs")
+			send("response.output_item.added", gin.H{"output_index": idx, "item": reasoningItem{Type: "reasoning", ID: id, Summary: []any{}, Content: []reasoningText{}}})
+			return
+		}
+		open, id = kind, s.newID("msg")
+		send("response.output_item.added", gin.H{"output_index": idx, "item": messageItem{Type: "message", ID: id, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
+		send("response.content_part.added", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "part": outputText{Type: "output_text", Annotations: []any{}}})
+	}
+	emit := func(kind, delta string) {
+		if delta == "" {
+			return
+		}
+		if open != kind {
+			start(kind)
+		}
+		idx := len(items)
+		text.WriteString(delta)
+		if kind == "reasoning" {
+			send("response.reasoning_text.delta", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "delta": delta})
+		} else {
+			send("response.output_text.delta", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "delta": delta, "logprobs": []any{}})
+		}
+	}
+	sub := subs[0]
+	var ch choiceState
+	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+		if !ch.started {
+			ch.output, ch.started = p.newOutput(), true
+		}
+		reasoning, t := "", ev.Text
+		if ch.output != nil {
+			reasoning, t = ch.output.follow(sub.stream, ev)
+		}
+		emit("reasoning", reasoning)
+		emit("message", t)
+		if ev.Kind == scheduler.EventFinish {
+			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
+		}
+	})
+	if err != nil {
+		if ctx.Err() == nil {
+			e := toAPIError(err)
+			send("error", gin.H{"code": e.Code, "message": e.Message, "param": e.Param})
+		}
+		return
+	}
+	a := s.answer(&ch) // the text was passed on; end gives what was held, and the calls
+	emit("message", a.text)
+	if len(items) == 0 && open != "message" && len(a.calls) == 0 {
+		start("message") // an empty answer is an empty message, as in a whole response
+	}
+	closeItem()
+	for _, tc := range a.calls {
+		idx := len(items)
+		item := functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Status: "in_progress"}
+		send("response.output_item.added", gin.H{"output_index": idx, "item": item})
+		send("response.function_call_arguments.delta", gin.H{"item_id": item.ID, "output_index": idx, "delta": tc.Function.Arguments})
+		send("response.function_call_arguments.done", gin.H{"item_id": item.ID, "output_index": idx, "name": tc.Function.Name, "arguments": tc.Function.Arguments})
+		item.Arguments, item.Status = tc.Function.Arguments, "completed"
+		send("response.output_item.done", gin.H{"output_index": idx, "item": item})
+		items = append(items, item)
+	}
+	var usage Usage
+	addUsage(&usage, u)
+	finishResponse(&resp, &a, items, usage)
+	if resp.Status == "incomplete" {
+		send("response.incomplete", gin.H{"response": resp})
+	} else {
+		send("response.completed", gin.H{"response": resp})
+	}
+}

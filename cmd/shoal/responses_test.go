@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/responses"
+
+	"github.com/shoal-ai/shoal/models"
+)
+
+// responseBody is what the tests read of a response.
+type responseBody struct {
+	Status            string `json:"status"`
+	IncompleteDetails *struct {
+		Reason string `json:"reason"`
+	} `json:"incomplete_details"`
+	Output []struct {
+		Type    string `json:"type"`
+		Content []struct {
+			Type string `json:"type"`
+			Text string `json:"text"`
+		} `json:"content"`
+		CallID    string `json:"call_id"`
+		Name      string `json:"name"`
+		Arguments string `json:"arguments"`
+	} `json:"output"`
+	Usage struct {
+		InputTokens  int `json:"input_tokens"`
+		OutputTokens int `json:"output_tokens"`
+	} `json:"usage"`
+}
+
+func (r responseBody) text() string {
+	var b strings.Builder
+	for _, o := range r.Output {
+		for _, c := range o.Content {
+			if c.Type == "output_text" {
+				b.WriteString(c.Text)
+			}
+		}
+	}
+	return b.String()
+}
+
+func readResponse(t *testing.T, raw string) responseBody {
+	t.Helper()
+	var r responseBody
+	if err := json.Unmarshal([]byte(raw), &r); err != nil {
+		t.Fatalf("response %s: %v", raw, err)
+	}
+	return r
+}
+
+// streamResponse streams params and returns the final response and the text
+// of its output_text deltas, checking the events' order.
+func streamResponse(t *testing.T, c openai.Client, params responses.ResponseNewParams) (responseBody, string) {
+	t.Helper()
+	stream := c.Responses.NewStreaming(context.Background(), params)
+	var deltas strings.Builder
+	var final string
+	var types []string
+	for n := int64(0); stream.Next(); n++ {
+		ev := stream.Current()
+		if ev.SequenceNumber != n {
+			t.Fatalf("event %d (%s) has sequence_number %d", n, ev.Type, ev.SequenceNumber)
+		}
+		types = append(types, ev.Type)
+		switch ev.Type {
+		case "response.output_text.delta":
+			deltas.WriteString(ev.Delta)
+		case "response.completed", "response.incomplete":
+			final = ev.Response.RawJSON()
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatalf("stream: %v", err)
+	}
+	if len(types) < 3 || types[0] != "response.created" || types[1] != "response.in_progress" || final == "" || !strings.HasPrefix(types[len(types)-1], "response.") {
+		t.Fatalf("events %v", types)
+	}
+	if strings.Count(strings.Join(types, " "), "output_item.added") != strings.Count(strings.Join(types, " "), "output_item.done") {
+		t.Fatalf("items added and done do not pair: %v", types)
+	}
+	return readResponse(t, final), deltas.String()
+}
+
+// TestResponsesAPI: OpenAI's Responses API through the OpenAI Go SDK: text
+// whole and streamed, function calls in the model's own format and the next
+// turn with their output, structured text, and what a stateless server refuses.
+func TestResponsesAPI(t *testing.T) {
+	spec := models.Small()
+	spec.ChatTemplate = models.ToolsTemplate
+	path := filepath.Join(t.TempDir(), "tools.gguf")
+	if err := models.Generate(path, spec); err != nil {
+		t.Fatal(err)
+	}
+	n := startNode(t, "--model", path)
+	c := n.client("")
+	ctx := context.Background()
+	params := responses.ResponseNewParams{Model: "tools", Instructions: openai.String("You help."), MaxOutputTokens: openai.Int(12), Temperature: openai.Float(0),
+		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("Tell me a story.")}}
+	whole, err := c.Responses.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := readResponse(t, whole.RawJSON())
+	if w.Status != "incomplete" || w.IncompleteDetails == nil || w.IncompleteDetails.Reason != "max_output_tokens" || len(w.Output) != 1 ||
+		w.Output[0].Type != "message" || w.text() == "" || w.Usage.OutputTokens != 12 {
+		t.Fatalf("whole: %s", whole.RawJSON())
+	}
+	s, deltas := streamResponse(t, c, params)
+	if s.text() != w.text() || deltas != w.text() || s.Status != "incomplete" {
+		t.Fatalf("streamed %q (deltas %q), whole %q", s.text(), deltas, w.text())
+	}
+
+	// A call required: a function_call item, whole and streamed alike.
+	tp := params
+	tp.MaxOutputTokens = openai.Int(200)
+	tp.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("What is the weather in Oslo?")}
+	tp.Tools = []responses.ToolUnionParam{responses.ToolParamOfFunction("get_weather", map[string]any{"type": "object",
+		"properties": map[string]any{"city": map[string]any{"type": "string", "enum": []string{"Oslo", "Paris"}}}, "required": []string{"city"}, "additionalProperties": false}, true)}
+	tp.ToolChoice = responses.ResponseNewParamsToolChoiceUnion{OfToolChoiceMode: openai.Opt(responses.ToolChoiceOptionsRequired)}
+	tp.ParallelToolCalls = openai.Bool(false)
+	call := func(what string, r responseBody) (callID, args string) {
+		t.Helper()
+		var in struct{ City string }
+		last := r.Output[len(r.Output)-1]
+		if r.Status != "completed" || last.Type != "function_call" || last.Name != "get_weather" || last.CallID == "" ||
+			json.Unmarshal([]byte(last.Arguments), &in) != nil || in.City != "Oslo" && in.City != "Paris" {
+			t.Fatalf("%s: %+v", what, r)
+		}
+		return last.CallID, last.Arguments
+	}
+	tw, err := c.Responses.New(ctx, tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, args := call("function call", readResponse(t, tw.RawJSON()))
+	ts, _ := streamResponse(t, c, tp)
+	if _, sargs := call("streamed function call", ts); sargs != args {
+		t.Fatalf("streamed arguments %s, whole %s", sargs, args)
+	}
+	// The next turn: the call and its output as input items.
+	next := params
+	next.Tools = tp.Tools
+	next.Input = responses.ResponseNewParamsInputUnion{OfInputItemList: responses.ResponseInputParam{
+		responses.ResponseInputItemParamOfMessage("What is the weather in Oslo?", responses.EasyInputMessageRoleUser),
+		responses.ResponseInputItemParamOfFunctionCall(args, id, "get_weather"),
+		responses.ResponseInputItemParamOfFunctionCallOutput(`{"temperature_c": 3}`),
+	}}
+	next.Input.OfInputItemList[2].OfFunctionCallOutput.CallID = openai.String(id)
+	if r, err := c.Responses.New(ctx, next); err != nil || readResponse(t, r.RawJSON()).Output[0].Type != "message" {
+		t.Fatalf("next turn: %v", err)
+	}
+
+	// Structured text: JSON of the schema.
+	sp := params
+	sp.MaxOutputTokens = openai.Int(100)
+	sp.Text = responses.ResponseTextConfigParam{Format: responses.ResponseFormatTextConfigParamOfJSONSchema("answer", map[string]any{"type": "object",
+		"properties": map[string]any{"ok": map[string]any{"type": "boolean"}}, "required": []string{"ok"}, "additionalProperties": false})}
+	var out struct{ OK *bool }
+	if r, err := c.Responses.New(ctx, sp); err != nil || json.Unmarshal([]byte(readResponse(t, r.RawJSON()).text()), &out) != nil || out.OK == nil {
+		t.Fatalf("text.format json_schema: %v %v", err, r)
+	}
+
+	// Stateless: a previous response cannot be referred to.
+	pp := params
+	pp.PreviousResponseID = openai.String(whole.ID)
+	var apiErr *openai.Error
+	if _, err := c.Responses.New(ctx, pp); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 || apiErr.Param != "previous_response_id" {
+		t.Fatalf("previous_response_id: %v", err)
+	}
+}
