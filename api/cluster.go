@@ -1,9 +1,11 @@
 package api
 
 import (
+	"encoding/json"
 	"errors"
 	"net/http"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/gin-gonic/gin"
@@ -70,6 +72,27 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 	return fwd, nil
 }
 
+// streamFailure ends c's stream, relayed from a peer that failed mid-way, in
+// the format of c's API: Anthropic's and the Responses API's clients act on
+// named events only.
+func streamFailure(c *gin.Context) func(peer string) string {
+	event := func(name string, v any) string {
+		b, _ := json.Marshal(v)
+		return "event: " + name + "\ndata: " + string(b) + "\n\n"
+	}
+	switch {
+	case c.GetBool(anthropicKey):
+		return func(peer string) string {
+			return event("error", anthropicError(&Error{Status: http.StatusBadGateway, Message: "peer " + peer + " failed mid-stream"}))
+		}
+	case strings.HasSuffix(c.Request.URL.Path, "/responses"):
+		return func(peer string) string {
+			return event("error", gin.H{"type": "error", "code": "peer_failed", "message": "peer " + peer + " failed mid-stream", "param": nil})
+		}
+	}
+	return nil
+}
+
 // route sends a request elsewhere when the router prefers another node. It returns
 // true when the request was answered (forwarded, or refused with 429), false when it
 // should be served here; then the caller calls done when the local request ends, so
@@ -118,7 +141,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			return false, cs.node.Sent(t)
 		}
 		done := cs.node.Sent(t)
-		err := cs.fwd.Forward(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer)
+		err := cs.fwd.ForwardStream(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer, streamFailure(c))
 		var re *cluster.RetryableError
 		if errors.As(err, &re) {
 			cs.node.Refused(t)

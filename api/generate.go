@@ -444,7 +444,11 @@ func checkBounds(v any) error {
 				return fmt.Errorf("%s %v and %s %v: no value is within them", b.lo, lo, b.hi, hi)
 			}
 		}
-		for _, x := range v {
+		for k, x := range v {
+			switch k {
+			case "default", "examples", "const", "enum":
+				continue // values, not schemas
+			}
 			if err := checkBounds(x); err != nil {
 				return err
 			}

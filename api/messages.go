@@ -406,6 +406,10 @@ func (s *Server) messages(c *gin.Context) {
 		return
 	}
 	p.anthropic = true
+	// max_tokens is required and clients send large ones (Claude Code: 32000):
+	// the context caps it (stop_reason max_tokens) rather than refusing the
+	// request, as llama-server and Ollama do.
+	p.maxTokensAsked = false
 	s.routeOrRun(c, b, p, forwarded)
 }
 

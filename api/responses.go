@@ -314,6 +314,7 @@ func (s *Server) responses(c *gin.Context) {
 		return
 	}
 	p.responses = &req
+	p.maxTokensAsked = false // an upper bound: the context caps it (status incomplete)
 	s.routeOrRun(c, b, p, forwarded)
 }
 

@@ -317,29 +317,35 @@ func (s *Server) auth(c *gin.Context) {
 			}
 		}
 	}
-	if s.admittedByMember(c) {
+	switch ok, err := s.admittedByMember(c); {
+	case err != nil:
+		abort(c, err)
+	case ok:
 		c.Next()
-		return
+	default:
+		abort(c, errUnauthorized)
 	}
-	abort(c, errUnauthorized)
 }
 
-// admittedByMember reports whether c is a request forwarded by a cluster
-// member, with a valid credential: that member checked the client's key
-// against its own, so nodes need not share their keys (one without keys
-// serves what the others forward). The body, read to verify the credential,
-// is put back for the handler.
-func (s *Server) admittedByMember(c *gin.Context) bool {
-	if c.GetHeader(cluster.HeaderHop) == "" || c.Request.Body == nil {
-		return false
+// admittedByMember reports whether c is a request forwarded, with a valid
+// credential, by a cluster member that requires API keys itself: that member
+// checked the client's key against its own, so nodes need not share their
+// keys. A member without keys admits anyone, so what it forwards needs a key
+// of this node's. The body, read to verify the credential, is put back for the
+// handler; err is a body over the limit.
+func (s *Server) admittedByMember(c *gin.Context) (bool, error) {
+	cs := s.cluster.Load()
+	from := c.GetHeader(cluster.HeaderFrom)
+	if cs == nil || c.GetHeader(cluster.HeaderHop) == "" || c.Request.Body == nil || !cs.node.ChecksKeys(from) {
+		return false, nil
 	}
 	body, err := io.ReadAll(c.Request.Body)
 	if err != nil {
-		return false
+		return false, err // 413 past the limit
 	}
 	c.Request.Body = io.NopCloser(bytes.NewReader(body))
 	fwd, err := s.forwardedRequest(c, body)
-	return fwd && err == nil
+	return fwd && err == nil, nil
 }
 
 // abort writes err in OpenAI's format (Anthropic's on the Messages API) and

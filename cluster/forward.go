@@ -101,6 +101,20 @@ func (e *RetryableError) Unwrap() error { return e.Err }
 // mid-stream ends an SSE response with an error event. Cancelling ctx (the client
 // left) cancels the upstream request.
 func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, header http.Header, body []byte, w http.ResponseWriter) error {
+	return f.ForwardStream(ctx, t, method, path, header, body, w, openAIFailure)
+}
+
+// openAIFailure is the end of an OpenAI stream whose peer failed mid-way.
+func openAIFailure(peer string) string {
+	return fmt.Sprintf(`data: {"error":{"message":"peer %s failed mid-stream","type":"server_error","param":null,"code":"peer_failed"}}`+"\n\ndata: [DONE]\n\n", peer)
+}
+
+// ForwardStream is Forward, ending a stream whose peer failed mid-way with
+// failure's events (each API has its own stream format).
+func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path string, header http.Header, body []byte, w http.ResponseWriter, failure func(peer string) string) error {
+	if failure == nil {
+		failure = openAIFailure
+	}
 	scheme := "http"
 	if t.TLS {
 		scheme = "https"
@@ -170,8 +184,7 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 			}
 			if sse {
 				// A blank line first ends whatever event the cut left half written.
-				msg := fmt.Sprintf("\n\n"+`data: {"error":{"message":"peer %s failed mid-stream","type":"server_error","param":null,"code":"peer_failed"}}`+"\n\ndata: [DONE]\n\n", t.Name)
-				_, _ = io.WriteString(w, msg)
+				_, _ = io.WriteString(w, "\n\n"+failure(t.Name))
 				if flusher != nil {
 					flusher.Flush()
 				}

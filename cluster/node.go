@@ -264,14 +264,16 @@ func (n *Node) Start() error {
 		}
 	}
 	if len(n.joinAddrs) > 0 {
-		if _, err := ml.Join(n.joinAddrs); err != nil {
-			if !unreachableOnly(err) {
-				// One answered and refused (another gossip key): misconfigured.
-				ml.Shutdown()
-				return fmt.Errorf("cluster: join %v: %w", n.joinAddrs, err)
-			}
+		_, err := ml.Join(n.joinAddrs)
+		if err != nil && !unreachableOnly(err) {
+			// One answered and refused (another gossip key): misconfigured.
+			ml.Shutdown()
+			return fmt.Errorf("cluster: join %v: %w", n.joinAddrs, err)
+		}
+		if ml.NumMembers() < 2 {
 			// None is up yet (every node may be given the others' addresses and
-			// start in any order): this node starts alone and keeps trying.
+			// start in any order; an address of its own, under another name,
+			// joins only itself): this node starts alone and keeps trying.
 			n.joinFailed.Store(true)
 			n.log.Warn("could not join any of the given nodes; serving alone and trying again", "join", n.joinAddrs, "every", n.cfg.Reconnect, "err", err)
 		}
@@ -284,10 +286,11 @@ func (n *Node) Start() error {
 }
 
 // reconnect joins again, every Reconnect interval, what this node lost: the
-// --join addresses while none has answered, and members that failed (not those
-// that left) while they are listed (goneLimit). A failed member that restarts
-// without --join, such as a cluster's first node, is found so by the others,
-// instead of forming a cluster of its own.
+// --join addresses while none has answered, and members that failed or left
+// while they are listed (goneLimit). A member that restarts without --join,
+// such as a cluster's first node, is found so by the others, instead of
+// forming a cluster of its own. One address at a time, each bounded by
+// memberlist's TCP timeout, stopping when the node stops.
 func (n *Node) reconnect() {
 	t := time.NewTicker(n.cfg.Reconnect)
 	defer t.Stop()
@@ -299,27 +302,26 @@ func (n *Node) reconnect() {
 		}
 		var addrs []string
 		n.mu.Lock()
-		alone := true
 		for _, p := range n.peers {
-			switch {
-			case p.name == n.cfg.Name:
-			case p.state == "alive":
-				alone = false
-			case p.state == "dead" && p.gossip != "" && len(addrs) < maxReconnects:
+			if p.name != n.cfg.Name && (p.state == "dead" || p.state == "left") && p.gossip != "" && len(addrs) < maxReconnects {
 				addrs = append(addrs, p.gossip)
 			}
 		}
 		n.mu.Unlock()
-		if !alone {
+		if n.ml.NumMembers() > 1 {
 			n.joinFailed.Store(false) // another found this node
 		} else if n.joinFailed.Load() {
 			addrs = append(addrs, n.joinAddrs...)
 		}
-		if len(addrs) == 0 {
-			continue
-		}
-		if k, _ := n.ml.Join(addrs); k > 0 && n.joinFailed.Swap(false) {
-			n.log.Info("joined the cluster", "peers", k)
+		for _, a := range addrs {
+			select {
+			case <-n.stop:
+				return
+			default:
+			}
+			if _, err := n.ml.Join([]string{a}); err == nil && n.ml.NumMembers() > 1 && n.joinFailed.Swap(false) {
+				n.log.Info("joined the cluster", "through", a)
+			}
 		}
 	}
 }
@@ -845,6 +847,15 @@ type Member struct {
 	Simulated     bool     `json:"simulated,omitempty"`
 	Device        string   `json:"device,omitempty"`
 	MaxModelLen   int      `json:"max_model_len,omitempty"`
+}
+
+// ChecksKeys reports whether member name is alive and requires API keys of
+// its clients (Meta.Keys): a request it forwards was admitted by a key.
+func (n *Node) ChecksKeys(name string) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	p := n.peers[name]
+	return p != nil && p.state == "alive" && p.metaOK && p.meta.Keys
 }
 
 // Members returns every known node, this one first, then by name.

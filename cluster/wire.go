@@ -39,6 +39,9 @@ type Meta struct {
 	// MaxModelLen is the longest sequence one request may have there (0: unknown,
 	// a node of an earlier release).
 	MaxModelLen int `json:"x,omitempty"`
+	// Keys: the node requires API keys of its clients, so the requests it
+	// forwards were checked against them (peers take those on its credential).
+	Keys bool `json:"k,omitempty"`
 }
 
 func encodeMeta(m Meta) ([]byte, error) {

@@ -10,7 +10,9 @@ import (
 // minItems exceed their maximum, and patterns such as a{5,3}, convert to.
 // llama.cpp's parser counts the optional repetitions as max - min, unsigned:
 // it wraps around to a number of rules it allocates until memory runs out.
-// Text inside string literals, character classes and comments is skipped.
+// Text inside string literals, character classes, token references (<...>)
+// and comments is skipped; within the braces, whitespace, newlines and comments
+// are allowed, as llama.cpp allows them inside parentheses.
 func CheckRepetitions(gbnf string) error {
 	for i := 0; i < len(gbnf); i++ {
 		switch gbnf[i] {
@@ -18,11 +20,8 @@ func CheckRepetitions(gbnf string) error {
 			for i < len(gbnf) && gbnf[i] != '\n' && gbnf[i] != '\r' {
 				i++
 			}
-		case '"', '[':
-			end := byte('"')
-			if gbnf[i] == '[' {
-				end = ']'
-			}
+		case '"', '[', '<':
+			end := map[byte]byte{'"': '"', '[': ']', '<': '>'}[gbnf[i]]
 			for i++; i < len(gbnf) && gbnf[i] != end; i++ {
 				if gbnf[i] == '\\' {
 					i++
@@ -44,8 +43,17 @@ func CheckRepetitions(gbnf string) error {
 func repetition(s string) (lo, hi, n int) {
 	i := 0
 	space := func() {
-		for i < len(s) && (s[i] == ' ' || s[i] == '\t') {
-			i++
+		for i < len(s) {
+			switch s[i] {
+			case ' ', '\t', '\n', '\r':
+				i++
+			case '#':
+				for i < len(s) && s[i] != '\n' && s[i] != '\r' {
+					i++
+				}
+			default:
+				return
+			}
 		}
 	}
 	num := func() (int, bool) {

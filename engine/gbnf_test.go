@@ -15,6 +15,10 @@ func TestCheckRepetitions(t *testing.T) {
 		"root ::= [\\]{]{2,1}\n":                   true,
 		"root ::= \"a\"{99999999999999999999,1}":   true,
 		"root ::= \"a\"{":                          false, // not for this check to refuse
+		"root ::= (\"a\"{5,\n3})":                  true,
+		"root ::= (\"a\"{5 # c\n,3})":              true,
+		"root ::= <#> \"a\"{5,3}":                  true, // a token reference is no comment
+		"root ::= <[12]> \"a\"{1,3}":               false,
 	} {
 		err := CheckRepetitions(g)
 		if (err != nil) != bad || err != nil && !errors.Is(err, ErrInvalidInput) {

@@ -26,7 +26,7 @@ type Request struct {
 	Stop        []string
 	IncludeStop bool
 	// StopTokens end a choice when generated (vLLM's stop_token_ids); their text
-	// is part of the output (none for a control token unless SpecialTokens).
+	// is left out unless IncludeStop, as vLLM leaves it out.
 	StopTokens []engine.Token
 	// MinTokens: no end-of-generation token, stop token or stop string ends a
 	// choice before it has this many tokens (vLLM's min_tokens).

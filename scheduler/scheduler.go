@@ -915,7 +915,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	g := q.g
 	if serr != nil {
 		switch {
-		case errors.Is(serr, sample.ErrNoCandidates):
+		case errors.Is(serr, sample.ErrNoneAllowed):
 			// The request's own constraint: a schema no value meets, a bias
 			// that bans every token.
 			serr = fmt.Errorf("%w: the request's output constraint (grammar, schema, logit_bias) allows no next token", ErrInvalid)
@@ -945,6 +945,10 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 		s.fail(g, fmt.Errorf("detokenize: %w", err))
 		return
 	}
+	stopToken := slices.Contains(g.req.StopTokens, tok)
+	if stopToken && !g.req.IncludeStop {
+		piece = nil // its text is left out, as vLLM leaves it out
+	}
 	text := q.held + q.detok.Add(piece)
 	q.held = ""
 	var stop string
@@ -957,7 +961,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	case stop != "":
 		q.held = ""
 		s.finish(q, Event{Finish: FinishStop, StopString: stop})
-	case slices.Contains(g.req.StopTokens, tok):
+	case stopToken:
 		s.finish(q, Event{Finish: FinishStop, Text: q.held + q.detok.Flush(), Token: tok, ByStopToken: true})
 	case q.gen >= q.maxNew || len(q.tokens) >= s.MaxContext():
 		s.finish(q, Event{Finish: FinishLength, Text: q.held + q.detok.Flush()})

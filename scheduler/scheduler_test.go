@@ -449,8 +449,8 @@ func TestStopStringsAcrossTokens(t *testing.T) {
 }
 
 // TestMinTokensAndStopTokens: vLLM's min_tokens holds off end-of-generation,
-// stop tokens and stop strings; stop_token_ids end a choice with their text;
-// include_stop_str_in_output keeps the stop string.
+// stop tokens and stop strings; stop_token_ids end a choice without their
+// text; include_stop_str_in_output keeps the stop string or token.
 func TestMinTokensAndStopTokens(t *testing.T) {
 	ref := solo(t, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30}})[0]
 	text, toks := ref.text[0], ref.tokens[0]
@@ -472,6 +472,19 @@ func TestMinTokensAndStopTokens(t *testing.T) {
 	got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, StopTokens: []engine.Token{toks[5]}}})[0]
 	if !slices.Equal(got.tokens[0], toks[:at+1]) || got.finish[0] != FinishStop || got.usage.CompletionTokens != at+1 {
 		t.Fatalf("stop token %d: tokens %v finish %v, want %v", toks[5], got.tokens[0], got.finish[0], toks[:at+1])
+	}
+	var before strings.Builder
+	for _, tok := range toks[:at] {
+		p, _ := f.Vocab().Piece(tok, false)
+		before.Write(p)
+	}
+	last, _ := f.Vocab().Piece(toks[at], false)
+	if got.text[0] != before.String() {
+		t.Fatalf("stop token: text %q, want %q without its own", got.text[0], before.String())
+	}
+	got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, StopTokens: []engine.Token{toks[5]}, IncludeStop: true}})[0]
+	if got.text[0] != before.String()+string(last) {
+		t.Fatalf("stop token kept: text %q, want %q", got.text[0], before.String()+string(last))
 	}
 	// Banned before min_tokens: the output differs where it came first.
 	got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, StopTokens: []engine.Token{toks[5]}, MinTokens: at + 3}})[0]

@@ -18,8 +18,9 @@ func TestVLLMStopParams(t *testing.T) {
 	}{
 		{"EOS", `"logit_bias":{"4":100}`, "", "stop", 1, nil},
 		{"EOS after min_tokens", `"logit_bias":{"4":100},"min_tokens":5`, "?", "stop", 6, nil}, // "?": the model's text
-		{"stop token", `"logit_bias":{"102":100},"stop_token_ids":[102]`, "a", "stop", 1, 102.0},
-		{"stop token after min_tokens", `"logit_bias":{"102":100,"103":90},"stop_token_ids":[102],"min_tokens":3`, "bbba", "stop", 4, 102.0},
+		{"stop token", `"logit_bias":{"102":100},"stop_token_ids":[102]`, "", "stop", 1, 102.0},
+		{"stop token kept", `"logit_bias":{"102":100},"stop_token_ids":[102],"include_stop_str_in_output":true`, "a", "stop", 1, 102.0},
+		{"stop token after min_tokens", `"logit_bias":{"102":100,"103":90},"stop_token_ids":[102],"min_tokens":3`, "bbb", "stop", 4, 102.0},
 		{"stop string", `"logit_bias":{"102":100},"stop":["aa"]`, "", "stop", 2, "aa"},
 		{"stop string kept", `"logit_bias":{"102":100},"stop":["aa"],"include_stop_str_in_output":true`, "aa", "stop", 2, "aa"},
 		{"stop string after min_tokens", `"logit_bias":{"102":100},"stop":["aa"],"min_tokens":4,"include_stop_str_in_output":true`, "aaaaa", "stop", 5, "aa"},

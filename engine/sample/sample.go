@@ -112,8 +112,13 @@ func (p Params) penalised() bool {
 
 func (p Params) repeatPenalised() bool { return p.RepeatPenalty != 0 && p.RepeatPenalty != 1 }
 
-// ErrNoCandidates means the grammar, bias or penalties ruled out every token.
+// ErrNoCandidates means no token could be drawn (every logit NaN or -Inf).
 var ErrNoCandidates = errors.New("sampling: no allowed token")
+
+// ErrNoneAllowed means the request's own constraints, its grammar or the
+// tokens its logit_bias bans, ruled out every token: a schema no value meets,
+// a bias that bans the whole vocabulary. It wraps ErrNoCandidates.
+var ErrNoneAllowed = fmt.Errorf("%w: the request's grammar or logit_bias allows none", ErrNoCandidates)
 
 // Sampler is the Go engine.Sampler. See the package doc for the order of operations.
 type Sampler struct {
@@ -230,9 +235,26 @@ func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
 	if hold && errors.Is(err, ErrNoCandidates) {
 		// Only an end is allowed (a complete grammar): min_tokens gives way, as
 		// nothing else may follow.
-		return s.sampleFrom(logits, false)
+		t, err = s.sampleFrom(logits, false)
+	}
+	if errors.Is(err, ErrNoCandidates) && s.constrained() {
+		return 0, ErrNoneAllowed
 	}
 	return t, err
+}
+
+// constrained reports whether the request rules tokens out itself: a grammar,
+// or a logit_bias that bans some.
+func (s *Sampler) constrained() bool {
+	if s.grammar != nil {
+		return true
+	}
+	for _, b := range s.p.LogitBias {
+		if b <= -100 {
+			return true
+		}
+	}
+	return false
 }
 
 // sampleFrom runs the pipeline, with the end tokens banned when holdEnd.
