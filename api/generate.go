@@ -402,20 +402,28 @@ func (s *Server) convertSchema(param string, raw json.RawMessage) (string, error
 	if s.cfg.SchemaToGrammar == nil {
 		return "", invalid(param, "JSON schemas are not supported by this server")
 	}
-	g, err := s.schemaToGrammar(raw)
+	g, err := s.schemaToGrammar(param, raw)
 	if err != nil {
 		return "", invalid(param, "%s: %v", param, err)
 	}
 	return g, nil
 }
 
-// schemaToGrammar converts a schema whose bounds some value can meet.
-func (s *Server) schemaToGrammar(raw json.RawMessage) (string, error) {
+// schemaToGrammar converts a schema whose bounds some value can meet. Its
+// patterns are rewritten into the form the converter takes; one it cannot
+// take refuses the request, except in tools' parameters, where it is left out
+// (the model still sees it in the tool's description, and one MCP tool's
+// pattern does not make every request of a client fail).
+func (s *Server) schemaToGrammar(param string, raw json.RawMessage) (string, error) {
 	var v any
 	if err := json.Unmarshal(raw, &v); err == nil {
 		if err := checkBounds(v); err != nil {
 			return "", err
 		}
+	}
+	raw, err := engine.RewritePatterns(raw, param == "tools")
+	if err != nil {
+		return "", err
 	}
 	return s.cfg.SchemaToGrammar(raw)
 }
@@ -480,7 +488,7 @@ func (s *Server) refusedTool(tp *toolPlan, err error) error {
 		return err
 	}
 	for i, f := range tp.tools {
-		if _, e := s.schemaToGrammar(f.Parameters); e != nil {
+		if _, e := s.schemaToGrammar("tools", f.Parameters); e != nil {
 			return invalid(fmt.Sprintf("tools[%d]", i), "tools[%d] (%s): parameters: %v", i, f.Name, e)
 		}
 	}

@@ -113,3 +113,31 @@ func TestImpossibleSchemas(t *testing.T) {
 		t.Fatalf("after them: %d %s", resp.StatusCode, b)
 	}
 }
+
+// TestSchemaPatterns: a schema's pattern goes through GrammarPattern before
+// llama.cpp's converter, which crashed the process on (?:...)+: a pattern the
+// grammar can express is served, one it cannot is refused in an output
+// constraint and left out of tools' parameters.
+func TestSchemaPatterns(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t))
+	tool := func(pattern string) string {
+		p, _ := json.Marshal(pattern)
+		return `{"messages":[{"role":"user","content":"x"}],"max_tokens":8,"tool_choice":"required","tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"v":{"type":"string","pattern":` + string(p) + `}},"required":["v"]}}}]}`
+	}
+	format := func(pattern string) string {
+		p, _ := json.Marshal(pattern)
+		return `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":"x"}],"continue_final_message":true,"max_tokens":8,"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"string","pattern":` + string(p) + `}}}}`
+	}
+	for body, status := range map[string]int{
+		tool("^(?:ab)+$"): 200, tool("^(?=.*[a-z]).+$"): 200, tool(`^\d{3}-\w+$`): 200, tool("abc"): 200, tool(`^\p{L}+$`): 200,
+		format("^(?:ab)+$"): 200, format("abc"): 200, format(`^\d{3}$`): 200,
+		format("^(?=.*[a-z]).+$"): 400, format(`^\p{L}+$`): 400,
+	} {
+		if resp, b := post(t, n.url+"/v1/chat/completions", body); resp.StatusCode != status {
+			t.Errorf("%s: %d %s, want %d", body, resp.StatusCode, b, status)
+		}
+	}
+	if resp, b := post(t, n.url+"/v1/completions", `{"prompt":"x","max_tokens":2}`); resp.StatusCode != 200 {
+		t.Fatalf("after them: %d %s", resp.StatusCode, b)
+	}
+}

@@ -2,6 +2,7 @@ package llama
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"testing"
@@ -48,5 +49,25 @@ func FuzzCheckGGUF(f *testing.F) {
 	f.Add([]byte("GGUF\x03\x00\x00\x00"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		_ = checkGGUFReader(bytes.NewReader(b), int64(len(b)))
+	})
+}
+
+// FuzzSchemaPatterns: whatever a schema's pattern, converting the schema
+// never crashes the process (llama.cpp's converter did on (?:a)+), and a
+// grammar it makes parses.
+func FuzzSchemaPatterns(f *testing.F) {
+	e := openTest(f, models.Tiny(), nil)
+	for _, p := range []string{"^(?:ab)+$", "abc", `^\d{3}$`, "^(?=x)a$", "^*$", `^[\d\-]+$`, "^(a|)+$", `^\u00e9{2}$`, "^()*$"} {
+		f.Add(p)
+	}
+	f.Fuzz(func(t *testing.T, p string) {
+		schema, _ := json.Marshal(map[string]any{"type": "string", "pattern": p})
+		g, err := SchemaToGrammar(schema)
+		if err != nil {
+			return
+		}
+		if err := e.vocab.CheckGrammar(g); err != nil {
+			t.Fatalf("pattern %q: the grammar does not parse: %v\n%s", p, err, g)
+		}
 	})
 }

@@ -277,6 +277,13 @@ const maxGrammarBytes = 64 << 20
 // at its buffer's size without telling, so a result that fills the buffer is
 // converted again into a larger one (ollama's own wrapper would return it cut).
 func SchemaToGrammar(schema []byte) (string, error) {
+	// The converter crashes the process on some patterns it does not take:
+	// every pattern goes through GrammarPattern first (a no-op on its own
+	// output).
+	schema, err := engine.RewritePatterns(schema, false)
+	if err != nil {
+		return "", fmt.Errorf("json schema to grammar: %w", err)
+	}
 	cs := C.CString(string(schema))
 	defer C.free(unsafe.Pointer(cs))
 	for size := min(max(32<<10, 4*len(schema)), maxGrammarBytes); ; size = min(size*4, maxGrammarBytes) {
