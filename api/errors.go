@@ -30,7 +30,7 @@ func invalid(param, format string, args ...any) *Error {
 // Errors callers of the package may see in responses.
 var (
 	errUnauthorized = &Error{Status: http.StatusUnauthorized, Type: "authentication_error", Code: "invalid_api_key",
-		Message: "missing or invalid API key: send Authorization: Bearer <key>"}
+		Message: "missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)"}
 	errNotReady = &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "not_ready",
 		Message: "the model is still loading", RetryAfter: 1}
 	errDraining = &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",

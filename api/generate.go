@@ -806,8 +806,11 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	for i, toks := range p.prompts {
 		if len(toks) >= maxCtx {
 			s.metrics.rejected(scheduler.ErrPromptTooLong)
-			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
-				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), len(toks), where)})
+			msg := fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), len(toks), where)
+			if p.anthropic {
+				msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", len(toks), maxCtx-1) // Anthropic's wording, which its clients recognise
+			}
+			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param, Message: msg})
 			return
 		}
 		if p.maxTokensAsked && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {

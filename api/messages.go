@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"time"
 
 	"github.com/gin-gonic/gin"
 
@@ -34,13 +35,16 @@ type MessagesRequest struct {
 	ToolChoice    *AnthropicToolChoice `json:"tool_choice"`
 	Thinking      *AnthropicThinking   `json:"thinking"`
 	OutputConfig  *struct {
-		// Format is structured output: {"type": "json_schema", "schema": ...}.
-		Format *struct {
-			Type   string          `json:"type"`
-			Schema json.RawMessage `json:"schema"`
-		} `json:"format"`
+		Format *outputFormat `json:"format"`
 	} `json:"output_config"` // effort: not used
-	Metadata json.RawMessage `json:"metadata"` // user_id: not used
+	OutputFormat *outputFormat  `json:"output_format"` // the structured-outputs beta's spelling
+	Metadata     json.RawMessage `json:"metadata"`     // user_id: not used
+}
+
+// outputFormat is structured output: {"type": "json_schema", "schema": ...}.
+type outputFormat struct {
+	Type   string          `json:"type"`
+	Schema json.RawMessage `json:"schema"`
 }
 
 // AnthropicMessage is one turn: a user's or the assistant's.
@@ -215,8 +219,19 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 		switch m.Role {
 		case "user":
 			chat.Messages, err = userTurn(chat.Messages, m.Content, where)
+		case "system":
+			// Clients add reminders as system turns within a conversation;
+			// templates take system turns first only: it is the user's text.
+			var text string
+			if text, err = blockText(m.Content, where); err == nil {
+				chat.Messages = append(chat.Messages, Message{Role: "user", Content: Content(text)})
+			}
 		case "assistant":
+			if i == len(r.Messages)-1 && emptyTurn(m.Content) {
+				continue // an empty prefill: the answer starts afresh
+			}
 			chat.Messages, err = assistantTurn(chat.Messages, m.Content, where)
+			chat.ContinueFinalMessage = i == len(r.Messages)-1 // Anthropic's prefill: the answer goes on from it
 		default:
 			err = invalid("messages", "%s: role must be user or assistant, got %q", where, m.Role)
 		}
@@ -224,17 +239,19 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 			return nil, err
 		}
 	}
-	if n := len(r.Messages); n > 0 && r.Messages[n-1].Role == "assistant" {
-		chat.ContinueFinalMessage = true // Anthropic's prefill: the answer goes on from it
-	}
+	chat.Messages = joinUserTurns(chat.Messages)
 	if err := r.tools(chat); err != nil {
 		return nil, err
 	}
+	format, param := r.OutputFormat, "output_format"
 	if oc := r.OutputConfig; oc != nil && oc.Format != nil {
-		if oc.Format.Type != "json_schema" || !given(oc.Format.Schema) {
-			return nil, invalid("output_config", "output_config.format must be {\"type\": \"json_schema\", \"schema\": ...}")
+		format, param = oc.Format, "output_config"
+	}
+	if format != nil {
+		if format.Type != "json_schema" || !given(format.Schema) {
+			return nil, invalid(param, "%s.format must be {\"type\": \"json_schema\", \"schema\": ...}", param)
 		}
-		f.ResponseFormat = &ResponseFormat{Type: "json_object", Schema: oc.Format.Schema} // llama-server's spelling of a schema
+		f.ResponseFormat = &ResponseFormat{Type: "json_object", Schema: format.Schema} // llama-server's spelling of a schema
 	}
 	if r.Thinking != nil {
 		switch r.Thinking.Type {
@@ -246,6 +263,30 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 		}
 	}
 	return chat, nil
+}
+
+// emptyTurn reports whether blocks hold no text and no call.
+func emptyTurn(blocks AnthropicContent) bool {
+	for _, b := range blocks {
+		if b.Type != "text" || strings.TrimSpace(b.Text) != "" {
+			return false
+		}
+	}
+	return true
+}
+
+// joinUserTurns joins consecutive user messages into one, as Anthropic does
+// (and templates that want roles to alternate need).
+func joinUserTurns(msgs []Message) []Message {
+	var out []Message
+	for _, m := range msgs {
+		if n := len(out); n > 0 && m.Role == "user" && out[n-1].Role == "user" {
+			out[n-1].Content += "\n\n" + m.Content
+			continue
+		}
+		out = append(out, m)
+	}
+	return out
 }
 
 // blockText joins text blocks (a system prompt, a tool result).
@@ -494,6 +535,9 @@ func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submit
 		Content: a.blocks(), StopReason: &reason, StopSequence: seq, Usage: anthropicUsage(usage)})
 }
 
+// pingEvery is how often an Anthropic stream pings.
+const pingEvery = 10 * time.Second
+
 // messageStream answers a message request with Anthropic's events:
 // message_start, then each content block's start, deltas and stop (thinking
 // and text as they come, each tool call once whole), message_delta with the
@@ -506,8 +550,26 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 	w.event("message_start", gin.H{"type": "message_start", "message": MessageResponse{ID: s.newID("msg"), Type: "message",
 		Role: "assistant", Model: p.model, Content: []any{}, Usage: AnthropicUsage{InputTokens: len(p.prompts[0])}}})
 	w.event("ping", gin.H{"type": "ping"})
+	// A ping every pingEvery while nothing else goes out (a long prefill, a
+	// call written whole before it is sent): clients give up on a silent stream.
+	pings := time.NewTicker(pingEvery)
+	pingDone := make(chan struct{})
+	defer func() { pings.Stop(); close(pingDone) }()
+	go func() {
+		for {
+			select {
+			case <-pingDone:
+				return
+			case <-pings.C:
+				w.event("ping", gin.H{"type": "ping"})
+			}
+		}
+	}()
 	index, open := -1, "" // the open block and its kind
 	closeBlock := func() {
+		if open == "thinking" { // no signature here, but the event Anthropic always sends
+			w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index, "delta": gin.H{"type": "signature_delta", "signature": ""}})
+		}
 		if open != "" {
 			w.event("content_block_stop", gin.H{"type": "content_block_stop", "index": index})
 			open = ""

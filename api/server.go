@@ -183,11 +183,17 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
 	r.NoRoute(func(c *gin.Context) {
+		if strings.HasPrefix(c.Request.URL.Path, "/v1/messages") {
+			c.Set(anthropicKey, true)
+		}
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
 			Message: fmt.Sprintf("no route %s %s", c.Request.Method, c.Request.URL.Path)})
 	})
 	r.HandleMethodNotAllowed = true
 	r.NoMethod(func(c *gin.Context) {
+		if strings.HasPrefix(c.Request.URL.Path, "/v1/messages") {
+			c.Set(anthropicKey, true)
+		}
 		abort(c, &Error{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error",
 			Message: fmt.Sprintf("method %s not allowed on %s", c.Request.Method, c.Request.URL.Path)})
 	})
@@ -304,12 +310,14 @@ func (s *Server) auth(c *gin.Context) {
 		c.Next()
 		return
 	}
-	key, ok := strings.CutPrefix(c.GetHeader("Authorization"), "Bearer ")
-	if !ok {
-		key = c.GetHeader("X-Api-Key") // as Anthropic's clients send it
-		ok = key != ""
+	var keys []string
+	if scheme, key, ok := strings.Cut(c.GetHeader("Authorization"), " "); ok && strings.EqualFold(scheme, "Bearer") {
+		keys = append(keys, strings.TrimSpace(key))
 	}
-	if ok {
+	if key := c.GetHeader("X-Api-Key"); key != "" {
+		keys = append(keys, key) // as Anthropic's clients send it (some send both)
+	}
+	for _, key := range keys {
 		for _, k := range s.cfg.APIKeys {
 			if subtle.ConstantTimeCompare([]byte(key), []byte(k)) == 1 {
 				c.Next()

@@ -122,9 +122,9 @@ func (tp *toolPlan) follow() toolFollower {
 }
 
 // maxTools bounds a request's tools.
-const maxTools = 128
+const maxTools = 512 // clients with many MCP servers offer hundreds
 
-var toolName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
+var toolName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,128}$`) // MCP tools' names run long
 
 // toolsOf validates a chat request's tools and tool_choice; out, when given, holds
 // the request's output constraint (response_format, guided_json, ...), which
@@ -157,7 +157,7 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 		}
 		f := *t.Function
 		if !toolName.MatchString(f.Name) {
-			return nil, invalid(param, "%s: function name %q must be 1 to 64 letters, digits, '_', '.' or '-'", param, f.Name)
+			return nil, invalid(param, "%s: function name %q must be 1 to 128 letters, digits, '_', '.' or '-'", param, f.Name)
 		}
 		if seen[f.Name] {
 			return nil, invalid(param, "%s: function %q is offered twice", param, f.Name)

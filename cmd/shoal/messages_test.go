@@ -141,12 +141,16 @@ func TestAnthropicMessages(t *testing.T) {
 		typ       string
 	}{
 		{`{"model":"tools","messages":[{"role":"user","content":"x"}]}`, "sk-test", 400, "invalid_request_error"},
-		{`{"model":"tools","max_tokens":4,"messages":[{"role":"system","content":"x"}]}`, "sk-test", 400, "invalid_request_error"},
+		{`{"model":"tools","max_tokens":4,"messages":[{"role":"robot","content":"x"}]}`, "sk-test", 400, "invalid_request_error"},
 		{`{"model":"tools","max_tokens":4,"messages":[{"role":"user","content":[{"type":"image","source":{}}]}]}`, "sk-test", 400, "invalid_request_error"},
 		{`{"model":"tools","max_tokens":4,"messages":[{"role":"user","content":"x"}],"tools":[{"type":"web_search_20250305","name":"web_search"}]}`, "sk-test", 400, "invalid_request_error"},
 		{`{"model":"claude-x","max_tokens":4,"messages":[{"role":"user","content":"x"}]}`, "sk-test", 404, "not_found_error"},
 		{`{"model":"tools","max_tokens":4,"messages":[{"role":"user","content":"x"}]}`, "wrong", 401, "authentication_error"},
 		{`{"model":"tools","max_tokens":4,"messages":[{"role":"user","content":"x"}]}`, "sk-test", 200, ""},
+		// A system reminder within the conversation, an empty final assistant
+		// turn, a max_tokens beyond the context, the beta's output_format.
+		{`{"model":"tools","max_tokens":4,"messages":[{"role":"user","content":"x"},{"role":"system","content":[{"type":"text","text":"<system-reminder>y</system-reminder>"}]},{"role":"assistant","content":""}]}`, "sk-test", 200, ""},
+		{`{"model":"tools","max_tokens":64000,"messages":[{"role":"user","content":"x"}],"output_format":{"type":"json_schema","schema":{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"]}}}`, "sk-test", 200, ""},
 	} {
 		resp, b := post(t, n.url+"/v1/messages", c.body, "X-Api-Key", c.key)
 		var e struct {
@@ -159,6 +163,17 @@ func TestAnthropicMessages(t *testing.T) {
 		if resp.StatusCode != c.status || c.status != 200 && (json.Unmarshal([]byte(b), &e) != nil || e.Type != "error" || e.Error.Type != c.typ || e.Error.Message == "") {
 			t.Errorf("%s (key %s): %d %s, want %d %s", c.body, c.key, resp.StatusCode, b, c.status, c.typ)
 		}
+	}
+	// Either header may carry the key (some clients send both), the scheme in
+	// any case; unknown routes and methods answer in Anthropic's format too.
+	body := `{"model":"tools","max_tokens":2,"messages":[{"role":"user","content":"x"}]}`
+	for _, hdr := range [][]string{{"X-Api-Key", "sk-test", "Authorization", "Bearer wrong"}, {"Authorization", "bearer sk-test"}} {
+		if resp, b := post(t, n.url+"/v1/messages", body, hdr...); resp.StatusCode != 200 {
+			t.Errorf("headers %v: %d %s", hdr, resp.StatusCode, b)
+		}
+	}
+	if resp, b := post(t, n.url+"/v1/messages/batches", body, "X-Api-Key", "sk-test"); resp.StatusCode != 404 || !strings.Contains(b, `"type":"not_found_error"`) {
+		t.Errorf("an unknown Anthropic route: %d %s", resp.StatusCode, b)
 	}
 	var apiErr *anthropic.Error
 	wrong := anthropicClient(n, "wrong")
