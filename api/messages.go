@@ -37,8 +37,8 @@ type MessagesRequest struct {
 	OutputConfig  *struct {
 		Format *outputFormat `json:"format"`
 	} `json:"output_config"` // effort: not used
-	OutputFormat *outputFormat  `json:"output_format"` // the structured-outputs beta's spelling
-	Metadata     json.RawMessage `json:"metadata"`     // user_id: not used
+	OutputFormat *outputFormat   `json:"output_format"` // the structured-outputs beta's spelling
+	Metadata     json.RawMessage `json:"metadata"`      // user_id: not used
 }
 
 // outputFormat is structured output: {"type": "json_schema", "schema": ...}.

@@ -66,7 +66,7 @@ func TestToolsOf(t *testing.T) {
 		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"c":{"enum":[]}}}}}]}`:           "tools[0]",
 		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"c":{"anyOf":[]}}}}}]}`:          "tools[0]",
 		`{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"c":{"items":{"type":[]}}}}}}]}`: "tools[0]",
-		`{"tools":[` + strings.TrimSuffix(strings.Repeat(`{"type":"function","function":{"name":"f"}},`, maxTools+1), ",") + `]}`:                "tools",
+		`{"tools":[` + strings.TrimSuffix(strings.Repeat(`{"type":"function","function":{"name":"f"}},`, maxTools+1), ",") + `]}`:         "tools",
 	}
 	for body, param := range bad {
 		var f ToolFields
