@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -535,6 +536,32 @@ func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submit
 		Content: a.blocks(), StopReason: &reason, StopSequence: seq, Usage: anthropicUsage(usage)})
 }
 
+// followOne reads p's one choice to its end, passing its thoughts and text to
+// emit as they come, and returns its answer once whole (the text held back
+// until the end, the calls) and the usage.
+func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitted, emit func(reasoning, text string)) (chatAnswer, Usage, error) {
+	var ch choiceState
+	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+		if !ch.started {
+			ch.output, ch.started = p.newOutput(), true
+		}
+		reasoning, text := "", ev.Text
+		if ch.output != nil {
+			reasoning, text = ch.output.follow(sub.stream, ev)
+		}
+		emit(reasoning, text)
+		if ev.Kind == scheduler.EventFinish {
+			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
+		}
+	})
+	if err != nil {
+		return chatAnswer{}, Usage{}, err
+	}
+	var usage Usage
+	addUsage(&usage, u)
+	return s.answer(&ch), usage, nil // ch holds no text (it was passed on): a.text is what was held
+}
+
 // pingEvery is how often an Anthropic stream pings.
 const pingEvery = 10 * time.Second
 
@@ -594,20 +621,9 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index, "delta": delta})
 	}
-	var ch choiceState
-	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
-		if !ch.started {
-			ch.output, ch.started = p.newOutput(), true
-		}
-		reasoning, text := "", ev.Text
-		if ch.output != nil {
-			reasoning, text = ch.output.follow(sub.stream, ev)
-		}
+	a, usage, err := s.followOne(ctx, b, p, sub, func(reasoning, text string) {
 		emit("thinking", reasoning)
 		emit("text", text)
-		if ev.Kind == scheduler.EventFinish {
-			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
-		}
 	})
 	if err != nil {
 		if ctx.Err() == nil {
@@ -616,7 +632,6 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		return
 	}
-	a := s.answer(&ch) // ch holds no text: it was passed on; end gives what was held
 	emit("text", a.text)
 	closeBlock()
 	for _, tc := range a.calls {
@@ -628,8 +643,6 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		w.event("content_block_stop", gin.H{"type": "content_block_stop", "index": index})
 	}
 	reason, seq := a.anthropicStop()
-	var usage Usage
-	addUsage(&usage, u)
 	w.event("message_delta", gin.H{"type": "message_delta", "delta": gin.H{"stop_reason": reason, "stop_sequence": seq},
 		"usage": anthropicUsage(usage)})
 	w.event("message_stop", gin.H{"type": "message_stop"})

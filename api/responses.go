@@ -8,8 +8,6 @@ import (
 	"strings"
 
 	"github.com/gin-gonic/gin"
-
-	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // OpenAI's Responses API (POST /v1/responses), as vLLM and Ollama serve it for
@@ -447,21 +445,9 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 			send("response.output_text.delta", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "delta": delta, "logprobs": []any{}})
 		}
 	}
-	sub := subs[0]
-	var ch choiceState
-	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
-		if !ch.started {
-			ch.output, ch.started = p.newOutput(), true
-		}
-		reasoning, t := "", ev.Text
-		if ch.output != nil {
-			reasoning, t = ch.output.follow(sub.stream, ev)
-		}
+	a, usage, err := s.followOne(ctx, b, p, subs[0], func(reasoning, text string) {
 		emit("reasoning", reasoning)
-		emit("message", t)
-		if ev.Kind == scheduler.EventFinish {
-			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
-		}
+		emit("message", text)
 	})
 	if err != nil {
 		if ctx.Err() == nil {
@@ -470,7 +456,6 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return
 	}
-	a := s.answer(&ch) // the text was passed on; end gives what was held, and the calls
 	emit("message", a.text)
 	if len(items) == 0 && open != "message" && len(a.calls) == 0 {
 		start("message") // an empty answer is an empty message, as in a whole response
@@ -486,8 +471,6 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 		send("response.output_item.done", gin.H{"output_index": idx, "item": item})
 		items = append(items, item)
 	}
-	var usage Usage
-	addUsage(&usage, u)
 	finishResponse(&resp, &a, items, usage)
 	if resp.Status == "incomplete" {
 		send("response.incomplete", gin.H{"response": resp})

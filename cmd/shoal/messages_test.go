@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -41,12 +40,7 @@ func accumulate(t *testing.T, c anthropic.Client, params anthropic.MessageNewPar
 // own format (whole, streamed, and the next turn with its result), errors in
 // Anthropic's format, x-api-key.
 func TestAnthropicMessages(t *testing.T) {
-	spec := models.Small()
-	spec.ChatTemplate = models.ToolsTemplate
-	path := filepath.Join(t.TempDir(), "tools.gguf")
-	if err := models.Generate(path, spec); err != nil {
-		t.Fatal(err)
-	}
+	path := templateModel(t, "tools", models.ToolsTemplate)
 	n := startNode(t, "--model", path, "--api-key", "sk-test")
 	c := anthropicClient(n, "sk-test", option.WithJSONSet("temperature", 0)) // the SDK no longer sends it itself
 	ctx := context.Background()
@@ -185,12 +179,7 @@ func TestAnthropicMessages(t *testing.T) {
 // TestAnthropicThinking: a reasoning model's thoughts come back as a thinking
 // block, whole and streamed.
 func TestAnthropicThinking(t *testing.T) {
-	spec := models.Small()
-	spec.ChatTemplate = thinkingTemplate // everything the random model writes is thought
-	path := filepath.Join(t.TempDir(), "think.gguf")
-	if err := models.Generate(path, spec); err != nil {
-		t.Fatal(err)
-	}
+	path := templateModel(t, "think", thinkingTemplate) // everything the random model writes is thought
 	n := startNode(t, "--model", path)
 	c := anthropicClient(n, "", option.WithJSONSet("temperature", 0))
 	params := anthropic.MessageNewParams{Model: "think", MaxTokens: 10,

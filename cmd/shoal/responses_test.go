@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -94,12 +93,7 @@ func streamResponse(t *testing.T, c openai.Client, params responses.ResponseNewP
 // whole and streamed, function calls in the model's own format and the next
 // turn with their output, structured text, and what a stateless server refuses.
 func TestResponsesAPI(t *testing.T) {
-	spec := models.Small()
-	spec.ChatTemplate = models.ToolsTemplate
-	path := filepath.Join(t.TempDir(), "tools.gguf")
-	if err := models.Generate(path, spec); err != nil {
-		t.Fatal(err)
-	}
+	path := templateModel(t, "tools", models.ToolsTemplate)
 	n := startNode(t, "--model", path)
 	c := n.client("")
 	ctx := context.Background()

@@ -334,6 +334,19 @@ func TestModelSamplingDefaults(t *testing.T) {
 // required, lazily under auto); the calls come back as OpenAI tool_calls, whole
 // or streamed, and the next turn renders them as the template lays them out.
 // --jinja=false falls back to the tool protocol.
+// templateModel writes the small test model with a chat template, as
+// dir/name.gguf, and returns its path.
+func templateModel(t *testing.T, name, template string) string {
+	t.Helper()
+	spec := models.Small()
+	spec.ChatTemplate = template
+	path := filepath.Join(t.TempDir(), name+".gguf")
+	if err := models.Generate(path, spec); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
 func TestNativeToolCalls(t *testing.T) {
 	spec := models.Small()
 	spec.ChatTemplate = models.ToolsTemplate
