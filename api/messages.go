@@ -437,22 +437,30 @@ func (s *Server) messages(c *gin.Context) {
 		abort(c, invalid("max_tokens", "max_tokens is required"))
 		return
 	}
-	chat, err := req.chatRequest()
+	if p, ok := s.translatedPlan(c, b, req.chatRequest); ok {
+		p.anthropic = true
+		s.routeOrRun(c, b, p, forwarded)
+	}
+}
+
+// translatedPlan plans a request of another API (Anthropic's, the Responses
+// API) as the chat request translate makes of it; false when it answered with
+// an error. Its output limit is a bound the context caps (Anthropic's
+// max_tokens is required, and clients send large ones: Claude Code 32000)
+// rather than a reason to refuse the request, as llama-server and Ollama
+// take it.
+func (s *Server) translatedPlan(c *gin.Context, b *Backend, translate func() (*ChatRequest, error)) (*plan, bool) {
+	chat, err := translate()
+	var p *plan
+	if err == nil {
+		p, err = s.chatPlan(b, chat)
+	}
 	if err != nil {
 		abort(c, err)
-		return
+		return nil, false
 	}
-	p, err := s.chatPlan(b, chat)
-	if err != nil {
-		abort(c, err)
-		return
-	}
-	p.anthropic = true
-	// max_tokens is required and clients send large ones (Claude Code: 32000):
-	// the context caps it (stop_reason max_tokens) rather than refusing the
-	// request, as llama-server and Ollama do.
 	p.maxTokensAsked = false
-	s.routeOrRun(c, b, p, forwarded)
+	return p, true
 }
 
 // countTokens serves POST /v1/messages/count_tokens: the prompt tokens a

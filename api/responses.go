@@ -301,19 +301,10 @@ func (s *Server) responses(c *gin.Context) {
 	if !ok || !generates(c, b) {
 		return
 	}
-	chat, err := req.chatRequest()
-	if err != nil {
-		abort(c, err)
-		return
+	if p, ok := s.translatedPlan(c, b, req.chatRequest); ok {
+		p.responses = &req
+		s.routeOrRun(c, b, p, forwarded)
 	}
-	p, err := s.chatPlan(b, chat)
-	if err != nil {
-		abort(c, err)
-		return
-	}
-	p.responses = &req
-	p.maxTokensAsked = false // an upper bound: the context caps it (status incomplete)
-	s.routeOrRun(c, b, p, forwarded)
 }
 
 // newResponse is the response object of p, as its stream starts.
