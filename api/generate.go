@@ -858,10 +858,16 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	}
 }
 
+// randomID is a new id with prefix, spelled as OpenAI and Anthropic spell
+// theirs: chatcmpl-..., cmpl-...; call_..., msg_..., resp_... .
 func randomID(prefix string) string {
 	var buf [12]byte
 	_, _ = crand.Read(buf[:])
-	return fmt.Sprintf("%s-%x", prefix, buf)
+	sep := "_"
+	if prefix == "chatcmpl" || prefix == "cmpl" {
+		sep = "-"
+	}
+	return fmt.Sprintf("%s%s%x", prefix, sep, buf)
 }
 
 // choiceState accumulates one choice's output.
