@@ -72,8 +72,11 @@ type plan struct {
 	top       int
 	model     string
 	chat      bool
-	completes bool              // legacy completions logprobs format
-	anthropic bool              // answered as Anthropic's Messages API
+	completes bool // legacy completions logprobs format
+	anthropic bool // answered as Anthropic's Messages API
+	// params names the chat fields a translated request (anthropic, responses)
+	// has under other names, for its errors.
+	params    map[string]string
 	responses *ResponsesRequest // answered as OpenAI's Responses API
 	tools     *toolPlan         // chat answers follow the tool protocol
 	think     *thinkPlan        // chat answers' thoughts are passed on apart
@@ -84,6 +87,14 @@ type plan struct {
 	maxTokensAsked bool
 	// finished counts the choices whose finish was read (and counted in metrics).
 	finished int
+}
+
+// param is chat field name as p's request names it.
+func (p *plan) param(name string) string {
+	if n, ok := p.params[name]; ok {
+		return n
+	}
+	return name
 }
 
 // samplingPlan validates the shared fields into a scheduler.Request template.
@@ -799,7 +810,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	maxCtx := b.Generator.MaxContext()
 	// OpenAI's wording (vLLM keeps it too): clients such as LiteLLM recognise a
 	// context overflow by it.
-	where, param := "messages", "messages"
+	where, param := "messages", p.param("messages")
 	if !p.chat {
 		where, param = "prompt", "prompt"
 	}
@@ -876,6 +887,7 @@ type choiceState struct {
 	reasoning strings.Builder // a reasoning model's thoughts
 	finish    string
 	stop      any // stop_reason
+	thoughts  int // tokens whose text went to reasoning
 	logprobs  []TokenLogprob
 	output    *choiceOutput // nil: the output is the text
 	started   bool          // output was made
@@ -973,6 +985,9 @@ func (s *Server) collect(c *gin.Context, b *Backend, p *plan, subs []submitted) 
 				var reasoning string
 				reasoning, text = ch.output.follow(sub.stream, ev)
 				ch.reasoning.WriteString(reasoning)
+				if reasoning != "" && ev.Kind == scheduler.EventToken {
+					ch.thoughts++
+				}
 			}
 			switch ev.Kind {
 			case scheduler.EventToken:
@@ -997,6 +1012,7 @@ func (s *Server) collect(c *gin.Context, b *Backend, p *plan, subs []submitted) 
 // chatAnswer is a chat choice's output once whole.
 type chatAnswer struct {
 	text, reasoning string
+	reasoningTokens int
 	calls           []ToolCall
 	finish          string
 	stop            any // stop_reason
@@ -1004,7 +1020,7 @@ type chatAnswer struct {
 
 // answer is ch's output once whole: under tools, the calls are read from it.
 func (s *Server) answer(ch *choiceState) chatAnswer {
-	a := chatAnswer{text: ch.text.String(), reasoning: ch.reasoning.String(), finish: ch.finish, stop: ch.stop}
+	a := chatAnswer{text: ch.text.String(), reasoning: ch.reasoning.String(), reasoningTokens: ch.thoughts, finish: ch.finish, stop: ch.stop}
 	if o := ch.output; o != nil {
 		var rest string
 		rest, a.calls, a.finish = o.end(func() string { return s.newID("call") }, a.finish)

@@ -4,10 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
-	"time"
 
 	"github.com/gin-gonic/gin"
 
@@ -437,7 +437,7 @@ func (s *Server) messages(c *gin.Context) {
 		abort(c, invalid("max_tokens", "max_tokens is required"))
 		return
 	}
-	if p, ok := s.translatedPlan(c, b, req.chatRequest); ok {
+	if p, ok := s.translatedPlan(c, b, req.chatRequest, anthropicParams); ok {
 		p.anthropic = true
 		s.routeOrRun(c, b, p, forwarded)
 	}
@@ -449,19 +449,33 @@ func (s *Server) messages(c *gin.Context) {
 // max_tokens is required, and clients send large ones: Claude Code 32000)
 // rather than a reason to refuse the request, as llama-server and Ollama
 // take it.
-func (s *Server) translatedPlan(c *gin.Context, b *Backend, translate func() (*ChatRequest, error)) (*plan, bool) {
+// params names the chat fields the request has under other names: its errors
+// name its own.
+func (s *Server) translatedPlan(c *gin.Context, b *Backend, translate func() (*ChatRequest, error), params map[string]string) (*plan, bool) {
 	chat, err := translate()
 	var p *plan
 	if err == nil {
 		p, err = s.chatPlan(b, chat)
 	}
 	if err != nil {
+		if e := (*Error)(nil); errors.As(err, &e) && params[e.Param] != "" {
+			renamed := *e
+			renamed.Param = params[e.Param]
+			renamed.Message = strings.ReplaceAll(e.Message, e.Param, renamed.Param)
+			err = &renamed
+		}
 		abort(c, err)
 		return nil, false
 	}
-	p.maxTokensAsked = false
+	p.maxTokensAsked, p.params = false, params
 	return p, true
 }
+
+// anthropicParams are the chat fields a message request names otherwise.
+var anthropicParams = map[string]string{"stop": "stop_sequences", "response_format": "output_config"}
+
+// responsesParams are the chat fields a Responses request names otherwise.
+var responsesParams = map[string]string{"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
 
 // countTokens serves POST /v1/messages/count_tokens: the prompt tokens a
 // message request would have.
@@ -557,6 +571,9 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 		if ch.output != nil {
 			reasoning, text = ch.output.follow(sub.stream, ev)
 		}
+		if reasoning != "" && ev.Kind == scheduler.EventToken {
+			ch.thoughts++
+		}
 		emit(reasoning, text)
 		if ev.Kind == scheduler.EventFinish {
 			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
@@ -570,9 +587,6 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 	return s.answer(&ch), usage, nil // ch holds no text (it was passed on): a.text is what was held
 }
 
-// pingEvery is how often an Anthropic stream pings.
-const pingEvery = 10 * time.Second
-
 // messageStream answers a message request with Anthropic's events:
 // message_start, then each content block's start, deltas and stop (thinking
 // and text as they come, each tool call once whole), message_delta with the
@@ -584,22 +598,9 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 	sub := subs[0]
 	w.event("message_start", gin.H{"type": "message_start", "message": MessageResponse{ID: s.newID("msg"), Type: "message",
 		Role: "assistant", Model: p.model, Content: []any{}, Usage: AnthropicUsage{InputTokens: len(p.prompts[0])}}})
-	w.event("ping", gin.H{"type": "ping"})
-	// A ping every pingEvery while nothing else goes out (a long prefill, a
-	// call written whole before it is sent): clients give up on a silent stream.
-	pings := time.NewTicker(pingEvery)
-	pingDone := make(chan struct{})
-	defer func() { pings.Stop(); close(pingDone) }()
-	go func() {
-		for {
-			select {
-			case <-pingDone:
-				return
-			case <-pings.C:
-				w.event("ping", gin.H{"type": "ping"})
-			}
-		}
-	}()
+	ping := func() { w.event("ping", gin.H{"type": "ping"}) }
+	ping()
+	defer w.keepAlive(keepAliveEvery, ping)()
 	index, open := -1, "" // the open block and its kind
 	closeBlock := func() {
 		if open == "thinking" { // no signature here, but the event Anthropic always sends

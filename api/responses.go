@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
+	"time"
 
 	"github.com/gin-gonic/gin"
 )
@@ -31,7 +33,12 @@ type ResponsesRequest struct {
 	Stream             bool            `json:"stream"`
 	PreviousResponseID string          `json:"previous_response_id"`
 	Background         bool            `json:"background"`
-	Text               *struct {
+	Conversation       json.RawMessage `json:"conversation"` // stored state: refused
+	Prompt             json.RawMessage `json:"prompt"`       // a stored prompt: refused
+	Reasoning          *struct {
+		Effort string `json:"effort"` // none or minimal: the template's enable_thinking false
+	} `json:"reasoning"`
+	Text *struct {
 		Format *struct {
 			Type   string          `json:"type"`
 			Name   string          `json:"name"`
@@ -44,7 +51,8 @@ type ResponsesRequest struct {
 	Metadata json.RawMessage `json:"metadata"`
 }
 
-// ResponsesTool is a function tool, flat as the Responses API writes it.
+// ResponsesTool is a tool, flat as the Responses API writes it: a function,
+// or a custom (freeform) tool, whose one input is text.
 type ResponsesTool struct {
 	Type        string          `json:"type"`
 	Name        string          `json:"name"`
@@ -58,6 +66,7 @@ type ResponsesTool struct {
 type responseItem struct {
 	Type      string          `json:"type"`
 	Role      string          `json:"role"`
+	Input     string          `json:"input"` // a custom_tool_call's
 	Content   json.RawMessage `json:"content"`
 	CallID    string          `json:"call_id"`
 	Name      string          `json:"name"`
@@ -83,6 +92,12 @@ type Response struct {
 	ToolChoice        json.RawMessage `json:"tool_choice"`
 	Tools             []ResponsesTool `json:"tools"`
 	Store             bool            `json:"store"`
+	Temperature       *float64        `json:"temperature"`
+	TopP              *float64        `json:"top_p"`
+	Metadata          json.RawMessage `json:"metadata"`
+	Truncation        string          `json:"truncation"`
+	Text              json.RawMessage `json:"text"`
+	Reasoning         json.RawMessage `json:"reasoning"`
 }
 
 type incomplete struct {
@@ -137,6 +152,24 @@ type functionCallItem struct {
 	Status    string `json:"status"`
 }
 
+// customCallItem is a call of a custom tool: its input is text.
+type customCallItem struct {
+	Type   string `json:"type"`
+	ID     string `json:"id"`
+	CallID string `json:"call_id"`
+	Name   string `json:"name"`
+	Input  string `json:"input"`
+	Status string `json:"status"`
+}
+
+// customInput is the parameter a custom tool's one text input is asked as.
+var customInput = json.RawMessage(`{"type":"object","properties":{"input":{"type":"string"}},"required":["input"],"additionalProperties":false}`)
+
+// hostedTools are tools the Responses API runs itself: a server without them
+// leaves them out rather than fail every request of a client that offers them.
+var hostedTools = []string{"web_search", "web_search_preview", "web_search_2025_08_26", "file_search", "code_interpreter",
+	"image_generation", "computer_use_preview", "local_shell", "mcp"}
+
 // chatRequest translates r into a chat request.
 func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 	switch {
@@ -144,6 +177,10 @@ func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 		return nil, invalid("previous_response_id", "responses are not stored here: send the whole conversation in input")
 	case r.Background:
 		return nil, invalid("background", "background responses are not supported")
+	case given(r.Conversation):
+		return nil, invalid("conversation", "conversations are not stored here: send the whole conversation in input")
+	case given(r.Prompt):
+		return nil, invalid("prompt", "stored prompts are not served here: send instructions and input")
 	}
 	chat := &ChatRequest{}
 	f := &chat.SamplingFields
@@ -157,14 +194,19 @@ func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 		return nil, err
 	}
 	chat.Messages = append(chat.Messages, msgs...)
-	if len(r.Tools) > 0 {
-		var tools []Tool
-		for i, t := range r.Tools {
-			if t.Type != "function" {
-				return nil, invalid("tools", "tools[%d]: %q tools are not served here; function tools are", i, t.Type)
-			}
+	var tools []Tool
+	for i, t := range r.Tools {
+		switch {
+		case t.Type == "function":
 			tools = append(tools, Tool{Type: "function", Function: &FunctionDef{Name: t.Name, Description: t.Description, Parameters: t.Parameters, Strict: t.Strict}})
+		case t.Type == "custom":
+			tools = append(tools, Tool{Type: "function", Function: &FunctionDef{Name: t.Name, Description: t.Description, Parameters: customInput}})
+		case slices.Contains(hostedTools, t.Type):
+		default:
+			return nil, invalid("tools", "tools[%d]: %q tools are not served here; function and custom tools are", i, t.Type)
 		}
+	}
+	if len(tools) > 0 {
 		chat.Tools, _ = json.Marshal(tools)
 	}
 	if given(r.ToolChoice) {
@@ -182,6 +224,9 @@ func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 		}
 	}
 	chat.ParallelToolCalls = r.ParallelToolCalls
+	if rs := r.Reasoning; rs != nil && (rs.Effort == "none" || rs.Effort == "minimal") {
+		chat.ChatTemplateKwargs = json.RawMessage(`{"enable_thinking": false}`)
+	}
 	if r.Text != nil && r.Text.Format != nil {
 		switch tf := r.Text.Format; tf.Type {
 		case "text":
@@ -240,25 +285,42 @@ func inputMessages(input json.RawMessage) ([]Message, error) {
 				return nil, err
 			}
 			out = append(out, Message{Role: it.Role, Content: Content(text)})
-		case "function_call":
+		case "function_call", "custom_tool_call":
 			if it.CallID == "" || it.Name == "" {
-				return nil, invalid("input", "%s: a function_call needs a call_id and a name", where)
+				return nil, invalid("input", "%s: a %s needs a call_id and a name", where, it.Type)
 			}
-			calls = append(calls, ToolCall{ID: it.CallID, Type: "function", Function: FunctionCall{Name: it.Name, Arguments: it.Arguments}})
-		case "function_call_output":
+			args := it.Arguments
+			if it.Type == "custom_tool_call" {
+				b, _ := json.Marshal(map[string]string{"input": it.Input})
+				args = string(b)
+			} else if !jsonObject(args) {
+				args = "{}" // a call cut short by max_output_tokens, as clients send it back
+			}
+			calls = append(calls, ToolCall{ID: it.CallID, Type: "function", Function: FunctionCall{Name: it.Name, Arguments: args}})
+		case "function_call_output", "custom_tool_call_output":
+			if it.CallID == "" {
+				return nil, invalid("input", "%s: a %s needs the call_id of its call", where, it.Type)
+			}
 			flush()
 			result, err := itemText(it.Output, where)
 			if err != nil {
 				return nil, err
 			}
 			out = append(out, Message{Role: "tool", ToolCallID: it.CallID, Content: Content(result)})
-		case "reasoning":
+		case "reasoning", "web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call":
+			// Thoughts (templates leave earlier ones out), hosted tools' work.
 		default:
 			return nil, invalid("input", "%s: items of type %q are not supported (messages, function_call, function_call_output and reasoning are)", where, it.Type)
 		}
 	}
 	flush()
 	return out, nil
+}
+
+// jsonObject reports whether s is a JSON object.
+func jsonObject(s string) bool {
+	var m map[string]json.RawMessage
+	return json.Unmarshal([]byte(s), &m) == nil && m != nil
 }
 
 // itemText is a message's (or a function output's) content: a string, or
@@ -301,7 +363,7 @@ func (s *Server) responses(c *gin.Context) {
 	if !ok || !generates(c, b) {
 		return
 	}
-	if p, ok := s.translatedPlan(c, b, req.chatRequest); ok {
+	if p, ok := s.translatedPlan(c, b, req.chatRequest, responsesParams); ok {
 		p.responses = &req
 		s.routeOrRun(c, b, p, forwarded)
 	}
@@ -312,7 +374,8 @@ func (s *Server) newResponse(p *plan) Response {
 	r := p.responses
 	resp := Response{ID: s.newID("resp"), Object: "response", CreatedAt: s.now().Unix(), Status: "in_progress", Model: p.model,
 		Output: []any{}, MaxOutputTokens: r.MaxOutputTokens, ParallelToolCalls: r.ParallelToolCalls == nil || *r.ParallelToolCalls,
-		ToolChoice: r.ToolChoice, Tools: r.Tools}
+		ToolChoice: r.ToolChoice, Tools: r.Tools, Temperature: r.Temperature, TopP: r.TopP, Metadata: r.Metadata, Truncation: "disabled",
+		Text: json.RawMessage(`{"format":{"type":"text"}}`), Reasoning: json.RawMessage(`{"effort":null,"summary":null}`)}
 	if r.Instructions != "" {
 		resp.Instructions = &r.Instructions
 	}
@@ -322,10 +385,16 @@ func (s *Server) newResponse(p *plan) Response {
 	if resp.Tools == nil {
 		resp.Tools = []ResponsesTool{}
 	}
+	if !given(resp.Metadata) {
+		resp.Metadata = json.RawMessage(`{}`)
+	}
+	if r.Text != nil && r.Text.Format != nil {
+		resp.Text, _ = json.Marshal(r.Text)
+	}
 	return resp
 }
 
-// finish completes resp with a's output items (as given) and the usage.
+// finishResponse completes resp with a's output items (as given) and the usage.
 func finishResponse(resp *Response, a *chatAnswer, items []any, u Usage) {
 	resp.Output = items
 	resp.Status = "completed"
@@ -334,26 +403,51 @@ func finishResponse(resp *Response, a *chatAnswer, items []any, u Usage) {
 	}
 	ru := &ResponseUsage{InputTokens: u.PromptTokens, OutputTokens: u.CompletionTokens, TotalTokens: u.TotalTokens}
 	ru.InputTokensDetails.CachedTokens = u.PromptTokensDetails.CachedTokens
+	ru.OutputTokensDetails.ReasoningTokens = a.reasoningTokens
 	resp.Usage = ru
 }
 
+// itemStatus is the status of a's items: incomplete when max_output_tokens cut it.
+func (a *chatAnswer) itemStatus() string {
+	if a.finish == "length" {
+		return "incomplete"
+	}
+	return "completed"
+}
+
+// callItem is call tc as an output item: a function_call, or a
+// custom_tool_call for a custom tool (its input the text it was asked for).
+func (s *Server) callItem(r *ResponsesRequest, tc ToolCall, status string) any {
+	for _, t := range r.Tools {
+		if t.Type == "custom" && t.Name == tc.Function.Name {
+			var in struct {
+				Input string `json:"input"`
+			}
+			_ = json.Unmarshal([]byte(tc.Function.Arguments), &in) // a call cut short has what was read
+			return customCallItem{Type: "custom_tool_call", ID: s.newID("ctc"), CallID: tc.ID, Name: tc.Function.Name, Input: in.Input, Status: status}
+		}
+	}
+	return functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Arguments: tc.Function.Arguments, Status: status}
+}
+
 // responseItems are a's output items: its reasoning, its text, its calls.
-func (s *Server) responseItems(a *chatAnswer) []any {
+func (s *Server) responseItems(r *ResponsesRequest, a *chatAnswer) []any {
 	items := []any{}
 	if a.reasoning != "" {
 		items = append(items, reasoningItem{Type: "reasoning", ID: s.newID("rs"), Summary: []any{}, Content: []reasoningText{{Type: "reasoning_text", Text: a.reasoning}}})
 	}
-	if a.text != "" && (len(a.calls) == 0 || strings.TrimSpace(a.text) != "") {
-		items = append(items, messageItem{Type: "message", ID: s.newID("msg"), Status: "completed", Role: "assistant",
+	status := a.itemStatus()
+	if a.text != "" && (len(a.calls) == 0 || strings.TrimSpace(a.text) != "") || len(a.calls) == 0 {
+		// An empty answer is an empty message.
+		items = append(items, messageItem{Type: "message", ID: s.newID("msg"), Status: status, Role: "assistant",
 			Content: []outputText{{Type: "output_text", Text: a.text, Annotations: []any{}}}})
 	}
-	for _, tc := range a.calls {
-		items = append(items, functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Arguments: tc.Function.Arguments, Status: "completed"})
-	}
-	if len(items) == 0 || len(items) == 1 && a.reasoning != "" && len(a.calls) == 0 && a.text == "" {
-		// An empty answer is an empty message.
-		items = append(items, messageItem{Type: "message", ID: s.newID("msg"), Status: "completed", Role: "assistant",
-			Content: []outputText{{Type: "output_text", Text: "", Annotations: []any{}}}})
+	for i, tc := range a.calls {
+		st := "completed"
+		if i == len(a.calls)-1 {
+			st = status // the last call is the one max_output_tokens cut
+		}
+		items = append(items, s.callItem(r, tc, st))
 	}
 	return items
 }
@@ -366,18 +460,25 @@ func (s *Server) responseWhole(c *gin.Context, b *Backend, p *plan, subs []submi
 	}
 	a := s.answer(&choices[0])
 	resp := s.newResponse(p)
-	finishResponse(&resp, &a, s.responseItems(&a), usage)
+	finishResponse(&resp, &a, s.responseItems(p.responses, &a), usage)
 	c.JSON(http.StatusOK, resp)
 }
 
+// keepAliveEvery is how often a stream with nothing else to send says it is
+// alive: clients give up on a silent stream (a long prefill, a call written
+// whole before it is sent).
+const keepAliveEvery = 10 * time.Second
+
 // responseStream answers a Responses request with its events: the response
-// created and in progress; per output item its addition, its deltas (thoughts
-// and text as they come, a call's arguments once whole) and its completion;
-// then the response completed (or incomplete), whole.
+// created and in progress; per output item its addition, its parts and deltas
+// (thoughts and text as they come, a call's arguments once whole) and its
+// completion; then the response completed (or incomplete), whole. An SSE
+// comment goes out every keepAliveEvery.
 func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []submitted) {
 	ctx := c.Request.Context()
 	w := &sseWriter{c: c}
 	w.start()
+	defer w.keepAlive(keepAliveEvery, func() { w.comment("keep-alive") })()
 	seq := 0
 	send := func(typ string, fields gin.H) {
 		fields["type"], fields["sequence_number"] = typ, seq
@@ -390,36 +491,44 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 	var items []any
 	open, id := "", "" // the item being streamed: reasoning or message
 	var text strings.Builder
-	closeItem := func() {
-		idx, t := len(items), text.String()
-		switch open {
-		case "reasoning":
-			send("response.reasoning_text.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "text": t})
-			item := reasoningItem{Type: "reasoning", ID: id, Summary: []any{}, Content: []reasoningText{{Type: "reasoning_text", Text: t}}}
-			send("response.output_item.done", gin.H{"output_index": idx, "item": item})
-			items = append(items, item)
-		case "message":
-			part := outputText{Type: "output_text", Text: t, Annotations: []any{}}
-			send("response.output_text.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "text": t, "logprobs": []any{}})
-			send("response.content_part.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "part": part})
-			item := messageItem{Type: "message", ID: id, Status: "completed", Role: "assistant", Content: []outputText{part}}
-			send("response.output_item.done", gin.H{"output_index": idx, "item": item})
-			items = append(items, item)
+	part := func() any { // the open item's content part, as far as written
+		if open == "reasoning" {
+			return reasoningText{Type: "reasoning_text", Text: text.String()}
 		}
+		return outputText{Type: "output_text", Text: text.String(), Annotations: []any{}}
+	}
+	closeItem := func(status string) {
+		if open == "" {
+			return
+		}
+		idx, t := len(items), text.String()
+		var item any
+		if open == "reasoning" {
+			send("response.reasoning_text.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "text": t})
+			item = reasoningItem{Type: "reasoning", ID: id, Summary: []any{}, Content: []reasoningText{{Type: "reasoning_text", Text: t}}}
+		} else {
+			send("response.output_text.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "text": t, "logprobs": []any{}})
+			item = messageItem{Type: "message", ID: id, Status: status, Role: "assistant", Content: []outputText{{Type: "output_text", Text: t, Annotations: []any{}}}}
+		}
+		send("response.content_part.done", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "part": part()})
+		send("response.output_item.done", gin.H{"output_index": idx, "item": item})
+		items = append(items, item)
 		open = ""
 		text.Reset()
 	}
 	start := func(kind string) {
-		closeItem()
+		closeItem("completed")
 		idx := len(items)
+		open = kind
+		text.Reset()
 		if kind == "reasoning" {
-			open, id = kind, s.newID("rs")
+			id = s.newID("rs")
 			send("response.output_item.added", gin.H{"output_index": idx, "item": reasoningItem{Type: "reasoning", ID: id, Summary: []any{}, Content: []reasoningText{}}})
-			return
+		} else {
+			id = s.newID("msg")
+			send("response.output_item.added", gin.H{"output_index": idx, "item": messageItem{Type: "message", ID: id, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
 		}
-		open, id = kind, s.newID("msg")
-		send("response.output_item.added", gin.H{"output_index": idx, "item": messageItem{Type: "message", ID: id, Status: "in_progress", Role: "assistant", Content: []outputText{}}})
-		send("response.content_part.added", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "part": outputText{Type: "output_text", Annotations: []any{}}})
+		send("response.content_part.added", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "part": part()})
 	}
 	emit := func(kind, delta string) {
 		if delta == "" {
@@ -442,23 +551,44 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 	})
 	if err != nil {
 		if ctx.Err() == nil {
+			// Headers are sent: the failure is the response's, as OpenAI sends it.
 			e := toAPIError(err)
-			send("error", gin.H{"code": e.Code, "message": e.Message, "param": e.Param})
+			resp.Status, resp.Error = "failed", &ErrorDetail{Message: e.Message, Type: e.Type}
+			if e.Code != "" {
+				resp.Error.Code = &e.Code
+			}
+			send("response.failed", gin.H{"response": resp})
 		}
 		return
 	}
 	emit("message", a.text)
-	if len(items) == 0 && open != "message" && len(a.calls) == 0 {
+	if open != "message" && len(a.calls) == 0 && !slices.ContainsFunc(items, func(it any) bool { _, ok := it.(messageItem); return ok }) {
 		start("message") // an empty answer is an empty message, as in a whole response
 	}
-	closeItem()
-	for _, tc := range a.calls {
+	closeItem(a.itemStatus())
+	for i, tc := range a.calls {
 		idx := len(items)
-		item := functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Status: "in_progress"}
-		send("response.output_item.added", gin.H{"output_index": idx, "item": item})
-		send("response.function_call_arguments.delta", gin.H{"item_id": item.ID, "output_index": idx, "delta": tc.Function.Arguments})
-		send("response.function_call_arguments.done", gin.H{"item_id": item.ID, "output_index": idx, "name": tc.Function.Name, "arguments": tc.Function.Arguments})
-		item.Arguments, item.Status = tc.Function.Arguments, "completed"
+		status := "completed"
+		if i == len(a.calls)-1 {
+			status = a.itemStatus()
+		}
+		item := s.callItem(p.responses, tc, "in_progress")
+		switch it := item.(type) {
+		case functionCallItem:
+			send("response.output_item.added", gin.H{"output_index": idx, "item": it})
+			send("response.function_call_arguments.delta", gin.H{"item_id": it.ID, "output_index": idx, "delta": tc.Function.Arguments})
+			send("response.function_call_arguments.done", gin.H{"item_id": it.ID, "output_index": idx, "name": tc.Function.Name, "arguments": tc.Function.Arguments})
+			it.Arguments, it.Status = tc.Function.Arguments, status
+			item = it
+		case customCallItem:
+			input := it.Input
+			it.Input = ""
+			send("response.output_item.added", gin.H{"output_index": idx, "item": it})
+			send("response.custom_tool_call_input.delta", gin.H{"item_id": it.ID, "output_index": idx, "delta": input})
+			send("response.custom_tool_call_input.done", gin.H{"item_id": it.ID, "output_index": idx, "input": input})
+			it.Input, it.Status = input, status
+			item = it
+		}
 		send("response.output_item.done", gin.H{"output_index": idx, "item": item})
 		items = append(items, item)
 	}

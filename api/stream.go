@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/gin-gonic/gin"
@@ -48,6 +49,40 @@ func (w *sseWriter) event(name string, v any) {
 }
 
 func (w *sseWriter) raw(b []byte) { w.write("", b) }
+
+// comment writes an SSE comment, which clients skip: a sign of life.
+func (w *sseWriter) comment(text string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.failed {
+		return
+	}
+	if _, err := w.c.Writer.Write([]byte(": " + text + "\n\n")); err != nil {
+		w.failed = true
+		return
+	}
+	w.c.Writer.Flush()
+}
+
+// keepAlive calls alive every every, until the function it returns is
+// called, which returns once alive no longer runs (the handler's writer is not
+// touched after it returns). Events between do not delay it: a tick is cheap.
+func (w *sseWriter) keepAlive(every time.Duration, alive func()) (stop func()) {
+	t := time.NewTicker(every)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				alive()
+			}
+		}
+	})
+	return func() { t.Stop(); close(done); wg.Wait() }
+}
 
 // write writes one event: head, then b as its data.
 func (w *sseWriter) write(head string, b []byte) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -169,5 +170,67 @@ func TestResponsesAPI(t *testing.T) {
 	var apiErr *openai.Error
 	if _, err := c.Responses.New(ctx, pp); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 || apiErr.Param != "previous_response_id" {
 		t.Fatalf("previous_response_id: %v", err)
+	}
+}
+
+// TestResponsesCodexShapes: what Codex and the Agents SDK send and expect: a
+// reasoning item streamed with its content part, custom (freeform) tools
+// answered as custom_tool_call items, hosted tools left out, a call cut short
+// sent back, stateful fields refused, errors naming the request's own fields.
+func TestResponsesCodexShapes(t *testing.T) {
+	n := startNode(t, "--model", templateModel(t, "think", thinkingTemplate))
+	tn := startNode(t, "--model", templateModel(t, "tools", models.ToolsTemplate))
+	to := func(n *node, body string) (int, string) {
+		resp, b := post(t, n.url+"/v1/responses", body)
+		return resp.StatusCode, b
+	}
+	// Streamed thoughts: the item, its part, the deltas, done in order.
+	_, b := to(n, `{"model":"think","input":"Why?","max_output_tokens":6,"stream":true}`)
+	var types []string
+	var final responseBody
+	var reasoningTokens int
+	for line := range strings.SplitSeq(b, "\n") {
+		var ev struct {
+			Type     string          `json:"type"`
+			Response json.RawMessage `json:"response"`
+		}
+		if data, ok := strings.CutPrefix(line, "data: "); ok && json.Unmarshal([]byte(data), &ev) == nil {
+			types = append(types, ev.Type)
+			if ev.Type == "response.incomplete" {
+				final = readResponse(t, string(ev.Response))
+				var u struct {
+					Usage struct {
+						OutputTokensDetails struct {
+							ReasoningTokens int `json:"reasoning_tokens"`
+						} `json:"output_tokens_details"`
+					} `json:"usage"`
+				}
+				_ = json.Unmarshal(ev.Response, &u)
+				reasoningTokens = u.Usage.OutputTokensDetails.ReasoningTokens
+			}
+		}
+	}
+	want := []string{"response.created", "response.in_progress", "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"}
+	if len(types) < len(want) || !slices.Equal(types[:len(want)], want) || final.Output == nil || final.Output[0].Type != "reasoning" || reasoningTokens != 6 {
+		t.Fatalf("streamed thoughts: events %v, reasoning tokens %d, final %+v", types, reasoningTokens, final)
+	}
+	tools := `"tools":[{"type":"custom","name":"apply_patch","description":"Patch files"},{"type":"web_search"}],"tool_choice":"required","parallel_tool_calls":false`
+	for _, stream := range []string{"false", "true"} {
+		status, b := to(tn, `{"model":"tools","input":"Fix it.","max_output_tokens":40,"stream":`+stream+`,`+tools+`}`)
+		if status != 200 || !strings.Contains(b, `"type":"custom_tool_call"`) || !strings.Contains(b, `"name":"apply_patch"`) || stream == "true" && !strings.Contains(b, "response.custom_tool_call_input.done") {
+			t.Errorf("custom tool (stream %s): %d %s", stream, status, b)
+		}
+	}
+	for body, code := range map[string]int{
+		`{"input":[{"role":"user","content":"x"},{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\": \"cut"},{"type":"function_call_output","call_id":"c1","output":"r"},{"type":"custom_tool_call","call_id":"c2","name":"apply_patch","input":"*** Begin Patch"},{"type":"custom_tool_call_output","call_id":"c2","output":"done"}],"max_output_tokens":2}`: 200,
+		`{"input":"x","conversation":"conv_1"}`:                                         400,
+		`{"input":"x","max_output_tokens":0}`:                                           400,
+		`{"input":[{"type":"function_call_output","output":"r"}]}`:                      400,
+		`{"input":"x","tools":[{"type":"computer_use_preview"}],"max_output_tokens":2}`: 200,
+	} {
+		status, b := to(n, body)
+		if status != code || code == 400 && !strings.Contains(b, `"param":"`) || strings.Contains(body, "max_output_tokens\":0") && !strings.Contains(b, `"param":"max_output_tokens"`) {
+			t.Errorf("%s: %d %s, want %d", body, status, b, code)
+		}
 	}
 }
