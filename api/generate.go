@@ -10,6 +10,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -420,23 +421,22 @@ func (s *Server) convertSchema(param string, raw json.RawMessage) (string, error
 	return g, nil
 }
 
-// schemaToGrammar converts a schema whose bounds some value can meet. Its
-// patterns are rewritten into the form the converter takes; one it cannot
-// take refuses the request, except in tools' parameters, where it is left out
-// (the model still sees it in the tool's description, and one MCP tool's
-// pattern does not make every request of a client fail).
+// schemaToGrammar converts a schema whose bounds some value can meet. A
+// pattern a grammar cannot express refuses the request, except in tools'
+// parameters, where it is left out (the model still sees it in the tool's
+// description, and one MCP tool's pattern does not make every request of a
+// client fail).
 func (s *Server) schemaToGrammar(param string, raw json.RawMessage) (string, error) {
 	var v any
 	if err := json.Unmarshal(raw, &v); err == nil {
-		if err := checkBounds(v); err != nil {
+		if err := checkBounds(v, false); err != nil {
 			return "", err
 		}
 	}
-	raw, err := engine.RewritePatterns(raw, param == "tools")
-	if err != nil {
-		return "", err
+	if param == "tools" {
+		raw = engine.DropPatterns(raw)
 	}
-	return s.cfg.SchemaToGrammar(raw)
+	return s.cfg.SchemaToGrammar(raw) // the converter's wrapper rewrites the patterns (engine.RewritePatterns)
 }
 
 // boundPairs are a schema's lower and upper bounds, and whether equal ones
@@ -452,29 +452,31 @@ var boundPairs = []struct {
 
 // checkBounds refuses a schema, or any schema within it, whose lower bound
 // passes its upper: no value matches it, and the grammar llama.cpp would make
-// of minLength above maxLength never stops growing.
-func checkBounds(v any) error {
+// of minLength above maxLength never stops growing. names says v maps names to
+// schemas (properties, $defs): its keys are names, not keywords.
+func checkBounds(v any, names bool) error {
 	switch v := v.(type) {
 	case map[string]any:
-		for _, b := range boundPairs {
-			lo, ok1 := v[b.lo].(float64)
-			hi, ok2 := v[b.hi].(float64)
-			if ok1 && ok2 && (lo > hi || b.open && lo == hi) {
-				return fmt.Errorf("%s %v and %s %v: no value is within them", b.lo, lo, b.hi, hi)
+		if !names {
+			for _, b := range boundPairs {
+				lo, ok1 := v[b.lo].(float64)
+				hi, ok2 := v[b.hi].(float64)
+				if ok1 && ok2 && (lo > hi || b.open && lo == hi) {
+					return fmt.Errorf("%s %v and %s %v: no value is within them", b.lo, lo, b.hi, hi)
+				}
 			}
 		}
 		for k, x := range v {
-			switch k {
-			case "default", "examples", "const", "enum":
+			if !names && slices.Contains([]string{"default", "examples", "const", "enum"}, k) {
 				continue // values, not schemas
 			}
-			if err := checkBounds(x); err != nil {
+			if err := checkBounds(x, !names && slices.Contains([]string{"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}, k)); err != nil {
 				return err
 			}
 		}
 	case []any:
 		for _, x := range v {
-			if err := checkBounds(x); err != nil {
+			if err := checkBounds(x, false); err != nil {
 				return err
 			}
 		}

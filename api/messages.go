@@ -461,7 +461,6 @@ func (s *Server) translatedPlan(c *gin.Context, b *Backend, translate func() (*C
 		if e := (*Error)(nil); errors.As(err, &e) && params[e.Param] != "" {
 			renamed := *e
 			renamed.Param = params[e.Param]
-			renamed.Message = strings.ReplaceAll(e.Message, e.Param, renamed.Param)
 			err = &renamed
 		}
 		abort(c, err)

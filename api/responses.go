@@ -217,10 +217,10 @@ func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 		switch {
 		case bytes.HasPrefix(bytes.TrimSpace(r.ToolChoice), []byte(`"`)):
 			chat.ToolChoice = r.ToolChoice // auto, none, required
-		case json.Unmarshal(r.ToolChoice, &named) == nil && named.Type == "function":
+		case json.Unmarshal(r.ToolChoice, &named) == nil && (named.Type == "function" || named.Type == "custom"):
 			chat.ToolChoice, _ = json.Marshal(map[string]any{"type": "function", "function": map[string]string{"name": named.Name}})
 		default:
-			return nil, invalid("tool_choice", "tool_choice must be auto, none, required or {\"type\": \"function\", \"name\": ...}")
+			return nil, invalid("tool_choice", "tool_choice must be auto, none, required or {\"type\": \"function\" (or \"custom\"), \"name\": ...}")
 		}
 	}
 	chat.ParallelToolCalls = r.ParallelToolCalls

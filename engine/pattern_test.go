@@ -6,45 +6,54 @@ import (
 )
 
 func TestGrammarPattern(t *testing.T) {
+	const dot = `[^"\x5C\x00-\x1F]`
 	for in, want := range map[string]string{
-		"^[0-9]{3}$":          "^[0-9]{3}$",
-		"abc":                 "^.*(abc).*$",
-		"^abc":                "^(abc).*$",
-		"abc$":                "^.*(abc)$",
-		`^\d{3}-\w+\s?$`:      `^[0-9]{3}-[a-zA-Z0-9_]+[ \t\n\r]?$`,
-		"^(?:ab)+$":           "^(ab)+$",
-		`^[\d\-.]+$`:          `^[0-9\x2D.]+$`,
-		`^a\/b\.c\$$`:         `^a/b\.c\$$`,
-		"^.*(abc).*$":         "^.*(abc).*$", // its own output stays
-		`^[^"\\]*$`:           `^[^"\x5C]*$`,
-		"^(a|b)*?c{2,}?$":     "^(a|b)*c{2,}$",
-		"^é+$":                "^(é)+$",
-		`^\u00e9[\x41-\x5a]$`: `^\u00e9[\x41-\x5a]$`,
-		`^\u00e$`:             "",
-		"^(?=.*[a-z]).+$":     "",
-		"^(?!x)a$":            "",
-		"^*a$":                "",
-		"^a{5,3}$":            "",
-		"^a{x}$":              "",
-		`^\bword\b$`:          "",
-		`^\p{L}+$`:            "",
-		`^(a)\1$`:             "",
-		"^(a$":                "",
-		"^a)$":                "",
-		"^[]$":                "",
-		"^[a$":                "",
-		"a^b":                 "",
-		`^a\`:                 "",
-		"^(|+)$":              "",
-		"^(a|)+$":             "",
-		"^a**$":               "",
-		"^a*+$":               "",
-		"^a{0}$":              "",
-		"^a{0,0}*$":           "",
-		"^()*$":               "",
-		"^a|$":                "",
-		`^a\|$`:               `^a\|$`,
-		`^\u00e9{2}\.+$`:      `^(\u00e9){2}(\.)+$`,
+		"^[0-9]{3}$":      "^[0-9]{3}$",
+		"abc":             "^" + dot + "*(abc)" + dot + "*$", // JSON Schema's patterns search
+		"^abc":            "^(abc)" + dot + "*$",
+		"abc$":            "^" + dot + "*(abc)$",
+		"^a|b$":           "^((a)" + dot + "*|" + dot + "*(b))$", // each alternative its own anchor
+		"":                "^" + dot + "*$",
+		`^\d{3}-\w+\s?$`:  `^[0-9]{3}-[a-zA-Z0-9_]+( |\\t|\\n|\\r)?$`,
+		"^(?:ab)+$":       "^(ab)+$",
+		`^[\d\-.]+$`:      `^[0-9\x2D.]+$`,
+		`^[\w-.]+$`:       `^[a-zA-Z0-9_\x2D.]+$`, // a - after a set is itself
+		`^a\/b\.c\$$`:     `^a/b\.c\$$`,
+		`^[^"\\]*$`:       `^[^"\x5C"\x5C\x00-\x1F]*$`,
+		"^(a|b)*?c{2,}?$": "^(a|b)*c{2,}$", // lazy: the same strings
+		"^é+$":            "^(é)+$",
+		`^\u00e9{2}\.+$`:  `^(é){2}(\.)+$`,
+		`^a"*$`:           `^a(\\")*$`, // as the JSON text spells it
+		`^C:\\dir$`:       `^C:(\\\\)dir$`,
+		`^[ -~]+$`:        `^[\x20-\x21\x23-\x5B\x5D-\x7E]+$`, // printable, less what JSON escapes
+		`^\(?\d{3}\)?$`:   `^(\()?[0-9]{3}(\))?$`,
+		`^(\(|\[)$`:       `^(\(|\[)$`,
+		"^(x?){2,3}$":     "^(x?){2,3}$",
+		"^(?=.*[a-z]).+$": "",
+		"^(?!x)a$":        "",
+		"^*a$":            "",
+		"^a{5,3}$":        "",
+		"^a{x}$":          "",
+		"a{,3}":           "", // a literal in ECMA, which the converter cannot take
+		"^a{0}$":          "",
+		`^\bword\b$`:      "",
+		`^\p{L}+$`:        "",
+		`^(a)\1$`:         "",
+		"^(a$":            "",
+		"^a)$":            "",
+		"^[]$":            "",
+		"^[a$":            "",
+		"^[\"a]$":         "", // a quote alone in a positive class
+		"a^b":             "",
+		`^a\`:             "",
+		"^(|+)$":          "",
+		"^(a|)+$":         "",
+		"^()*$":           "",
+		"^a**$":           "",
+		"^(a*)*$":         "", // llama.cpp's grammar recursed without end on these
+		"^(a?)+$":         "",
+		"^(x?){2,}$":      "",
+		"^\x00$":          "",
 	} {
 		got, err := GrammarPattern(in)
 		if want == "" {
@@ -60,27 +69,33 @@ func TestGrammarPattern(t *testing.T) {
 }
 
 func TestRewritePatterns(t *testing.T) {
-	in := `{"type":"object","properties":{"pattern":{"type":"string","pattern":"abc"},"b":{"pattern":"^(?=x)$","const":{"pattern":"(?="}}},"default":{"pattern":"x"}}`
-	if _, err := RewritePatterns([]byte(in), false); err == nil {
+	// A property may be named pattern, default or const: its value is still a
+	// schema. Within const, default, enum, examples, a pattern is data.
+	in := `{"type":"object","properties":{"pattern":{"type":"string","pattern":"^a$"},"default":{"pattern":"^(?:ab)+$"},"b":{"pattern":"^(?=x)$","const":{"pattern":"(?="}}},"default":{"pattern":"x"}}`
+	if _, err := RewritePatterns([]byte(in)); err == nil {
 		t.Fatal("an unsupported pattern was not refused")
 	}
-	out, err := RewritePatterns([]byte(in), true)
-	want := `{"type":"object","properties":{"pattern":{"type":"string","pattern":"^.*(abc).*$"},"b":{"x-unsupported-pattern":"^(?=x)$","const":{"pattern":"(?="}}},"default":{"pattern":"x"}}`
-	if err != nil || string(out) != want {
-		t.Fatalf("got  %s %v\nwant %s", out, err, want)
+	dropped := `{"type":"object","properties":{"pattern":{"type":"string","pattern":"^a$"},"default":{"pattern":"^(?:ab)+$"},"b":{"x-unsupported-pattern":"^(?=x)$","const":{"pattern":"(?="}}},"default":{"pattern":"x"}}`
+	if got := DropPatterns([]byte(in)); string(got) != dropped {
+		t.Fatalf("dropped:\ngot  %s\nwant %s", got, dropped)
+	}
+	rewritten := `{"type":"object","properties":{"pattern":{"type":"string","pattern":"^a$"},"default":{"pattern":"^(ab)+$"},"b":{"x-unsupported-pattern":"^(?=x)$","const":{"pattern":"(?="}}},"default":{"pattern":"x"}}`
+	if got, err := RewritePatterns([]byte(dropped)); err != nil || string(got) != rewritten {
+		t.Fatalf("rewritten:\ngot  %s %v\nwant %s", got, err, rewritten)
 	}
 	same := []byte(`{"a":[1,{"pattern":"^a$"}],"":"pattern","pattern":"^b$"}`)
-	if out, err := RewritePatterns(same, false); err != nil || string(out) != string(same) {
+	if out, err := RewritePatterns(same); err != nil || string(out) != string(same) {
 		t.Fatalf("unchanged: %s %v", out, err)
 	}
 }
 
 func FuzzRewritePatterns(f *testing.F) {
 	for _, s := range []string{`{"pattern":"a"}`, `{"":"pattern","x":"y"}`, `[{"pattern":1}]`, `{"pattern":"^(?:a)+$"}`, `{"properties":{"p":{"pattern":"\\d"}}}`} {
-		f.Add(s, true)
+		f.Add(s)
 	}
-	f.Fuzz(func(t *testing.T, s string, drop bool) {
-		_, _ = RewritePatterns([]byte(s), drop) // no panic, whatever the text
+	f.Fuzz(func(t *testing.T, s string) {
+		_, _ = RewritePatterns([]byte(s)) // no panic, whatever the text
+		_ = DropPatterns([]byte(s))
 		_, _ = GrammarPattern(s)
 	})
 }

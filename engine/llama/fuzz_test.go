@@ -3,10 +3,13 @@ package llama
 import (
 	"bytes"
 	"encoding/json"
+	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/models"
 )
 
@@ -53,21 +56,50 @@ func FuzzCheckGGUF(f *testing.F) {
 }
 
 // FuzzSchemaPatterns: whatever a schema's pattern, converting the schema
-// never crashes the process (llama.cpp's converter did on (?:a)+), and a
-// grammar it makes parses.
+// never crashes the process (llama.cpp's converter did on (?:a)+), a grammar
+// it makes parses, and writing a string under it (the first token that fits
+// of a seeded random ranking, step by step) neither crashes (llama.cpp's
+// grammar recursed without end on (a*)*) nor writes text that is not a JSON
+// string.
 func FuzzSchemaPatterns(f *testing.F) {
 	e := openTest(f, models.Tiny(), nil)
-	for _, p := range []string{"^(?:ab)+$", "abc", `^\d{3}$`, "^(?=x)a$", "^*$", `^[\d\-]+$`, "^(a|)+$", `^\u00e9{2}$`, "^()*$"} {
-		f.Add(p)
+	for _, p := range []string{"^(?:ab)+$", "abc", `^\d{3}$`, "^(?=x)a$", "^*$", `^[\d\-]+$`, "^(a|)+$", `^\u00e9{2}$`, "^()*$", `^a"b\\c$`, "[ -~]+", `^(a?){1,3}$`} {
+		f.Add(p, uint64(1))
 	}
-	f.Fuzz(func(t *testing.T, p string) {
+	f.Fuzz(func(t *testing.T, p string, seed uint64) {
 		schema, _ := json.Marshal(map[string]any{"type": "string", "pattern": p})
 		g, err := SchemaToGrammar(schema)
 		if err != nil {
 			return
 		}
-		if err := e.vocab.CheckGrammar(g); err != nil {
+		gr, err := e.NewGrammar(g, nil)
+		if err != nil {
 			t.Fatalf("pattern %q: the grammar does not parse: %v\n%s", p, err, g)
+		}
+		defer gr.Close()
+		rng := rand.New(rand.NewPCG(seed, 7))
+		var out []byte
+		cands := make([]engine.TokenLogit, e.vocab.Size())
+		for range 24 {
+			for i := range cands {
+				cands[i] = engine.TokenLogit{Token: engine.Token(i), Logit: rng.Float32()}
+			}
+			gr.Apply(cands)
+			best := -1
+			for i, c := range cands {
+				if !math.IsInf(float64(c.Logit), -1) && !e.vocab.IsEOG(c.Token) && (best < 0 || c.Logit > cands[best].Logit) {
+					best = i
+				}
+			}
+			if best < 0 {
+				break
+			}
+			gr.Accept(cands[best].Token)
+			piece, _ := e.vocab.Piece(cands[best].Token, false)
+			out = append(out, piece...)
+			if s := bytes.TrimRight(out, " \n\t"); len(s) > 1 && s[len(s)-1] == '"' && !json.Valid(s) && !bytes.HasSuffix(s, []byte(`\"`)) {
+				t.Fatalf("pattern %q: %q is no JSON string\n%s", p, s, g)
+			}
 		}
 	})
 }

@@ -277,10 +277,10 @@ const maxGrammarBytes = 64 << 20
 // at its buffer's size without telling, so a result that fills the buffer is
 // converted again into a larger one (ollama's own wrapper would return it cut).
 func SchemaToGrammar(schema []byte) (string, error) {
-	// The converter crashes the process on some patterns it does not take:
-	// every pattern goes through GrammarPattern first (a no-op on its own
-	// output).
-	schema, err := engine.RewritePatterns(schema, false)
+	// The converter crashes the process on some patterns it does not take, and
+	// writes others' quotes raw into the JSON string: every pattern goes
+	// through GrammarPattern first.
+	schema, err := engine.RewritePatterns(schema)
 	if err != nil {
 		return "", fmt.Errorf("json schema to grammar: %w", err)
 	}
