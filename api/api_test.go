@@ -651,3 +651,17 @@ func TestGrammarCheckedBeforeAnswer(t *testing.T) {
 		}
 	}
 }
+
+// TestTokenStrs: /tokenize returns each token's text with return_token_strs,
+// as vLLM's.
+func TestTokenStrs(t *testing.T) {
+	s := newTestServer(t, nil)
+	w := s.do(t, "POST", "/tokenize", `{"prompt":"hello","add_special_tokens":false,"return_token_strs":true}`)
+	var r TokenizeResponse
+	if w.Code != 200 || json.Unmarshal(w.Body.Bytes(), &r) != nil || len(r.TokenStrs) != r.Count || r.Count == 0 || r.TokenStrs[0] == "" {
+		t.Fatalf("%d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "POST", "/tokenize", `{"prompt":"hello"}`); strings.Contains(w.Body.String(), "token_strs") {
+		t.Fatalf("token_strs unasked: %s", w.Body)
+	}
+}

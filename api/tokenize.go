@@ -63,11 +63,14 @@ func (s *Server) tokenize(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	out := make([]int32, len(toks))
+	resp := TokenizeResponse{Count: len(toks), MaxModelLen: b.Generator.MaxContext(), Tokens: make([]int32, len(toks))}
 	for i, t := range toks {
-		out[i] = int32(t)
+		resp.Tokens[i] = int32(t)
+		if req.ReturnTokenStrs {
+			resp.TokenStrs = append(resp.TokenStrs, pieceString(b.Vocab, t))
+		}
 	}
-	c.JSON(http.StatusOK, TokenizeResponse{Count: len(out), MaxModelLen: b.Generator.MaxContext(), Tokens: out})
+	c.JSON(http.StatusOK, resp)
 }
 
 func (s *Server) detokenize(c *gin.Context) {

@@ -381,6 +381,7 @@ type TokenizeRequest struct {
 	Prompt           *string   `json:"prompt"`
 	Messages         []Message `json:"messages"`
 	AddSpecialTokens *bool     `json:"add_special_tokens"`
+	ReturnTokenStrs  bool      `json:"return_token_strs"`
 	// Tools, and the output constraint their answers follow, are counted as
 	// chat renders them.
 	ToolFields
@@ -393,9 +394,10 @@ type TokenizeRequest struct {
 
 // TokenizeResponse is the body of a /tokenize answer.
 type TokenizeResponse struct {
-	Count       int     `json:"count"`
-	MaxModelLen int     `json:"max_model_len"`
-	Tokens      []int32 `json:"tokens"`
+	Count       int      `json:"count"`
+	MaxModelLen int      `json:"max_model_len"`
+	Tokens      []int32  `json:"tokens"`
+	TokenStrs   []string `json:"token_strs,omitempty"` // with return_token_strs, as vLLM's
 }
 
 // DetokenizeRequest is the body of POST /detokenize.
