@@ -132,7 +132,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	body, _ := c.Get(bodyKey)
 	raw, _ := body.([]byte)
 	var lastErr error
-	busy, broken := 0, 0 // peers that answered 429 (queue full), and that failed
+	busy, broken, refused := 0, 0, 0 // peers that answered 429 (queue full), that failed, that answered 401
 	for i, t := range targets {
 		if i == maxForwardTries {
 			break
@@ -150,9 +150,16 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			if re.Unreachable {
 				cs.node.Unreachable(t.Name)
 			}
-			if re.Status == http.StatusTooManyRequests {
+			switch re.Status {
+			case http.StatusTooManyRequests:
 				busy++
-			} else {
+			case http.StatusUnauthorized:
+				if strings.Contains(err.Error(), "invalid_cluster_credential") {
+					broken++ // another --cluster-secret: misconfigured, logged above
+				} else {
+					refused++ // the client's key
+				}
+			default:
 				broken++
 			}
 			lastErr = err
@@ -179,6 +186,12 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	}
 	if tokens != nil {
 		return false, noop // no peer answered: serve here if this node can
+	}
+	if refused > 0 && busy == 0 && broken == 0 {
+		// Every peer refused the client's key (this node, without keys of its
+		// own, forwarded it): the client's to mend, not a failure.
+		abort(c, errUnauthorized)
+		return true, noop
 	}
 	if busy > 0 && broken == 0 { // every peer tried was busy, none broken: come back later
 		s.metrics.rejected(errSaturatedMarker)

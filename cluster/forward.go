@@ -126,7 +126,7 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 	if err != nil {
 		return err
 	}
-	for _, h := range []string{"Content-Type", "Accept", "Authorization"} {
+	for _, h := range []string{"Content-Type", "Accept", "Authorization", "X-Api-Key"} {
 		if v := header.Get(h); v != "" {
 			req.Header.Set(h, v)
 		}

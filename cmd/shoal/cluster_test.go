@@ -419,3 +419,34 @@ func TestTLSAndManyModels(t *testing.T) {
 		t.Fatalf("shoal status --tls-ca: exit %d\n%s%s", code, out.String(), errb.String())
 	}
 }
+
+// TestKeylessNodeForwards: a node without API keys forwards a request for a
+// keyed node's model with the client's key, as Authorization or x-api-key;
+// without one, every peer refuses it and the client gets 401, not 502.
+func TestKeylessNodeForwards(t *testing.T) {
+	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	a := startNode(t, "--model", smallModel(t), "--model-name", "a", "--gossip-addr", g1, "--gossip-key", gk, "--api-key", "k1")
+	b := startNode(t, "--model", smallModel(t), "--model-name", "b", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
+	waitFor(t, "b lists a's model", func() bool {
+		resp, err := http.Get(b.url + "/v1/models")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		out, _ := io.ReadAll(resp.Body)
+		return strings.Contains(string(out), `"id":"a"`)
+	})
+	body := `{"model":"a","prompt":"hi","max_tokens":2}`
+	for _, hdr := range [][]string{{"Authorization", "Bearer k1"}, {"X-Api-Key", "k1"}} {
+		if resp, out := post(t, b.url+"/v1/completions", body, hdr...); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") == "" {
+			t.Errorf("key as %s: %d %s", hdr[0], resp.StatusCode, out)
+		}
+	}
+	if resp, out := post(t, b.url+"/v1/completions", body); resp.StatusCode != 401 {
+		t.Errorf("without a key: %d %s, want 401", resp.StatusCode, out)
+	}
+	if resp, _ := post(t, a.url+"/v1/completions", body); resp.StatusCode != 401 {
+		t.Errorf("a without a key: %d", resp.StatusCode)
+	}
+}
