@@ -75,6 +75,7 @@ type plan struct {
 	chat      bool
 	completes bool // legacy completions logprobs format
 	anthropic bool // answered as Anthropic's Messages API
+	warm      bool // Anthropic's max_tokens 0: the prompt computed, the answer empty
 	// params names the chat fields a translated request (anthropic, responses)
 	// has under other names, for its errors.
 	params    map[string]string

@@ -437,8 +437,15 @@ func (s *Server) messages(c *gin.Context) {
 		abort(c, invalid("max_tokens", "max_tokens is required"))
 		return
 	}
+	// max_tokens 0 warms the prompt cache (Anthropic's): the prompt is
+	// computed (and a token drawn, unseen), the answer is empty.
+	warm := *req.MaxTokens == 0
+	if warm {
+		one := 1
+		req.MaxTokens = &one
+	}
 	if p, ok := s.translatedPlan(c, b, req.chatRequest, anthropicParams); ok {
-		p.anthropic = true
+		p.anthropic, p.warm = true, warm
 		s.routeOrRun(c, b, p, forwarded)
 	}
 }
@@ -552,6 +559,9 @@ func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submit
 		return
 	}
 	a := s.answer(&choices[0])
+	if p.warm {
+		a, usage.CompletionTokens = chatAnswer{finish: "length"}, 0
+	}
 	reason, seq := a.anthropicStop()
 	c.JSON(http.StatusOK, MessageResponse{ID: s.newID("msg"), Type: "message", Role: "assistant", Model: p.model,
 		Content: a.blocks(), StopReason: &reason, StopSequence: seq, Usage: anthropicUsage(usage)})
@@ -611,7 +621,7 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 	}
 	emit := func(kind, text string) {
-		if text == "" {
+		if text == "" || p.warm {
 			return
 		}
 		if open != kind {
@@ -639,6 +649,9 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 			w.event("error", anthropicError(toAPIError(err)))
 		}
 		return
+	}
+	if p.warm {
+		a, usage.CompletionTokens = chatAnswer{finish: "length"}, 0
 	}
 	emit("text", a.text)
 	closeBlock()

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/url"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -381,8 +382,16 @@ func (s *Server) checkModel(model string) error {
 }
 
 func (s *Server) unknownModel(id string) *Error {
+	var ids []string
+	for _, m := range s.modelList().Data {
+		ids = append(ids, strconv.Quote(m.ID))
+	}
+	where := "this server serves"
+	if len(ids) > 1 {
+		where = "the cluster serves"
+	}
 	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
-		Message: fmt.Sprintf("the model %q does not exist; this server serves %q", id, s.cfg.ModelName)}
+		Message: fmt.Sprintf("the model %q does not exist; %s %s", id, where, strings.Join(ids, ", "))}
 }
 
 func (s *Server) models(c *gin.Context) { c.JSON(http.StatusOK, s.modelList()) }

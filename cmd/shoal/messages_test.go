@@ -158,6 +158,13 @@ func TestAnthropicMessages(t *testing.T) {
 			t.Errorf("%s (key %s): %d %s, want %d %s", c.body, c.key, resp.StatusCode, b, c.status, c.typ)
 		}
 	}
+	// max_tokens 0 warms the cache: the prompt is computed, the answer empty.
+	for _, stream := range []string{"false", "true"} {
+		resp, b := post(t, n.url+"/v1/messages", `{"model":"tools","max_tokens":0,"stream":`+stream+`,"messages":[{"role":"user","content":"x"}]}`, "X-Api-Key", "sk-test")
+		if resp.StatusCode != 200 || !strings.Contains(b, `"output_tokens":0`) || !strings.Contains(b, `"stop_reason":"max_tokens"`) || strings.Contains(b, `"text"`) {
+			t.Errorf("max_tokens 0 (stream %s): %d %s", stream, resp.StatusCode, b)
+		}
+	}
 	// Either header may carry the key (some clients send both), the scheme in
 	// any case; unknown routes and methods answer in Anthropic's format too.
 	body := `{"model":"tools","max_tokens":2,"messages":[{"role":"user","content":"x"}]}`
