@@ -58,19 +58,23 @@ func toolParams(schema json.RawMessage) ([]toolParam, map[string]json.RawMessage
 	var params []toolParam
 	if given(top.Properties) && string(bytes.TrimSpace(top.Properties)) != "{}" {
 		dec := json.NewDecoder(bytes.NewReader(top.Properties))
-		if _, err := dec.Token(); err != nil { // {
-			return nil, nil, err
+		if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+			return nil, nil, fmt.Errorf("properties must be an object")
 		}
 		for dec.More() {
-			k, err := dec.Token()
+			tok, err := dec.Token()
 			if err != nil {
 				return nil, nil, err
+			}
+			k, ok := tok.(string)
+			if !ok {
+				return nil, nil, fmt.Errorf("properties must be an object")
 			}
 			var raw json.RawMessage
 			if err := dec.Decode(&raw); err != nil {
 				return nil, nil, err
 			}
-			p := toolParam{name: k.(string), schema: raw}
+			p := toolParam{name: k, schema: raw}
 			var ps struct {
 				Type json.RawMessage `json:"type"`
 				Enum []any           `json:"enum"`

@@ -86,6 +86,9 @@ func GrammarPattern(p string) (string, error) {
 			b.WriteString(s)
 			atom(false)
 		case '(':
+			if len(levels) > maxGroupDepth {
+				return bad(fmt.Sprintf("groups nested more than %d deep", maxGroupDepth))
+			}
 			if strings.HasPrefix(body[i+1:], "?") {
 				if !strings.HasPrefix(body[i+1:], "?:") {
 					return bad("a group starting (?") // lookarounds, named groups, flags

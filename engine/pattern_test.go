@@ -2,6 +2,8 @@ package engine
 
 import (
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 )
 
@@ -98,4 +100,33 @@ func FuzzRewritePatterns(f *testing.F) {
 		_ = DropPatterns([]byte(s))
 		_, _ = GrammarPattern(s)
 	})
+}
+
+func TestCheckSchema(t *testing.T) {
+	long := strings.Repeat("!", maxSchemaName+1)
+	chain := `{"$ref":"#/$defs/a0","$defs":{`
+	for i := range maxRefChain + 2 {
+		chain += fmt.Sprintf(`"a%d":{"$ref":"#/$defs/a%d"},`, i, i+1)
+	}
+	chain += fmt.Sprintf(`"a%d":{"type":"string"}}}`, maxRefChain+2)
+	for schema, bad := range map[string]bool{
+		`{"$ref":"#/$defs/a","$defs":{"a":{"$ref":"#/$defs/a"}}}`:                                      true,
+		`{"allOf":[{"$ref":"#/$defs/a"}],"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}}}`: true,
+		`{"allOf":[{"$ref":"#"}]}`: true,
+		`{"type":"object","properties":{"` + long + `":{"type":"string"}}}`: true,
+		`{"properties":{"x":{"$ref":"#/$defs/` + long + `"}}}`:              true,
+		chain: true,
+		`{"type":"object","properties":{"kids":{"type":"array","items":{"$ref":"#"}}}}`:            false, // a tree
+		`{"$ref":"#/$defs/node","$defs":{"node":{"properties":{"next":{"$ref":"#/$defs/node"}}}}}`: false,
+		`{"allOf":[{"$ref":"#/$defs/a"},{"$ref":"#/$defs/a"}],"$defs":{"a":{"type":"object"}}}`:    false,
+		`not json`: false,
+	} {
+		if err := CheckSchema([]byte(schema)); (err != nil) != bad || err != nil && !errors.Is(err, ErrInvalidInput) {
+			t.Errorf("%.80s: %v, want refused %v", schema, err, bad)
+		}
+	}
+	deep := "^" + strings.Repeat("(", maxGroupDepth+2) + "a" + strings.Repeat(")", maxGroupDepth+2) + "$"
+	if _, err := GrammarPattern(deep); err == nil {
+		t.Error("a pattern nested too deep was taken")
+	}
 }

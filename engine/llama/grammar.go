@@ -280,6 +280,9 @@ func SchemaToGrammar(schema []byte) (string, error) {
 	// The converter crashes the process on some patterns it does not take, and
 	// writes others' quotes raw into the JSON string: every pattern goes
 	// through GrammarPattern first.
+	if err := engine.CheckSchema(schema); err != nil {
+		return "", fmt.Errorf("json schema to grammar: %w", err)
+	}
 	schema, err := engine.RewritePatterns(schema)
 	if err != nil {
 		return "", fmt.Errorf("json schema to grammar: %w", err)

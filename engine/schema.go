@@ -1,0 +1,106 @@
+package engine
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+)
+
+// Limits on what llama.cpp's schema converter is given: it recurses in C++,
+// where running out of stack kills the process, once per character of a
+// property name (through std::regex), once per $ref it follows under allOf
+// (without end on a cycle) and once per level of a pattern's groups.
+const (
+	maxSchemaName = 1024 // bytes of a property name, a $defs name or a $ref
+	maxRefChain   = 64   // $refs (and allOf components) followed one into another
+	maxGroupDepth = 32   // nested groups of a pattern
+)
+
+// CheckSchema refuses a JSON schema llama.cpp's converter would crash on: a
+// name longer than maxSchemaName, a $ref cycle through allOf or aliases, a
+// chain of them deeper than maxRefChain. Recursion through properties or
+// items (a tree) is fine: the converter refers to a rule there.
+func CheckSchema(schema []byte) error {
+	var root any
+	if err := json.Unmarshal(schema, &root); err != nil {
+		return nil // the converter refuses it itself
+	}
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("json schema: "+format+": %w", append(args, ErrInvalidInput)...)
+	}
+	resolve := func(ref string) (any, bool) {
+		if ref == "#" {
+			return root, true
+		}
+		for _, prefix := range []string{"#/$defs/", "#/definitions/"} {
+			if name, ok := strings.CutPrefix(ref, prefix); ok {
+				defs, _ := root.(map[string]any)[strings.TrimSuffix(strings.TrimPrefix(prefix, "#/"), "/")].(map[string]any)
+				v, ok := defs[name]
+				return v, ok
+			}
+		}
+		return nil, false
+	}
+	// follow walks what the converter follows one into another from v: its
+	// $ref, and its allOf's components.
+	var follow func(v any, depth int, seen map[string]bool) error
+	follow = func(v any, depth int, seen map[string]bool) error {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return nil
+		}
+		if depth > maxRefChain {
+			return bad("$refs and allOf followed more than %d deep", maxRefChain)
+		}
+		if ref, ok := m["$ref"].(string); ok {
+			if seen[ref] {
+				return bad("the $ref %.64q refers back to itself through $refs or allOf", ref)
+			}
+			if target, ok := resolve(ref); ok {
+				seen[ref] = true
+				err := follow(target, depth+1, seen)
+				delete(seen, ref)
+				if err != nil {
+					return err
+				}
+			}
+		}
+		all, _ := m["allOf"].([]any)
+		for _, c := range all {
+			if err := follow(c, depth+1, seen); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var walk func(v any) error
+	walk = func(v any) error {
+		switch v := v.(type) {
+		case map[string]any:
+			for k, x := range v {
+				if len(k) > maxSchemaName {
+					return bad("a name of %d bytes (at most %d)", len(k), maxSchemaName)
+				}
+				if s, ok := x.(string); ok && k == "$ref" && len(s) > maxSchemaName {
+					return bad("a $ref of %d bytes (at most %d)", len(s), maxSchemaName)
+				}
+				if err := walk(x); err != nil {
+					return err
+				}
+			}
+			_, hasRef := v["$ref"]
+			_, hasAll := v["allOf"]
+			if hasRef || hasAll {
+				return follow(v, 0, map[string]bool{})
+			}
+		case []any:
+			for _, x := range v {
+				if err := walk(x); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	}
+	return walk(root)
+}
