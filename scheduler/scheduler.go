@@ -918,7 +918,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 		case errors.Is(serr, sample.ErrNoneAllowed):
 			// The request's own constraint: a schema no value meets, a bias
 			// that bans every token.
-			serr = fmt.Errorf("%w: the request's output constraint (grammar, schema, logit_bias) allows no next token", ErrInvalid)
+			serr = fmt.Errorf("%w: the request's output constraint (grammar, schema, logit_bias) allows no next token, or is too costly to follow", ErrInvalid)
 		case !errors.Is(serr, ErrInvalid):
 			serr = fmt.Errorf("sample: %w", serr)
 		}

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"time"
 	"unsafe"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -208,11 +209,29 @@ func (l *lazyGrammar) Close() error {
 	return nil
 }
 
+// maxGrammarStep bounds one step of a grammar (Apply or Accept). llama.cpp
+// follows every way the output so far may continue; a grammar whose
+// alternatives overlap (nested anyOf of arrays) multiplies them with each
+// token, each step several times slower than the last, and a step cannot be
+// interrupted while the whole batch waits. Past this, the grammar allows
+// nothing more: the request fails (400), and the others go on.
+const maxGrammarStep = time.Second
+
+// errGrammarTooSlow is the failure of a grammar whose step took too long.
+var errGrammarTooSlow = errors.New("grammar: a step took longer than a second (a schema whose alternatives overlap?)")
+
 // Apply sets the logits of forbidden candidates to -Inf.
 func (g *Grammar) Apply(cands []engine.TokenLogit) {
+	if g.err == errGrammarTooSlow {
+		for i := range cands {
+			cands[i].Logit = float32(math.Inf(-1))
+		}
+		return
+	}
 	if g.s == nil || len(cands) == 0 || g.err != nil {
 		return
 	}
+	defer g.timed(time.Now())
 	if len(cands) > g.cap {
 		C.free(unsafe.Pointer(g.data))
 		g.data = (*C.llama_token_data)(C.malloc(C.size_t(len(cands)) * C.size_t(unsafe.Sizeof(C.llama_token_data{}))))
@@ -250,8 +269,16 @@ func (g *Grammar) Accept(t engine.Token) {
 			return
 		}
 	}
+	defer g.timed(time.Now())
 	if C.shoal_grammar_accept(g.s, C.llama_token(t)) != 0 {
 		g.err = fmt.Errorf("grammar rejected token %d", t)
+	}
+}
+
+// timed stops the grammar once a step that began at start took too long.
+func (g *Grammar) timed(start time.Time) {
+	if time.Since(start) > maxGrammarStep && g.err == nil {
+		g.err = errGrammarTooSlow
 	}
 }
 
