@@ -896,6 +896,14 @@ type choiceState struct {
 	started   bool          // output was made
 }
 
+// countThought counts ev's token among the thoughts when it wrote some (or,
+// a part of a character, wrote nothing yet while the thoughts go on).
+func (ch *choiceState) countThought(ev scheduler.Event, reasoning string) {
+	if ev.Kind == scheduler.EventToken && (reasoning != "" || ch.output != nil && ch.output.thinking()) {
+		ch.thoughts++
+	}
+}
+
 func finishString(f scheduler.FinishReason) string {
 	if f == scheduler.FinishLength {
 		return "length"
@@ -988,9 +996,7 @@ func (s *Server) collect(c *gin.Context, b *Backend, p *plan, subs []submitted) 
 				var reasoning string
 				reasoning, text = ch.output.follow(sub.stream, ev)
 				ch.reasoning.WriteString(reasoning)
-				if reasoning != "" && ev.Kind == scheduler.EventToken {
-					ch.thoughts++
-				}
+				ch.countThought(ev, reasoning)
 			}
 			switch ev.Kind {
 			case scheduler.EventToken:

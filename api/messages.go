@@ -580,9 +580,7 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 		if ch.output != nil {
 			reasoning, text = ch.output.follow(sub.stream, ev)
 		}
-		if reasoning != "" && ev.Kind == scheduler.EventToken {
-			ch.thoughts++
-		}
+		ch.countThought(ev, reasoning)
 		emit(reasoning, text)
 		if ev.Kind == scheduler.EventFinish {
 			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)

@@ -215,6 +215,9 @@ func (o *choiceOutput) end(newID func() string, generated string) (text string, 
 	return text, calls, o.tools.finishReason(generated, calls)
 }
 
+// thinking reports whether the output is within its thoughts.
+func (o *choiceOutput) thinking() bool { return o.think != nil && o.think.mode == thinkInside }
+
 // cutByStop reports whether a stop string ended the answer.
 func (o *choiceOutput) cutByStop() bool { return o.stopString() != "" }
 

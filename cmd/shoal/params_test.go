@@ -96,6 +96,10 @@ func TestImpossibleSchemas(t *testing.T) {
 		format(`{"type":"number","exclusiveMinimum":3,"exclusiveMaximum":3}`):                     "response_format",
 		format(`{"type":"object","properties":{"a":{"type":"array","minItems":2,"maxItems":1}}}`): "response_format",
 		chat(`"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"s":{"type":"string","minLength":9,"maxLength":2}}}}}],"tool_choice":"required"`): "tools[0]",
+		// What llama.cpp's converter recursed on until the process died.
+		chat(`"guided_json":{"$ref":"#/$defs/a","$defs":{"a":{"$ref":"#/$defs/a"}}}`):                                 "guided_json",
+		format(`{"type":"object","properties":{"` + strings.Repeat("!", 30000) + `":{"type":"string"}}}`):             "response_format",
+		format(`{"type":"string","pattern":"^` + strings.Repeat("(", 5000) + "a" + strings.Repeat(")", 5000) + `$"}`): "response_format",
 		chat(`"presence_penalty":3`):    "presence_penalty",
 		chat(`"logit_bias":{"5":1000}`): "logit_bias",
 	} {
