@@ -10,7 +10,6 @@ import (
 	"io"
 	"math"
 	"net/http"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -422,67 +421,17 @@ func (s *Server) convertSchema(param string, raw json.RawMessage) (string, error
 	return g, nil
 }
 
-// schemaToGrammar converts a schema whose bounds some value can meet. A
-// pattern a grammar cannot express refuses the request, except in tools'
-// parameters, where it is left out (the model still sees it in the tool's
-// description, and one MCP tool's pattern does not make every request of a
-// client fail).
+// schemaToGrammar converts a schema. A pattern a grammar cannot express
+// refuses the request, except in tools' parameters, where it is left out (the
+// model still sees it in the tool's description, and one MCP tool's pattern
+// does not make every request of a client fail). The converter's wrapper
+// refuses what no value meets or the converter would crash on
+// (engine.CheckSchema) and rewrites the patterns (engine.RewritePatterns).
 func (s *Server) schemaToGrammar(param string, raw json.RawMessage) (string, error) {
-	var v any
-	if err := json.Unmarshal(raw, &v); err == nil {
-		if err := checkBounds(v, false); err != nil {
-			return "", err
-		}
-	}
 	if param == "tools" {
 		raw = engine.DropPatterns(raw)
 	}
-	return s.cfg.SchemaToGrammar(raw) // the converter's wrapper rewrites the patterns (engine.RewritePatterns)
-}
-
-// boundPairs are a schema's lower and upper bounds, and whether equal ones
-// leave no value (an exclusive bound).
-var boundPairs = []struct {
-	lo, hi string
-	open   bool
-}{
-	{"minLength", "maxLength", false}, {"minItems", "maxItems", false}, {"minProperties", "maxProperties", false},
-	{"minimum", "maximum", false}, {"exclusiveMinimum", "exclusiveMaximum", true},
-	{"minimum", "exclusiveMaximum", true}, {"exclusiveMinimum", "maximum", true},
-}
-
-// checkBounds refuses a schema, or any schema within it, whose lower bound
-// passes its upper: no value matches it, and the grammar llama.cpp would make
-// of minLength above maxLength never stops growing. names says v maps names to
-// schemas (properties, $defs): its keys are names, not keywords.
-func checkBounds(v any, names bool) error {
-	switch v := v.(type) {
-	case map[string]any:
-		if !names {
-			for _, b := range boundPairs {
-				lo, ok1 := v[b.lo].(float64)
-				hi, ok2 := v[b.hi].(float64)
-				if ok1 && ok2 && (lo > hi || b.open && lo == hi) {
-					return fmt.Errorf("%s %v and %s %v: no value is within them", b.lo, lo, b.hi, hi)
-				}
-			}
-		}
-		for k, x := range v {
-			if !names && slices.Contains([]string{"default", "examples", "const", "enum"}, k) {
-				continue // values, not schemas
-			}
-			if err := checkBounds(x, !names && slices.Contains([]string{"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}, k)); err != nil {
-				return err
-			}
-		}
-	case []any:
-		for _, x := range v {
-			if err := checkBounds(x, false); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
+	return s.cfg.SchemaToGrammar(raw)
 }
 
 // toolGrammar is the GBNF of tp's answers. When the converter refuses it, the
@@ -535,6 +484,19 @@ func choiceGrammar(param string, choices []string) (string, error) {
 
 // generates refuses a generation request for this node's model when it is an
 // embedding model (requests for other models were routed by begin).
+// beginGeneration starts a generation request: the model loaded, req decoded
+// and admitted (begin), a generating (not embedding) node. ok is false when it
+// answered already.
+func (s *Server) beginGeneration(c *gin.Context, req any, model *string, priority **int) (b *Backend, forwarded, ok bool) {
+	if b, ok = s.readyBackend(c); !ok {
+		return nil, false, false
+	}
+	if forwarded, ok = s.begin(c, req, model, priority); !ok || !generates(c, b) {
+		return nil, forwarded, false
+	}
+	return b, forwarded, true
+}
+
 func generates(c *gin.Context, b *Backend) bool {
 	if b.Info.Pooling {
 		abort(c, invalid("model", "this node serves an embedding model: use /v1/embeddings"))
@@ -544,13 +506,9 @@ func generates(c *gin.Context, b *Backend) bool {
 }
 
 func (s *Server) chat(c *gin.Context) {
-	b, ok := s.readyBackend(c)
-	if !ok {
-		return
-	}
 	var req ChatRequest
-	forwarded, ok := s.begin(c, &req, &req.Model, &req.Priority)
-	if !ok || !generates(c, b) {
+	b, forwarded, ok := s.beginGeneration(c, &req, &req.Model, &req.Priority)
+	if !ok {
 		return
 	}
 	p, err := s.chatPlan(b, &req)
@@ -647,13 +605,9 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool)
 }
 
 func (s *Server) completions(c *gin.Context) {
-	b, ok := s.readyBackend(c)
-	if !ok {
-		return
-	}
 	var req CompletionRequest
-	forwarded, ok := s.begin(c, &req, &req.Model, &req.Priority)
-	if !ok || !generates(c, b) {
+	b, forwarded, ok := s.beginGeneration(c, &req, &req.Model, &req.Priority)
+	if !ok {
 		return
 	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, "max_tokens", req.MaxTokens)

@@ -424,13 +424,9 @@ func (r *MessagesRequest) tools(chat *ChatRequest) error {
 
 // messages serves POST /v1/messages.
 func (s *Server) messages(c *gin.Context) {
-	b, ok := s.readyBackend(c)
-	if !ok {
-		return
-	}
 	var req MessagesRequest
-	forwarded, ok := s.begin(c, &req, &req.Model, nil)
-	if !ok || !generates(c, b) {
+	b, forwarded, ok := s.beginGeneration(c, &req, &req.Model, nil)
+	if !ok {
 		return
 	}
 	if req.MaxTokens == nil {

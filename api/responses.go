@@ -354,13 +354,9 @@ func itemText(raw json.RawMessage, where string) (string, error) {
 
 // responses serves POST /v1/responses.
 func (s *Server) responses(c *gin.Context) {
-	b, ok := s.readyBackend(c)
-	if !ok {
-		return
-	}
 	var req ResponsesRequest
-	forwarded, ok := s.begin(c, &req, &req.Model, nil)
-	if !ok || !generates(c, b) {
+	b, forwarded, ok := s.beginGeneration(c, &req, &req.Model, nil)
+	if !ok {
 		return
 	}
 	if p, ok := s.translatedPlan(c, b, req.chatRequest, responsesParams); ok {

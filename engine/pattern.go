@@ -231,6 +231,12 @@ func literal(s string) (string, int, bool) {
 	case c < utf8.RuneSelf:
 		return string(c), 1, true
 	}
+	return utf8Prefix(s)
+}
+
+// utf8Prefix is the character at the start of s (not ASCII) and its length;
+// false for bytes that are not UTF-8.
+func utf8Prefix(s string) (string, int, bool) {
 	r, n := utf8.DecodeRuneInString(s)
 	if r == utf8.RuneError {
 		return "", 0, false
@@ -493,11 +499,7 @@ func classChar(s string) (string, int, bool) {
 	case c < utf8.RuneSelf:
 		return string(c), 1, true
 	}
-	r, n := utf8.DecodeRuneInString(s)
-	if r == utf8.RuneError {
-		return "", 0, false
-	}
-	return s[:n], n, true
+	return utf8Prefix(s)
 }
 
 // skippedKeys hold values, not schemas: a "pattern" within them is data.

@@ -130,3 +130,19 @@ func TestCheckSchema(t *testing.T) {
 		t.Error("a pattern nested too deep was taken")
 	}
 }
+
+func TestCheckSchemaBounds(t *testing.T) {
+	for schema, bad := range map[string]bool{
+		`{"type":"string","minLength":3,"maxLength":1}`:                              true,
+		`{"type":"number","exclusiveMinimum":3,"exclusiveMaximum":3}`:                true,
+		`{"properties":{"a":{"type":"array","minItems":2,"maxItems":1}}}`:            true,
+		`{"properties":{"minimum":{"type":"integer"},"maximum":{"type":"integer"}}}`: false, // names, not bounds
+		`{"type":"object","default":{"minLength":3,"maxLength":1}}`:                  false, // a value
+		`{"properties":{"default":{"type":"string","minLength":3,"maxLength":1}}}`:   true,  // a property named default
+		`{"type":"integer","minimum":1,"maximum":1}`:                                 false,
+	} {
+		if err := CheckSchema([]byte(schema)); (err != nil) != bad {
+			t.Errorf("%s: %v, want refused %v", schema, err, bad)
+		}
+	}
+}

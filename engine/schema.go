@@ -3,6 +3,7 @@ package engine
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -19,7 +20,10 @@ const (
 // CheckSchema refuses a JSON schema llama.cpp's converter would crash on: a
 // name longer than maxSchemaName, a $ref cycle through allOf or aliases, a
 // chain of them deeper than maxRefChain. Recursion through properties or
-// items (a tree) is fine: the converter refers to a rule there.
+// items (a tree) is fine: the converter refers to a rule there. It also
+// refuses a schema, or one within it, whose lower bound passes its upper: no
+// value matches it, and the grammar llama.cpp makes of minLength above
+// maxLength never stops growing.
 func CheckSchema(schema []byte) error {
 	var root any
 	if err := json.Unmarshal(schema, &root); err != nil {
@@ -102,5 +106,55 @@ func CheckSchema(schema []byte) error {
 		}
 		return nil
 	}
-	return walk(root)
+	if err := walk(root); err != nil {
+		return err
+	}
+	if err := checkBounds(root, false); err != nil {
+		return bad("%v", err)
+	}
+	return nil
+}
+
+// boundPairs are a schema's lower and upper bounds, and whether equal ones
+// leave no value (an exclusive bound).
+var boundPairs = []struct {
+	lo, hi string
+	open   bool
+}{
+	{"minLength", "maxLength", false}, {"minItems", "maxItems", false}, {"minProperties", "maxProperties", false},
+	{"minimum", "maximum", false}, {"exclusiveMinimum", "exclusiveMaximum", true},
+	{"minimum", "exclusiveMaximum", true}, {"exclusiveMinimum", "maximum", true},
+}
+
+// checkBounds refuses v, or a schema within it, whose bounds no value meets.
+// names says v maps names to schemas (properties, $defs): its keys are names,
+// not keywords.
+func checkBounds(v any, names bool) error {
+	switch v := v.(type) {
+	case map[string]any:
+		if !names {
+			for _, b := range boundPairs {
+				lo, ok1 := v[b.lo].(float64)
+				hi, ok2 := v[b.hi].(float64)
+				if ok1 && ok2 && (lo > hi || b.open && lo == hi) {
+					return fmt.Errorf("%s %v and %s %v: no value is within them", b.lo, lo, b.hi, hi)
+				}
+			}
+		}
+		for k, x := range v {
+			if !names && slices.Contains(skippedKeys, k) {
+				continue // values, not schemas
+			}
+			if err := checkBounds(x, !names && slices.Contains(nameMaps, k)); err != nil {
+				return err
+			}
+		}
+	case []any:
+		for _, x := range v {
+			if err := checkBounds(x, false); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
