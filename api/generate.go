@@ -548,6 +548,9 @@ func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 	if tp != nil {
 		if tp.format != nil {
 			p.req.Grammar, p.req.GrammarTriggers, err = s.callGrammar(tp)
+			// Tags that are control tokens are kept in the output, to be read
+			// (as vLLM sets skip_special_tokens false for Mistral's).
+			p.req.SpecialTokens = p.req.SpecialTokens || tp.format.control
 		} else {
 			p.req.Grammar, err = s.toolGrammar(tp)
 		}

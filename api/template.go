@@ -191,7 +191,7 @@ func layOut(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage, end 
 		}
 	}
 	if ct != nil && ct.calls != nil && (tp == nil || tp.plainAnswer() && (!ct.calls.xml || xmlFits(tp.tools))) {
-		turns, err := nativeTurns(in)
+		turns, err := nativeTurns(in, ct.calls.shortIDs)
 		if err != nil {
 			return "", err
 		}
@@ -317,7 +317,14 @@ func fold(turns []chatTurn, system, users bool) []chatTurn {
 
 // nativeTurns maps a chat history to the template's messages as OpenAI sends
 // them: assistant turns with their tool calls, tool results as "tool" turns.
-func nativeTurns(in []Message) ([]chatTurn, error) {
+// short maps call ids to ones of 9 letters and digits (shortID).
+func nativeTurns(in []Message, short bool) ([]chatTurn, error) {
+	id := func(s string) string {
+		if short && s != "" {
+			return shortID(s)
+		}
+		return s
+	}
 	out := make([]chatTurn, 0, len(in))
 	names := map[string]string{} // tool call id → function name
 	for i, m := range in {
@@ -343,13 +350,14 @@ func nativeTurns(in []Message) ([]chatTurn, error) {
 					}
 					args = v
 				}
-				t.calls = append(t.calls, callValue(c, args))
 				if c.ID != "" {
 					names[c.ID] = c.Function.Name
 				}
+				c.ID = id(c.ID)
+				t.calls = append(t.calls, callValue(c, args))
 			}
 		case "tool":
-			t.callID, t.name = m.ToolCallID, cmp.Or(names[m.ToolCallID], m.Name)
+			t.callID, t.name = id(m.ToolCallID), cmp.Or(names[m.ToolCallID], m.Name)
 		default:
 			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
 		}

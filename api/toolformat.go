@@ -21,12 +21,23 @@ import (
 // callFormat is a model's own way of writing tool calls: each call a JSON
 // object {"name": ..., args: {...}}, either between an opening and a closing
 // tag, with text before the first call, or bare: then the whole answer is one
-// call.
+// call. Mistral's formats open the calls with a tag and no closing one: a
+// JSON list of calls follows it (list), or each call is the tag, the
+// function's name, argsTag and the arguments.
 type callFormat struct {
 	name        string // as logged
 	args        string // the arguments' key
 	open, close string // the tags around each call; "" for a bare call
 	xml         bool   // each call in XML within the tags (xmlcalls.go), not JSON
+	list        bool   // the calls are one JSON list after open
+	argsTag     string // each call is open, name, argsTag, arguments
+	callIDTag   string // with argsTag: the model may write a call id after it, before argsTag
+	// control: the tags are control tokens, which the output's text leaves
+	// out unless asked (as vLLM does for Mistral's, the output keeps them).
+	control bool
+	// shortIDs: call ids are 9 letters and digits, the only ids the
+	// template's history accepts.
+	shortIDs bool
 }
 
 func (f *callFormat) bare() bool { return f.open == "" }
@@ -43,13 +54,40 @@ var hermesFormat = callFormat{name: "hermes", args: "arguments", open: "<tool_ca
 // call, {"name": "get_weather", "parameters": {"city": "Oslo"}}.
 var llama3Format = callFormat{name: "llama3", args: "parameters"}
 
+// mistralFormat is the format of Mistral's models from tokenizer v11 on
+// (Mistral Small 3.2, Magistral, Devstral, Ministral 3): each call is
+//
+//	[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}
+//
+// with no space or tag between calls.
+var mistralFormat = callFormat{name: "mistral", open: "[TOOL_CALLS]", argsTag: "[ARGS]", control: true, shortIDs: true}
+
+// mistralIDFormat is mistralFormat where the template writes each earlier
+// call's id after its name, [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}: the
+// model may write one too.
+var mistralIDFormat = callFormat{name: "mistral", open: "[TOOL_CALLS]", argsTag: "[ARGS]", callIDTag: "[CALL_ID]", control: true, shortIDs: true}
+
+// mistralListFormat is the format of Mistral's earlier models (Mistral 7B
+// v0.3, Nemo, Small 3 and 3.1): one JSON list of calls,
+//
+//	[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+//
+// each call possibly with the 9-character "id" the template writes in the
+// history.
+var mistralListFormat = callFormat{name: "mistral-list", args: "arguments", open: "[TOOL_CALLS]", list: true, control: true, shortIDs: true}
+
 // detectCallFormat recognises the call format a template teaches its model;
 // nil when it shows no tools, or writes calls in a format not supported here
-// (GLM's XML form, Mistral's [TOOL_CALLS]): the tool protocol is used for
-// those.
+// (GLM's XML form): the tool protocol is used for those.
 func detectCallFormat(tmpl string) *callFormat {
 	has := func(s string) bool { return strings.Contains(tmpl, s) }
 	switch {
+	case has("[TOOL_CALLS]") && has("[ARGS]") && has("[CALL_ID]"):
+		return &mistralIDFormat
+	case has("[TOOL_CALLS]") && has("[ARGS]"):
+		return &mistralFormat
+	case has("[TOOL_CALLS]"):
+		return &mistralListFormat
 	case has("<tool_call>") && has("<function=") && has("<parameter="):
 		return &qwenXMLFormat
 	case has("<tool_call>") && has(`"arguments"`) && !has("<function=") && !has("<arg_key>"):
@@ -64,16 +102,30 @@ func detectCallFormat(tmpl string) *callFormat {
 // make it lazy when the model may also answer in text.
 func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigger, err error) {
 	f := tp.format
-	if f.xml {
-		if gbnf, err = s.xmlCallGrammar(tp); err != nil {
-			return "", nil, err
+	if !tp.required {
+		triggers = []engine.Trigger{{Text: f.open, Special: f.control}}
+		if f.bare() {
+			triggers = []engine.Trigger{{Text: `{"name"`, AtStart: true}}
 		}
-		if !tp.required {
-			triggers = []engine.Trigger{{Text: f.open}}
-		}
-		return gbnf, triggers, nil
 	}
-	schema, _ := json.Marshal(map[string]any{"anyOf": tp.callSchemas("#/anyOf", f.args)})
+	switch {
+	case f.xml:
+		gbnf, err = s.xmlCallGrammar(tp)
+		return gbnf, triggers, err
+	case f.argsTag != "":
+		gbnf, err = s.namedCallGrammar(tp)
+		return gbnf, triggers, err
+	}
+	calls := tp.callSchemas("#/anyOf", f.args)
+	if f.list {
+		// The id Mistral's templates write after each earlier call's
+		// arguments, which the model may write too.
+		for _, c := range calls {
+			m := c.(map[string]any)
+			m["properties"] = append(m["properties"].(orderedProps), orderedProps{{"id", map[string]any{"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}}}...)
+		}
+	}
+	schema, _ := json.Marshal(map[string]any{"anyOf": calls})
 	call, err := s.convertSchema("tools", schema)
 	if err != nil {
 		return "", nil, s.refusedTool(tp, err)
@@ -83,22 +135,54 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 	b.WriteString(prefixRules(call, "shoal-json-"))
 	b.WriteString("\nshoal-call ::= shoal-json-root\n")
 	switch {
+	case f.list:
+		fmt.Fprintf(&b, "\nroot ::= %s \" \"? \"[\" shoal-call", engine.GBNFLiteral(f.open))
+		if tp.parallel {
+			b.WriteString(` ("," " "? shoal-call)*`)
+		}
+		b.WriteString(` "]"` + "\n")
 	case f.bare():
 		b.WriteString("\nroot ::= shoal-call\n") // one call: Llama 3's templates refuse more
-		if !tp.required {
-			triggers = []engine.Trigger{{Text: `{"name"`, AtStart: true}}
-		}
 	default:
 		b.WriteString("\nroot ::= shoal-block")
 		if tp.parallel {
 			b.WriteString(` ("\n"? "\n"? shoal-block)*`)
 		}
 		fmt.Fprintf(&b, "\nshoal-block ::= %s \"\\n\"? shoal-call \"\\n\"? %s\n", engine.GBNFLiteral(f.open), engine.GBNFLiteral(f.close))
-		if !tp.required {
-			triggers = []engine.Trigger{{Text: f.open}}
-		}
 	}
 	return b.String(), triggers, nil
+}
+
+// namedCallGrammar is the GBNF of tp's calls in Mistral's format: the tag,
+// the function's name, [ARGS] and its arguments, each tool's converted alone.
+func (s *Server) namedCallGrammar(tp *toolPlan) (string, error) {
+	f := tp.format
+	var b strings.Builder
+	var fns []string
+	for i, fn := range tp.callable() {
+		g, err := s.convertSchema("tools", fn.Parameters)
+		if err != nil {
+			return "", s.refusedTool(tp, err)
+		}
+		rule := fmt.Sprintf("shoal-fn-%d-", i)
+		b.WriteString(prefixRules(g, rule))
+		b.WriteString("\n")
+		id := ""
+		if f.callIDTag != "" {
+			id = " shoal-call-id?"
+		}
+		fns = append(fns, fmt.Sprintf("%s%s %s %sroot", engine.GBNFLiteral(fn.Name), id, engine.GBNFLiteral(f.argsTag), rule))
+	}
+	if f.callIDTag != "" {
+		fmt.Fprintf(&b, "shoal-call-id ::= %s [a-zA-Z0-9]{9}\n", engine.GBNFLiteral(f.callIDTag))
+	}
+	fmt.Fprintf(&b, "shoal-call ::= %s (%s)\n", engine.GBNFLiteral(f.open), strings.Join(fns, " | "))
+	b.WriteString("root ::= shoal-call")
+	if tp.parallel {
+		b.WriteString(" shoal-call*")
+	}
+	b.WriteString("\n")
+	return b.String(), nil
 }
 
 // prefixRules puts prefix before the name of every rule gbnf defines, so that
@@ -242,12 +326,20 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 		}
 		return c.stop.cut(rest, true), nil
 	}
+	if c.f.shortIDs {
+		long := newID
+		newID = func() string { return shortID(long()) }
+	}
 	var calls []ToolCall
 	var after string
 	var whole, ok bool
 	switch {
 	case c.f.xml:
 		calls, after, whole, ok = parseXML(rest, c.params, newID)
+	case c.f.list:
+		calls, after, whole, ok = parseList(rest, c.f, newID)
+	case c.f.argsTag != "":
+		calls, after, whole, ok = parseNamed(rest, c.f, newID)
 	case c.f.bare():
 		calls, after, whole, ok = parseBare(rest, c.f, newID)
 	default:

@@ -249,7 +249,7 @@ func TestNativeToolPrompt(t *testing.T) {
 		t.Fatalf("required: grammar %q, triggers %v, %v", g, triggers, err)
 	}
 	tp.required = false
-	if _, triggers, _ = s.callGrammar(tp); fmt.Sprint(triggers) != "[{<tool_call> false}]" {
+	if _, triggers, _ = s.callGrammar(tp); fmt.Sprint(triggers) != "[{<tool_call> false false}]" {
 		t.Fatalf("auto: triggers %v", triggers)
 	}
 
@@ -271,7 +271,7 @@ func TestNativeToolPrompt(t *testing.T) {
 	}
 	tp.required = false
 	g, triggers, err = s.callGrammar(tp)
-	if err != nil || fmt.Sprint(triggers) != `[{{"name" true}]` || !strings.Contains(g, "root ::= shoal-call\n") {
+	if err != nil || fmt.Sprint(triggers) != `[{{"name" true false}]` || !strings.Contains(g, "root ::= shoal-call\n") {
 		t.Fatalf("llama3 auto: grammar %q, triggers %v, %v", g, triggers, err)
 	}
 	tp.format = nil
@@ -405,9 +405,12 @@ func FuzzCallStream(f *testing.F) {
 	f.Add("  {\"name\": \"f\", \"parameters\": {}}", 2, uint8(1))
 	f.Add("<tool_<tool_call>call>", 4, uint8(0))
 	f.Add("Ok <tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>\n</tool_call>", 5, uint8(2))
+	f.Add("Ok [TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g[CALL_ID]abcdefghi[ARGS]{}", 3, uint8(3))
+	f.Add("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}, \"id\": \"abcdefghi\"}, {\"name\": \"g\"", 2, uint8(4))
 	params := map[string][]toolParam{"f": {{name: "a", text: true}, {name: "b"}}}
+	formats := []*callFormat{&hermesFormat, &llama3Format, &qwenXMLFormat, &mistralIDFormat, &mistralListFormat}
 	f.Fuzz(func(t *testing.T, out string, k int, which uint8) {
-		format := []*callFormat{&hermesFormat, &llama3Format, &qwenXMLFormat}[which%3]
+		format := formats[int(which)%len(formats)]
 		run := func(k int) ([2]string, []ToolCall) {
 			cs := &callStream{f: format, params: params}
 			var sent strings.Builder

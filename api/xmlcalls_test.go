@@ -59,7 +59,7 @@ func TestXMLCallGrammar(t *testing.T) {
 	}
 	tp.format = &qwenXMLFormat
 	g, triggers, err := s.callGrammar(tp)
-	if err != nil || fmt.Sprint(triggers) != "[{<tool_call> false}]" {
+	if err != nil || fmt.Sprint(triggers) != "[{<tool_call> false false}]" {
 		t.Fatalf("%v %v", triggers, err)
 	}
 	for _, want := range []string{

@@ -330,6 +330,10 @@ type Trigger struct {
 	Text string
 	// AtStart: only at the output's start, after any spaces, tabs and newlines.
 	AtStart bool
+	// Special: the output's text is read with control tokens written as their
+	// text, for a trigger that is one ("[TOOL_CALLS]"). One such trigger makes
+	// every trigger of the grammar read so.
+	Special bool
 }
 
 // GBNFLiteral quotes s as a GBNF string literal.

@@ -35,6 +35,9 @@ type Spec struct {
 	ChatTemplate string
 	// Meta holds further metadata keys to write, e.g. general.sampling.temp.
 	Meta map[string]any
+	// ControlTokens are added to the vocabulary as control tokens (in place of
+	// its last ones), for templates whose tags are such tokens (MistralTokens).
+	ControlTokens []string
 }
 
 // Tiny is a ~0.23M-parameter model for unit tests: it loads in milliseconds.
@@ -152,6 +155,68 @@ const Llama3ToolsTemplate = `{{- bos_token }}
 {%- endfor %}
 {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}`
 
+// MistralTokens are the control tokens of Mistral's templates, for models
+// generated with MistralToolsTemplate or MistralListToolsTemplate.
+var MistralTokens = []string{"[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+	"[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"}
+
+// MistralToolsTemplate lays out tools and calls the way Mistral's models from
+// tokenizer v11 on (Mistral Small 3.2, Magistral, Devstral) were trained to see
+// them: the tools as JSON between [AVAILABLE_TOOLS] tags, each call as
+// [TOOL_CALLS]name[ARGS]{arguments}, results between [TOOL_RESULTS] tags. Its
+// tags are control tokens (MistralTokens).
+const MistralToolsTemplate = mistralHead + `
+        {%- for call in message.tool_calls %}
+            {{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' + (call.function.arguments | tojson) }}
+        {%- endfor %}` + mistralTail + `
+        {{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}` + mistralEnd
+
+// MistralListToolsTemplate lays out calls as Mistral's earlier models (7B
+// v0.3, Nemo, Small 3.1) were trained to see them: one JSON list after
+// [TOOL_CALLS], each call with an id of 9 letters and digits, which it
+// refuses others than, as those templates do.
+const MistralListToolsTemplate = mistralHead + `
+        {{- '[TOOL_CALLS][' }}
+        {%- for call in message.tool_calls %}
+            {%- if call.id is not defined or call.id | length != 9 %}
+                {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+            {%- endif %}
+            {{- '{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + ', "id": "' + call.id + '"}' }}
+            {%- if not loop.last %}{{- ', ' }}{%- endif %}
+        {%- endfor %}
+        {{- ']' }}` + mistralTail + `
+        {%- if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}
+            {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+        {%- endif %}
+        {{- '[TOOL_RESULTS]{"content": ' + (message.content | tojson) + ', "call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}` + mistralEnd
+
+// The parts of the Mistral templates: up to an assistant turn's calls, from
+// them to a tool result, and the rest.
+const (
+	mistralHead = `{{- bos_token }}
+{%- set loop_messages = messages %}
+{%- if messages[0].role == 'system' %}
+    {{- '[SYSTEM_PROMPT]' + messages[0].content + '[/SYSTEM_PROMPT]' }}
+    {%- set loop_messages = messages[1:] %}
+{%- endif %}
+{%- if tools %}
+    {{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message.role == 'user' %}
+        {{- '[INST]' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {{- message.content }}` // the calls' layout follows
+	mistralTail = `
+        {{- eos_token }}
+    {%- elif message.role == 'assistant' %}
+        {{- message.content + eos_token }}
+    {%- elif message.role == 'tool' %}` // a result's layout follows
+	mistralEnd = `
+    {%- endif %}
+{%- endfor %}`
+)
+
 // Token ids fixed by the generated vocabulary.
 const (
 	TokenUnknown = 0
@@ -189,6 +254,8 @@ func (s Spec) Validate() error {
 		return fmt.Errorf("heads %d is not a multiple of heads_kv %d", s.Heads, s.HeadsKV)
 	case (s.Embd/s.Heads)%2 != 0:
 		return fmt.Errorf("head size %d must be even for RoPE", s.Embd/s.Heads)
+	case len(s.ControlTokens) > 64:
+		return fmt.Errorf("%d control tokens: at most 64", len(s.ControlTokens))
 	}
 	return nil
 }
@@ -216,6 +283,10 @@ func Generate(path string, spec Spec) (err error) {
 		}
 	}()
 	tokens, scores, types := vocabulary(spec.Vocab)
+	for i, t := range spec.ControlTokens {
+		k := len(tokens) - len(spec.ControlTokens) + i
+		tokens[k], scores[k], types[k] = t, 0, tokenControl
+	}
 	fileType := uint32(0)
 	if spec.F16 {
 		fileType = 1

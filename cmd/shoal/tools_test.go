@@ -577,3 +577,63 @@ func TestTemplateFallbacks(t *testing.T) {
 		}
 	}
 }
+
+// TestMistralToolCalls: Mistral's two call formats, whose tags are control
+// tokens: calls required, named and streamed; a call the model opens with the
+// [TOOL_CALLS] token itself under auto (the lazy grammar reads control tokens
+// as text); call ids of 9 letters and digits, and a history with longer ids
+// (which the list format's templates refuse) mapped to such.
+func TestMistralToolCalls(t *testing.T) {
+	ctx := context.Background()
+	for format, tmpl := range map[string]string{"mistral": models.MistralToolsTemplate, "mistral-list": models.MistralListToolsTemplate} {
+		t.Run(format, func(t *testing.T) {
+			spec := models.Small()
+			spec.ChatTemplate, spec.ControlTokens = tmpl, models.MistralTokens
+			path := filepath.Join(t.TempDir(), format+".gguf")
+			if err := models.Generate(path, spec); err != nil {
+				t.Fatal(err)
+			}
+			n := startNode(t, "--model", path)
+			if !strings.Contains(n.log(), "tool_calls="+format+" ") {
+				t.Fatalf("the call format was not recognised:\n%s", n.log())
+			}
+			c := n.client("")
+			check := func(what string, cc openai.ChatCompletionChoice, names ...string) {
+				t.Helper()
+				checkToolCalls(t, what, cc, names...)
+				for _, call := range cc.Message.ToolCalls {
+					if len(call.ID) != 9 || strings.Trim(call.ID, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") != "" {
+						t.Fatalf("%s: call id %q: want 9 letters and digits", what, call.ID)
+					}
+				}
+			}
+			_, _, params := toolRequest(format)
+			chat := callRequiredNamedStreamed(t, c, params, check)
+			nextTurn(t, n, params, chat)
+
+			// Under auto, the [TOOL_CALLS] control token (pushed by logit_bias)
+			// opens a call, which the grammar then holds to the tools.
+			tag := spec.Vocab - len(models.MistralTokens) + slices.Index(models.MistralTokens, "[TOOL_CALLS]")
+			p := params
+			p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("auto")}
+			p.LogitBias = map[string]int64{fmt.Sprint(tag): 100}
+			r, err := c.Chat.Completions.New(ctx, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			check("auto, opened by the control token", r.Choices[0], "get_weather", "get_time")
+
+			// A history from another server, with OpenAI's long call ids.
+			p = params
+			p.Messages = append(p.Messages[:2:2],
+				openai.ChatCompletionMessageParamUnion{OfAssistant: &openai.ChatCompletionAssistantMessageParam{ToolCalls: []openai.ChatCompletionMessageToolCallUnionParam{{
+					OfFunction: &openai.ChatCompletionMessageFunctionToolCallParam{ID: "call_0123456789abcdefghij", Function: openai.ChatCompletionMessageFunctionToolCallFunctionParam{Name: "get_weather", Arguments: `{"city": "Oslo"}`}}}}}},
+				openai.ToolMessage(`{"temperature_c": 3}`, "call_0123456789abcdefghij"))
+			p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
+			if r, err = c.Chat.Completions.New(ctx, p); err != nil {
+				t.Fatalf("a history with long call ids: %v", err)
+			}
+			check("after a history with long ids", r.Choices[0], "get_weather", "get_time")
+		})
+	}
+}

@@ -52,6 +52,7 @@ func (e *Engine) NewGrammar(gbnf string, triggers []engine.Trigger) (engine.Gram
 			return nil, fmt.Errorf("grammar: empty trigger: %w", engine.ErrInvalidInput)
 		}
 		l.longest = max(l.longest, len(t.Text))
+		l.special = l.special || t.Special
 	}
 	return l, nil
 }
@@ -99,6 +100,7 @@ type lazyGrammar struct {
 	gbnf     string
 	triggers []engine.Trigger
 	longest  int      // the longest trigger's length
+	special  bool     // control tokens are read as their text
 	ready    *Grammar // the grammar as given, for a trigger at a token's start
 	// While waiting: the output's tail from absolute offset off, its tokens and
 	// where each begins (absolute), and where the output's first byte other
@@ -128,7 +130,7 @@ func (l *lazyGrammar) Accept(t engine.Token) {
 	case l.err != nil || l.v.IsEOG(t):
 		return
 	}
-	piece, err := l.v.Piece(t, false) // the output's text, as the API reads it
+	piece, err := l.v.Piece(t, l.special) // the output's text, as the API reads it
 	if err != nil {
 		l.err = err
 		return
