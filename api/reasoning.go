@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -12,7 +13,8 @@ import (
 // --reasoning-format and vLLM's reasoning parsers do, the thoughts come back
 // apart from the answer, as reasoning_content (streamed as reasoning_content
 // deltas), and the answer as content. A model is taken to think this way when
-// its chat template writes </think>.
+// its chat template writes </think>. Magistral and Ministral 3 think between
+// [THINK] and [/THINK], control tokens, which the output then keeps as text.
 //
 // The thoughts begin where the output begins with <think>, or at once when the
 // prompt itself ends in an open <think> (DeepSeek R1's and Qwen 3.5's templates
@@ -20,10 +22,32 @@ import (
 // format begins: Qwen 3 sometimes opens <tool_call> without closing its
 // thoughts, and the call is taken as a call (as Ollama and Transformers do).
 
-const (
-	thinkOpen  = "<think>"
-	thinkClose = "</think>"
+// thinkTags are the tags a model's thoughts sit between.
+type thinkTags struct {
+	open, close string
+	// control: the tags are control tokens (Magistral's), which the output's
+	// text leaves out unless asked: it keeps them, to be read.
+	control bool
+}
+
+var (
+	xmlThink = thinkTags{open: "<think>", close: "</think>"}
+	// mistralThink is Magistral's and Ministral 3's: [THINK]...[/THINK].
+	mistralThink = thinkTags{open: "[THINK]", close: "[/THINK]", control: true}
 )
+
+// thinkTagsOf are the tags of a model that reasons first, nil for one that
+// does not: its chat template writes the closing tag.
+func thinkTagsOf(templates ...string) *thinkTags {
+	for _, tags := range []*thinkTags{&xmlThink, &mistralThink} {
+		for _, t := range templates {
+			if strings.Contains(t, tags.close) {
+				return tags
+			}
+		}
+	}
+	return nil
+}
 
 // ReasoningFormats are the values of Config.ReasoningFormat: "auto" separates
 // the thoughts of models whose template writes </think>, "none" leaves them
@@ -32,8 +56,21 @@ var ReasoningFormats = []string{"auto", "none"}
 
 // thinkPlan says how a request's choices separate their thoughts.
 type thinkPlan struct {
-	open bool   // the prompt ends in an open <think>
-	call string // the tag that begins a call in the model's own format, if any
+	open bool      // the prompt ends in an open <think>
+	call string    // the tag that begins a call in the model's own format, if any
+	tags thinkTags // the zero value: <think> and </think>
+}
+
+// tag is the thoughts' opening or closing tag.
+func (t *thinkPlan) tag(closing bool) string {
+	tags := t.tags
+	if tags.open == "" {
+		tags = xmlThink
+	}
+	if closing {
+		return tags.close
+	}
+	return tags.open
 }
 
 // thinkingPlan is the plan for a chat prompt of b's, nil when thoughts are not
@@ -41,10 +78,11 @@ type thinkPlan struct {
 // protocol, a required call, response_format) is made to let the thoughts
 // come first, as llama-server does: the model thinks, then answers in form.
 func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan, req *scheduler.Request) *thinkPlan {
-	if s.cfg.ReasoningFormat == "none" || !b.thinks {
+	if s.cfg.ReasoningFormat == "none" || b.think == nil {
 		return nil
 	}
-	t := &thinkPlan{open: strings.HasSuffix(strings.TrimRight(prompt, jsonSpace), thinkOpen)}
+	t := &thinkPlan{open: strings.HasSuffix(strings.TrimRight(prompt, jsonSpace), b.think.open), tags: *b.think}
+	req.SpecialTokens = req.SpecialTokens || b.think.control
 	if tp != nil && tp.format != nil {
 		t.call = tp.format.open
 	}
@@ -61,12 +99,12 @@ func (t *thinkPlan) wrap(gbnf string) string {
 	var b strings.Builder
 	b.WriteString(prefixRules(gbnf, "shoal-answer-")) // named apart from the rules added here
 	b.WriteString("\n")
-	b.WriteString(untilRules("shoal-thought", thinkClose))
-	thought := `shoal-thought "</think>" [ \t\r\n]{0,4}`
+	b.WriteString(untilRules("shoal-thought", t.tag(true)))
+	thought := fmt.Sprintf(`shoal-thought %s [ \t\r\n]{0,4}`, engine.GBNFLiteral(t.tag(true)))
 	if t.open {
 		fmt.Fprintf(&b, "root ::= %s shoal-answer-root\n", thought)
 	} else {
-		fmt.Fprintf(&b, "root ::= (\"<think>\" %s)? shoal-answer-root\n", thought)
+		fmt.Fprintf(&b, "root ::= (%s %s)? shoal-answer-root\n", engine.GBNFLiteral(t.tag(false)), thought)
 	}
 	return b.String()
 }
@@ -101,11 +139,11 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 	s := t.held + piece
 	t.held = ""
 	if t.mode == thinkUndecided {
-		lead := strings.TrimLeft(s, jsonSpace)
+		lead, open := strings.TrimLeft(s, jsonSpace), t.plan.tag(false)
 		switch {
-		case strings.HasPrefix(lead, thinkOpen):
-			t.mode, t.trim, s = thinkInside, true, lead[len(thinkOpen):]
-		case strings.HasPrefix(thinkOpen, lead):
+		case strings.HasPrefix(lead, open):
+			t.mode, t.trim, s = thinkInside, true, lead[len(open):]
+		case strings.HasPrefix(open, lead):
 			t.held = s // may yet begin <think>
 			return "", ""
 		default:
@@ -120,7 +158,8 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 		return "", s
 	}
 	// Inside: thoughts up to </think> or a call, holding back what may begin one.
-	end, after := strings.Index(s, thinkClose), len(thinkClose)
+	closing := t.plan.tag(true)
+	end, after := strings.Index(s, closing), len(closing)
 	if t.plan.call != "" {
 		if i := strings.Index(s, t.plan.call); i >= 0 && (end < 0 || i < end) {
 			end, after = i, 0 // the call is the answer's
@@ -131,7 +170,7 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 		t.mode, t.trim = thinkDone, rest == ""
 		return strings.TrimRight(s[:end], jsonSpace), rest
 	}
-	keep := holdBack(s, thinkClose)
+	keep := holdBack(s, closing)
 	if t.plan.call != "" {
 		keep = max(keep, holdBack(s, t.plan.call))
 	}

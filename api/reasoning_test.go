@@ -30,6 +30,8 @@ func TestThinkSplit(t *testing.T) {
 			"<think>I will call f.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "I will call f.", "", 1},
 		{"thoughts, then a call", thinkPlan{call: "<tool_call>"}, true,
 			"<think>f it is</think>\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "f it is", "", 1},
+		{"Magistral's thoughts", thinkPlan{tags: mistralThink}, false, "[THINK]Hmm, 2+2.[/THINK]It is 4.", "Hmm, 2+2.", "It is 4.", 0},
+		{"Magistral's thoughts, then a call", thinkPlan{tags: mistralThink, call: "[TOOL_CALLS]"}, true, "[THINK]f it is[/THINK][TOOL_CALLS]f[ARGS]{}", "f it is", "", 1},
 	}
 	for _, c := range cases {
 		for _, k := range []int{1, 2, 3, 7, len(c.out)} {
@@ -37,6 +39,9 @@ func TestThinkSplit(t *testing.T) {
 				p := &plan{think: &c.plan}
 				if c.tools {
 					p.tools = &toolPlan{format: &hermesFormat}
+					if c.plan.call == "[TOOL_CALLS]" {
+						p.tools.format = &mistralFormat
+					}
 				}
 				o := p.newOutput()
 				var reasoning, text strings.Builder
@@ -63,7 +68,7 @@ func TestThinkSplit(t *testing.T) {
 // </think>, unless a grammar holds the output from its first token.
 func TestThinkingPlan(t *testing.T) {
 	s := &Server{cfg: DefaultConfig()}
-	b := &Backend{thinks: true}
+	b := &Backend{think: &xmlThink}
 	if p := s.thinkingPlan(b, "<|im_start|>assistant\n<think>\n", nil, &scheduler.Request{}); p == nil || !p.open {
 		t.Fatalf("an open <think>: %+v", p)
 	}
@@ -80,6 +85,13 @@ func TestThinkingPlan(t *testing.T) {
 	if p := s.thinkingPlan(b, "x", &toolPlan{format: &hermesFormat}, &scheduler.Request{Grammar: "g", GrammarTriggers: []engine.Trigger{{Text: "<tool_call>"}}}); p == nil || p.call != "<tool_call>" {
 		t.Fatalf("under a lazy grammar: %+v", p)
 	}
+	// Magistral's tags are control tokens: the output keeps them.
+	b.think, req = thinkTagsOf("{{ '[THINK]' + thought + '[/THINK]' }}"), &scheduler.Request{Grammar: "root ::= \"a\"\n"}
+	if p := s.thinkingPlan(b, "[INST]x[/INST]", nil, req); p == nil || p.tag(false) != "[THINK]" || !req.SpecialTokens ||
+		!strings.Contains(req.Grammar, `root ::= ("[THINK]" shoal-thought "[/THINK]" [ \t\r\n]{0,4})? shoal-answer-root`) {
+		t.Fatalf("[THINK] tags: %+v, %+v\n%s", p, req, req.Grammar)
+	}
+	b.think = &xmlThink
 	s.cfg.ReasoningFormat = "none"
 	if p := s.thinkingPlan(b, "x", nil, &scheduler.Request{}); p != nil {
 		t.Fatal("thoughts separated under --reasoning-format none")
@@ -91,9 +103,13 @@ func TestThinkingPlan(t *testing.T) {
 func FuzzThinkSplit(f *testing.F) {
 	f.Add("<think>a</think>b", 2, false)
 	f.Add(" <thi</think>", 1, true)
+	f.Add("[THINK]a[/TH[/THINK]b[TOOL_CALLS]", 3, false)
 	f.Fuzz(func(t *testing.T, out string, k int, open bool) {
 		run := func(k int) string {
 			s := newThinkSplit(&thinkPlan{open: open, call: "<tool_call>"})
+			if strings.Contains(out, "[THINK]") {
+				s = newThinkSplit(&thinkPlan{open: open, call: "[TOOL_CALLS]", tags: mistralThink})
+			}
 			var r, x strings.Builder
 			for i := 0; i < len(out); i += k {
 				a, b := s.add(out[i:min(i+k, len(out))])

@@ -127,8 +127,8 @@ type Backend struct {
 	// answered (safe for concurrent use).
 	CheckGrammar func(gbnf string) error
 
-	chat   *chatTemplate // Template compiled by SetBackend; nil when not used
-	thinks bool          // the model's template writes </think>: it reasons first
+	chat  *chatTemplate // Template compiled by SetBackend; nil when not used
+	think *thinkTags    // the tags of its thoughts, when its template writes them: it reasons first
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.

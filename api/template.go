@@ -100,7 +100,7 @@ func (ct *chatTemplate) render(msgs []jinja.Value, tools jinja.Value, extra map[
 // compileTemplate prepares b's Jinja template, or logs why llama.cpp's formats
 // render its chats instead, and warns when neither can.
 func (s *Server) compileTemplate(b *Backend) {
-	b.thinks = strings.Contains(b.Template, thinkClose) || strings.Contains(b.Info.Template, thinkClose)
+	b.think = thinkTagsOf(b.Template, b.Info.Template)
 	if b.Template != "" && b.Vocab != nil {
 		ct, err := newChatTemplate(b)
 		if err == nil {
