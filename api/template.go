@@ -190,7 +190,7 @@ func layOut(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage, end 
 			return "", err
 		}
 	}
-	if ct != nil && ct.calls != nil && (tp == nil || tp.plainAnswer() && (!ct.calls.xml || xmlFits(tp.tools))) {
+	if ct != nil && ct.calls != nil && (tp == nil || tp.plainAnswer() && (ct.calls.xml == nil || xmlFits(tp.tools))) {
 		turns, err := nativeTurns(in, ct.calls.shortIDs)
 		if err != nil {
 			return "", err

@@ -25,13 +25,13 @@ import (
 // JSON list of calls follows it (list), or each call is the tag, the
 // function's name, argsTag and the arguments.
 type callFormat struct {
-	name        string // as logged
-	args        string // the arguments' key
-	open, close string // the tags around each call; "" for a bare call
-	xml         bool   // each call in XML within the tags (xmlcalls.go), not JSON
-	list        bool   // the calls are one JSON list after open
-	argsTag     string // each call is open, name, argsTag, arguments
-	callIDTag   string // with argsTag: the model may write a call id after it, before argsTag
+	name        string   // as logged
+	args        string   // the arguments' key
+	open, close string   // the tags around each call; "" for a bare call
+	xml         *xmlTags // each call in XML within the tags (xmlcalls.go), not JSON
+	list        bool     // the calls are one JSON list after open
+	argsTag     string   // each call is open, name, argsTag, arguments
+	callIDTag   string   // with argsTag: the model may write a call id after it, before argsTag
 	// control: the tags are control tokens, which the output's text leaves
 	// out unless asked (as vLLM does for Mistral's, the output keeps them).
 	control bool
@@ -77,8 +77,8 @@ var mistralIDFormat = callFormat{name: "mistral", open: "[TOOL_CALLS]", argsTag:
 var mistralListFormat = callFormat{name: "mistral-list", args: "arguments", open: "[TOOL_CALLS]", list: true, control: true, shortIDs: true}
 
 // detectCallFormat recognises the call format a template teaches its model;
-// nil when it shows no tools, or writes calls in a format not supported here
-// (GLM's XML form): the tool protocol is used for those.
+// nil when it shows no tools, or writes calls in a format not supported here:
+// the tool protocol is used for those.
 func detectCallFormat(tmpl string) *callFormat {
 	has := func(s string) bool { return strings.Contains(tmpl, s) }
 	switch {
@@ -90,6 +90,8 @@ func detectCallFormat(tmpl string) *callFormat {
 		return &mistralListFormat
 	case has("<tool_call>") && has("<function=") && has("<parameter="):
 		return &qwenXMLFormat
+	case has("<tool_call>") && has("<arg_key>") && has("<arg_value>"):
+		return &glmFormat
 	case has("<tool_call>") && has(`"arguments"`) && !has("<function=") && !has("<arg_key>"):
 		return &hermesFormat
 	case has("<|start_header_id|>") && has(`"parameters"`) && has("tool_call"):
@@ -109,7 +111,7 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 		}
 	}
 	switch {
-	case f.xml:
+	case f.xml != nil:
 		gbnf, err = s.xmlCallGrammar(tp)
 		return gbnf, triggers, err
 	case f.argsTag != "":
@@ -334,8 +336,8 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 	var after string
 	var whole, ok bool
 	switch {
-	case c.f.xml:
-		calls, after, whole, ok = parseXML(rest, c.params, newID)
+	case c.f.xml != nil:
+		calls, after, whole, ok = parseXML(rest, c.f, c.params, newID)
 	case c.f.list:
 		calls, after, whole, ok = parseList(rest, c.f, newID)
 	case c.f.argsTag != "":

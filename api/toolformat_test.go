@@ -408,7 +408,8 @@ func FuzzCallStream(f *testing.F) {
 	f.Add("Ok [TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g[CALL_ID]abcdefghi[ARGS]{}", 3, uint8(3))
 	f.Add("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}, \"id\": \"abcdefghi\"}, {\"name\": \"g\"", 2, uint8(4))
 	params := map[string][]toolParam{"f": {{name: "a", text: true}, {name: "b"}}}
-	formats := []*callFormat{&hermesFormat, &llama3Format, &qwenXMLFormat, &mistralIDFormat, &mistralListFormat}
+	f.Add("<tool_call>f<arg_key>a</arg_key><arg_value>x</arg_value>\n<arg_key>b</arg", 4, uint8(5))
+	formats := []*callFormat{&hermesFormat, &llama3Format, &qwenXMLFormat, &mistralIDFormat, &mistralListFormat, &glmFormat}
 	f.Fuzz(func(t *testing.T, out string, k int, which uint8) {
 		format := formats[int(which)%len(formats)]
 		run := func(k int) ([2]string, []ToolCall) {

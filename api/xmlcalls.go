@@ -22,10 +22,37 @@ import (
 //	</parameter>
 //	</function>
 //	</tool_call>
-var qwenXMLFormat = callFormat{name: "qwen3-coder", open: "<tool_call>", close: "</tool_call>", xml: true}
+var qwenXMLFormat = callFormat{name: "qwen3-coder", open: "<tool_call>", close: "</tool_call>", xml: &qwenTags}
 
-// paramEnd ends a parameter's value.
-const paramEnd = "\n</parameter>"
+// glmFormat is the XML call format of GLM 4.5 to 4.7 (vLLM's glm45 parser):
+// the function's name first, then each parameter as a key and a value tag.
+//
+//	<tool_call>get_weather
+//	<arg_key>city</arg_key>
+//	<arg_value>Oslo</arg_value>
+//	</tool_call>
+var glmFormat = callFormat{name: "glm", open: "<tool_call>", close: "</tool_call>", xml: &glmTags}
+
+// xmlTags are the tags of an XML call format within its call tags: the
+// function's name, its parameters' names and their values.
+type xmlTags struct {
+	fnOpen, fnName string // the name is after fnOpen, up to fnName
+	fnClose        string // after the parameters ("" for none)
+	keyOpen        string // a parameter's name is after keyOpen, up to keyClose
+	keyClose       string
+	valueOpen      string // its value is after valueOpen, up to valueClose
+	valueClose     string
+	// The grammar's: the space after the name and after each parameter,
+	// and within the call tags.
+	gap, inner string
+}
+
+var (
+	qwenTags = xmlTags{fnOpen: "<function=", fnName: ">", fnClose: "</function>", keyOpen: "<parameter=", keyClose: ">",
+		valueOpen: "\n", valueClose: "\n</parameter>", gap: `"\n"`, inner: `"\n"`}
+	glmTags = xmlTags{fnName: "\n", keyOpen: "<arg_key>", keyClose: "</arg_key>", valueOpen: "<arg_value>", valueClose: "</arg_value>",
+		gap: `"\n"?`}
+)
 
 // toolParam is one parameter of a tool as the XML format writes it.
 type toolParam struct {
@@ -169,8 +196,9 @@ func xmlFits(tools []FunctionDef) bool {
 	return true
 }
 
-// xmlCallGrammar is the GBNF of calls to tp's callable tools in the XML format.
+// xmlCallGrammar is the GBNF of calls to tp's callable tools in its XML format.
 func (s *Server) xmlCallGrammar(tp *toolPlan) (string, error) {
+	x := tp.format.xml
 	var b strings.Builder
 	var fns []string
 	textRule := false
@@ -205,25 +233,39 @@ func (s *Server) xmlCallGrammar(tp *toolPlan) (string, error) {
 				b.WriteString("\n")
 				value = rule + "-root"
 			}
-			fmt.Fprintf(&b, "%s ::= %s \"\\n\" %s %s \"\\n\"\n", rule, engine.GBNFLiteral("<parameter="+p.name+">"), value, engine.GBNFLiteral(paramEnd))
+			fmt.Fprintf(&b, "%s ::= %s %s %s %s\n", rule, x.gbnf(x.keyOpen+p.name+x.keyClose, x.valueOpen), value, engine.GBNFLiteral(x.valueClose), x.gap)
 			if p.required {
 				seq = append(seq, rule)
 			} else {
 				seq = append(seq, rule+"?")
 			}
 		}
-		fmt.Fprintf(&b, "%s ::= %s \"\\n\" %s %s\n", fn, engine.GBNFLiteral("<function="+f.Name+">"), strings.Join(seq, " "), engine.GBNFLiteral("</function>"))
+		fmt.Fprintf(&b, "%s ::= %s %s %s", fn, engine.GBNFLiteral(x.fnOpen+f.Name+strings.TrimSuffix(x.fnName, "\n")), x.gap, strings.Join(seq, " "))
+		if x.fnClose != "" {
+			fmt.Fprintf(&b, " %s", engine.GBNFLiteral(x.fnClose))
+		}
+		b.WriteString("\n")
 	}
 	if textRule {
-		b.WriteString(untilRules("shoal-text", paramEnd))
+		b.WriteString(untilRules("shoal-text", x.valueClose))
 	}
 	fmt.Fprintf(&b, "shoal-call ::= %s\n", strings.Join(fns, " | "))
 	b.WriteString("root ::= shoal-block")
 	if tp.parallel {
 		b.WriteString(` ("\n"? "\n"? shoal-block)*`)
 	}
-	fmt.Fprintf(&b, "\nshoal-block ::= %s \"\\n\" shoal-call \"\\n\" %s\n", engine.GBNFLiteral(qwenXMLFormat.open), engine.GBNFLiteral(qwenXMLFormat.close))
+	block := []string{engine.GBNFLiteral(tp.format.open), x.inner, "shoal-call", x.inner, engine.GBNFLiteral(tp.format.close)}
+	fmt.Fprintf(&b, "\nshoal-block ::= %s\n", strings.Join(slices.DeleteFunc(block, func(s string) bool { return s == "" }), " "))
 	return b.String(), nil
+}
+
+// gbnf is the GBNF of a parameter's head: its name's tags, then the value's
+// opening, a newline alone written as the gap between tags.
+func (x *xmlTags) gbnf(key, valueOpen string) string {
+	if valueOpen == "\n" {
+		return engine.GBNFLiteral(key) + ` "\n"`
+	}
+	return engine.GBNFLiteral(key) + " " + x.gap + " " + engine.GBNFLiteral(valueOpen)
 }
 
 // mergeDefs is a parameter's schema with the tool's definitions beside it, so
@@ -294,8 +336,8 @@ func untilRules(name, end string) string {
 // opening tag; params gives each tool's parameters, to tell strings (raw
 // text) from other values (JSON). Cut short, the last call has the
 // parameters written in full so far and whole is false.
-func parseXML(text string, params map[string][]toolParam, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
-	f := &qwenXMLFormat
+func parseXML(text string, f *callFormat, params map[string][]toolParam, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
+	x := f.xml
 	rest := text
 	for {
 		t := strings.TrimLeft(rest, jsonSpace)
@@ -307,11 +349,21 @@ func parseXML(text string, params map[string][]toolParam, newID func() string) (
 			break
 		}
 		body = strings.TrimLeft(body, jsonSpace)
-		name, body, found := cutTag(body, "<function=")
-		if !found {
-			if strings.HasPrefix("<function=", body) || name != "" || len(calls) > 0 {
-				return calls, "", false, true // cut before the function's name ended
+		name, body, found := cutTag(body, x.fnOpen, x.fnName)
+		if i := strings.IndexByte(name, '<'); x.fnName == "\n" && i >= 0 {
+			// GLM 4.7 writes the first parameter (or the call's end) right
+			// after the name.
+			rest := name[i:]
+			if found {
+				rest += "\n" + body
 			}
+			name, body, found = name[:i], rest, true
+		}
+		switch {
+		case found && name != "" && !strings.ContainsAny(name, "<>\n"):
+		case len(calls) > 0, !found && !strings.ContainsAny(name, "<>") && (name != "" || strings.HasPrefix(x.fnOpen, body)):
+			return calls, "", false, true // cut before the function's name ended
+		default:
 			return nil, "", false, false
 		}
 		var args bytes.Buffer
@@ -319,21 +371,32 @@ func parseXML(text string, params map[string][]toolParam, newID func() string) (
 		complete := false
 		for {
 			body = strings.TrimLeft(body, jsonSpace)
-			if b, ok := strings.CutPrefix(body, "</function>"); ok {
+			end := x.fnClose
+			if end == "" {
+				end = f.close // the call's end is the function's
+			}
+			if b, ok := strings.CutPrefix(body, end); ok {
 				body, complete = b, true
+				if x.fnClose == "" {
+					body = end + body
+				}
 				break
 			}
-			key, b, found := cutTag(body, "<parameter=")
+			key, b, found := cutTag(body, x.keyOpen, x.keyClose)
 			if !found {
 				break // cut short
 			}
-			b = strings.TrimPrefix(b, "\n")
-			i := strings.Index(b, paramEnd)
+			if x.valueOpen == "\n" {
+				b = strings.TrimPrefix(b, "\n")
+			} else if b, found = strings.CutPrefix(strings.TrimLeft(b, jsonSpace), x.valueOpen); !found {
+				break // cut before the value
+			}
+			i := strings.Index(b, x.valueClose)
 			if i < 0 {
 				break // cut in the value
 			}
 			value := b[:i]
-			body = b[i+len(paramEnd):]
+			body = b[i+len(x.valueClose):]
 			if args.Len() > 1 {
 				args.WriteString(",")
 			}
@@ -355,18 +418,19 @@ func parseXML(text string, params map[string][]toolParam, newID func() string) (
 	return calls, strings.TrimSpace(rest), true, true
 }
 
-// cutTag reads "<tag=value>" at the start of s: the value and what follows.
-// found is false when s does not hold the whole tag.
-func cutTag(s, tag string) (value, rest string, found bool) {
-	after, ok := strings.CutPrefix(s, tag)
+// cutTag reads open, a value and end ("<parameter=" key ">") at the start
+// of s: the value and what follows. found is false when s does not hold them
+// whole.
+func cutTag(s, open, end string) (value, rest string, found bool) {
+	after, ok := strings.CutPrefix(s, open)
 	if !ok {
 		return "", s, false
 	}
-	i := strings.IndexByte(after, '>')
+	i := strings.Index(after, end)
 	if i < 0 {
 		return after, s, false
 	}
-	return after[:i], after[i+1:], true
+	return after[:i], after[i+len(end):], true
 }
 
 // paramValue is a parameter's value as JSON: a string parameter's raw text as

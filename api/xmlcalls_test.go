@@ -29,7 +29,7 @@ func TestXMLCalls(t *testing.T) {
 		{"not a call", "<tool_call> oops", nil, false, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			calls, _, whole, ok := parseXML(c.out, tools, func() string { return "id" })
+			calls, _, whole, ok := parseXML(c.out, &qwenXMLFormat, tools, func() string { return "id" })
 			var got []string
 			for _, x := range calls {
 				got = append(got, x.Function.Name+x.Function.Arguments)
@@ -136,5 +136,71 @@ func TestRootRefUnderAllOf(t *testing.T) {
 	}
 	if !strings.Contains(got, `"allOf":[{"$ref":"#/$defs/A"}]`) || strings.HasPrefix(got, `{"$ref"`) {
 		t.Fatalf("converter got %s", got)
+	}
+}
+
+// TestGLMCalls: GLM's calls, the name then a key and a value tag per
+// parameter, also with the first parameter right after the name (GLM 4.7),
+// and cut short.
+func TestGLMCalls(t *testing.T) {
+	params, _, _ := toolParams(json.RawMessage(`{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}`))
+	tools := map[string][]toolParam{"get_weather": params}
+	call := "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New\nYork</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+	for _, c := range []struct {
+		name, out string
+		calls     []string
+		whole, ok bool
+	}{
+		{"one call", call, []string{`get_weather{"city":"New\nYork","days":3}`}, true, true},
+		{"two calls", call + "\n" + call, []string{`get_weather{"city":"New\nYork","days":3}`, `get_weather{"city":"New\nYork","days":3}`}, true, true},
+		{"no newlines", "<tool_call>get_weather<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>", []string{`get_weather{"days":2}`}, true, true},
+		{"no parameters", "<tool_call>get_time\n</tool_call>", []string{`get_time{}`}, true, true},
+		{"no parameters, no newline", "<tool_call>get_time</tool_call>", []string{`get_time{}`}, true, true},
+		{"cut in a value", call[:strings.Index(call, "3")], []string{`get_weather{"city":"New\nYork"}`}, false, true},
+		{"cut in the name", "<tool_call>get_wea", nil, false, true},
+		{"cut before the closing tag", call[:len(call)-5], []string{`get_weather{"city":"New\nYork","days":3}`}, false, true},
+		{"not a call", "<tool_call> <oops>", nil, false, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			calls, _, whole, ok := parseXML(c.out, &glmFormat, tools, func() string { return "id" })
+			var got []string
+			for _, x := range calls {
+				got = append(got, x.Function.Name+x.Function.Arguments)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(c.calls) || whole != c.whole || ok != c.ok {
+				t.Fatalf("calls %q, whole %v, ok %v; want %q, %v, %v", got, whole, ok, c.calls, c.whole, c.ok)
+			}
+		})
+	}
+}
+
+// TestGLMCallGrammar: the name, then each parameter's key and value tags,
+// strings as text up to </arg_value>.
+func TestGLMCallGrammar(t *testing.T) {
+	s := &Server{}
+	s.cfg.SchemaToGrammar = func([]byte) (string, error) { return "root ::= \"1\" space\nspace ::= \" \"?\n", nil }
+	var f ToolFields
+	_ = json.Unmarshal([]byte(`{"tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object",
+		"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]}`), &f)
+	tp, err := toolsOf(&f, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tp.format = detectCallFormat(models.GLMToolsTemplate); tp.format != &glmFormat {
+		t.Fatalf("GLM's template: format %v", tp.format)
+	}
+	g, _, err := s.callGrammar(tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		`shoal-fn-0 ::= "w" "\n"? shoal-fn-0-p0 shoal-fn-0-p1?` + "\n",
+		`shoal-fn-0-p0 ::= "<arg_key>city</arg_key>" "\n"? "<arg_value>" shoal-text "</arg_value>" "\n"?`,
+		`shoal-fn-0-p1 ::= "<arg_key>days</arg_key>" "\n"? "<arg_value>" shoal-fn-0-p1-root "</arg_value>" "\n"?`,
+		`shoal-block ::= "<tool_call>" shoal-call "</tool_call>"`,
+	} {
+		if !strings.Contains(g, want) {
+			t.Errorf("grammar lacks %q:\n%s", want, g)
+		}
 	}
 }

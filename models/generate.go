@@ -155,6 +155,46 @@ const Llama3ToolsTemplate = `{{- bos_token }}
 {%- endfor %}
 {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}`
 
+// GLMToolsTemplate lays out tools and calls the way GLM 4.5 to 4.7 were
+// trained to see them: the tools as JSON in the system turn, each call as its
+// name then one <arg_key> and <arg_value> per argument (a string as its raw
+// text, any other value as JSON) between <tool_call> tags, results between
+// <tool_response> tags in an observation turn.
+const GLMToolsTemplate = `[gMASK]<sop>
+{%- if tools %}<|system|>
+These functions can be called, each given as a JSON signature:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call one in this form, one key and value per argument:
+<tool_call>{function-name}
+<arg_key>{key}</arg_key>
+<arg_value>{value}</arg_value>
+</tool_call>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' %}<|assistant|>
+{%- if m.content %}
+{{ m.content }}
+{%- endif %}
+{%- for tc in m.tool_calls %}
+<tool_call>{{ tc.function.name }}
+{% for k, v in tc.function.arguments | items %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson if v is not string else v }}</arg_value>
+{% endfor %}</tool_call>
+{%- endfor %}
+{%- elif m.role == 'tool' %}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- elif m.role == 'system' %}<|system|>
+{{ m.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}`
+
 // MistralTokens are the control tokens of Mistral's templates, for models
 // generated with MistralToolsTemplate or MistralListToolsTemplate.
 var MistralTokens = []string{"[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",

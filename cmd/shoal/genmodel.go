@@ -21,7 +21,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	preset := fs.String("preset", "tiny", "model size: "+strings.Join(names, ", "))
 	out := fs.String("out", "", "output GGUF path (required)")
 	seed := fs.Uint64("seed", 0, "weight seed (0: the preset's)")
-	tools := fs.String("tools", "", "write a chat template that shows tools in a model's own call format: hermes (Hermes/Qwen <tool_call> tags), qwen3-coder (Qwen3-Coder/Qwen 3.5 XML calls), llama3 (Llama 3's bare JSON calls), mistral ([TOOL_CALLS]name[ARGS]{...}) or mistral-list ([TOOL_CALLS][{...}]); default: plain ChatML")
+	tools := fs.String("tools", "", "write a chat template that shows tools in a model's own call format: hermes (Hermes/Qwen <tool_call> tags), qwen3-coder (Qwen3-Coder/Qwen 3.5 XML calls), llama3 (Llama 3's bare JSON calls), glm (GLM 4.5-4.7's <arg_key>/<arg_value> calls), mistral ([TOOL_CALLS]name[ARGS]{...}) or mistral-list ([TOOL_CALLS][{...}]); default: plain ChatML")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -44,12 +44,14 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 		spec.ChatTemplate = models.QwenXMLToolsTemplate
 	case "llama3":
 		spec.ChatTemplate = models.Llama3ToolsTemplate
+	case "glm":
+		spec.ChatTemplate = models.GLMToolsTemplate
 	case "mistral":
 		spec.ChatTemplate, spec.ControlTokens = models.MistralToolsTemplate, models.MistralTokens
 	case "mistral-list":
 		spec.ChatTemplate, spec.ControlTokens = models.MistralListToolsTemplate, models.MistralTokens
 	default:
-		return fmt.Errorf("--tools %q: want hermes, qwen3-coder, llama3, mistral or mistral-list", *tools)
+		return fmt.Errorf("--tools %q: want hermes, qwen3-coder, llama3, glm, mistral or mistral-list", *tools)
 	}
 	if err := models.Generate(*out, spec); err != nil {
 		return err

@@ -403,8 +403,9 @@ func TestNativeToolCalls(t *testing.T) {
 	}
 
 	// Llama 3's format, one bare JSON call ({"name": ..., "parameters": ...}),
-	// and Qwen 3.5's XML calls, each parameter in its own tag.
-	for format, tmpl := range map[string]string{"llama3": models.Llama3ToolsTemplate, "qwen3-coder": models.QwenXMLToolsTemplate} {
+	// Qwen 3.5's XML calls, each parameter in its own tag, and GLM's, each a
+	// key and a value tag; the next turn lays out the call.
+	for format, tmpl := range map[string]string{"llama3": models.Llama3ToolsTemplate, "qwen3-coder": models.QwenXMLToolsTemplate, "glm": models.GLMToolsTemplate} {
 		spec.ChatTemplate = tmpl
 		path := filepath.Join(t.TempDir(), format+".gguf")
 		if err := models.Generate(path, spec); err != nil {
@@ -418,7 +419,8 @@ func TestNativeToolCalls(t *testing.T) {
 		p.Model, p.Messages = format, params.Messages[:2]
 		p.ToolChoice = openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
 		p.MaxTokens = openai.Int(200)
-		callRequiredNamedStreamed(t, n.client(""), p, check)
+		chat := callRequiredNamedStreamed(t, n.client(""), p, check)
+		nextTurn(t, n, p, chat)
 	}
 	// References inside referenced definitions resolve in the XML format too.
 	addr := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{Name: "mk", Parameters: shared.FunctionParameters{
