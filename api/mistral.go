@@ -17,12 +17,11 @@ import (
 func parseList(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	rest := text
 	for {
-		t := strings.TrimLeft(rest, jsonSpace)
-		body, found := strings.CutPrefix(t, f.open)
+		body, found, cut := f.openCall(rest, len(calls) > 0)
+		if cut {
+			return calls, "", false, true // cut in the next call's opening tag
+		}
 		if !found {
-			if len(calls) > 0 && t != "" && strings.HasPrefix(f.open, t) {
-				return calls, "", false, true // cut in the next tag
-			}
 			break
 		}
 		body = strings.TrimLeft(body, jsonSpace)
@@ -30,10 +29,7 @@ func parseList(text string, f *callFormat, newID func() string) (calls []ToolCal
 		case body == "":
 			return calls, "", false, true // cut after the tag
 		case body[0] != '[':
-			if len(calls) == 0 {
-				return nil, "", false, false
-			}
-			return calls, strings.TrimSpace(rest), true, true
+			return callsEnded(calls, rest)
 		}
 		body = body[1:]
 		for {
@@ -43,10 +39,7 @@ func parseList(text string, f *callFormat, newID func() string) (calls []ToolCal
 			case call == nil && (cut || body == ""):
 				return calls, "", false, true // cut before the call's name
 			case call == nil:
-				if len(calls) == 0 {
-					return nil, "", false, false
-				}
-				return calls, strings.TrimSpace(body), true, true
+				return callsEnded(calls, body)
 			}
 			calls = append(calls, *call)
 			if !complete {
@@ -67,10 +60,7 @@ func parseList(text string, f *callFormat, newID func() string) (calls []ToolCal
 		}
 		rest = body
 	}
-	if len(calls) == 0 {
-		return nil, "", false, false
-	}
-	return calls, strings.TrimSpace(rest), true, true
+	return callsEnded(calls, rest)
 }
 
 // parseNamed reads calls in Mistral's format from text, which begins with its
@@ -80,12 +70,11 @@ func parseList(text string, f *callFormat, newID func() string) (calls []ToolCal
 func parseNamed(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	rest := text
 	for {
-		t := strings.TrimLeft(rest, jsonSpace)
-		body, found := strings.CutPrefix(t, f.open)
+		body, found, cut := f.openCall(rest, len(calls) > 0)
+		if cut {
+			return calls, "", false, true // cut in the next call's opening tag
+		}
 		if !found {
-			if len(calls) > 0 && t != "" && strings.HasPrefix(f.open, t) {
-				return calls, "", false, true // cut in the next tag
-			}
 			break
 		}
 		name, args, state := namedHead(body, f)
@@ -93,10 +82,7 @@ func parseNamed(text string, f *callFormat, newID func() string) (calls []ToolCa
 		case headCut:
 			return calls, "", false, true // cut before its arguments
 		case headInvalid:
-			if len(calls) == 0 {
-				return nil, "", false, false
-			}
-			return calls, strings.TrimSpace(rest), true, true
+			return callsEnded(calls, rest)
 		}
 		dec := json.NewDecoder(strings.NewReader(args))
 		var raw json.RawMessage
@@ -113,10 +99,7 @@ func parseNamed(text string, f *callFormat, newID func() string) (calls []ToolCa
 		calls = append(calls, ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: string(a)}})
 		rest = args[dec.InputOffset():]
 	}
-	if len(calls) == 0 {
-		return nil, "", false, false
-	}
-	return calls, strings.TrimSpace(rest), true, true
+	return callsEnded(calls, rest)
 }
 
 // The states of a call's head in Mistral's format.

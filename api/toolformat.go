@@ -367,6 +367,24 @@ func (c *callStream) finishReason(generated string, calls []ToolCall) string {
 
 func (c *callStream) stopString() string { return c.stop.matched }
 
+// openCall reads the opening tag of the next call in rest, after spaces:
+// body is the text after it. cut: after earlier calls, rest is only the
+// start of the tag (the output was cut short in it).
+func (f *callFormat) openCall(rest string, earlier bool) (body string, found, cut bool) {
+	t := strings.TrimLeft(rest, jsonSpace)
+	body, found = strings.CutPrefix(t, f.open)
+	return body, found, !found && earlier && t != "" && strings.HasPrefix(f.open, t)
+}
+
+// callsEnded is what a parser returns when no call follows its calls: rest
+// is the text after them, and not even one call is not calls.
+func callsEnded(calls []ToolCall, rest string) (_ []ToolCall, after string, whole, ok bool) {
+	if len(calls) == 0 {
+		return nil, "", false, false
+	}
+	return calls, strings.TrimSpace(rest), true, true
+}
+
 // parseTagged reads calls in format f from text, which begins with f.open.
 // A call cut short (by max_tokens) is returned with the arguments generated so
 // far, as OpenAI returns one, and whole is false. after is the text after the
@@ -374,11 +392,11 @@ func (c *callStream) stopString() string { return c.stop.matched }
 func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	rest := text
 	for {
-		body, found := strings.CutPrefix(strings.TrimLeft(rest, jsonSpace), f.open)
+		body, found, cut := f.openCall(rest, len(calls) > 0)
+		if cut {
+			return calls, "", false, true // cut in the next call's opening tag
+		}
 		if !found {
-			if t := strings.TrimLeft(rest, jsonSpace); len(calls) > 0 && t != "" && strings.HasPrefix(f.open, t) {
-				return calls, "", false, true // cut in the next call's opening tag
-			}
 			break
 		}
 		body = strings.TrimLeft(body, jsonSpace)
@@ -401,10 +419,7 @@ func parseTagged(text string, f *callFormat, newID func() string) (calls []ToolC
 			return calls, "", false, true
 		}
 	}
-	if len(calls) == 0 {
-		return nil, "", false, false
-	}
-	return calls, strings.TrimSpace(rest), true, true
+	return callsEnded(calls, rest)
 }
 
 // parseBare reads a bare format's one call from text.

@@ -340,12 +340,11 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 	x := f.xml
 	rest := text
 	for {
-		t := strings.TrimLeft(rest, jsonSpace)
-		body, found := strings.CutPrefix(t, f.open)
+		body, found, cut := f.openCall(rest, len(calls) > 0)
+		if cut {
+			return calls, "", false, true // cut in the next call's opening tag
+		}
 		if !found {
-			if len(calls) > 0 && t != "" && strings.HasPrefix(f.open, t) {
-				return calls, "", false, true
-			}
 			break
 		}
 		body = strings.TrimLeft(body, jsonSpace)
@@ -412,10 +411,7 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 			return calls, "", false, true
 		}
 	}
-	if len(calls) == 0 {
-		return nil, "", false, false
-	}
-	return calls, strings.TrimSpace(rest), true, true
+	return callsEnded(calls, rest)
 }
 
 // cutTag reads open, a value and end ("<parameter=" key ">") at the start
