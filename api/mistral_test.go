@@ -52,6 +52,7 @@ func TestMistralCallStream(t *testing.T) {
 		{"named, cut in the call id's tag", &mistralIDFormat, []string{`[TOOL_CALLS]a[CALL_`}, "", "", nil, "length"},
 		{"list", &mistralListFormat, []string{"Sure. [TOOL_CALLS] [", `{"name": "a", "arguments": {"x": 1}, "id": "abcdefghi"}, `, `{"name": "b", "arguments": {}}]`}, "Sure. ", "", []string{`a{"x":1}`, `b{}`}, "tool_calls"},
 		{"list, cut in the arguments", &mistralListFormat, []string{`[TOOL_CALLS][{"name": "a", "arguments": {"x": `}, "", "", []string{`a{"x":`}, "length"},
+		{"list, cut in the id", &mistralListFormat, []string{`[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}, "id": "abc`}, "", "", []string{`a{"x":1}`}, "length"},
 		{"list, cut before the end", &mistralListFormat, []string{`[TOOL_CALLS][{"name": "a", "arguments": {}}`}, "", "", []string{`a{}`}, "length"},
 		{"list, cut after the tag", &mistralListFormat, []string{`[TOOL_CALLS]`}, "", "", nil, "length"},
 		{"list, not a call", &mistralListFormat, []string{`[TOOL_CALLS] hello`}, "", "[TOOL_CALLS] hello", nil, "stop"},

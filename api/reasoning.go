@@ -78,11 +78,15 @@ func (t *thinkPlan) tag(closing bool) string {
 // protocol, a required call, response_format) is made to let the thoughts
 // come first, as llama-server does: the model thinks, then answers in form.
 func (s *Server) thinkingPlan(b *Backend, prompt string, tp *toolPlan, req *scheduler.Request) *thinkPlan {
+	if b.think != nil && b.think.control {
+		// The tags are kept, to be read or (under "none") left in content
+		// as <think> is.
+		req.SpecialTokens = true
+	}
 	if s.cfg.ReasoningFormat == "none" || b.think == nil {
 		return nil
 	}
 	t := &thinkPlan{open: strings.HasSuffix(strings.TrimRight(prompt, jsonSpace), b.think.open), tags: *b.think}
-	req.SpecialTokens = req.SpecialTokens || b.think.control
 	if tp != nil && tp.format != nil {
 		t.call = tp.format.open
 	}

@@ -91,6 +91,10 @@ func TestThinkingPlan(t *testing.T) {
 		!strings.Contains(req.Grammar, `root ::= ("[THINK]" shoal-thought "[/THINK]" [ \t\r\n]{0,4})? shoal-answer-root`) {
 		t.Fatalf("[THINK] tags: %+v, %+v\n%s", p, req, req.Grammar)
 	}
+	// "]" in a class is escaped: "[^][]" would end at its first "]".
+	if !strings.Contains(req.Grammar, `shoal-thought-7 ::= | "[" shoal-thought-1 | [^\x5D\x5B] shoal-thought-0`) {
+		t.Fatalf("[/THINK]'s last state:\n%s", req.Grammar)
+	}
 	b.think = &xmlThink
 	s.cfg.ReasoningFormat = "none"
 	if p := s.thinkingPlan(b, "x", nil, &scheduler.Request{}); p != nil {

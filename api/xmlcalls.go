@@ -310,9 +310,12 @@ func untilRules(name, end string) string {
 		var c strings.Builder
 		c.WriteString("[^")
 		for _, x := range excl {
-			if x == '\n' {
+			switch x {
+			case '\n':
 				c.WriteString(`\n`)
-			} else {
+			case ']', '[', '\\', '^', '-':
+				fmt.Fprintf(&c, `\x%02X`, x) // else "[^][]" would close at the first "]"
+			default:
 				c.WriteByte(x)
 			}
 		}
@@ -359,7 +362,7 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 			name, body, found = name[:i], rest, true
 		}
 		switch {
-		case found && name != "" && !strings.ContainsAny(name, "<>\n"):
+		case found && name != "" && strings.IndexFunc(name, func(r rune) bool { return !isNameChar(r) }) < 0:
 		case len(calls) > 0, !found && !strings.ContainsAny(name, "<>") && (name != "" || strings.HasPrefix(x.fnOpen, body)):
 			return calls, "", false, true // cut before the function's name ended
 		default:

@@ -160,6 +160,7 @@ func TestGLMCalls(t *testing.T) {
 		{"cut in the name", "<tool_call>get_wea", nil, false, true},
 		{"cut before the closing tag", call[:len(call)-5], []string{`get_weather{"city":"New\nYork","days":3}`}, false, true},
 		{"not a call", "<tool_call> <oops>", nil, false, false},
+		{"JSON, not GLM's", `<tool_call>{"name": "f", "arguments": {}}</tool_call>`, nil, false, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			calls, _, whole, ok := parseXML(c.out, &glmFormat, tools, func() string { return "id" })
