@@ -566,8 +566,9 @@ func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submit
 // followOne reads p's one choice to its end, passing its thoughts and text to
 // emit as they come, and returns its answer once whole (the text held back
 // until the end, the calls) and the usage.
-func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitted, emit func(reasoning, text string)) (chatAnswer, Usage, error) {
+func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitted, emit func(reasoning, text string), calls func([]ToolCallDelta)) (chatAnswer, Usage, error) {
 	var ch choiceState
+	newID := func() string { return s.newID("call") }
 	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
 		if !ch.started {
 			ch.output, ch.started = p.newOutput(), true
@@ -578,6 +579,11 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 		}
 		ch.countThought(ev, reasoning)
 		emit(reasoning, text)
+		if calls != nil && ch.output != nil && ev.Kind == scheduler.EventToken {
+			if d := ch.output.callProgress(newID); len(d) > 0 {
+				calls(d)
+			}
+		}
 		if ev.Kind == scheduler.EventFinish {
 			ch.finish, ch.stop = finishString(ev.Finish), stopReason(ev)
 		}
@@ -587,12 +593,18 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 	}
 	var usage Usage
 	addUsage(&usage, u)
-	return s.answer(&ch), usage, nil // ch holds no text (it was passed on): a.text is what was held
+	a := s.answer(&ch) // ch holds no text (it was passed on): a.text is what was held
+	if calls != nil && ch.output != nil {
+		if d := ch.output.callRest(a.calls); len(d) > 0 {
+			calls(d)
+		}
+	}
+	return a, usage, nil
 }
 
 // messageStream answers a message request with Anthropic's events:
 // message_start, then each content block's start, deltas and stop (thinking
-// and text as they come, each tool call once whole), message_delta with the
+// and text as they come, tool calls' input as it is written), message_delta with the
 // stop reason and usage, and message_stop.
 func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submitted) {
 	ctx := c.Request.Context()
@@ -633,10 +645,24 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index, "delta": delta})
 	}
+	toolUse := func(ds []ToolCallDelta) {
+		for _, d := range ds {
+			if d.ID != "" { // a new call: its block
+				closeBlock()
+				index, open = index+1, "tool_use"
+				w.event("content_block_start", gin.H{"type": "content_block_start", "index": index,
+					"content_block": toolUseBlock{Type: "tool_use", ID: d.ID, Name: d.Function.Name, Input: json.RawMessage("{}")}})
+			}
+			if d.Function.Arguments != "" {
+				w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index,
+					"delta": gin.H{"type": "input_json_delta", "partial_json": d.Function.Arguments}})
+			}
+		}
+	}
 	a, usage, err := s.followOne(ctx, b, p, sub, func(reasoning, text string) {
 		emit("thinking", reasoning)
 		emit("text", text)
-	})
+	}, toolUse)
 	if err != nil {
 		if ctx.Err() == nil {
 			// Headers are sent: the error is an event, as Anthropic sends one.
@@ -649,14 +675,6 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 	}
 	emit("text", a.text)
 	closeBlock()
-	for _, tc := range a.calls {
-		index++
-		w.event("content_block_start", gin.H{"type": "content_block_start", "index": index,
-			"content_block": toolUseBlock{Type: "tool_use", ID: tc.ID, Name: tc.Function.Name, Input: json.RawMessage("{}")}})
-		w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index,
-			"delta": gin.H{"type": "input_json_delta", "partial_json": string(callInput(tc.Function.Arguments))}})
-		w.event("content_block_stop", gin.H{"type": "content_block_stop", "index": index})
-	}
 	reason, seq := a.anthropicStop()
 	w.event("message_delta", gin.H{"type": "message_delta", "delta": gin.H{"stop_reason": reason, "stop_sequence": seq},
 		"usage": anthropicUsage(usage)})

@@ -41,16 +41,10 @@ func parseList(text string, f *callFormat, newID func() string) (calls []ToolCal
 			case call == nil:
 				return callsEnded(calls, body)
 			}
-			if !complete {
-				// Cut in the id after the arguments: they are whole.
-				dec := json.NewDecoder(strings.NewReader(call.Function.Arguments))
-				var args json.RawMessage
-				if dec.Decode(&args) == nil {
-					call.Function.Arguments = string(compactJSON(args))
-				}
-				return append(calls, *call), "", false, true
-			}
 			calls = append(calls, *call)
+			if !complete {
+				return calls, "", false, true // (cut in its id, its arguments are whole: stableJSON)
+			}
 			body = strings.TrimLeft(body[n:], jsonSpace)
 			if body == "" {
 				return calls, "", false, true // cut before the list's end

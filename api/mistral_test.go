@@ -41,7 +41,7 @@ func TestMistralCallStream(t *testing.T) {
 		{"named", &mistralFormat, []string{"Let me look.", "[TOOL", "_CALLS]get_weather[ARGS]", `{"city": "Oslo"}`}, "Let me look.", "", []string{`get_weather{"city":"Oslo"}`}, "tool_calls"},
 		{"named, two", &mistralFormat, []string{`[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"x": [1, 2]}`}, "", "", []string{`a{}`, `b{"x":[1,2]}`}, "tool_calls"},
 		{"named, with a call id", &mistralIDFormat, []string{`[TOOL_CALLS]a[CALL_ID]abcdefghi[ARGS]{"n": 1}`}, "", "", []string{`a{"n":1}`}, "tool_calls"},
-		{"named, cut in the arguments", &mistralFormat, []string{`[TOOL_CALLS]a[ARGS]{"city": "Os`}, "", "", []string{`a{"city": "Os`}, "length"},
+		{"named, cut in the arguments", &mistralFormat, []string{`[TOOL_CALLS]a[ARGS]{"city": "Os`}, "", "", []string{`a{"city":"Os`}, "length"},
 		{"named, cut in the name", &mistralFormat, []string{`[TOOL_CALLS]get_wea`}, "", "", nil, "length"},
 		{"named, cut in the second tag", &mistralFormat, []string{`[TOOL_CALLS]a[ARGS]{}[TOOL_`}, "", "", []string{`a{}`}, "length"},
 		{"named, text after", &mistralFormat, []string{`[TOOL_CALLS]a[ARGS]{} done`}, "", "done", []string{`a{}`}, "tool_calls"},

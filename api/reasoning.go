@@ -210,8 +210,24 @@ func holdBack(s, tag string) int {
 // choiceOutput follows one chat choice's output: its thoughts apart, then the
 // answer's text and, under tools, its calls.
 type choiceOutput struct {
-	think *thinkSplit  // nil: thoughts are not separated
-	tools toolFollower // nil: no tools offered
+	think  *thinkSplit  // nil: thoughts are not separated
+	tools  toolFollower // nil: no tools offered
+	deltas callDeltas   // the calls passed on while streamed
+}
+
+// callProgress returns the deltas of the calls written so far, to stream
+// them as they are written.
+func (o *choiceOutput) callProgress(newID func() string) []ToolCallDelta {
+	if o.tools == nil {
+		return nil
+	}
+	return o.deltas.next(o.tools.progress(newID))
+}
+
+// callRest returns the deltas that complete what was streamed of calls, the
+// whole answer's calls (end's).
+func (o *choiceOutput) callRest(calls []ToolCall) []ToolCallDelta {
+	return o.deltas.next(calls)
 }
 
 // newOutput is a follower for one of p's choices, nil when the output is

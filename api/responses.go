@@ -426,6 +426,31 @@ func (s *Server) callItem(r *ResponsesRequest, tc ToolCall, status string) any {
 	return functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Arguments: tc.Function.Arguments, Status: status}
 }
 
+// partialInput is the part of a custom tool call's input that its arguments
+// so far, {"input":"..., hold: the string decoded up to its last whole
+// character.
+func partialInput(args string) string {
+	rest, ok := strings.CutPrefix(args, `{"input":"`)
+	if !ok {
+		return ""
+	}
+	var out strings.Builder
+	for s := []byte(rest); len(s) > 0 && s[0] != '"'; {
+		if s[0] != '\\' {
+			out.WriteByte(s[0])
+			s = s[1:]
+			continue
+		}
+		r, n := unescape(s)
+		if n == 0 {
+			break
+		}
+		out.WriteRune(r)
+		s = s[n:]
+	}
+	return out.String()
+}
+
 // responseItems are a's output items: its reasoning, its text, its calls.
 func (s *Server) responseItems(r *ResponsesRequest, a *chatAnswer) []any {
 	items := []any{}
@@ -467,7 +492,7 @@ const keepAliveEvery = 10 * time.Second
 
 // responseStream answers a Responses request with its events: the response
 // created and in progress; per output item its addition, its parts and deltas
-// (thoughts and text as they come, a call's arguments once whole) and its
+// (thoughts, text and calls' arguments as they are written) and its
 // completion; then the response completed (or incomplete), whole. An SSE
 // comment goes out every keepAliveEvery.
 func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []submitted) {
@@ -541,10 +566,59 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 			send("response.output_text.delta", gin.H{"item_id": id, "output_index": idx, "content_index": 0, "delta": delta, "logprobs": []any{}})
 		}
 	}
+	// The call being streamed: its item, and its arguments (a custom tool's
+	// input) passed on so far.
+	var call any
+	var args, input string
+	endCall := func(status string) {
+		idx := len(items)
+		switch it := call.(type) {
+		case functionCallItem:
+			send("response.function_call_arguments.done", gin.H{"item_id": it.ID, "output_index": idx, "name": it.Name, "arguments": args})
+			it.Arguments, it.Status = args, status
+			call = it
+		case customCallItem:
+			var in struct {
+				Input string `json:"input"`
+			}
+			_ = json.Unmarshal([]byte(args), &in) // a call cut short has what was read
+			send("response.custom_tool_call_input.done", gin.H{"item_id": it.ID, "output_index": idx, "input": in.Input})
+			it.Input, it.Status = in.Input, status
+			call = it
+		default:
+			return
+		}
+		send("response.output_item.done", gin.H{"output_index": idx, "item": call})
+		items = append(items, call)
+		call = nil
+	}
+	toolCalls := func(ds []ToolCallDelta) {
+		for _, d := range ds {
+			if d.ID != "" { // a new call: its item
+				closeItem("completed")
+				endCall("completed")
+				call = s.callItem(p.responses, ToolCall{ID: d.ID, Function: FunctionCall{Name: d.Function.Name}}, "in_progress")
+				args, input = "", ""
+				send("response.output_item.added", gin.H{"output_index": len(items), "item": call})
+			}
+			args += d.Function.Arguments
+			switch it := call.(type) {
+			case functionCallItem:
+				if d.Function.Arguments != "" {
+					send("response.function_call_arguments.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": d.Function.Arguments})
+				}
+			case customCallItem:
+				if in := partialInput(args); len(in) > len(input) {
+					send("response.custom_tool_call_input.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": in[len(input):]})
+					input = in
+				}
+			}
+		}
+	}
 	a, usage, err := s.followOne(ctx, b, p, subs[0], func(reasoning, text string) {
 		emit("reasoning", reasoning)
 		emit("message", text)
-	})
+	}, toolCalls)
 	if err != nil {
 		if ctx.Err() == nil {
 			// Headers are sent: the failure is the response's, as OpenAI sends it.
@@ -557,37 +631,12 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return
 	}
+	endCall(a.itemStatus())
 	emit("message", a.text)
 	if open != "message" && len(a.calls) == 0 && !slices.ContainsFunc(items, func(it any) bool { _, ok := it.(messageItem); return ok }) {
 		start("message") // an empty answer is an empty message, as in a whole response
 	}
 	closeItem(a.itemStatus())
-	for i, tc := range a.calls {
-		idx := len(items)
-		status := "completed"
-		if i == len(a.calls)-1 {
-			status = a.itemStatus()
-		}
-		item := s.callItem(p.responses, tc, "in_progress")
-		switch it := item.(type) {
-		case functionCallItem:
-			send("response.output_item.added", gin.H{"output_index": idx, "item": it})
-			send("response.function_call_arguments.delta", gin.H{"item_id": it.ID, "output_index": idx, "delta": tc.Function.Arguments})
-			send("response.function_call_arguments.done", gin.H{"item_id": it.ID, "output_index": idx, "name": tc.Function.Name, "arguments": tc.Function.Arguments})
-			it.Arguments, it.Status = tc.Function.Arguments, status
-			item = it
-		case customCallItem:
-			input := it.Input
-			it.Input = ""
-			send("response.output_item.added", gin.H{"output_index": idx, "item": it})
-			send("response.custom_tool_call_input.delta", gin.H{"item_id": it.ID, "output_index": idx, "delta": input})
-			send("response.custom_tool_call_input.done", gin.H{"item_id": it.ID, "output_index": idx, "input": input})
-			it.Input, it.Status = input, status
-			item = it
-		}
-		send("response.output_item.done", gin.H{"output_index": idx, "item": item})
-		items = append(items, item)
-	}
 	finishResponse(&resp, &a, items, usage)
 	if resp.Status == "incomplete" {
 		send("response.incomplete", gin.H{"response": resp})

@@ -165,6 +165,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return "", ev.Text
 	}
+	newCallID := func() string { return s.newID("call") }
 	think := func(idx int, reasoning string) {
 		if reasoning != "" {
 			chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ReasoningContent: &reasoning}})
@@ -196,23 +197,29 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 				if text != "" || lp != nil {
 					send(idx, &text, nil, lp, "", nil)
 				}
+				if o := output(idx); o != nil {
+					if d := o.callProgress(newCallID); len(d) > 0 {
+						chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: d}})
+					}
+				}
 			case scheduler.EventFinish:
 				reasoning, t := follow(sub, ev)
 				think(idx, reasoning)
 				f, stop := finishString(ev.Finish), stopReason(ev)
-				var calls []ToolCall
+				var calls []ToolCallDelta
 				if o := output(idx); o != nil {
 					var rest string
-					rest, calls, f = o.end(func() string { return s.newID("call") }, f)
+					var whole []ToolCall
+					rest, whole, f = o.end(newCallID, f)
+					calls = o.callRest(whole)
 					t += rest
 					stop = outputStop(o, stop, f)
 				}
 				if t != "" {
 					send(idx, &t, nil, nil, "", nil)
 				}
-				for i, tc := range calls {
-					tc.Index = &i
-					chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: []ToolCall{tc}}})
+				if len(calls) > 0 {
+					chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: calls}})
 				}
 				send(idx, nil, &f, nil, "", stop)
 			}

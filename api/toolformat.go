@@ -264,6 +264,8 @@ type callStream struct {
 	calls   bool // buf[sent:] begins the calls
 	text    bool // a bare format's answer is text, not a call
 	partial bool // end: the last call was cut short
+	ids     callIDs
+	tail    argsTail
 }
 
 func (c *callStream) follow(st *scheduler.Stream, ev scheduler.Event) string {
@@ -328,30 +330,68 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 		}
 		return c.stop.cut(rest, true), nil
 	}
-	if c.f.shortIDs {
-		long := newID
-		newID = func() string { return shortID(long()) }
-	}
-	var calls []ToolCall
-	var after string
-	var whole, ok bool
-	switch {
-	case c.f.xml != nil:
-		calls, after, whole, ok = parseXML(rest, c.f, c.params, newID)
-	case c.f.list:
-		calls, after, whole, ok = parseList(rest, c.f, newID)
-	case c.f.argsTag != "":
-		calls, after, whole, ok = parseNamed(rest, c.f, newID)
-	case c.f.bare():
-		calls, after, whole, ok = parseBare(rest, c.f, newID)
-	default:
-		calls, after, whole, ok = parseTagged(rest, c.f, newID)
-	}
+	calls, after, whole, ok := c.parse(rest, newID)
 	if !ok {
 		return c.stop.cut(rest, true), nil // not calls after all: nothing generated is lost
 	}
 	c.partial = !whole
 	return c.stop.cut(after, true), calls
+}
+
+// progress returns the calls written so far, each with the part of its
+// arguments that the whole answer's begin with (calldeltas.go).
+func (c *callStream) progress(newID func() string) []ToolCall {
+	if !c.calls || c.stop.stopped {
+		return nil
+	}
+	text := c.buf.String()[c.sent:]
+	if c.f.xml != nil {
+		calls, _, _, ok := c.parse(text, newID)
+		if n := len(calls); ok && n > 0 {
+			// Parameters may follow the last one written.
+			calls[n-1].Function.Arguments = strings.TrimSuffix(calls[n-1].Function.Arguments, "}")
+		}
+		return calls
+	}
+	return c.tail.follow(text, func(text string) []ToolCall {
+		calls, _, _, _ := c.parseRaw(text, newID)
+		return calls
+	})
+}
+
+// parse reads the calls that text, the output from the first call's tag on,
+// holds so far, their ids the same at each reading, each cut short with the
+// part of its arguments that stays (stableJSON).
+func (c *callStream) parse(text string, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
+	calls, after, whole, ok = c.parseRaw(text, newID)
+	if c.f.xml == nil {
+		for i := range calls {
+			calls[i].Function.Arguments = stableJSON(calls[i].Function.Arguments)
+		}
+	}
+	return calls, after, whole, ok
+}
+
+// parseRaw is parse with the arguments as written.
+func (c *callStream) parseRaw(text string, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
+	gen := newID
+	if c.f.shortIDs {
+		gen = func() string { return shortID(newID()) }
+	}
+	id := c.ids.reader(gen)
+	switch {
+	case c.f.xml != nil:
+		return parseXML(text, c.f, c.params, id)
+	case c.f.list:
+		calls, after, whole, ok = parseList(text, c.f, id)
+	case c.f.argsTag != "":
+		calls, after, whole, ok = parseNamed(text, c.f, id)
+	case c.f.bare():
+		calls, after, whole, ok = parseBare(text, c.f, id)
+	default:
+		calls, after, whole, ok = parseTagged(text, c.f, id)
+	}
+	return calls, after, whole, ok
 }
 
 // finishReason is tool_calls for calls ended in full.

@@ -50,7 +50,7 @@ func TestCallStream(t *testing.T) {
 			"Let me look.\n", "", []string{`get_weather{"city":"Oslo"}`}, "tool_calls"},
 		{"two calls", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>{\"name\": \"b\", \"arguments\": {\"x\": [1, 2]}}</tool_call>"},
 			"", "", []string{`a{}`, `b{"x":[1,2]}`}, "tool_calls"},
-		{"cut in the arguments", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {\"city\": \"Os"}, "", "", []string{`a{"city": "Os`}, "length"},
+		{"cut in the arguments", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {\"city\": \"Os"}, "", "", []string{`a{"city":"Os`}, "length"},
 		{"cut before the closing tag", []string{"<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool"}, "", "", []string{`a{}`}, "length"},
 		{"not a call after all", []string{"<tool_call> oops"}, "", "<tool_call> oops", nil, "stop"},
 		{"cut after the name", []string{"<tool_call>{ \"name\": \"add\", \"argum"}, "", "", []string{`add`}, "length"},
@@ -105,7 +105,7 @@ func TestBareCallStream(t *testing.T) {
 		{[]string{" ", "It is ", "sunny."}, " It is sunny.", "", "", "stop", "stop"},
 		{[]string{"\n", `{"name": "get_weather", `, `"parameters": {"city": "Oslo"}}`}, "", "", `get_weather{"city":"Oslo"}`, "stop", "tool_calls"},
 		{[]string{`{"type": "function", "name": "f", "parameters": {}}`}, "", "", `f{}`, "stop", "tool_calls"},
-		{[]string{`{"name": "f", "parameters": {"x": "ab`}, "", "", `f{"x": "ab`, "length", "length"},
+		{[]string{`{"name": "f", "parameters": {"x": "ab`}, "", "", `f{"x":"ab`, "length", "length"},
 		{[]string{`{"answer": 42}`}, "", `{"answer": 42}`, "", "stop", "stop"},
 		{[]string{`{"nam`}, "", "", "", "length", "length"},
 		{[]string{`{"answer": 4`}, "", `{"answer": 4`, "", "length", "length"},
@@ -426,6 +426,7 @@ func FuzzCallStream(f *testing.F) {
 		}
 		text, calls := run(k)
 		wholeText, wholeCalls := run(max(len(out), 1))
+		joinStreamed(t, &callStream{f: format, params: params}, out, k) // streamed calls join up to the whole
 		if text != wholeText || fmt.Sprint(calls) != fmt.Sprint(wholeCalls) {
 			t.Fatalf("pieces of %d: %q %v; whole: %q %v", k, text, calls, wholeText, wholeCalls)
 		}

@@ -111,6 +111,10 @@ type toolFollower interface {
 	// stopString is the stop string that ended the answer, "" if none did
 	// (tokens after it are not the answer's).
 	stopString() string
+	// progress returns the calls written so far, for streaming them as they
+	// are written: the same ids as end gives them, and of each call's
+	// arguments a part that end's begin with.
+	progress(newID func() string) []ToolCall
 }
 
 // follow follows one choice's output.
@@ -606,6 +610,8 @@ type answerStream struct {
 	mode int             // streamUndecided, streamResponse, streamCalls
 	str  []byte          // streamResponse: the JSON string's undecoded rest
 	done bool            // the answer's text has ended
+	ids  callIDs
+	tail argsTail
 }
 
 // stopMatcher cuts an answer's text at the first of the request's stop
@@ -698,7 +704,11 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	case a.mode == streamUndecided && mayStartResponse(a.buf.String()):
 		return "", nil // cut short before the answer's text began
 	}
-	calls, response, ok := parseCalls(a.buf.String(), newID)
+	calls, response, ok := parseCalls(a.buf.String(), a.ids.reader(newID))
+	for i := range calls {
+		// A call cut short has its arguments as far as they stay.
+		calls[i].Function.Arguments = stableJSON(calls[i].Function.Arguments)
+	}
 	switch {
 	case !ok && answerStart.MatchString(a.buf.String()):
 		// An answer other than a string (under an output constraint), cut short:
@@ -715,6 +725,21 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 }
 
 func (a *answerStream) stopString() string { return a.stop.matched }
+
+// progress returns the calls written so far, each with the part of its
+// arguments that the whole answer's begin with (calldeltas.go).
+func (a *answerStream) progress(newID func() string) []ToolCall {
+	if a.mode != streamCalls {
+		return nil
+	}
+	return a.tail.follow(a.buf.String(), func(text string) []ToolCall {
+		calls, response, ok := parseCalls(text, a.ids.reader(newID))
+		if !ok || response != nil {
+			return nil
+		}
+		return calls
+	})
+}
 
 // finishReason is a choice's finish_reason given the generator's (stop or
 // length) and the calls end returned: tool_calls for a call list ended in full,

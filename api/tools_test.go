@@ -272,6 +272,7 @@ func FuzzAnswerStream(f *testing.F) {
 		if k < 1 || k > len(out)+1 {
 			k = 1
 		}
+		joinStreamed(t, &answerStream{}, out, k) // streamed calls join up to the whole
 		whole, wholeCalls, _ := feed(out, len(out)+1, "\n\n")
 		text, calls, _ := feed(out, k, "\n\n")
 		if text != whole || len(calls) != len(wholeCalls) {

@@ -65,6 +65,7 @@ func streamResponse(t *testing.T, c openai.Client, params responses.ResponseNewP
 	var deltas strings.Builder
 	var final string
 	var types []string
+	args := map[string]string{} // a call's arguments (a custom call's input) as streamed
 	for n := int64(0); stream.Next(); n++ {
 		ev := stream.Current()
 		if ev.SequenceNumber != n {
@@ -74,6 +75,12 @@ func streamResponse(t *testing.T, c openai.Client, params responses.ResponseNewP
 		switch ev.Type {
 		case "response.output_text.delta":
 			deltas.WriteString(ev.Delta)
+		case "response.function_call_arguments.delta", "response.custom_tool_call_input.delta":
+			args[ev.ItemID] += ev.Delta
+		case "response.function_call_arguments.done", "response.custom_tool_call_input.done":
+			if whole := ev.Arguments + ev.Input; args[ev.ItemID] != whole {
+				t.Fatalf("%s: the deltas join up to %q, not %q", ev.Type, args[ev.ItemID], whole)
+			}
 		case "response.completed", "response.incomplete":
 			final = ev.Response.RawJSON()
 		}

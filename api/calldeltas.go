@@ -1,0 +1,182 @@
+package api
+
+import (
+	"encoding/json"
+	"strings"
+)
+
+// Tool calls are streamed as they are written, as vLLM and llama-server
+// stream them: each call's id and name once its name is whole, then its
+// arguments as they grow. What is passed on of a call's arguments is always
+// the start of those the whole answer gives it, so that a client that joins
+// the deltas gets the same calls as one that waits for them.
+
+// callIDs gives the calls of one output their ids, the same each time the
+// output is read again.
+type callIDs struct {
+	ids  []string
+	next int
+}
+
+// reader returns the ids in order for one reading of the output, making new
+// ones with gen past those made before.
+func (c *callIDs) reader(gen func() string) func() string {
+	c.next = 0
+	return func() string {
+		if c.next == len(c.ids) {
+			c.ids = append(c.ids, gen())
+		}
+		c.next++
+		return c.ids[c.next-1]
+	}
+}
+
+// stableJSON is the part of a call's JSON arguments written so far that its
+// whole arguments begin with: all of them, compacted, once they are a whole
+// JSON value ("{}" for null); else their text so far without the spaces
+// between tokens (a string's stay), which compacting the whole keeps as the
+// start.
+func stableJSON(args string) string {
+	dec := json.NewDecoder(strings.NewReader(args))
+	var v json.RawMessage
+	if dec.Decode(&v) == nil {
+		if c := compactJSON(v); string(c) != "null" {
+			return string(c)
+		}
+		return "{}"
+	}
+	var b strings.Builder
+	inString, escaped := false, false
+	for i := 0; i < len(args); i++ {
+		c := args[i]
+		switch {
+		case inString:
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+		case c == '"':
+			inString = true
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			continue
+		}
+		b.WriteByte(c)
+	}
+	s := b.String()
+	if strings.HasPrefix("null", s) {
+		return "" // may yet be null, whose arguments are {}
+	}
+	return s
+}
+
+// argsTail makes following calls as they are written cost what the output
+// adds, not a reading of all of it per token: between full readings, while
+// the last call's arguments are an open JSON object or list running to the
+// output's end, only the new bytes are compacted (as stableJSON would), until
+// the value closes and the calls are read again.
+type argsTail struct {
+	calls   []ToolCall // the last reading's, the last call's arguments open
+	scanned int        // the bytes of the output compacted into comp
+	comp    jsonCompactor
+}
+
+// follow returns the calls that text holds, each with the part of its
+// arguments that stays (stableJSON); read reads them with their arguments
+// as written.
+func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall {
+	if t.calls != nil && len(text) >= t.scanned {
+		t.comp.feed(text[t.scanned:])
+		t.scanned = len(text)
+		if !t.comp.closed && !t.comp.bad {
+			calls := append([]ToolCall(nil), t.calls...)
+			calls[len(calls)-1].Function.Arguments = string(t.comp.out)
+			return calls
+		}
+	}
+	t.calls = nil
+	calls := read(text)
+	if n := len(calls); n > 0 {
+		raw := calls[n-1].Function.Arguments
+		var comp jsonCompactor
+		comp.feed(raw)
+		if trimmed := strings.TrimRight(text, jsonSpace); !comp.closed && !comp.bad && comp.depth > 0 && strings.HasSuffix(trimmed, raw) {
+			t.calls, t.scanned, t.comp = calls, len(trimmed), comp
+		}
+	}
+	for i := range calls {
+		calls[i].Function.Arguments = stableJSON(calls[i].Function.Arguments)
+	}
+	return calls
+}
+
+// jsonCompactor compacts JSON text fed in pieces, leaving out the spaces
+// between tokens, and follows its nesting: closed once the object or list it
+// began with closes; bad when it begins with anything else.
+type jsonCompactor struct {
+	out              []byte
+	depth            int
+	inString, escape bool
+	closed, bad      bool
+}
+
+func (j *jsonCompactor) feed(s string) {
+	for i := 0; i < len(s) && !j.closed && !j.bad; i++ {
+		c := s[i]
+		switch {
+		case j.inString:
+			switch {
+			case j.escape:
+				j.escape = false
+			case c == '\\':
+				j.escape = true
+			case c == '"':
+				j.inString = false
+			}
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			continue
+		case j.depth == 0 && c != '{' && c != '[':
+			j.bad = true // a scalar: read whole each time (they are short)
+			return
+		case c == '"':
+			j.inString = true
+		case c == '{' || c == '[':
+			j.depth++
+		case c == '}' || c == ']':
+			if j.depth--; j.depth == 0 {
+				j.closed = true
+			}
+		}
+		j.out = append(j.out, c)
+	}
+}
+
+// callDeltas follows what has been passed on of one choice's calls.
+type callDeltas struct {
+	sent []string // each call's arguments passed on
+}
+
+// next returns the deltas that bring what was passed on up to calls: a new
+// call's id, type and name (with its arguments so far), then what each
+// call's arguments gained. A call whose arguments no longer begin with what
+// was passed on (which the parsers never give) gets nothing more.
+func (d *callDeltas) next(calls []ToolCall) []ToolCallDelta {
+	var out []ToolCallDelta
+	for i, c := range calls {
+		if i == len(d.sent) {
+			d.sent = append(d.sent, c.Function.Arguments)
+			out = append(out, ToolCallDelta{Index: i, ID: c.ID, Type: "function", Function: FunctionCallDelta{Name: c.Function.Name, Arguments: c.Function.Arguments}})
+			continue
+		}
+		more, ok := strings.CutPrefix(c.Function.Arguments, d.sent[i])
+		if !ok || more == "" {
+			continue
+		}
+		d.sent[i] = c.Function.Arguments
+		out = append(out, ToolCallDelta{Index: i, Function: FunctionCallDelta{Arguments: more}})
+	}
+	return out
+}
