@@ -103,8 +103,8 @@ func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall 
 		raw := calls[n-1].Function.Arguments
 		var comp jsonCompactor
 		comp.feed(raw)
-		if trimmed := strings.TrimRight(text, jsonSpace); !comp.closed && !comp.bad && comp.depth > 0 && strings.HasSuffix(trimmed, raw) {
-			t.calls, t.scanned, t.comp = calls, len(trimmed), comp
+		if !comp.closed && !comp.bad && comp.depth > 0 && strings.HasSuffix(text, raw) {
+			t.calls, t.scanned, t.comp = calls, len(text), comp
 		}
 	}
 	for i := range calls {

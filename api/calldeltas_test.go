@@ -59,6 +59,8 @@ func TestStreamedCalls(t *testing.T) {
 	}{
 		{&hermesFormat, "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"x y\", \"b\": [1, 2]}}\n</tool_call>\n<tool_call>{\"name\": \"g\", \"arguments\": null}</tool_call>"},
 		{&hermesFormat, "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"cut \\\"sh"},
+		{&hermesFormat, "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"cut in spaces    "},
+		{&mistralFormat, "[TOOL_CALLS]f[ARGS]{\"a\": \"x  "},
 		{&llama3Format, `{"name": "f", "parameters": {"a": 1}}`},
 		{&qwenXMLFormat, "<tool_call>\n<function=f>\n<parameter=a>\nx y\n</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>"},
 		{&glmFormat, "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>x</arg_value>\n</tool_call><tool_call>g</tool_call>"},
@@ -72,9 +74,9 @@ func TestStreamedCalls(t *testing.T) {
 			}
 		}
 	}
-	out := `{"tool_calls": [{"name": "f", "arguments": {"a": "x"}}, {"name": "g", "arguments": {"b": [1,`
+	out := `{"tool_calls": [{"name": "f", "arguments": {"a": "x  "}}, {"name": "g", "arguments": {"b": [1, "  `
 	for _, k := range []int{1, 4, len(out)} {
-		if calls := joinStreamed(t, &answerStream{}, out, k); len(calls) != 2 || calls[1].Function.Arguments != `{"b":[1,` {
+		if calls := joinStreamed(t, &answerStream{}, out, k); len(calls) != 2 || calls[1].Function.Arguments != `{"b":[1,"  ` {
 			t.Fatalf("the tool protocol: %v", calls)
 		}
 	}
@@ -132,5 +134,29 @@ func BenchmarkStreamedCall(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestInputDecoder: a custom tool's input decoded as its arguments are
+// written joins up to the input of the whole arguments, and a call cut short
+// keeps what was written of it.
+func TestInputDecoder(t *testing.T) {
+	args := `{"input":"*** Begin Patch\n+caf\u00e9 \"x\" \ud83d\ude00\n*** End Patch"}`
+	want := callText(args)
+	if want != "*** Begin Patch\n+café \"x\" 😀\n*** End Patch" {
+		t.Fatalf("callText: %q", want)
+	}
+	for k := 1; k <= 7; k++ {
+		var d inputDecoder
+		var got strings.Builder
+		for i := 0; i < len(args); i += k {
+			got.WriteString(d.more(args[:min(i+k, len(args))]))
+		}
+		if got.String() != want {
+			t.Fatalf("pieces of %d: %q", k, got.String())
+		}
+	}
+	if got := callText(`{"input":"cut \"sh`); got != `cut "sh` {
+		t.Fatalf("a call cut short: %q", got)
 	}
 }

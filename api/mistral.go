@@ -89,7 +89,7 @@ func parseNamed(text string, f *callFormat, newID func() string) (calls []ToolCa
 		if err := dec.Decode(&raw); err != nil {
 			// Cut in its arguments: those generated so far, as OpenAI returns
 			// a cut call.
-			calls = append(calls, ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: strings.TrimSpace(args)}})
+			calls = append(calls, ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: strings.TrimLeft(args, jsonSpace)}})
 			return calls, "", false, true
 		}
 		a := compactJSON(raw)

@@ -416,37 +416,59 @@ func (a *chatAnswer) itemStatus() string {
 func (s *Server) callItem(r *ResponsesRequest, tc ToolCall, status string) any {
 	for _, t := range r.Tools {
 		if t.Type == "custom" && t.Name == tc.Function.Name {
-			var in struct {
-				Input string `json:"input"`
-			}
-			_ = json.Unmarshal([]byte(tc.Function.Arguments), &in) // a call cut short has what was read
-			return customCallItem{Type: "custom_tool_call", ID: s.newID("ctc"), CallID: tc.ID, Name: tc.Function.Name, Input: in.Input, Status: status}
+			return customCallItem{Type: "custom_tool_call", ID: s.newID("ctc"), CallID: tc.ID, Name: tc.Function.Name, Input: callText(tc.Function.Arguments), Status: status}
 		}
 	}
 	return functionCallItem{Type: "function_call", ID: s.newID("fc"), CallID: tc.ID, Name: tc.Function.Name, Arguments: tc.Function.Arguments, Status: status}
 }
 
-// partialInput is the part of a custom tool call's input that its arguments
-// so far, {"input":"..., hold: the string decoded up to its last whole
-// character.
-func partialInput(args string) string {
-	rest, ok := strings.CutPrefix(args, `{"input":"`)
-	if !ok {
-		return ""
+// callText is a custom tool call's input: the string its arguments,
+// {"input": "..."}, hold, or for a call cut short what was written of it.
+func callText(args string) string {
+	var in struct {
+		Input string `json:"input"`
+	}
+	if json.Unmarshal([]byte(args), &in) == nil {
+		return in.Input
+	}
+	var d inputDecoder
+	return d.more(args)
+}
+
+// inputDecoder decodes a custom tool call's input from its arguments as they
+// are written, {"input":"... (compacted JSON), up to the last whole
+// character, each byte once.
+type inputDecoder struct {
+	at   int  // the bytes of the arguments read
+	done bool // the string has ended
+}
+
+// more returns the input that args, the arguments so far, adds to what was
+// returned before.
+func (d *inputDecoder) more(args string) string {
+	const head = `{"input":"`
+	if d.at == 0 {
+		if !strings.HasPrefix(args, head) {
+			return ""
+		}
+		d.at = len(head)
 	}
 	var out strings.Builder
-	for s := []byte(rest); len(s) > 0 && s[0] != '"'; {
-		if s[0] != '\\' {
+	for s := []byte(args[d.at:]); len(s) > 0 && !d.done; {
+		switch {
+		case s[0] == '"':
+			d.done = true
+		case s[0] != '\\':
 			out.WriteByte(s[0])
-			s = s[1:]
-			continue
+			s, d.at = s[1:], d.at+1
+		default:
+			r, n := unescape(s)
+			if n == 0 {
+				return out.String()
+			}
+			out.WriteRune(r)
+			s, d.at = s[n:], d.at+n
 		}
-		r, n := unescape(s)
-		if n == 0 {
-			break
-		}
-		out.WriteRune(r)
-		s = s[n:]
 	}
 	return out.String()
 }
@@ -569,7 +591,8 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 	// The call being streamed: its item, and its arguments (a custom tool's
 	// input) passed on so far.
 	var call any
-	var args, input string
+	var args string
+	var input inputDecoder
 	endCall := func(status string) {
 		idx := len(items)
 		switch it := call.(type) {
@@ -578,12 +601,8 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 			it.Arguments, it.Status = args, status
 			call = it
 		case customCallItem:
-			var in struct {
-				Input string `json:"input"`
-			}
-			_ = json.Unmarshal([]byte(args), &in) // a call cut short has what was read
-			send("response.custom_tool_call_input.done", gin.H{"item_id": it.ID, "output_index": idx, "input": in.Input})
-			it.Input, it.Status = in.Input, status
+			it.Input, it.Status = callText(args), status
+			send("response.custom_tool_call_input.done", gin.H{"item_id": it.ID, "output_index": idx, "input": it.Input})
 			call = it
 		default:
 			return
@@ -598,7 +617,7 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 				closeItem("completed")
 				endCall("completed")
 				call = s.callItem(p.responses, ToolCall{ID: d.ID, Function: FunctionCall{Name: d.Function.Name}}, "in_progress")
-				args, input = "", ""
+				args, input = "", inputDecoder{}
 				send("response.output_item.added", gin.H{"output_index": len(items), "item": call})
 			}
 			args += d.Function.Arguments
@@ -608,9 +627,8 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 					send("response.function_call_arguments.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": d.Function.Arguments})
 				}
 			case customCallItem:
-				if in := partialInput(args); len(in) > len(input) {
-					send("response.custom_tool_call_input.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": in[len(input):]})
-					input = in
+				if more := input.more(args); more != "" {
+					send("response.custom_tool_call_input.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": more})
 				}
 			}
 		}

@@ -278,7 +278,10 @@ func (c *callStream) add(piece string) string {
 		return ""
 	}
 	c.buf.WriteString(piece)
-	return c.stop.cut(c.next(), false)
+	text := c.next()
+	// Once the calls begin, the text before them is whole: what was held as
+	// the possible start of a stop string goes out before the calls.
+	return c.stop.cut(text, c.calls)
 }
 
 // next moves on past the text that can be passed on and returns it.
@@ -498,7 +501,7 @@ func readCall(body string, f *callFormat, newID func() string) (call *ToolCall, 
 	}
 	var args string
 	if m := cutCallIn(f.args).FindStringSubmatch(body); m != nil {
-		name, args = m[1], strings.TrimSpace(m[2])
+		name, args = m[1], strings.TrimLeft(m[2], jsonSpace) // spaces at the end may be in a string
 	} else if m := cutName.FindStringSubmatch(body); m != nil {
 		name = m[1]
 	} else {

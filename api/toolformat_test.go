@@ -142,6 +142,9 @@ func TestCallStreamStops(t *testing.T) {
 		{[]string{"Nothing in O<tool_c"}, "Nothing in ", "O", 0, "stop"},  // a call cut in its tag: the text held stays
 		{[]string{"In Oslo", "? " + call}, "In Oslo", "", 0, "stop"},      // include_stop_str_in_output
 		{[]string{"Oslo ", "Oslo ", "Oslo"}, "Oslo Oslo ", "", 0, "stop"}, // min_tokens 3
+		// Text held as the possible start of a stop string goes out before
+		// the calls begin (they are streamed as written).
+		{[]string{"Off to Os", call}, "Off to Os", "", 1, "tool_calls"},
 	} {
 		cs := &callStream{f: &hermesFormat, stop: stopMatcher{stops: []string{"Oslo"}}}
 		switch c.pieces[0] {

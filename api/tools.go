@@ -589,7 +589,7 @@ func cutCalls(text string) (calls []protocolCall, ok bool) {
 			if m := cutCall.FindStringSubmatch(text[off:]); m != nil {
 				var name string
 				if json.Unmarshal([]byte(m[1]), &name) == nil {
-					calls = append(calls, protocolCall{Name: name, Arguments: json.RawMessage(strings.TrimSpace(m[2]))})
+					calls = append(calls, protocolCall{Name: name, Arguments: json.RawMessage(strings.TrimLeft(m[2], jsonSpace))})
 				}
 			}
 			break
