@@ -113,6 +113,52 @@ func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall 
 	return calls
 }
 
+// valueTail is argsTail for the XML formats: while the last call's last
+// parameter is a string being written to the output's end, only its new
+// bytes are escaped, until its closing tag comes and the calls are read
+// again.
+type valueTail struct {
+	calls []ToolCall // the last reading's, the last call's arguments ending in the open string
+	head  string     // those arguments up to the string's text
+	from  int        // where its text begins in the output
+	done  int        // the bytes of its text escaped into esc
+	esc   []byte
+}
+
+// follow returns the calls that text holds as read returns them; read also
+// returns the text of the string parameter the output ends in, if it does.
+func (t *valueTail) follow(text, end string, read func(string) ([]ToolCall, string)) []ToolCall {
+	if t.calls != nil && len(text) >= t.from+t.done {
+		raw := text[t.from:]
+		if !strings.Contains(raw[t.done:], end) {
+			t.escape(raw, end)
+			calls := append([]ToolCall(nil), t.calls...)
+			calls[len(calls)-1].Function.Arguments = t.head + string(t.esc)
+			return calls
+		}
+	}
+	t.calls = nil
+	calls, raw := read(text)
+	if n := len(calls); n > 0 && raw != "" {
+		t.from, t.done, t.esc = len(text)-len(raw), 0, nil
+		t.escape(raw, end)
+		if args := calls[n-1].Function.Arguments; strings.HasSuffix(args, string(t.esc)) {
+			t.calls, t.head = calls, args[:len(args)-len(t.esc)]
+		}
+	}
+	return calls
+}
+
+// escape escapes raw's new bytes, less an end that may begin the value's
+// closing tag.
+func (t *valueTail) escape(raw, end string) {
+	if upto := len(raw) - holdBack(raw, end); upto > t.done {
+		q := jsonText(raw[t.done:upto])
+		t.esc = append(t.esc, q[1:len(q)-1]...)
+		t.done = upto
+	}
+}
+
 // jsonCompactor compacts JSON text fed in pieces, leaving out the spaces
 // between tokens, and follows its nesting: closed once the object or list it
 // began with closes; bad when it begins with anything else.

@@ -93,6 +93,19 @@ func TestStreamedCalls(t *testing.T) {
 	if strings.Join(got, "|") != `|{"a"|:"x| y"}` {
 		t.Fatalf("argument deltas %q", got)
 	}
+	// In the XML formats a string parameter streams as it is written, less
+	// what may begin its closing tag; other values once whole (and the
+	// closing brace once the output is: end).
+	cs, d, got = &callStream{f: &qwenXMLFormat, params: params}, callDeltas{}, nil
+	for _, p := range []string{"<tool_call>\n<function=f>\n<parameter=b>\n", "[1]\n</parameter>\n<parameter=a>\nline \"1\"\n", "line 2\n</para", "meter>\n</function>\n</tool_call>"} {
+		cs.add(p)
+		for _, x := range d.next(cs.progress(func() string { return "id" })) {
+			got = append(got, x.Function.Arguments)
+		}
+	}
+	if strings.Join(got, "|") != `{|"b":[1],"a":"line \"1\"|\nline 2|"` {
+		t.Fatalf("XML argument deltas %q", got)
+	}
 }
 
 func TestStableJSON(t *testing.T) {

@@ -266,6 +266,7 @@ type callStream struct {
 	partial bool // end: the last call was cut short
 	ids     callIDs
 	tail    argsTail
+	xmlTail valueTail
 }
 
 func (c *callStream) follow(st *scheduler.Stream, ev scheduler.Event) string {
@@ -349,12 +350,19 @@ func (c *callStream) progress(newID func() string) []ToolCall {
 	}
 	text := c.buf.String()[c.sent:]
 	if c.f.xml != nil {
-		calls, _, _, ok := c.parse(text, newID)
-		if n := len(calls); ok && n > 0 {
-			// Parameters may follow the last one written.
-			calls[n-1].Function.Arguments = strings.TrimSuffix(calls[n-1].Function.Arguments, "}")
-		}
-		return calls
+		return c.xmlTail.follow(text, c.f.xml.valueClose, func(text string) ([]ToolCall, string) {
+			calls, _, _, ok, open, raw := readXML(text, c.f, c.params, c.ids.reader(c.idGen(newID)))
+			if n := len(calls); ok && n > 0 {
+				// Parameters may follow the last one written, and the one
+				// being written streams if it is a string.
+				args := strings.TrimSuffix(calls[n-1].Function.Arguments, "}")
+				if open != "" {
+					args = strings.TrimSuffix(args, `"`) // the string goes on
+				}
+				calls[n-1].Function.Arguments = args
+			}
+			return calls, raw
+		})
 	}
 	return c.tail.follow(text, func(text string) []ToolCall {
 		calls, _, _, _ := c.parseRaw(text, newID)
@@ -375,13 +383,17 @@ func (c *callStream) parse(text string, newID func() string) (calls []ToolCall, 
 	return calls, after, whole, ok
 }
 
+// idGen makes the format's call ids from newID's.
+func (c *callStream) idGen(newID func() string) func() string {
+	if c.f.shortIDs {
+		return func() string { return shortID(newID()) }
+	}
+	return newID
+}
+
 // parseRaw is parse with the arguments as written.
 func (c *callStream) parseRaw(text string, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
-	gen := newID
-	if c.f.shortIDs {
-		gen = func() string { return shortID(newID()) }
-	}
-	id := c.ids.reader(gen)
+	id := c.ids.reader(c.idGen(newID))
 	switch {
 	case c.f.xml != nil:
 		return parseXML(text, c.f, c.params, id)

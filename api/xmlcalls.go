@@ -338,14 +338,26 @@ func untilRules(name, end string) string {
 // parseXML reads calls in the XML format from text, which begins with its
 // opening tag; params gives each tool's parameters, to tell strings (raw
 // text) from other values (JSON). Cut short, the last call has the
-// parameters written in full so far and whole is false.
+// parameters written in full so far, and of a string cut short what was
+// written, and whole is false.
 func parseXML(text string, f *callFormat, params map[string][]toolParam, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
+	calls, after, whole, ok, _, _ = readXML(text, f, params, newID)
+	return calls, after, whole, ok
+}
+
+// readXML is parseXML, and when text ends within a string parameter's value,
+// open: that parameter as JSON so far, its key and its string without the
+// closing quote ("key":"text so far), less an end that may begin the value's
+// closing tag (the last call's arguments end with it, closed), and raw, the
+// value's text (the end of text). A string streams as it is written (a file a
+// coding model writes is one).
+func readXML(text string, f *callFormat, params map[string][]toolParam, newID func() string) (calls []ToolCall, after string, whole, ok bool, open, raw string) {
 	x := f.xml
 	rest := text
 	for {
 		body, found, cut := f.openCall(rest, len(calls) > 0)
 		if cut {
-			return calls, "", false, true // cut in the next call's opening tag
+			return calls, "", false, true, "", "" // cut in the next call's opening tag
 		}
 		if !found {
 			break
@@ -364,9 +376,9 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 		switch {
 		case found && name != "" && strings.IndexFunc(name, func(r rune) bool { return !isNameChar(r) }) < 0:
 		case len(calls) > 0, !found && !strings.ContainsAny(name, "<>") && (name != "" || strings.HasPrefix(x.fnOpen, body)):
-			return calls, "", false, true // cut before the function's name ended
+			return calls, "", false, true, "", "" // cut before the function's name ended
 		default:
-			return nil, "", false, false
+			return nil, "", false, false, "", ""
 		}
 		var args bytes.Buffer
 		args.WriteByte('{')
@@ -395,7 +407,16 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 			}
 			i := strings.Index(b, x.valueClose)
 			if i < 0 {
-				break // cut in the value
+				// Cut in the value: a string has what was written of it.
+				if textParam(params[name], key) {
+					v := b[:len(b)-holdBack(b, x.valueClose)]
+					open, raw = string(jsonText(key))+":"+strings.TrimSuffix(string(jsonText(v)), `"`), b
+					if args.Len() > 1 {
+						args.WriteString(",")
+					}
+					args.WriteString(open + `"`)
+				}
+				break
 			}
 			value := b[:i]
 			body = b[i+len(x.valueClose):]
@@ -411,10 +432,11 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 		tail := strings.TrimLeft(body, jsonSpace)
 		rest = strings.TrimPrefix(tail, f.close)
 		if !complete || len(rest) == len(tail) {
-			return calls, "", false, true
+			return calls, "", false, true, open, raw
 		}
 	}
-	return callsEnded(calls, rest)
+	calls, after, whole, ok = callsEnded(calls, rest)
+	return calls, after, whole, ok, "", ""
 }
 
 // cutTag reads open, a value and end ("<parameter=" key ">") at the start
@@ -430,6 +452,16 @@ func cutTag(s, open, end string) (value, rest string, found bool) {
 		return after, s, false
 	}
 	return after[:i], after[i+len(end):], true
+}
+
+// textParam reports whether key is a string parameter, written as raw text.
+func textParam(params []toolParam, key string) bool {
+	for _, p := range params {
+		if p.name == key {
+			return p.text
+		}
+	}
+	return false
 }
 
 // paramValue is a parameter's value as JSON: a string parameter's raw text as
