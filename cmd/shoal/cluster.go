@@ -288,7 +288,16 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("GET /cluster: status %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))
+		var e struct {
+			Error struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		msg := strings.TrimSpace(string(b))
+		if json.Unmarshal(b, &e) == nil && e.Error.Message != "" {
+			msg = e.Error.Message // the refusal's text, not its JSON
+		}
+		return fmt.Errorf("GET /cluster: status %d: %s", resp.StatusCode, msg)
 	}
 	var info struct {
 		Self    string           `json:"self"`

@@ -418,6 +418,13 @@ func TestTLSAndManyModels(t *testing.T) {
 		!strings.Contains(out.String(), "(self)") || strings.Count(out.String(), "alive") != 2 {
 		t.Fatalf("shoal status --tls-ca: exit %d\n%s%s", code, out.String(), errb.String())
 	}
+	// A refusal is reported as its message, not its JSON.
+	out.Reset()
+	errb.Reset()
+	if code := run([]string{"status", "--addr", strings.TrimPrefix(x.url, "https://"), "--tls-ca", ca, "--api-key", "wrong"}, &out, &errb); code == 0 ||
+		!strings.Contains(errb.String(), "status 401: ") || strings.Contains(errb.String(), `{"error"`) {
+		t.Fatalf("shoal status with a wrong key: exit %d\n%s%s", code, out.String(), errb.String())
+	}
 }
 
 // TestKeylessNodeForwards: a node without API keys forwards a request for a
