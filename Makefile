@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -65,6 +65,10 @@ bench-scheduler: build
 bench-template: build
 	@$(CGO_ENV); { $(GO) test -run '^$$' -bench 'BenchmarkChatPrompt' -benchtime $(BENCHTIME) -count $(COUNT) ./api; \
 		$(GO) test -run '^$$' -bench 'Benchmark(ApplyChatTemplate|CheckGrammar)' -benchtime $(BENCHTIME) -count $(COUNT) ./engine/llama; } | tee bench-template.txt
+
+# Streaming a tool call as it is written, beside reading it all again per token (docs/benchmarks.md).
+bench-stream:
+	$(GO) test -run '^$$' -bench 'BenchmarkStreamedCall' -benchtime $(BENCHTIME) -count $(COUNT) ./api | tee bench-stream.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

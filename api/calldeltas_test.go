@@ -126,9 +126,12 @@ func TestStableJSON(t *testing.T) {
 }
 
 // BenchmarkStreamedCall: following a 32 KB call (a file written by an agent)
-// piece by piece and streaming it as written, in each format family.
+// piece by piece and streaming it as written, in a JSON and an XML format:
+// progress (with its tail caches) beside reading all of the call again at
+// each piece, which progress would do without them.
 func BenchmarkStreamedCall(b *testing.B) {
 	body := strings.Repeat(`line of code with some text \"quoted\"\n`, 800)
+	newID := func() string { return "id" }
 	for _, c := range []struct {
 		f   *callFormat
 		out string
@@ -136,40 +139,23 @@ func BenchmarkStreamedCall(b *testing.B) {
 		{&hermesFormat, "<tool_call>\n{\"name\": \"write\", \"arguments\": {\"path\": \"a.go\", \"text\": \"" + body + "\"}}\n</tool_call>"},
 		{&qwenXMLFormat, "<tool_call>\n<function=write>\n<parameter=path>\na.go\n</parameter>\n<parameter=text>\n" + body + "\n</parameter>\n</function>\n</tool_call>"},
 	} {
-		b.Run(c.f.name, func(b *testing.B) {
-			params := map[string][]toolParam{"write": {{name: "path", text: true}, {name: "text", text: true}}}
-			for b.Loop() {
-				cs := &callStream{f: c.f, params: params}
-				var d callDeltas
-				for i := 0; i < len(c.out); i += 4 {
-					cs.add(c.out[i:min(i+4, len(c.out))])
-					d.next(cs.progress(func() string { return "id" }))
+		params := map[string][]toolParam{"write": {{name: "path", text: true}, {name: "text", text: true}}}
+		for _, way := range []string{"as-written", "reread"} {
+			b.Run(c.f.name+"/"+way, func(b *testing.B) {
+				for b.Loop() {
+					cs := &callStream{f: c.f, params: params}
+					var d callDeltas
+					for i := 0; i < len(c.out); i += 4 {
+						cs.add(c.out[i:min(i+4, len(c.out))])
+						if way == "reread" {
+							calls, _, _, _ := cs.parse(cs.buf.String()[cs.sent:], newID)
+							d.next(calls)
+						} else {
+							d.next(cs.progress(newID))
+						}
+					}
 				}
-			}
-		})
-	}
-}
-
-// TestInputDecoder: a custom tool's input decoded as its arguments are
-// written joins up to the input of the whole arguments, and a call cut short
-// keeps what was written of it.
-func TestInputDecoder(t *testing.T) {
-	args := `{"input":"*** Begin Patch\n+caf\u00e9 \"x\" \ud83d\ude00\n*** End Patch"}`
-	want := callText(args)
-	if want != "*** Begin Patch\n+café \"x\" 😀\n*** End Patch" {
-		t.Fatalf("callText: %q", want)
-	}
-	for k := 1; k <= 7; k++ {
-		var d inputDecoder
-		var got strings.Builder
-		for i := 0; i < len(args); i += k {
-			got.WriteString(d.more(args[:min(i+k, len(args))]))
+			})
 		}
-		if got.String() != want {
-			t.Fatalf("pieces of %d: %q", k, got.String())
-		}
-	}
-	if got := callText(`{"input":"cut \"sh`); got != `cut "sh` {
-		t.Fatalf("a call cut short: %q", got)
 	}
 }
