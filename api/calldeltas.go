@@ -3,6 +3,7 @@ package api
 import (
 	"encoding/json"
 	"strings"
+	"unicode/utf8"
 )
 
 // Tool calls are streamed as they are written, as vLLM and llama-server
@@ -81,7 +82,7 @@ func stableJSON(args string) string {
 type argsTail struct {
 	calls   []ToolCall // the last reading's, the last call's arguments open
 	scanned int        // the bytes of the output compacted into comp
-	comp    jsonCompactor
+	comp    *jsonCompactor
 }
 
 // follow returns the calls that text holds, each with the part of its
@@ -93,7 +94,7 @@ func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall 
 		t.scanned = len(text)
 		if !t.comp.closed && !t.comp.bad {
 			calls := append([]ToolCall(nil), t.calls...)
-			calls[len(calls)-1].Function.Arguments = string(t.comp.out)
+			calls[len(calls)-1].Function.Arguments = t.comp.out.String() // no copy
 			return calls
 		}
 	}
@@ -101,7 +102,7 @@ func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall 
 	calls := read(text)
 	if n := len(calls); n > 0 {
 		raw := calls[n-1].Function.Arguments
-		var comp jsonCompactor
+		comp := &jsonCompactor{}
 		comp.feed(raw)
 		if !comp.closed && !comp.bad && comp.depth > 0 && strings.HasSuffix(text, raw) {
 			t.calls, t.scanned, t.comp = calls, len(text), comp
@@ -118,11 +119,10 @@ func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall 
 // bytes are escaped, until its closing tag comes and the calls are read
 // again.
 type valueTail struct {
-	calls []ToolCall // the last reading's, the last call's arguments ending in the open string
-	head  string     // those arguments up to the string's text
-	from  int        // where its text begins in the output
-	done  int        // the bytes of its text escaped into esc
-	esc   []byte
+	calls []ToolCall       // the last reading's, the last call's arguments ending in the open string
+	args  *strings.Builder // those arguments up to the string's text, then its text escaped
+	from  int              // where its text begins in the output
+	done  int              // the bytes of its text escaped
 }
 
 // follow returns the calls that text holds as read returns them; read also
@@ -133,37 +133,55 @@ func (t *valueTail) follow(text, end string, read func(string) ([]ToolCall, stri
 		if !strings.Contains(raw[t.done:], end) {
 			t.escape(raw, end)
 			calls := append([]ToolCall(nil), t.calls...)
-			calls[len(calls)-1].Function.Arguments = t.head + string(t.esc)
+			calls[len(calls)-1].Function.Arguments = t.args.String() // no copy
 			return calls
 		}
 	}
 	t.calls = nil
 	calls, raw := read(text)
 	if n := len(calls); n > 0 && raw != "" {
-		t.from, t.done, t.esc = len(text)-len(raw), 0, nil
+		t.from, t.done, t.args = len(text)-len(raw), 0, &strings.Builder{}
 		t.escape(raw, end)
-		if args := calls[n-1].Function.Arguments; strings.HasSuffix(args, string(t.esc)) {
-			t.calls, t.head = calls, args[:len(args)-len(t.esc)]
+		args, esc := calls[n-1].Function.Arguments, t.args.String()
+		if strings.HasSuffix(args, esc) {
+			t.args.Reset()
+			t.args.WriteString(args)
+			t.calls = calls
 		}
 	}
 	return calls
 }
 
-// escape escapes raw's new bytes, less an end that may begin the value's
-// closing tag.
+// escape escapes raw's new bytes into args, less an end that may begin the
+// value's closing tag or an unfinished character.
 func (t *valueTail) escape(raw, end string) {
-	if upto := len(raw) - holdBack(raw, end); upto > t.done {
+	if upto := wholeRunes(raw[:len(raw)-holdBack(raw, end)]); upto > t.done {
 		q := jsonText(raw[t.done:upto])
-		t.esc = append(t.esc, q[1:len(q)-1]...)
+		t.args.Write(q[1 : len(q)-1])
 		t.done = upto
 	}
+}
+
+// wholeRunes is the length of s up to the end of its last whole UTF-8
+// character (the output's pieces are whole characters; its bytes need not
+// be).
+func wholeRunes(s string) int {
+	for i := len(s) - 1; i >= 0 && i >= len(s)-utf8.UTFMax; i-- {
+		if utf8.RuneStart(s[i]) {
+			if !utf8.FullRuneInString(s[i:]) {
+				return i
+			}
+			break
+		}
+	}
+	return len(s)
 }
 
 // jsonCompactor compacts JSON text fed in pieces, leaving out the spaces
 // between tokens, and follows its nesting: closed once the object or list it
 // began with closes; bad when it begins with anything else.
 type jsonCompactor struct {
-	out              []byte
+	out              strings.Builder
 	depth            int
 	inString, escape bool
 	closed, bad      bool
@@ -196,7 +214,7 @@ func (j *jsonCompactor) feed(s string) {
 				j.closed = true
 			}
 		}
-		j.out = append(j.out, c)
+		j.out.WriteByte(c)
 	}
 }
 

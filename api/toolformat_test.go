@@ -412,6 +412,7 @@ func FuzzCallStream(f *testing.F) {
 	f.Add("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}, \"id\": \"abcdefghi\"}, {\"name\": \"g\"", 2, uint8(4))
 	params := map[string][]toolParam{"f": {{name: "a", text: true}, {name: "b"}}}
 	f.Add("<tool_call>f<arg_key>a</arg_key><arg_value>x</arg_value>\n<arg_key>b</arg", 4, uint8(5))
+	f.Add("<tool_call>\n<function=f>\n<parameter=a>\né \u2028😀", 1, uint8(2)) // characters split between pieces
 	formats := []*callFormat{&hermesFormat, &llama3Format, &qwenXMLFormat, &mistralIDFormat, &mistralListFormat, &glmFormat}
 	f.Fuzz(func(t *testing.T, out string, k int, which uint8) {
 		format := formats[int(which)%len(formats)]

@@ -409,7 +409,7 @@ func readXML(text string, f *callFormat, params map[string][]toolParam, newID fu
 			if i < 0 {
 				// Cut in the value: a string has what was written of it.
 				if textParam(params[name], key) {
-					v := b[:len(b)-holdBack(b, x.valueClose)]
+					v := b[:wholeRunes(b[:len(b)-holdBack(b, x.valueClose)])]
 					open, raw = string(jsonText(key))+":"+strings.TrimSuffix(string(jsonText(v)), `"`), b
 					if args.Len() > 1 {
 						args.WriteString(",")
