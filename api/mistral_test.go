@@ -150,6 +150,11 @@ func TestMistralHistory(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := shortID("call_0123456789abcdef")
+	// A call sent without an id, and its result without one, get one.
+	var unnamed ChatRequest
+	if err := json.Unmarshal([]byte(strings.NewReplacer(`"id": "call_0123456789abcdef", `, "", `"tool_call_id": "call_0123456789abcdef", `, "").Replace(body)), &unnamed); err != nil {
+		t.Fatal(err)
+	}
 	for tmpl, want := range map[string][]string{
 		models.MistralListToolsTemplate: {`[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "` + id + `"}]`, `[TOOL_RESULTS]{"content": "3 C", "call_id": "` + id + `"}[/TOOL_RESULTS]`},
 		models.MistralToolsTemplate:     {`[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}`, "[TOOL_RESULTS]3 C[/TOOL_RESULTS]", `[AVAILABLE_TOOLS][{"type": "function"`},
@@ -163,6 +168,9 @@ func TestMistralHistory(t *testing.T) {
 		text, err := chatPrompt(b, req.Messages, tp, nil)
 		if err != nil {
 			t.Fatalf("%s: %v", b.chat.calls.name, err)
+		}
+		if _, err := chatPrompt(b, unnamed.Messages, tp, nil); err != nil {
+			t.Fatalf("%s, calls without ids: %v", b.chat.calls.name, err)
 		}
 		for _, w := range want {
 			if !strings.Contains(text, w) {

@@ -317,7 +317,9 @@ func fold(turns []chatTurn, system, users bool) []chatTurn {
 
 // nativeTurns maps a chat history to the template's messages as OpenAI sends
 // them: assistant turns with their tool calls, tool results as "tool" turns.
-// short maps call ids to ones of 9 letters and digits (shortID).
+// short maps call ids to ones of 9 letters and digits (shortID), giving one
+// to a call sent without (and to the result that follows it without one),
+// since the templates that want such ids refuse calls without.
 func nativeTurns(in []Message, short bool) ([]chatTurn, error) {
 	id := func(s string) string {
 		if short && s != "" {
@@ -325,6 +327,7 @@ func nativeTurns(in []Message, short bool) ([]chatTurn, error) {
 		}
 		return s
 	}
+	var unnamed []string // ids given to calls sent without, for their results in turn
 	out := make([]chatTurn, 0, len(in))
 	names := map[string]string{} // tool call id → function name
 	for i, m := range in {
@@ -354,10 +357,17 @@ func nativeTurns(in []Message, short bool) ([]chatTurn, error) {
 					names[c.ID] = c.Function.Name
 				}
 				c.ID = id(c.ID)
+				if short && c.ID == "" {
+					c.ID = shortID(fmt.Sprintf("%s.tool_calls[%d]", param, j))
+					unnamed = append(unnamed, c.ID)
+				}
 				t.calls = append(t.calls, callValue(c, args))
 			}
 		case "tool":
 			t.callID, t.name = id(m.ToolCallID), cmp.Or(names[m.ToolCallID], m.Name)
+			if t.callID == "" && len(unnamed) > 0 {
+				t.callID, unnamed = unnamed[0], unnamed[1:]
+			}
 		default:
 			return nil, invalid(param+".role", "unknown role %q: want system, developer, user, assistant or tool", m.Role)
 		}
