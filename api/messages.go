@@ -539,6 +539,28 @@ func (a *chatAnswer) blocks() []any {
 	return out
 }
 
+// spaceHold holds back streamed text that is only whitespace so far, before
+// a text block opens: when calls follow, the whole answer leaves such a
+// block out (blocks), and the stream does too.
+type spaceHold struct{ held string }
+
+// add returns the text to pass on now; open: a text block is open.
+func (h *spaceHold) add(text string, open bool) string {
+	if !open && strings.TrimSpace(h.held+text) == "" {
+		h.held += text
+		return ""
+	}
+	text, h.held = h.held+text, ""
+	return text
+}
+
+// drop returns the text held, and forgets it.
+func (h *spaceHold) drop() string {
+	held := h.held
+	h.held = ""
+	return held
+}
+
 // callInput is a call's arguments as an object; a call cut short by
 // max_tokens, whose arguments are not whole JSON, gets an empty one.
 func callInput(args string) json.RawMessage {
@@ -645,9 +667,12 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		w.event("content_block_delta", gin.H{"type": "content_block_delta", "index": index, "delta": delta})
 	}
+	var spaces spaceHold
+	emitText := func(text string) { emit("text", spaces.add(text, open == "text")) }
 	toolUse := func(ds []ToolCallDelta) {
 		for _, d := range ds {
 			if d.ID != "" { // a new call: its block
+				spaces.drop()
 				closeBlock()
 				index, open = index+1, "tool_use"
 				w.event("content_block_start", gin.H{"type": "content_block_start", "index": index,
@@ -661,7 +686,7 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 	}
 	a, usage, err := s.followOne(ctx, b, p, sub, func(reasoning, text string) {
 		emit("thinking", reasoning)
-		emit("text", text)
+		emitText(text)
 	}, toolUse)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -673,7 +698,10 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 	if p.warm {
 		a, usage.CompletionTokens = chatAnswer{finish: "length"}, 0
 	}
-	emit("text", a.text)
+	emitText(a.text)
+	if len(a.calls) == 0 {
+		emit("text", spaces.drop()) // an answer of only whitespace is one
+	}
 	closeBlock()
 	reason, seq := a.anthropicStop()
 	w.event("message_delta", gin.H{"type": "message_delta", "delta": gin.H{"stop_reason": reason, "stop_sequence": seq},
