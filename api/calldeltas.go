@@ -46,28 +46,9 @@ func stableJSON(args string) string {
 		}
 		return "{}"
 	}
-	var b strings.Builder
-	inString, escaped := false, false
-	for i := 0; i < len(args); i++ {
-		c := args[i]
-		switch {
-		case inString:
-			switch {
-			case escaped:
-				escaped = false
-			case c == '\\':
-				escaped = true
-			case c == '"':
-				inString = false
-			}
-		case c == '"':
-			inString = true
-		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
-			continue
-		}
-		b.WriteByte(c)
-	}
-	s := b.String()
+	var j jsonCompactor
+	j.feed(args)
+	s := j.out.String()
 	if strings.HasPrefix("null", s) {
 		return "" // may yet be null, whose arguments are {}
 	}
@@ -108,6 +89,12 @@ func (t *argsTail) follow(text string, read func(string) []ToolCall) []ToolCall 
 			t.calls, t.scanned, t.comp = calls, len(text), comp
 		}
 	}
+	return stableArgs(calls)
+}
+
+// stableArgs gives each of calls the part of its arguments that stays
+// (stableJSON), and returns them.
+func stableArgs(calls []ToolCall) []ToolCall {
 	for i := range calls {
 		calls[i].Function.Arguments = stableJSON(calls[i].Function.Arguments)
 	}
@@ -178,20 +165,20 @@ func wholeRunes(s string) int {
 }
 
 // jsonCompactor compacts JSON text fed in pieces, leaving out the spaces
-// between tokens, and follows its nesting: closed once the object or list it
-// began with closes; bad when it begins with anything else.
+// between tokens (a string's stay), and follows its nesting: closed once the
+// object or list it began with closes; bad when it begins with anything else
+// (a scalar, which argsTail reads whole each time: they are short).
 type jsonCompactor struct {
-	out              strings.Builder
-	depth            int
-	inString, escape bool
-	closed, bad      bool
+	out                       strings.Builder
+	depth                     int
+	inString, escape, started bool
+	closed, bad               bool
 }
 
 func (j *jsonCompactor) feed(s string) {
-	for i := 0; i < len(s) && !j.closed && !j.bad; i++ {
+	for i := 0; i < len(s); i++ {
 		c := s[i]
-		switch {
-		case j.inString:
+		if j.inString {
 			switch {
 			case j.escape:
 				j.escape = false
@@ -200,16 +187,21 @@ func (j *jsonCompactor) feed(s string) {
 			case c == '"':
 				j.inString = false
 			}
-		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			j.out.WriteByte(c)
 			continue
-		case j.depth == 0 && c != '{' && c != '[':
-			j.bad = true // a scalar: read whole each time (they are short)
-			return
-		case c == '"':
+		}
+		if c == ' ' || c == '\t' || c == '\n' || c == '\r' {
+			continue
+		}
+		if !j.started {
+			j.started, j.bad = true, c != '{' && c != '['
+		}
+		switch c {
+		case '"':
 			j.inString = true
-		case c == '{' || c == '[':
+		case '{', '[':
 			j.depth++
-		case c == '}' || c == ']':
+		case '}', ']':
 			if j.depth--; j.depth == 0 {
 				j.closed = true
 			}

@@ -376,9 +376,7 @@ func (c *callStream) progress(newID func() string) []ToolCall {
 func (c *callStream) parse(text string, newID func() string) (calls []ToolCall, after string, whole, ok bool) {
 	calls, after, whole, ok = c.parseRaw(text, newID)
 	if c.f.xml == nil {
-		for i := range calls {
-			calls[i].Function.Arguments = stableJSON(calls[i].Function.Arguments)
-		}
+		stableArgs(calls)
 	}
 	return calls, after, whole, ok
 }

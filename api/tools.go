@@ -48,9 +48,8 @@ type FunctionDef struct {
 }
 
 // ToolCall is a call the model made (in a response) or made earlier (in a
-// request's history). Index is set only in streamed deltas.
+// request's history); streamed, it goes out as ToolCallDeltas.
 type ToolCall struct {
-	Index    *int         `json:"index,omitempty"`
 	ID       string       `json:"id"`
 	Type     string       `json:"type"`
 	Function FunctionCall `json:"function"`
@@ -705,10 +704,7 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 		return "", nil // cut short before the answer's text began
 	}
 	calls, response, ok := parseCalls(a.buf.String(), a.ids.reader(newID))
-	for i := range calls {
-		// A call cut short has its arguments as far as they stay.
-		calls[i].Function.Arguments = stableJSON(calls[i].Function.Arguments)
-	}
+	stableArgs(calls) // a call cut short has its arguments as far as they stay
 	switch {
 	case !ok && answerStart.MatchString(a.buf.String()):
 		// An answer other than a string (under an output constraint), cut short:
