@@ -356,7 +356,7 @@ func (c *callStream) progress(newID func() string) []ToolCall {
 				// Parameters may follow the last one written, and the one
 				// being written streams if it is a string.
 				args := strings.TrimSuffix(calls[n-1].Function.Arguments, "}")
-				if open != "" {
+				if open {
 					args = strings.TrimSuffix(args, `"`) // the string goes on
 				}
 				calls[n-1].Function.Arguments = args

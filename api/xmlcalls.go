@@ -345,19 +345,18 @@ func parseXML(text string, f *callFormat, params map[string][]toolParam, newID f
 	return calls, after, whole, ok
 }
 
-// readXML is parseXML, and when text ends within a string parameter's value,
-// open: that parameter as JSON so far, its key and its string without the
-// closing quote ("key":"text so far), less an end that may begin the value's
-// closing tag (the last call's arguments end with it, closed), and raw, the
+// readXML is parseXML, and open when text ends within a string parameter's
+// value: the last call's arguments then end with it as written so far (less
+// an end that may begin the value's closing tag), closed, and raw is the
 // value's text (the end of text). A string streams as it is written (a file a
 // coding model writes is one).
-func readXML(text string, f *callFormat, params map[string][]toolParam, newID func() string) (calls []ToolCall, after string, whole, ok bool, open, raw string) {
+func readXML(text string, f *callFormat, params map[string][]toolParam, newID func() string) (calls []ToolCall, after string, whole, ok, open bool, raw string) {
 	x := f.xml
 	rest := text
 	for {
 		body, found, cut := f.openCall(rest, len(calls) > 0)
 		if cut {
-			return calls, "", false, true, "", "" // cut in the next call's opening tag
+			return calls, "", false, true, false, "" // cut in the next call's opening tag
 		}
 		if !found {
 			break
@@ -376,9 +375,9 @@ func readXML(text string, f *callFormat, params map[string][]toolParam, newID fu
 		switch {
 		case found && name != "" && strings.IndexFunc(name, func(r rune) bool { return !isNameChar(r) }) < 0:
 		case len(calls) > 0, !found && !strings.ContainsAny(name, "<>") && (name != "" || strings.HasPrefix(x.fnOpen, body)):
-			return calls, "", false, true, "", "" // cut before the function's name ended
+			return calls, "", false, true, false, "" // cut before the function's name ended
 		default:
-			return nil, "", false, false, "", ""
+			return nil, "", false, false, false, ""
 		}
 		var args bytes.Buffer
 		args.WriteByte('{')
@@ -405,27 +404,27 @@ func readXML(text string, f *callFormat, params map[string][]toolParam, newID fu
 			} else if b, found = strings.CutPrefix(strings.TrimLeft(b, jsonSpace), x.valueOpen); !found {
 				break // cut before the value
 			}
+			var value []byte
 			i := strings.Index(b, x.valueClose)
-			if i < 0 {
+			switch {
+			case i >= 0:
+				value, body = paramValue(b[:i], params[name], key), b[i+len(x.valueClose):]
+			case textParam(params[name], key):
 				// Cut in the value: a string has what was written of it.
-				if textParam(params[name], key) {
-					v := b[:wholeRunes(b[:len(b)-holdBack(b, x.valueClose)])]
-					open, raw = string(jsonText(key))+":"+strings.TrimSuffix(string(jsonText(v)), `"`), b
-					if args.Len() > 1 {
-						args.WriteString(",")
-					}
-					args.WriteString(open + `"`)
+				open, raw = true, b
+				value = jsonText(b[:wholeRunes(b[:len(b)-holdBack(b, x.valueClose)])])
+			}
+			if value != nil {
+				if args.Len() > 1 {
+					args.WriteString(",")
 				}
-				break
+				args.Write(jsonText(key))
+				args.WriteByte(':')
+				args.Write(value)
 			}
-			value := b[:i]
-			body = b[i+len(x.valueClose):]
-			if args.Len() > 1 {
-				args.WriteString(",")
+			if i < 0 {
+				break // cut in the value
 			}
-			args.Write(jsonText(key))
-			args.WriteByte(':')
-			args.Write(paramValue(value, params[name], key))
 		}
 		args.WriteByte('}')
 		calls = append(calls, ToolCall{ID: newID(), Type: "function", Function: FunctionCall{Name: name, Arguments: args.String()}})
@@ -436,7 +435,7 @@ func readXML(text string, f *callFormat, params map[string][]toolParam, newID fu
 		}
 	}
 	calls, after, whole, ok = callsEnded(calls, rest)
-	return calls, after, whole, ok, "", ""
+	return calls, after, whole, ok, false, ""
 }
 
 // cutTag reads open, a value and end ("<parameter=" key ">") at the start
