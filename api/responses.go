@@ -436,11 +436,10 @@ func callText(args string) string {
 }
 
 // inputDecoder decodes a custom tool call's input from its arguments as they
-// are written, {"input":"... (compacted JSON), up to the last whole
-// character, each byte once.
+// are written, {"input":"... (compacted JSON), each byte once.
 type inputDecoder struct {
-	at   int  // the bytes of the arguments read
-	done bool // the string has ended
+	at  int // the bytes of the arguments read
+	str jsonString
 }
 
 // more returns the input that args, the arguments so far, adds to what was
@@ -453,24 +452,9 @@ func (d *inputDecoder) more(args string) string {
 		}
 		d.at = len(head)
 	}
-	var out strings.Builder
-	for s := []byte(args[d.at:]); len(s) > 0 && !d.done; {
-		switch {
-		case s[0] == '"':
-			d.done = true
-		case s[0] != '\\':
-			out.WriteByte(s[0])
-			s, d.at = s[1:], d.at+1
-		default:
-			r, n := unescape(s)
-			if n == 0 {
-				return out.String()
-			}
-			out.WriteRune(r)
-			s, d.at = s[n:], d.at+n
-		}
-	}
-	return out.String()
+	piece := args[d.at:]
+	d.at = len(args)
+	return d.str.add(piece)
 }
 
 // responseItems are a's output items: its reasoning, its text, its calls.
@@ -591,17 +575,17 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 	// The call being streamed: its item, and its arguments (a custom tool's
 	// input) passed on so far.
 	var call any
-	var args string
+	var args strings.Builder
 	var input inputDecoder
 	endCall := func(status string) {
 		idx := len(items)
 		switch it := call.(type) {
 		case functionCallItem:
-			send("response.function_call_arguments.done", gin.H{"item_id": it.ID, "output_index": idx, "name": it.Name, "arguments": args})
-			it.Arguments, it.Status = args, status
+			send("response.function_call_arguments.done", gin.H{"item_id": it.ID, "output_index": idx, "name": it.Name, "arguments": args.String()})
+			it.Arguments, it.Status = args.String(), status
 			call = it
 		case customCallItem:
-			it.Input, it.Status = callText(args), status
+			it.Input, it.Status = callText(args.String()), status
 			send("response.custom_tool_call_input.done", gin.H{"item_id": it.ID, "output_index": idx, "input": it.Input})
 			call = it
 		default:
@@ -617,17 +601,18 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 				closeItem("completed")
 				endCall("completed")
 				call = s.callItem(p.responses, ToolCall{ID: d.ID, Function: FunctionCall{Name: d.Function.Name}}, "in_progress")
-				args, input = "", inputDecoder{}
+				args.Reset()
+				input = inputDecoder{}
 				send("response.output_item.added", gin.H{"output_index": len(items), "item": call})
 			}
-			args += d.Function.Arguments
+			args.WriteString(d.Function.Arguments) // grown in place: a long call costs what each delta adds
 			switch it := call.(type) {
 			case functionCallItem:
 				if d.Function.Arguments != "" {
 					send("response.function_call_arguments.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": d.Function.Arguments})
 				}
 			case customCallItem:
-				if more := input.more(args); more != "" {
+				if more := input.more(args.String()); more != "" {
 					send("response.custom_tool_call_input.delta", gin.H{"item_id": it.ID, "output_index": len(items), "delta": more})
 				}
 			}

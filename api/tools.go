@@ -607,7 +607,7 @@ type answerStream struct {
 	stop stopMatcher
 	buf  strings.Builder // the output so far
 	mode int             // streamUndecided, streamResponse, streamCalls
-	str  []byte          // streamResponse: the JSON string's undecoded rest
+	str  jsonString      // streamResponse: the answer, a JSON string
 	done bool            // the answer's text has ended
 	ids  callIDs
 	tail argsTail
@@ -765,8 +765,7 @@ func (a *answerStream) add(piece string) string {
 		s := a.buf.String()
 		if loc := responseStart.FindStringIndex(s); loc != nil {
 			a.mode = streamResponse
-			a.str = []byte(s[loc[1]:])
-			return a.release(a.decode())
+			return a.release(a.decode(s[loc[1]:]))
 		}
 		if !mayStartResponse(s) {
 			a.mode = streamCalls // tool calls, or not a protocol answer: kept to the end
@@ -776,10 +775,17 @@ func (a *answerStream) add(piece string) string {
 		if a.done {
 			return ""
 		}
-		a.str = append(a.str, piece...)
-		return a.release(a.decode())
+		return a.release(a.decode(piece))
 	}
 	return ""
+}
+
+// decode returns the answer's text that piece, the next of its JSON string,
+// completes; the answer's text has ended with the string.
+func (a *answerStream) decode(piece string) string {
+	text := a.str.add(piece)
+	a.done = a.str.done
+	return text
 }
 
 // release returns the decoded text that can be passed on: all of it up to a
@@ -792,16 +798,25 @@ func (a *answerStream) release(text string) string {
 	return emit
 }
 
-// decode returns the text of a.str's complete characters, keeping an
-// incomplete escape for the next piece.
-func (a *answerStream) decode() string {
+// jsonString decodes a JSON string's text as it comes, from after its
+// opening quote: whole characters as they complete, an escape cut short kept
+// for the next piece; done once the closing quote has come.
+type jsonString struct {
+	rest []byte // not yet decoded
+	done bool
+}
+
+// add takes the next piece of the string's JSON and returns the text it
+// completes.
+func (j *jsonString) add(piece string) string {
+	j.rest = append(j.rest, piece...)
 	var out strings.Builder
-	s := a.str
-	for len(s) > 0 && !a.done {
+	s := j.rest
+	for len(s) > 0 && !j.done {
 		c := s[0]
 		switch {
 		case c == '"':
-			a.done = true
+			j.done = true
 			s = s[1:]
 		case c != '\\':
 			out.WriteByte(c)
@@ -809,14 +824,14 @@ func (a *answerStream) decode() string {
 		default:
 			r, n := unescape(s)
 			if n == 0 {
-				a.str = s
+				j.rest = s
 				return out.String()
 			}
 			out.WriteRune(r)
 			s = s[n:]
 		}
 	}
-	a.str = s
+	j.rest = s
 	return out.String()
 }
 
