@@ -58,19 +58,7 @@ var ReasoningFormats = []string{"auto", "none"}
 type thinkPlan struct {
 	open bool      // the prompt ends in an open <think>
 	call string    // the tag that begins a call in the model's own format, if any
-	tags thinkTags // the zero value: <think> and </think>
-}
-
-// tag is the thoughts' opening or closing tag.
-func (t *thinkPlan) tag(closing bool) string {
-	tags := t.tags
-	if tags.open == "" {
-		tags = xmlThink
-	}
-	if closing {
-		return tags.close
-	}
-	return tags.open
+	tags thinkTags // the model's: <think> and </think>, or another pair
 }
 
 // thinkingPlan is the plan for a chat prompt of b's, nil when thoughts are not
@@ -103,12 +91,12 @@ func (t *thinkPlan) wrap(gbnf string) string {
 	var b strings.Builder
 	b.WriteString(prefixRules(gbnf, "shoal-answer-")) // named apart from the rules added here
 	b.WriteString("\n")
-	b.WriteString(untilRules("shoal-thought", t.tag(true)))
-	thought := fmt.Sprintf(`shoal-thought %s [ \t\r\n]{0,4}`, engine.GBNFLiteral(t.tag(true)))
+	b.WriteString(untilRules("shoal-thought", t.tags.close))
+	thought := fmt.Sprintf(`shoal-thought %s [ \t\r\n]{0,4}`, engine.GBNFLiteral(t.tags.close))
 	if t.open {
 		fmt.Fprintf(&b, "root ::= %s shoal-answer-root\n", thought)
 	} else {
-		fmt.Fprintf(&b, "root ::= (%s %s)? shoal-answer-root\n", engine.GBNFLiteral(t.tag(false)), thought)
+		fmt.Fprintf(&b, "root ::= (%s %s)? shoal-answer-root\n", engine.GBNFLiteral(t.tags.open), thought)
 	}
 	return b.String()
 }
@@ -143,7 +131,7 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 	s := t.held + piece
 	t.held = ""
 	if t.mode == thinkUndecided {
-		lead, open := strings.TrimLeft(s, jsonSpace), t.plan.tag(false)
+		lead, open := strings.TrimLeft(s, jsonSpace), t.plan.tags.open
 		switch {
 		case strings.HasPrefix(lead, open):
 			t.mode, t.trim, s = thinkInside, true, lead[len(open):]
@@ -162,7 +150,7 @@ func (t *thinkSplit) add(piece string) (reasoning, rest string) {
 		return "", s
 	}
 	// Inside: thoughts up to </think> or a call, holding back what may begin one.
-	closing := t.plan.tag(true)
+	closing := t.plan.tags.close
 	end, after := strings.Index(s, closing), len(closing)
 	if t.plan.call != "" {
 		if i := strings.Index(s, t.plan.call); i >= 0 && (end < 0 || i < end) {

@@ -21,14 +21,14 @@ func TestThinkSplit(t *testing.T) {
 		reasoning, text string
 		calls           int
 	}{
-		{"thoughts then answer", thinkPlan{}, false, "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.", "It is 4.", 0},
-		{"no thoughts", thinkPlan{}, false, "It is <think> 4.", "", "It is <think> 4.", 0},
-		{"opened by the prompt", thinkPlan{open: true}, false, "\nSo 4.</think>4", "So 4.", "4", 0},
-		{"cut short while thinking", thinkPlan{}, false, "  <think>Let me see", "Let me see", "", 0},
-		{"only a tag's start", thinkPlan{}, false, "<thi", "", "<thi", 0},
-		{"a call ends the thoughts", thinkPlan{call: "<tool_call>"}, true,
+		{"thoughts then answer", thinkPlan{tags: xmlThink}, false, "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.", "It is 4.", 0},
+		{"no thoughts", thinkPlan{tags: xmlThink}, false, "It is <think> 4.", "", "It is <think> 4.", 0},
+		{"opened by the prompt", thinkPlan{open: true, tags: xmlThink}, false, "\nSo 4.</think>4", "So 4.", "4", 0},
+		{"cut short while thinking", thinkPlan{tags: xmlThink}, false, "  <think>Let me see", "Let me see", "", 0},
+		{"only a tag's start", thinkPlan{tags: xmlThink}, false, "<thi", "", "<thi", 0},
+		{"a call ends the thoughts", thinkPlan{call: "<tool_call>", tags: xmlThink}, true,
 			"<think>I will call f.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "I will call f.", "", 1},
-		{"thoughts, then a call", thinkPlan{call: "<tool_call>"}, true,
+		{"thoughts, then a call", thinkPlan{call: "<tool_call>", tags: xmlThink}, true,
 			"<think>f it is</think>\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "f it is", "", 1},
 		{"Magistral's thoughts", thinkPlan{tags: mistralThink}, false, "[THINK]Hmm, 2+2.[/THINK]It is 4.", "Hmm, 2+2.", "It is 4.", 0},
 		{"Magistral's thoughts, then a call", thinkPlan{tags: mistralThink, call: "[TOOL_CALLS]"}, true, "[THINK]f it is[/THINK][TOOL_CALLS]f[ARGS]{}", "f it is", "", 1},
@@ -87,7 +87,7 @@ func TestThinkingPlan(t *testing.T) {
 	}
 	// Magistral's tags are control tokens: the output keeps them.
 	b.think, req = thinkTagsOf("{{ '[THINK]' + thought + '[/THINK]' }}"), &scheduler.Request{Grammar: "root ::= \"a\"\n"}
-	if p := s.thinkingPlan(b, "[INST]x[/INST]", nil, req); p == nil || p.tag(false) != "[THINK]" || !req.SpecialTokens ||
+	if p := s.thinkingPlan(b, "[INST]x[/INST]", nil, req); p == nil || p.tags.open != "[THINK]" || !req.SpecialTokens ||
 		!strings.Contains(req.Grammar, `root ::= ("[THINK]" shoal-thought "[/THINK]" [ \t\r\n]{0,4})? shoal-answer-root`) {
 		t.Fatalf("[THINK] tags: %+v, %+v\n%s", p, req, req.Grammar)
 	}
@@ -110,7 +110,7 @@ func FuzzThinkSplit(f *testing.F) {
 	f.Add("[THINK]a[/TH[/THINK]b[TOOL_CALLS]", 3, false)
 	f.Fuzz(func(t *testing.T, out string, k int, open bool) {
 		run := func(k int) string {
-			s := newThinkSplit(&thinkPlan{open: open, call: "<tool_call>"})
+			s := newThinkSplit(&thinkPlan{open: open, call: "<tool_call>", tags: xmlThink})
 			if strings.Contains(out, "[THINK]") {
 				s = newThinkSplit(&thinkPlan{open: open, call: "[TOOL_CALLS]", tags: mistralThink})
 			}
