@@ -989,12 +989,15 @@ func (s *Server) answer(ch *choiceState) chatAnswer {
 	a := chatAnswer{text: ch.text.String(), reasoning: ch.reasoning.String(), reasoningTokens: ch.thoughts, finish: ch.finish, stop: ch.stop}
 	if o := ch.output; o != nil {
 		var rest string
-		rest, a.calls, a.finish = o.end(func() string { return s.newID("call") }, a.finish)
+		rest, a.calls, a.finish = o.end(s.newCallID, a.finish)
 		a.text += rest
 		a.stop = outputStop(o, a.stop, a.finish)
 	}
 	return a
 }
+
+// newCallID is a new tool call's id (a format may derive its own from it).
+func (s *Server) newCallID() string { return s.newID("call") }
 
 // fingerprint identifies the serving stack in responses.
 const fingerprint = "shoal"

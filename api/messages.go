@@ -590,7 +590,6 @@ func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submit
 // until the end, the calls) and the usage.
 func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitted, emit func(reasoning, text string), calls func([]ToolCallDelta)) (chatAnswer, Usage, error) {
 	var ch choiceState
-	newID := func() string { return s.newID("call") }
 	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
 		if !ch.started {
 			ch.output, ch.started = p.newOutput(), true
@@ -602,7 +601,7 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 		ch.countThought(ev, reasoning)
 		emit(reasoning, text)
 		if calls != nil && ch.output != nil && ev.Kind == scheduler.EventToken {
-			if d := ch.output.callProgress(newID); len(d) > 0 {
+			if d := ch.output.callProgress(s.newCallID); len(d) > 0 {
 				calls(d)
 			}
 		}

@@ -165,7 +165,6 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return "", ev.Text
 	}
-	newCallID := func() string { return s.newID("call") }
 	think := func(idx int, reasoning string) {
 		if reasoning != "" {
 			chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ReasoningContent: &reasoning}})
@@ -198,7 +197,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					send(idx, &text, nil, lp, "", nil)
 				}
 				if o := output(idx); o != nil {
-					if d := o.callProgress(newCallID); len(d) > 0 {
+					if d := o.callProgress(s.newCallID); len(d) > 0 {
 						chunk(ChatChunkChoice{Index: idx, Delta: ChatDelta{ToolCalls: d}})
 					}
 				}
@@ -210,7 +209,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 				if o := output(idx); o != nil {
 					var rest string
 					var whole []ToolCall
-					rest, whole, f = o.end(newCallID, f)
+					rest, whole, f = o.end(s.newCallID, f)
 					calls = o.callRest(whole)
 					t += rest
 					stop = outputStop(o, stop, f)
