@@ -245,9 +245,9 @@ type Engine interface {
 	// Decode runs one forward pass. ctx is checked before the pass starts and aborts it
 	// when cancelled during the pass. On ErrNoKVSpace nothing was changed.
 	Decode(ctx context.Context, b *Batch) error
-	// Logits calls fn with the logits of output row i of the last Decode (i counts only
-	// rows with Output set, in batch order). The slice is a view of engine memory, valid
-	// only during fn: copy what must outlive it.
+	// Logits calls fn with the logits of row i of the last Decode's batch, a row
+	// with Output set. The slice is a view of engine memory, valid only during fn:
+	// copy what must outlive it.
 	Logits(i int, fn func(logits []float32)) error
 	// Embeddings returns the pooled embedding of a sequence after a Decode on a pooling
 	// model (ErrUnsupported otherwise).

@@ -22,6 +22,17 @@ type Sampled struct {
 	Top     []TokenProb // the most likely tokens, most likely first (only when asked for)
 }
 
+// TokenScore is how likely the model found a given token (a prompt's, as vLLM's
+// prompt_logprobs score them): its log-probability, its rank in the vocabulary (1:
+// the most likely; tokens with equal logits share the better rank) and, when asked
+// for, the most likely tokens in its place.
+type TokenScore struct {
+	Token   Token
+	Logprob float32
+	Rank    int
+	Top     []TokenProb
+}
+
 // TokenProb is a token and its log-probability.
 type TokenProb struct {
 	Token   Token

@@ -40,6 +40,13 @@ type Request struct {
 	Priority      int // lower first, as vLLM's priority (default 0; negative: urgent)
 	// Deadline, if set, cancels the request when reached, waiting or running.
 	Deadline time.Time
+	// PromptLogprobs asks for the prompt's tokens scored by the model, each
+	// given those before it (vLLM's prompt_logprobs; echo with logprobs on
+	// OpenAI's completions): one EventPromptLogprobs before choice 0's first
+	// token, with PromptTopLogprobs alternatives per token. Such a prompt is
+	// computed whole, without the prefix cache, whose tokens have no logits.
+	PromptLogprobs    bool
+	PromptTopLogprobs int
 	// Embed asks for the prompt's pooled embedding (EventEmbedding) instead of
 	// generation; the engine must be a pooling one. The prompt is computed in one pass.
 	Embed bool
@@ -73,8 +80,11 @@ func (r *Request) validate(vocab int) error {
 	if r.MinTokens < 0 || r.MaxTokens > 0 && r.MinTokens > r.MaxTokens {
 		return fmt.Errorf("%w: min_tokens %d must be in [0, max_tokens %d]", ErrInvalid, r.MinTokens, r.MaxTokens)
 	}
-	if r.Embed && (r.N > 1 || r.Grammar != "") {
-		return fmt.Errorf("%w: an embedding request has one result and no grammar", ErrInvalid)
+	if r.PromptTopLogprobs < 0 || r.PromptTopLogprobs > sample.MaxTopLogprobs {
+		return fmt.Errorf("%w: prompt top logprobs %d must be in [0, %d]", ErrInvalid, r.PromptTopLogprobs, sample.MaxTopLogprobs)
+	}
+	if r.Embed && (r.N > 1 || r.Grammar != "" || r.PromptLogprobs) {
+		return fmt.Errorf("%w: an embedding request has one result, no grammar and no prompt logprobs", ErrInvalid)
 	}
 	if err := r.Sampling.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)

@@ -130,6 +130,16 @@ type seq struct {
 	// sampleRow is the batch row whose logits give this sequence's next token.
 	sampleRow int
 	committed int // tokens decoded into its cells (computed() counts this step's too)
+	// scores holds the prompt's token scores computed so far when the request
+	// asked for them (Request.PromptLogprobs): scores[i] is prompt token i+1's.
+	// scored: they were sent.
+	scores []engine.TokenScore
+	scored bool
+}
+
+// scoring reports whether q still computes scores of its prompt's tokens.
+func (s *seq) scoring() bool {
+	return s.index == 0 && s.g.req.PromptLogprobs && !s.scored
 }
 
 // reserve is the room beyond its tokens that q needs kept free to be admitted:
@@ -335,12 +345,17 @@ func (s *Scheduler) enqueue(q *seq) {
 	s.queue = slices.Insert(s.queue, i, q)
 }
 
-// cachedPrompt is what q may take from the prefix cache: its prompt, or nothing
-// for an embedding, which is pooled over its whole prompt in one pass (a cached
-// prefix would leave the pooling only the tail).
+// cachedPrompt is what q may take from the prefix cache: its prompt; nothing for
+// an embedding, which is pooled over its whole prompt in one pass (a cached
+// prefix would leave the pooling only the tail); for a prompt being scored, the
+// tokens whose following token is scored already (a cached token has no
+// logits).
 func (s *Scheduler) cachedPrompt(q *seq) []int32 {
-	if q.g.req.Embed {
+	switch {
+	case q.g.req.Embed:
 		return nil
+	case q.scoring():
+		return toInt32(q.tokens[:len(q.scores)])
 	}
 	return toInt32(q.tokens)
 }
@@ -456,8 +471,8 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 	if !s.cfg.KV.Caching {
 		return false
 	}
-	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.Embed {
-		return false
+	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.Embed || q.scoring() {
+		return false // it does not read the cache
 	}
 	B := s.pool.BlockTokens()
 	cached := -1
@@ -512,17 +527,20 @@ func (s *Scheduler) prefill(q *seq) {
 }
 
 // addRows puts tokens [from, to) of q into the batch; the last prompt token (or the
-// decode token) asks for logits.
+// decode token) asks for logits, and so do the tokens before prompt tokens being
+// scored (scorePrompts).
 func (s *Scheduler) addRows(q *seq, from, to int) {
 	q.sampleRow = -1
+	scoring := q.scoring()
 	for p := from; p < to; p++ {
-		out := p == len(q.tokens)-1 || q.g.req.Embed
-		if out {
+		sample := p == len(q.tokens)-1 || q.g.req.Embed
+		if sample {
 			q.sampleRow = s.batch.Len()
 		}
-		s.batch.Add(q.tokens[p], engine.Pos(p), engine.SeqID(q.kv.ID), out)
+		score := scoring && p >= len(q.scores) && p < len(q.g.req.Prompt)-1
+		s.batch.Add(q.tokens[p], engine.Pos(p), engine.SeqID(q.kv.ID), sample || score)
 		s.rows = append(s.rows, nil)
-		if out {
+		if sample {
 			s.rows[len(s.rows)-1] = q
 		}
 	}
@@ -607,7 +625,7 @@ func (s *Scheduler) release(q *seq, resume bool) {
 	if q.kv == nil {
 		if q.suspended && !resume {
 			// Ended while waiting to resume: its kept blocks are cache now.
-			if err := s.apply(s.pool.Abandon(s.cachedPrompt(q))); err != nil {
+			if err := s.apply(s.pool.Abandon(toInt32(q.tokens))); err != nil {
 				s.log.Error("abandon suspended KV", "err", err)
 			}
 			q.suspended = false
@@ -724,6 +742,7 @@ func (s *Scheduler) decode(ctx context.Context) {
 			q.committed = q.computed()
 		}
 	}
+	s.scorePrompts()
 	// Fork pending choices from first choices whose prompt just completed, so they
 	// sample from the same logits row.
 	for _, q := range slices.Clone(s.rows) {
@@ -869,10 +888,7 @@ type sampled struct {
 func (s *Scheduler) sampleRows(qs []*seq) {
 	res := make([]sampled, len(qs))
 	viewer, _ := s.eng.(engine.LogitsViewer)
-	workers := s.cfg.SampleWorkers
-	if workers == 0 {
-		workers = runtime.GOMAXPROCS(0)
-	}
+	workers := s.workers()
 	fanOut := viewer != nil && workers > 1 && len(qs) > 1
 	var parallel []int
 	for i, q := range qs {
@@ -892,20 +908,101 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 			res[i].err = err
 		}
 	}
+	fan(workers, len(parallel), func(k int) {
+		r := &res[parallel[k]]
+		r.out, r.err = qs[parallel[k]].sampler.Sample(r.view)
+	})
+	for i, q := range qs {
+		if q.running && !q.done { // an earlier failure of its group ended it
+			s.emitSampled(q, res[i].out, res[i].err)
+		}
+	}
+}
+
+// workers is how many goroutines read a step's logits rows.
+func (s *Scheduler) workers() int {
+	if s.cfg.SampleWorkers > 0 {
+		return s.cfg.SampleWorkers
+	}
+	return runtime.GOMAXPROCS(0)
+}
+
+// fan calls f(0), ..., f(n-1) on up to workers goroutines and waits for them.
+func fan(workers, n int, f func(k int)) {
 	var next atomic.Int64
 	var wg sync.WaitGroup
-	for range min(workers, len(parallel)) {
+	for range min(workers, n) {
 		wg.Go(func() {
-			for k := int(next.Add(1) - 1); k < len(parallel); k = int(next.Add(1) - 1) {
-				r := &res[parallel[k]]
-				r.out, r.err = qs[parallel[k]].sampler.Sample(r.view)
+			for k := int(next.Add(1) - 1); k < n; k = int(next.Add(1) - 1) {
+				f(k)
 			}
 		})
 	}
 	wg.Wait()
-	for i, q := range qs {
-		if q.running && !q.done { // an earlier failure of its group ended it
-			s.emitSampled(q, res[i].out, res[i].err)
+}
+
+// scorePrompts scores the prompt tokens that follow this step's rows of the
+// sequences scoring their prompts (Request.PromptLogprobs), and sends the scores
+// of a prompt computed to its end. Each score reads a whole row of logits
+// (three passes over the vocabulary), so with an engine.LogitsViewer the rows are
+// read in parallel.
+func (s *Scheduler) scorePrompts() {
+	type job struct {
+		q    *seq
+		row  int
+		next engine.Token // the prompt token the row's logits predict
+		view []float32
+		out  engine.TokenScore
+		err  error
+	}
+	var jobs []job
+	for _, q := range s.running {
+		if !q.running || !q.scoring() || !s.inBatch(q) {
+			continue
+		}
+		id, prompt, want := engine.SeqID(q.kv.ID), q.g.req.Prompt, len(q.scores)
+		for i := range s.batch.Len() {
+			if p := int(s.batch.Pos[i]); s.batch.Seq[i] == id && s.batch.Output[i] && p == want && p < len(prompt)-1 {
+				jobs = append(jobs, job{q: q, row: i, next: prompt[p+1]})
+				want++
+			}
+		}
+	}
+	viewer, _ := s.eng.(engine.LogitsViewer)
+	if viewer != nil && s.workers() > 1 && len(jobs) > 1 {
+		for i := range jobs {
+			jobs[i].view, jobs[i].err = viewer.LogitsView(jobs[i].row)
+		}
+		fan(s.workers(), len(jobs), func(k int) {
+			if j := &jobs[k]; j.err == nil {
+				j.out, j.err = sample.Score(j.view, j.next, j.q.g.req.PromptTopLogprobs)
+			}
+		})
+	} else {
+		for i := range jobs {
+			j := &jobs[i]
+			if err := s.eng.Logits(j.row, func(l []float32) { j.out, j.err = sample.Score(l, j.next, j.q.g.req.PromptTopLogprobs) }); err != nil {
+				j.err = err
+			}
+		}
+	}
+	for _, j := range jobs {
+		switch {
+		case j.q.done || j.q.g.failed:
+		case j.err != nil:
+			s.fail(j.q.g, fmt.Errorf("score prompt: %w", j.err))
+		default:
+			j.q.scores = append(j.q.scores, j.out)
+		}
+	}
+	for _, q := range slices.Clone(s.running) { // fail takes sequences out
+		if q.running && q.scoring() && s.inBatch(q) && q.computed() >= len(q.g.req.Prompt) {
+			if len(q.scores) != len(q.g.req.Prompt)-1 {
+				s.fail(q.g, fmt.Errorf("score prompt: %d of %d tokens scored", len(q.scores), len(q.g.req.Prompt)-1))
+				continue
+			}
+			q.g.stream.push(Event{Kind: EventPromptLogprobs, Prompt: q.scores})
+			q.scores, q.scored = nil, true
 		}
 	}
 }

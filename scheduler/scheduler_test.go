@@ -23,6 +23,11 @@ type result struct {
 	finish []FinishReason
 	usage  Usage
 	err    error
+	// prompt holds the EventPromptLogprobs scores; prompts counts those
+	// events, and late those after a token of choice 0.
+	prompt        []engine.TokenScore
+	prompts, late int
+	logprobs      []float32 // choice 0's tokens' logprobs
 }
 
 func collect(ctx context.Context, st *Stream, n int) result {
@@ -39,6 +44,15 @@ func collect(ctx context.Context, st *Stream, n int) result {
 		case EventToken:
 			r.text[ev.Index] += ev.Text
 			r.tokens[ev.Index] = append(r.tokens[ev.Index], ev.Token)
+			if ev.Index == 0 {
+				r.logprobs = append(r.logprobs, ev.Logprob)
+			}
+		case EventPromptLogprobs:
+			r.prompt = ev.Prompt
+			r.prompts++
+			if len(r.tokens[0]) > 0 {
+				r.late++
+			}
 		case EventFinish:
 			r.text[ev.Index] += ev.Text
 			r.finish[ev.Index] = ev.Finish
@@ -1113,5 +1127,81 @@ func TestQueueWaitWithDecayedFinishRate(t *testing.T) {
 		if w := s.Load().QueueWait; w < time.Hour {
 			t.Fatalf("finish rate %g/s with 4 waiting and no free slot: queue wait %v", fps, w)
 		}
+	}
+}
+
+// TestPromptLogprobs: a prompt's scores are those of its tokens decoded one by
+// one (a greedy continuation scored as a prompt gives its own logprobs), and are
+// the same whether the prompt is computed in one chunk or many, beside others,
+// with its prefix cached, preempted and resumed, or with n choices.
+func TestPromptLogprobs(t *testing.T) {
+	f := enginetest.New(4096, 32, 512)
+	s, _ := startScheduler(t, f, nil)
+	base := prompt(1, 40)
+	gen := runConcurrently(t, s, []*Request{{Prompt: base, MaxTokens: 12, Sampling: sample.Params{Logprobs: true}}})[0]
+	whole := append(slices.Clone(base), gen.tokens[0]...)
+	scored := runConcurrently(t, s, []*Request{{Prompt: whole, MaxTokens: 1, PromptLogprobs: true, PromptTopLogprobs: 3}})[0]
+	if scored.err != nil || scored.prompts != 1 || scored.late != 0 || len(scored.prompt) != len(whole)-1 {
+		t.Fatalf("scored: err %v, %d events (%d late), %d scores for %d tokens", scored.err, scored.prompts, scored.late, len(scored.prompt), len(whole))
+	}
+	if scored.usage.CachedTokens != 0 {
+		t.Fatalf("a scored prompt took %d tokens from the cache", scored.usage.CachedTokens)
+	}
+	for i, tok := range gen.tokens[0] {
+		sc := scored.prompt[len(base)-1+i]
+		if sc.Token != tok || sc.Logprob != gen.logprobs[i] || sc.Rank != 1 || len(sc.Top) != 3 || sc.Top[0].Token != tok {
+			t.Fatalf("generated token %d (%d, logprob %v) scored as %+v", i, tok, gen.logprobs[i], sc)
+		}
+	}
+	for i, sc := range scored.prompt {
+		if sc.Token != whole[i+1] || sc.Rank < 1 || sc.Logprob > 0 {
+			t.Fatalf("score %d: %+v for token %d", i, sc, whole[i+1])
+		}
+	}
+
+	// Every way of computing it gives the same scores.
+	reqs := mixedRequests(12)
+	for i, r := range reqs {
+		r.MaxTokens = 60
+		if i%2 == 0 {
+			r.PromptLogprobs, r.PromptTopLogprobs = true, i%4
+		}
+		if i == 4 {
+			r.N = 3
+		}
+	}
+	reqs = append(reqs, &Request{Prompt: []engine.Token{1}, MaxTokens: 2, PromptLogprobs: true})
+	want := solo(t, reqs)
+	check := func(what string, got []result) {
+		t.Helper()
+		for i, r := range reqs {
+			g, w := got[i], want[i]
+			if g.err != nil || !slices.Equal(g.tokens[0], w.tokens[0]) {
+				t.Fatalf("%s: request %d: %v (%v), want %v", what, i, g.tokens[0], g.err, w.tokens[0])
+			}
+			n := 0
+			if r.PromptLogprobs {
+				n = 1
+			}
+			if g.prompts != n || g.late != 0 || len(g.prompt) != len(w.prompt) || n == 1 && len(g.prompt) != len(r.Prompt)-1 {
+				t.Fatalf("%s: request %d: %d score events (%d late), %d scores for %d prompt tokens", what, i, g.prompts, g.late, len(g.prompt), len(r.Prompt))
+			}
+			for j := range g.prompt {
+				if a, b := g.prompt[j], w.prompt[j]; a.Token != b.Token || a.Logprob != b.Logprob || a.Rank != b.Rank || !slices.Equal(a.Top, b.Top) {
+					t.Fatalf("%s: request %d score %d: %+v, want %+v", what, i, j, a, b)
+				}
+			}
+		}
+	}
+	// In chunks of 8 tokens, beside the others.
+	s, _ = startScheduler(t, enginetest.New(4096, 64, 512), func(c *Config) { c.MaxBatchTokens, c.MaxRunning = 8, 4 })
+	check("chunked", runConcurrently(t, s, reqs))
+	// With every prompt cached: the scored ones compute theirs again.
+	check("cached", runConcurrently(t, s, reqs))
+	// Preempted: 512 cells cannot hold 12 sequences of up to ~150 tokens at once.
+	s, _ = startScheduler(t, enginetest.New(512, 64, 512), func(c *Config) { c.MaxBatchTokens = 128 })
+	check("preempted", runConcurrently(t, s, reqs))
+	if s.Load().Preemptions == 0 {
+		t.Fatal("expected preemptions with a small pool")
 	}
 }

@@ -24,6 +24,9 @@ const (
 	EventError
 	// EventEmbedding: the pooled embedding of an Embed request, in Vector.
 	EventEmbedding
+	// EventPromptLogprobs: the scores of a PromptLogprobs request's prompt
+	// tokens after the first, in Prompt; once, before any token of choice 0.
+	EventPromptLogprobs
 )
 
 // FinishReason is why a choice ended, in OpenAI's words where they exist.
@@ -60,6 +63,7 @@ type Event struct {
 	Usage       Usage
 	Err         error
 	Vector      []float32
+	Prompt      []engine.TokenScore // EventPromptLogprobs: Prompt[i] scores prompt token i+1
 	// At is when the scheduler produced the event: latency metrics read it, not the
 	// time a reader (busy with another choice, or a slow client) got to it.
 	At time.Time

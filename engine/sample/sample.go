@@ -594,6 +594,31 @@ func argmax(l []float32) engine.Token {
 	return engine.Token(best)
 }
 
+// Score is how likely tok was under logits, the model's distribution before any
+// sampling parameter: its log-probability, its rank and the top n tokens
+// (engine.TokenScore). Logits are read, not changed; any goroutine may call it.
+func Score(logits []float32, tok engine.Token, n int) (engine.TokenScore, error) {
+	if int(tok) < 0 || int(tok) >= len(logits) {
+		return engine.TokenScore{}, fmt.Errorf("score token %d: outside the %d logits: %w", tok, len(logits), engine.ErrInvalidInput)
+	}
+	if n < 0 || n > MaxTopLogprobs {
+		return engine.TokenScore{}, fmt.Errorf("score: top %d must be in [0, %d]: %w", n, MaxTopLogprobs, engine.ErrInvalidInput)
+	}
+	x := logits[tok]
+	rank := 1
+	for _, y := range logits {
+		if y > x {
+			rank++
+		}
+	}
+	lse := logSumExp(logits)
+	sc := engine.TokenScore{Token: tok, Logprob: x - lse, Rank: rank}
+	if n > 0 {
+		sc.Top = topLogprobs(logits, n, lse)
+	}
+	return sc, nil
+}
+
 func logSumExp(l []float32) float32 {
 	m := l[0]
 	for _, x := range l {

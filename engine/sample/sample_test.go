@@ -1,6 +1,7 @@
 package sample
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -447,5 +448,36 @@ func TestOpenAIPenaltiesCountGeneratedTokens(t *testing.T) {
 	}
 	if x, _ := s.Sample([]float32{1, 3, -100}); x.Token != 0 { // 3 - 30 × 0.1 = 0 < 1
 		t.Errorf("token 1, generated 30 times before the last 64, not penalised: got %d", x.Token)
+	}
+}
+
+func TestScore(t *testing.T) {
+	l := []float32{1, 3, 3, 0, 2}
+	lse := logSumExp(l)
+	for _, c := range []struct {
+		tok  engine.Token
+		rank int
+	}{{1, 1}, {2, 1}, {4, 3}, {0, 4}, {3, 5}} {
+		sc, err := Score(l, c.tok, 2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sc.Token != c.tok || sc.Rank != c.rank || sc.Logprob != l[c.tok]-lse {
+			t.Fatalf("token %d: %+v, want rank %d logprob %v", c.tok, sc, c.rank, l[c.tok]-lse)
+		}
+		if len(sc.Top) != 2 || sc.Top[0].Token != 1 || sc.Top[1].Token != 2 {
+			t.Fatalf("top %+v", sc.Top)
+		}
+	}
+	if sc, _ := Score(l, 4, 0); sc.Top != nil {
+		t.Fatalf("no top asked for, got %+v", sc.Top)
+	}
+	for _, bad := range []struct {
+		tok engine.Token
+		n   int
+	}{{-1, 0}, {5, 0}, {0, -1}, {0, MaxTopLogprobs + 1}} {
+		if _, err := Score(l, bad.tok, bad.n); !errors.Is(err, engine.ErrInvalidInput) {
+			t.Fatalf("Score(%d, %d): %v", bad.tok, bad.n, err)
+		}
 	}
 }
