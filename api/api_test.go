@@ -291,14 +291,10 @@ func TestToolsWithToolChoiceNone(t *testing.T) {
 }
 
 // TestCompletionTextOffsets: text_offset indexes the choice's text, streamed or
-// whole (as OpenAI and vLLM count it); echo with logprobs, which would need the
-// prompt's logprobs, is refused.
+// whole (as OpenAI and vLLM count it).
 func TestCompletionTextOffsets(t *testing.T) {
 	s := newTestServer(t, nil)
 	var whole CompletionResponse
-	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"echo":true}`); w.Code != 400 {
-		t.Fatalf("echo with logprobs (no prompt logprobs): %d %s", w.Code, w.Body)
-	}
 	w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"logprobs":1,"temperature":0}`)
 	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || len(whole.Choices) != 1 {
 		t.Fatalf("%v: %s", err, w.Body)
@@ -663,5 +659,114 @@ func TestTokenStrs(t *testing.T) {
 	}
 	if w := s.do(t, "POST", "/tokenize", `{"prompt":"hello"}`); strings.Contains(w.Body.String(), "token_strs") {
 		t.Fatalf("token_strs unasked: %s", w.Body)
+	}
+}
+
+// sseData is the JSON of each data event of a streamed answer, before [DONE].
+func sseData(t *testing.T, body string) [][]byte {
+	t.Helper()
+	var out [][]byte
+	for _, line := range strings.Split(body, "\n") {
+		if data, ok := strings.CutPrefix(line, "data: "); ok && data != "[DONE]" {
+			out = append(out, []byte(data))
+		}
+	}
+	return out
+}
+
+// TestPromptLogprobs: echo with logprobs scores the echoed prompt's tokens in
+// the completions format (the first has none), streamed as whole; vLLM's
+// prompt_logprobs come on each completions choice and on a chat answer; what
+// cannot be answered is refused.
+func TestPromptLogprobs(t *testing.T) {
+	s := newTestServer(t, nil)
+	const body = `{"prompt":["abc","xyzw"],"max_tokens":3,"logprobs":2,"echo":true,"temperature":0,"n":2`
+	var whole CompletionResponse
+	w := s.do(t, "POST", "/v1/completions", body+`}`)
+	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || w.Code != 200 || len(whole.Choices) != 4 {
+		t.Fatalf("%d %v: %s", w.Code, err, w.Body)
+	}
+	for i, c := range whole.Choices {
+		prompt := []string{"abc", "xyzw"}[i/2]
+		lp, n := c.Logprobs, len(prompt)+1 // BOS, the prompt's bytes
+		if !strings.HasPrefix(c.Text, prompt) || len(lp.Tokens) != n+3 || len(lp.TokenLogprobs) != n+3 || len(lp.TopLogprobs) != n+3 || len(lp.TextOffset) != n+3 {
+			t.Fatalf("choice %d: %q %+v", i, c.Text, lp)
+		}
+		if lp.TokenLogprobs[0] != nil || len(lp.TopLogprobs[0]) != 0 || lp.TextOffset[n] != len(prompt) {
+			t.Fatalf("choice %d: the first token has %v %v; the first generated token is at %d", i, lp.TokenLogprobs[0], lp.TopLogprobs[0], lp.TextOffset[n])
+		}
+		for j := 1; j < n+3; j++ {
+			if lp.TokenLogprobs[j] == nil || *lp.TokenLogprobs[j] > 0 || lp.TopLogprobs[j][lp.Tokens[j]] != *lp.TokenLogprobs[j] || len(lp.TopLogprobs[j]) > 3 {
+				t.Fatalf("choice %d token %d: %q %v %v", i, j, lp.Tokens[j], lp.TokenLogprobs[j], lp.TopLogprobs[j])
+			}
+		}
+		if c.PromptLogprobs != nil {
+			t.Fatalf("choice %d: prompt_logprobs not asked for: %v", i, c.PromptLogprobs)
+		}
+	}
+	// Streamed: the echo comes with its scores, then the tokens.
+	streamed := make([]CompletionLogprobs, 4)
+	texts := make([]string, 4)
+	for _, data := range sseData(t, s.do(t, "POST", "/v1/completions", body+`,"stream":true}`).Body.String()) {
+		var chunk CompletionResponse
+		if err := json.Unmarshal(data, &chunk); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range chunk.Choices {
+			texts[c.Index] += c.Text
+			if l := c.Logprobs; l != nil {
+				sl := &streamed[c.Index]
+				sl.Tokens, sl.TokenLogprobs = append(sl.Tokens, l.Tokens...), append(sl.TokenLogprobs, l.TokenLogprobs...)
+				sl.TopLogprobs, sl.TextOffset = append(sl.TopLogprobs, l.TopLogprobs...), append(sl.TextOffset, l.TextOffset...)
+			}
+		}
+	}
+	for i, c := range whole.Choices {
+		a, _ := json.Marshal(c.Logprobs)
+		b, _ := json.Marshal(streamed[i])
+		if texts[i] != c.Text || !bytes.Equal(a, b) {
+			t.Fatalf("choice %d streamed %q %s\nwhole %q %s", i, texts[i], b, c.Text, a)
+		}
+	}
+
+	// vLLM's prompt_logprobs, by token id.
+	var pl CompletionResponse
+	w = s.do(t, "POST", "/v1/completions", `{"prompt":[[1,5,9,7]],"max_tokens":2,"prompt_logprobs":1}`)
+	if err := json.Unmarshal(w.Body.Bytes(), &pl); err != nil || w.Code != 200 {
+		t.Fatalf("%d %v: %s", w.Code, err, w.Body)
+	}
+	ps := pl.Choices[0].PromptLogprobs
+	if len(ps) != 4 || ps[0] != nil || pl.Choices[0].Logprobs != nil {
+		t.Fatalf("prompt_logprobs %+v", pl.Choices[0])
+	}
+	for i, id := range []string{"5", "9", "7"} {
+		m := ps[i+1]
+		if e, ok := m[id]; !ok || len(m) > 2 || e.Rank < 1 || e.Logprob > 0 || e.DecodedToken == "" {
+			t.Fatalf("prompt token %d (%s): %+v", i+1, id, m)
+		}
+	}
+	var chat struct {
+		PromptLogprobs []map[string]PromptLogprob `json:"prompt_logprobs"`
+		Usage          Usage                      `json:"usage"`
+	}
+	w = s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"prompt_logprobs":0}`)
+	if err := json.Unmarshal(w.Body.Bytes(), &chat); err != nil || w.Code != 200 || len(chat.PromptLogprobs) != chat.Usage.PromptTokens || chat.PromptLogprobs[0] != nil {
+		t.Fatalf("%d %v: %s", w.Code, err, w.Body)
+	}
+	for i, m := range chat.PromptLogprobs[1:] {
+		if len(m) != 1 {
+			t.Fatalf("chat prompt token %d: %v", i+1, m)
+		}
+	}
+
+	for _, bad := range []string{
+		`{"prompt":"abc","prompt_logprobs":21}`,
+		`{"prompt":"abc","prompt_logprobs":-1}`,
+		`{"prompt":"abc","prompt_logprobs":1,"stream":true}`,
+		`{"prompt":"abc","prompt_logprobs":"1"}`,
+	} {
+		if w := s.do(t, "POST", "/v1/completions", bad); w.Code != 400 || !strings.Contains(w.Body.String(), "prompt_logprobs") {
+			t.Fatalf("%s: %d %s", bad, w.Code, w.Body)
+		}
 	}
 }

@@ -70,6 +70,12 @@ type plan struct {
 	usage     bool // stream_options.include_usage
 	logprobs  bool
 	top       int
+	// promptScores answers with the prompt's scores (prompt_logprobs, with
+	// promptTop alternatives); echoScores puts them in an echoed prompt's
+	// completions logprobs (echo with logprobs).
+	promptScores, echoScores bool
+	promptTop                int
+	tokenIDs                 bool // logprobs name tokens by id (return_tokens_as_token_ids)
 	model     string
 	chat      bool
 	completes bool // legacy completions logprobs format
@@ -159,6 +165,18 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		}
 		r.MinTokens = *f.MinTokens
 	}
+	if k := f.PromptLogprobs; k != nil {
+		switch {
+		case *k < 0 || *k > sample.MaxTopLogprobs:
+			// vLLM's -1 (the whole vocabulary) too: a list as long as the vocabulary per token.
+			return p, invalid("prompt_logprobs", "prompt_logprobs must be between 0 and %d, got %d", sample.MaxTopLogprobs, *k)
+		case f.Stream:
+			return p, invalid("prompt_logprobs", "prompt_logprobs is not available with stream: true")
+		}
+		r.PromptLogprobs, r.PromptTopLogprobs = true, *k
+		p.promptScores, p.promptTop = true, *k
+	}
+	p.tokenIDs = f.ReturnTokensAsTokenIDs
 	r.IgnoreEOS = f.IgnoreEOS
 	r.SpecialTokens = f.SkipSpecialTokens != nil && !*f.SkipSpecialTokens
 	if f.Priority != nil {
@@ -674,11 +692,10 @@ func (s *Server) completions(c *gin.Context) {
 	if !req.Echo {
 		p.echo = nil
 	} else if p.logprobs {
-		// OpenAI's echo with logprobs scores the prompt's tokens too (evaluation
-		// harnesses read them); without prompt logprobs the answer would be quietly
-		// wrong, so it is refused.
-		abort(c, invalid("echo", "echo with logprobs is not supported: prompt logprobs are not computed"))
-		return
+		// OpenAI's echo with logprobs scores the prompt's tokens too: evaluation
+		// harnesses (lm-evaluation-harness's loglikelihood) read them.
+		p.echoScores, p.req.PromptLogprobs = true, true
+		p.req.PromptTopLogprobs = max(p.req.PromptTopLogprobs, p.top)
 	}
 	s.routeOrRun(c, b, &p, forwarded)
 }
@@ -849,7 +866,8 @@ type choiceState struct {
 	stop      any // stop_reason
 	thoughts  int // tokens whose text went to reasoning
 	logprobs  []TokenLogprob
-	output    *choiceOutput // nil: the output is the text
+	prompt    []engine.TokenScore // its prompt's scores, when asked for
+	output    *choiceOutput       // nil: the output is the text
 	started   bool          // output was made
 }
 
@@ -916,6 +934,9 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 			}
 			resp.Choices = append(resp.Choices, cc)
 		}
+		if p.promptScores {
+			resp.PromptLogprobs = promptLogprobs(b.Vocab, p.prompts[0], choices[0].prompt, p.promptTop)
+		}
 		c.JSON(http.StatusOK, resp)
 		return
 	}
@@ -924,8 +945,18 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 	for i := range choices {
 		f := choices[i].finish
 		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f, StopReason: choices[i].stop}
+		pi := i / p.n
 		if p.logprobs {
-			cc.Logprobs = legacyLogprobs(choices[i].logprobs, 0) // no echo with logprobs
+			cc.Logprobs = newLegacyLogprobs()
+			offset := 0
+			if p.echoScores {
+				cc.Logprobs.addPrompt(p, b.Vocab, p.prompts[pi], choices[i].prompt, p.top)
+				offset = utf8.RuneCountInString(p.echo[pi])
+			}
+			cc.Logprobs.add(choices[i].logprobs, offset)
+		}
+		if p.promptScores {
+			cc.PromptLogprobs = promptLogprobs(b.Vocab, p.prompts[pi], choices[i].prompt, p.promptTop)
 		}
 		resp.Choices = append(resp.Choices, cc)
 	}
@@ -944,6 +975,12 @@ func (s *Server) collect(c *gin.Context, b *Backend, p *plan, subs []submitted) 
 			}
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+			if ev.Kind == scheduler.EventPromptLogprobs {
+				for j := range p.n {
+					choices[sub.base+j].prompt = ev.Prompt
+				}
+				return
+			}
 			ch := &choices[sub.base+ev.Index]
 			if !ch.started {
 				ch.output, ch.started = p.newOutput(), true
@@ -959,7 +996,7 @@ func (s *Server) collect(c *gin.Context, b *Backend, p *plan, subs []submitted) 
 			case scheduler.EventToken:
 				ch.text.WriteString(text)
 				if p.logprobs && (ch.output == nil || !ch.output.cutByStop()) {
-					ch.logprobs = append(ch.logprobs, tokenLogprob(b.Vocab, ev))
+					ch.logprobs = append(ch.logprobs, p.tokenLogprob(b.Vocab, ev))
 				}
 			case scheduler.EventFinish:
 				ch.text.WriteString(text)
@@ -1043,6 +1080,10 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			s.metrics.finished(ev.Finish)
 			p.finished++
 			fn(ev)
+		case scheduler.EventPromptLogprobs:
+			if p.promptScores || p.echoScores {
+				fn(ev)
+			}
 		case scheduler.EventDone:
 			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())
 			s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
@@ -1053,12 +1094,21 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 	}
 }
 
-func tokenLogprob(v engine.Vocab, ev scheduler.Event) TokenLogprob {
-	tl := TokenLogprob{Token: pieceString(v, ev.Token), Logprob: ev.Logprob, Bytes: pieceBytes(v, ev.Token), TopLogprobs: []TopLogprob{}}
+func (p *plan) tokenLogprob(v engine.Vocab, ev scheduler.Event) TokenLogprob {
+	tl := TokenLogprob{Token: p.tokenName(v, ev.Token), Logprob: ev.Logprob, Bytes: pieceBytes(v, ev.Token), TopLogprobs: []TopLogprob{}}
 	for _, t := range ev.Top {
-		tl.TopLogprobs = append(tl.TopLogprobs, TopLogprob{Token: pieceString(v, t.Token), Logprob: t.Logprob, Bytes: pieceBytes(v, t.Token)})
+		tl.TopLogprobs = append(tl.TopLogprobs, TopLogprob{Token: p.tokenName(v, t.Token), Logprob: t.Logprob, Bytes: pieceBytes(v, t.Token)})
 	}
 	return tl
+}
+
+// tokenName is how p's logprobs name token t: its text, or "token_id:ID"
+// (vLLM's return_tokens_as_token_ids).
+func (p *plan) tokenName(v engine.Vocab, t engine.Token) string {
+	if p.tokenIDs {
+		return "token_id:" + strconv.Itoa(int(t))
+	}
+	return pieceString(v, t)
 }
 
 func pieceBytes(v engine.Vocab, t engine.Token) []int {
@@ -1075,23 +1125,74 @@ func pieceString(v engine.Vocab, t engine.Token) string {
 	return strings.ToValidUTF8(string(p), "\uFFFD")
 }
 
-// legacyLogprobs converts chat-style logprobs to the completions format; offset is
-// where the first token's text starts in the choice's text, in characters (as
-// OpenAI's and vLLM's text_offset count).
-func legacyLogprobs(ls []TokenLogprob, offset int) *CompletionLogprobs {
-	out := &CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []float32{}, TopLogprobs: []map[string]float32{}, TextOffset: []int{}}
+func newLegacyLogprobs() *CompletionLogprobs {
+	return &CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []*float32{}, TopLogprobs: []map[string]float32{}, TextOffset: []int{}}
+}
+
+// add appends chat-style logprobs in the completions format; offset is where
+// the first token's text starts in the choice's text, in characters (as
+// OpenAI's and vLLM's text_offset count). A token's top_logprobs hold its
+// alternatives and itself, as OpenAI's and vLLM's do.
+func (out *CompletionLogprobs) add(ls []TokenLogprob, offset int) {
 	for _, l := range ls {
-		out.Tokens = append(out.Tokens, l.Token)
-		out.TokenLogprobs = append(out.TokenLogprobs, l.Logprob)
 		top := map[string]float32{}
 		for _, t := range l.TopLogprobs {
 			top[t.Token] = t.Logprob
 		}
+		top[l.Token] = l.Logprob
+		out.Tokens = append(out.Tokens, l.Token)
+		out.TokenLogprobs = append(out.TokenLogprobs, &l.Logprob)
 		out.TopLogprobs = append(out.TopLogprobs, top)
 		out.TextOffset = append(out.TextOffset, offset)
 		offset += utf8.RuneCountInString(l.Token)
 	}
+}
+
+// addPrompt appends an echoed prompt's tokens with their scores (scores[i] is
+// prompt[i+1]'s; the first token has none) and up to n alternatives each.
+func (out *CompletionLogprobs) addPrompt(p *plan, v engine.Vocab, prompt []engine.Token, scores []engine.TokenScore, n int) {
+	offset := 0
+	for i, t := range prompt {
+		tok := p.tokenName(v, t)
+		out.Tokens = append(out.Tokens, tok)
+		out.TextOffset = append(out.TextOffset, offset)
+		offset += utf8.RuneCountInString(tok)
+		if i == 0 || i > len(scores) {
+			// null as OpenAI and vLLM write it; {} where they write null, which
+			// typed clients (OpenAI's Go SDK) cannot read in a list of maps.
+			out.TokenLogprobs, out.TopLogprobs = append(out.TokenLogprobs, nil), append(out.TopLogprobs, map[string]float32{})
+			continue
+		}
+		sc := scores[i-1]
+		lp := finite(sc.Logprob)
+		top := map[string]float32{}
+		for _, a := range sc.Top[:min(n, len(sc.Top))] {
+			top[p.tokenName(v, a.Token)] = finite(a.Logprob)
+		}
+		top[tok] = lp
+		out.TokenLogprobs, out.TopLogprobs = append(out.TokenLogprobs, &lp), append(out.TopLogprobs, top)
+	}
+}
+
+// promptLogprobs is vLLM's prompt_logprobs of a prompt: null for its first
+// token, then each token's score and its top n alternatives by token id.
+func promptLogprobs(v engine.Vocab, prompt []engine.Token, scores []engine.TokenScore, n int) []map[string]PromptLogprob {
+	out := make([]map[string]PromptLogprob, len(prompt))
+	for i, sc := range scores[:min(len(scores), max(len(prompt)-1, 0))] {
+		m := map[string]PromptLogprob{}
+		for r, a := range sc.Top[:min(n, len(sc.Top))] {
+			m[strconv.Itoa(int(a.Token))] = PromptLogprob{Logprob: finite(a.Logprob), Rank: r + 1, DecodedToken: pieceString(v, a.Token)}
+		}
+		m[strconv.Itoa(int(sc.Token))] = PromptLogprob{Logprob: finite(sc.Logprob), Rank: sc.Rank, DecodedToken: pieceString(v, sc.Token)}
+		out[i+1] = m
+	}
 	return out
+}
+
+// finite is a logprob JSON can carry: -Inf (a token the model rules out) as
+// -9999, as vLLM and OpenAI write it.
+func finite(lp float32) float32 {
+	return max(lp, -9999)
 }
 
 // tokenIDs validates the token ids of input i of a request (param names the field).

@@ -122,6 +122,11 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 	}
 	// Characters of text sent per choice so far: where a chunk's text_offset starts.
 	sentChars := map[int]int{}
+	sendCompletion := func(ch CompletionChoice) {
+		sentChars[ch.Index] += utf8.RuneCountInString(ch.Text)
+		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
+			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+	}
 	chunk := func(ch ChatChunkChoice) {
 		w.data(chatChunkJSON{ChatChunk: ChatChunk{ID: id, Object: object, Created: created, Model: p.model, SystemFingerprint: fingerprint,
 			Choices: []ChatChunkChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
@@ -141,11 +146,10 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		ch := CompletionChoice{Index: index, Text: t, FinishReason: finish, StopReason: stop}
 		if lp != nil {
-			ch.Logprobs = legacyLogprobs([]TokenLogprob{*lp}, sentChars[index])
+			ch.Logprobs = newLegacyLogprobs()
+			ch.Logprobs.add([]TokenLogprob{*lp}, sentChars[index])
 		}
-		sentChars[index] += utf8.RuneCountInString(t)
-		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
-			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
+		sendCompletion(ch)
 	}
 	// A chat choice's output may hold thoughts, passed on apart, and, under
 	// tools, calls, passed on once whole (and under the tool protocol the
@@ -177,7 +181,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			case p.chat:
 				empty := ""
 				send(idx, &empty, nil, nil, "assistant", nil)
-			case pi < len(p.echo):
+			case pi < len(p.echo) && !p.echoScores: // with its scores once they come
 				e := p.echo[pi]
 				send(idx, &e, nil, nil, "", nil)
 			}
@@ -185,12 +189,18 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
 			idx := sub.base + ev.Index
 			switch ev.Kind {
+			case scheduler.EventPromptLogprobs:
+				for j := range p.n {
+					ch := CompletionChoice{Index: sub.base + j, Text: p.echo[pi], Logprobs: newLegacyLogprobs()}
+					ch.Logprobs.addPrompt(p, b.Vocab, p.prompts[pi], ev.Prompt, p.top)
+					sendCompletion(ch)
+				}
 			case scheduler.EventToken:
 				reasoning, text := follow(sub, ev)
 				think(idx, reasoning)
 				var lp *TokenLogprob
 				if o := output(idx); p.logprobs && (o == nil || !o.cutByStop()) {
-					l := tokenLogprob(b.Vocab, ev)
+					l := p.tokenLogprob(b.Vocab, ev)
 					lp = &l
 				}
 				if text != "" || lp != nil {

@@ -177,6 +177,12 @@ type SamplingFields struct {
 	MinTokens         *int               `json:"min_tokens"`
 	StopTokenIDs      []int              `json:"stop_token_ids"`
 	IncludeStopStr    bool               `json:"include_stop_str_in_output"`
+	// PromptLogprobs is vLLM's: score the prompt's tokens, with this many
+	// alternatives each (PromptLogprob).
+	PromptLogprobs *int `json:"prompt_logprobs"`
+	// ReturnTokensAsTokenIDs is vLLM's: logprobs name tokens "token_id:ID",
+	// for tokens whose text is not whole UTF-8 or not unique.
+	ReturnTokensAsTokenIDs bool `json:"return_tokens_as_token_ids"`
 	StructuredFields
 }
 
@@ -323,6 +329,8 @@ type ChatResponse struct {
 	SystemFingerprint string       `json:"system_fingerprint"`
 	Choices           []ChatChoice `json:"choices"`
 	Usage             Usage        `json:"usage"`
+	// PromptLogprobs: the prompt's scores, when asked for (vLLM's).
+	PromptLogprobs []map[string]PromptLogprob `json:"prompt_logprobs,omitempty"`
 }
 
 // ChatChunkChoice is one choice of a streamed chunk.
@@ -348,9 +356,18 @@ type ChatChunk struct {
 // CompletionLogprobs is the legacy completions logprobs object.
 type CompletionLogprobs struct {
 	Tokens        []string             `json:"tokens"`
-	TokenLogprobs []float32            `json:"token_logprobs"`
-	TopLogprobs   []map[string]float32 `json:"top_logprobs"`
+	TokenLogprobs []*float32           `json:"token_logprobs"` // null for an echoed prompt's first token
+	TopLogprobs   []map[string]float32 `json:"top_logprobs"`   // the token and its alternatives; {} for an echoed prompt's first token
 	TextOffset    []int                `json:"text_offset"`
+}
+
+// PromptLogprob is vLLM's score of a prompt token or one of its alternatives
+// (prompt_logprobs: per prompt token, null for the first, a map from token ids
+// to these).
+type PromptLogprob struct {
+	Logprob      float32 `json:"logprob"`
+	Rank         int     `json:"rank"` // 1: the most likely token
+	DecodedToken string  `json:"decoded_token"`
 }
 
 // CompletionChoice is one choice of a completion (streamed or not).
@@ -360,6 +377,8 @@ type CompletionChoice struct {
 	Logprobs     *CompletionLogprobs `json:"logprobs"`
 	FinishReason *string             `json:"finish_reason"`
 	StopReason   any                 `json:"stop_reason,omitempty"`
+	// PromptLogprobs: the prompt's scores, when asked for (vLLM's).
+	PromptLogprobs []map[string]PromptLogprob `json:"prompt_logprobs,omitempty"`
 }
 
 // CompletionResponse is the body of a completion and of each streamed chunk.
