@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -69,6 +69,11 @@ bench-template: build
 # Streaming a tool call as it is written, beside reading it all again per token (docs/benchmarks.md).
 bench-stream:
 	$(GO) test -run '^$$' -bench 'BenchmarkStreamedCall' -benchtime $(BENCHTIME) -count $(COUNT) ./api | tee bench-stream.txt
+
+# A prompt computed as is beside scored (prompt logprobs), and scoring one token in Go (docs/benchmarks.md).
+bench-score: build
+	@$(CGO_ENV); { $(GO) test -run '^$$' -bench 'BenchmarkSchedulerPromptScore' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama; \
+		$(GO) test -run '^$$' -bench 'BenchmarkScore' -benchtime $(BENCHTIME) -count $(COUNT) ./engine/sample; } | tee bench-score.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

@@ -324,3 +324,39 @@ func TestManyRequestsFlat(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// BenchmarkSchedulerPromptScore: a 512-token prompt computed for one token, as
+// is and with its tokens scored (prompt logprobs: a logits row per token, read
+// in Go), side by side; prompt tokens per second.
+func BenchmarkSchedulerPromptScore(b *testing.B) {
+	path := genModel(b, models.Bench100M())
+	e := openBench(b, path, runtime.NumCPU(), true, 8, 1024)
+	s := startSched(b, e, func(c *scheduler.Config) { c.MaxBatchTokens, c.MaxRunning, c.KV.Caching = 512, 8, false })
+	const n = 512
+	round := 0
+	for _, c := range []struct {
+		name  string
+		score bool
+		top   int
+	}{{"plain", false, 0}, {"scored", true, 0}, {"scored-top5", true, 5}} {
+		b.Run("model=100m/prompt=512/"+c.name, func(b *testing.B) {
+			for b.Loop() {
+				round++
+				p := make([]engine.Token, n)
+				for j := range p {
+					p[j] = engine.Token(10 + (round*131+j*7)%16000)
+				}
+				st, err := s.Submit(context.Background(), &scheduler.Request{Prompt: p, MaxTokens: 1, PromptLogprobs: c.score, PromptTopLogprobs: c.top})
+				if err != nil {
+					b.Fatal(err)
+				}
+				for ev, ok := st.Next(context.Background()); ok; ev, ok = st.Next(context.Background()) {
+					if ev.Kind == scheduler.EventError {
+						b.Fatal(ev.Err)
+					}
+				}
+			}
+			b.ReportMetric(float64(n*b.N)/b.Elapsed().Seconds(), "prompt-tok/s")
+		})
+	}
+}

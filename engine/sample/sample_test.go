@@ -481,3 +481,24 @@ func TestScore(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkScore: scoring one prompt token (prompt logprobs) over real
+// vocabulary sizes, beside sampling it greedily with its logprob.
+func BenchmarkScore(b *testing.B) {
+	for _, n := range []int{32000, 151936} {
+		l := randomLogits(1, n)
+		for _, top := range []int{0, 5} {
+			b.Run(fmt.Sprintf("vocab=%d/top=%d", n, top), func(b *testing.B) {
+				for b.Loop() {
+					_, _ = Score(l, 7, top)
+				}
+			})
+		}
+		b.Run(fmt.Sprintf("vocab=%d/greedy-logprob", n), func(b *testing.B) {
+			s, _ := New(Params{Logprobs: true}, nil)
+			for b.Loop() {
+				_, _ = s.Sample(l)
+			}
+		})
+	}
+}
