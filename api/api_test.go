@@ -729,6 +729,42 @@ func TestPromptLogprobs(t *testing.T) {
 		}
 	}
 
+	// max_tokens 0 with echo: the prompt alone, scored (vLLM's).
+	for _, stream := range []bool{false, true} {
+		w := s.do(t, "POST", "/v1/completions", fmt.Sprintf(`{"prompt":"abc","max_tokens":0,"echo":true,"logprobs":1,"stream":%v,"stream_options":%s}`, stream, map[bool]string{false: "null", true: `{"include_usage":true}`}[stream]))
+		var text, finish string
+		var lps []*float32
+		var usage *Usage
+		datas := [][]byte{w.Body.Bytes()}
+		if stream {
+			datas = sseData(t, w.Body.String())
+		}
+		for _, data := range datas {
+			var r CompletionResponse
+			if err := json.Unmarshal(data, &r); err != nil || w.Code != 200 {
+				t.Fatalf("%d %v: %s", w.Code, err, w.Body)
+			}
+			for _, c := range r.Choices {
+				text += c.Text
+				if c.FinishReason != nil {
+					finish = *c.FinishReason
+				}
+				if c.Logprobs != nil {
+					lps = append(lps, c.Logprobs.TokenLogprobs...)
+				}
+			}
+			if r.Usage != nil {
+				usage = r.Usage
+			}
+		}
+		if text != "abc" || finish != "length" || len(lps) != 4 || lps[0] != nil || usage == nil || usage.CompletionTokens != 0 || usage.PromptTokens != 4 {
+			t.Fatalf("stream %v: %q %q %d logprobs, usage %+v: %s", stream, text, finish, len(lps), usage, w.Body)
+		}
+	}
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":0}`); w.Code != 400 || !strings.Contains(w.Body.String(), "echo") {
+		t.Fatalf("max_tokens 0 without echo: %d %s", w.Code, w.Body)
+	}
+
 	// vLLM's prompt_logprobs, by token id.
 	var pl CompletionResponse
 	w = s.do(t, "POST", "/v1/completions", `{"prompt":[[1,5,9,7]],"max_tokens":2,"prompt_logprobs":1}`)

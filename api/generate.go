@@ -80,7 +80,10 @@ type plan struct {
 	chat      bool
 	completes bool // legacy completions logprobs format
 	anthropic bool // answered as Anthropic's Messages API
-	warm      bool // Anthropic's max_tokens 0: the prompt computed, the answer empty
+	// warm: max_tokens 0, the prompt computed (and one token drawn, unseen), the
+	// answer empty: Anthropic's (which warms the cache), and completions' with
+	// echo (the prompt alone, scored with logprobs: vLLM's).
+	warm bool
 	// params names the chat fields a translated request (anthropic, responses)
 	// has under other names, for its errors.
 	params    map[string]string
@@ -631,11 +634,21 @@ func (s *Server) completions(c *gin.Context) {
 	if !ok {
 		return
 	}
+	warm := req.MaxTokens != nil && *req.MaxTokens == 0
+	if warm {
+		if !req.Echo {
+			abort(c, invalid("max_tokens", "max_tokens must be at least 1, got 0 (0 is only for echo: the prompt alone)"))
+			return
+		}
+		one := 1
+		req.MaxTokens = &one
+	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, "max_tokens", req.MaxTokens)
 	if err != nil {
 		abort(c, err)
 		return
 	}
+	p.warm = warm
 	if req.MaxTokens == nil {
 		p.req.MaxTokens = CompletionsMaxTokens
 		if p.req.MinTokens > p.req.MaxTokens {
@@ -946,6 +959,10 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 		f := choices[i].finish
 		cc := CompletionChoice{Index: i, Text: choices[i].text.String(), FinishReason: &f, StopReason: choices[i].stop}
 		pi := i / p.n
+		if p.warm { // the prompt alone
+			f = "length"
+			cc.Text, cc.StopReason, choices[i].logprobs = p.echo[pi], nil, nil
+		}
 		if p.logprobs {
 			cc.Logprobs = newLegacyLogprobs()
 			offset := 0
@@ -1087,6 +1104,9 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		case scheduler.EventDone:
 			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())
 			s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
+			if p.warm {
+				ev.Usage.CompletionTokens = 0 // the token drawn is not the answer's
+			}
 			return ev.Usage, nil
 		case scheduler.EventError:
 			return scheduler.Usage{}, ev.Err

@@ -188,6 +188,14 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
 			idx := sub.base + ev.Index
+			if p.warm && ev.Kind != scheduler.EventPromptLogprobs {
+				// max_tokens 0: the token drawn is not the answer's.
+				if ev.Kind == scheduler.EventFinish {
+					f := "length"
+					send(idx, nil, &f, nil, "", nil)
+				}
+				return
+			}
 			switch ev.Kind {
 			case scheduler.EventPromptLogprobs:
 				for j := range p.n {
