@@ -62,24 +62,24 @@ func jsonField(path string) string {
 
 // plan is a validated generation request ready for the scheduler.
 type plan struct {
-	prompts   [][]engine.Token
-	echo      []string // per prompt, when echo is set
-	req       scheduler.Request
-	n         int
-	stream    bool
-	usage     bool // stream_options.include_usage
-	logprobs  bool
-	top       int
+	prompts  [][]engine.Token
+	echo     []string // per prompt, when echo is set
+	req      scheduler.Request
+	n        int
+	stream   bool
+	usage    bool // stream_options.include_usage
+	logprobs bool
+	top      int
 	// promptScores answers with the prompt's scores (prompt_logprobs, with
 	// promptTop alternatives); echoScores puts them in an echoed prompt's
 	// completions logprobs (echo with logprobs).
 	promptScores, echoScores bool
 	promptTop                int
 	tokenIDs                 bool // logprobs name tokens by id (return_tokens_as_token_ids)
-	model     string
-	chat      bool
-	completes bool // legacy completions logprobs format
-	anthropic bool // answered as Anthropic's Messages API
+	model                    string
+	chat                     bool
+	completes                bool // legacy completions logprobs format
+	anthropic                bool // answered as Anthropic's Messages API
 	// warm: max_tokens 0, the prompt computed (and one token drawn, unseen), the
 	// answer empty: Anthropic's (which warms the cache), and completions' with
 	// echo (the prompt alone, scored with logprobs: vLLM's).
@@ -881,7 +881,7 @@ type choiceState struct {
 	logprobs  []TokenLogprob
 	prompt    []engine.TokenScore // its prompt's scores, when asked for
 	output    *choiceOutput       // nil: the output is the text
-	started   bool          // output was made
+	started   bool                // output was made
 }
 
 // countThought counts ev's token among the thoughts when it wrote some (or,
