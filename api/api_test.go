@@ -729,6 +729,37 @@ func TestPromptLogprobs(t *testing.T) {
 		}
 	}
 
+	// Offsets never go back: they count the tokens' names, here "token_id:N",
+	// through the prompt and on into the output, as vLLM's do.
+	for _, stream := range []string{"false", "true"} {
+		w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":3,"logprobs":1,"echo":true,"return_tokens_as_token_ids":true,"stream":`+stream+`}`)
+		datas := [][]byte{w.Body.Bytes()}
+		if stream == "true" {
+			datas = sseData(t, w.Body.String())
+		}
+		var offsets []int
+		var names []string
+		for _, data := range datas {
+			var r CompletionResponse
+			if err := json.Unmarshal(data, &r); err != nil || w.Code != 200 {
+				t.Fatalf("%d %v: %s", w.Code, err, w.Body)
+			}
+			for _, c := range r.Choices {
+				if c.Logprobs != nil {
+					offsets, names = append(offsets, c.Logprobs.TextOffset...), append(names, c.Logprobs.Tokens...)
+				}
+			}
+		}
+		if len(offsets) != 7 {
+			t.Fatalf("stream %s: offsets %v", stream, offsets)
+		}
+		for i := 1; i < len(offsets); i++ {
+			if offsets[i] != offsets[i-1]+len(names[i-1]) || !strings.HasPrefix(names[i], "token_id:") {
+				t.Fatalf("stream %s: offsets %v for %q", stream, offsets, names)
+			}
+		}
+	}
+
 	// max_tokens 0 with echo: the prompt alone, scored (vLLM's).
 	for _, stream := range []bool{false, true} {
 		w := s.do(t, "POST", "/v1/completions", fmt.Sprintf(`{"prompt":"abc","max_tokens":0,"echo":true,"logprobs":1,"stream":%v,"stream_options":%s}`, stream, map[bool]string{false: "null", true: `{"include_usage":true}`}[stream]))

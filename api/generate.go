@@ -88,6 +88,7 @@ type plan struct {
 	// has under other names, for its errors.
 	params    map[string]string
 	responses *ResponsesRequest // answered as OpenAI's Responses API
+	infill    *infillPlan       // answered as llama-server's /infill
 	tools     *toolPlan         // chat answers follow the tool protocol
 	think     *thinkPlan        // chat answers' thoughts are passed on apart
 	// grammarParam is the request field req.Grammar comes from.
@@ -660,8 +661,16 @@ func (s *Server) completions(c *gin.Context) {
 		abort(c, invalid("prompt", "prompt is required"))
 		return
 	}
-	if req.Suffix != nil && *req.Suffix != "" {
-		abort(c, invalid("suffix", "suffix is not supported"))
+	// A suffix asks for the text between the prompt and it: a code model's
+	// fill-in-the-middle (llama-server's /infill layout), where the model has
+	// the tokens for it.
+	infill := req.Suffix != nil && b.Vocab.FIM().Infill()
+	if req.Suffix != nil && *req.Suffix != "" && !infill {
+		abort(c, invalid("suffix", "suffix needs a code model with fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID); this model has none"))
+		return
+	}
+	if infill && len(req.Prompt.Tokens) > 0 {
+		abort(c, invalid("suffix", "suffix needs the prompt as text: token ids are laid out as given"))
 		return
 	}
 	if req.Logprobs != nil {
@@ -677,6 +686,9 @@ func (s *Server) completions(c *gin.Context) {
 	}
 	for i, t := range req.Prompt.Texts {
 		toks, err := b.Vocab.Tokenize(t, true, true)
+		if infill {
+			toks, err = infillPrompt(b.Vocab, nil, t, *req.Suffix, "")
+		}
 		if err != nil {
 			abort(c, err)
 			return
@@ -839,6 +851,8 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 		subs = append(subs, submitted{stream: st, base: i * p.n, start: time.Now()})
 	}
 	switch {
+	case p.infill != nil:
+		s.infillAnswer(c, b, p, subs[0])
 	case p.anthropic && p.stream:
 		s.messageStream(c, b, p, subs)
 	case p.anthropic:
@@ -967,8 +981,7 @@ func (s *Server) wholeResponse(c *gin.Context, b *Backend, p *plan, subs []submi
 			cc.Logprobs = newLegacyLogprobs()
 			offset := 0
 			if p.echoScores {
-				cc.Logprobs.addPrompt(p, b.Vocab, p.prompts[pi], choices[i].prompt, p.top)
-				offset = utf8.RuneCountInString(p.echo[pi])
+				offset = cc.Logprobs.addPrompt(p, b.Vocab, p.prompts[pi], choices[i].prompt, p.top)
 			}
 			cc.Logprobs.add(choices[i].logprobs, offset)
 		}
@@ -1169,8 +1182,11 @@ func (out *CompletionLogprobs) add(ls []TokenLogprob, offset int) {
 }
 
 // addPrompt appends an echoed prompt's tokens with their scores (scores[i] is
-// prompt[i+1]'s; the first token has none) and up to n alternatives each.
-func (out *CompletionLogprobs) addPrompt(p *plan, v engine.Vocab, prompt []engine.Token, scores []engine.TokenScore, n int) {
+// prompt[i+1]'s; the first token has none) and up to n alternatives each, and
+// returns the text_offset after them, where the generated tokens' go on: the
+// offsets count the tokens' names, as vLLM's do, so that they never go back
+// (a BOS named "<s>" is not in the echoed text).
+func (out *CompletionLogprobs) addPrompt(p *plan, v engine.Vocab, prompt []engine.Token, scores []engine.TokenScore, n int) int {
 	offset := 0
 	for i, t := range prompt {
 		tok := p.tokenName(v, t)
@@ -1192,6 +1208,7 @@ func (out *CompletionLogprobs) addPrompt(p *plan, v engine.Vocab, prompt []engin
 		top[tok] = lp
 		out.TokenLogprobs, out.TopLogprobs = append(out.TokenLogprobs, &lp), append(out.TopLogprobs, top)
 	}
+	return offset
 }
 
 // promptLogprobs is vLLM's prompt_logprobs of a prompt: null for its first

@@ -180,6 +180,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	v1.POST("/responses", s.responses)
 	r.POST("/v1/messages", anthropicErrors, s.counted, s.auth, s.messages)
 	r.POST("/v1/messages/count_tokens", anthropicErrors, s.counted, s.auth, s.countTokens)
+	r.POST("/infill", s.counted, s.auth, s.infill)
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster

@@ -120,10 +120,10 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return nil
 	}
-	// Characters of text sent per choice so far: where a chunk's text_offset starts.
-	sentChars := map[int]int{}
+	// Per choice, the next token's text_offset: offsets count the tokens'
+	// names, as the whole answer's (legacyLogprobs.add).
+	offsets := map[int]int{}
 	sendCompletion := func(ch CompletionChoice) {
-		sentChars[ch.Index] += utf8.RuneCountInString(ch.Text)
 		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,
 			SystemFingerprint: fingerprint, Choices: []CompletionChoice{ch}}, includeUsage: p.usage, usage: chunkUsage()})
 	}
@@ -147,7 +147,8 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		ch := CompletionChoice{Index: index, Text: t, FinishReason: finish, StopReason: stop}
 		if lp != nil {
 			ch.Logprobs = newLegacyLogprobs()
-			ch.Logprobs.add([]TokenLogprob{*lp}, sentChars[index])
+			ch.Logprobs.add([]TokenLogprob{*lp}, offsets[index])
+			offsets[index] += utf8.RuneCountInString(lp.Token)
 		}
 		sendCompletion(ch)
 	}
@@ -200,7 +201,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 			case scheduler.EventPromptLogprobs:
 				for j := range p.n {
 					ch := CompletionChoice{Index: sub.base + j, Text: p.echo[pi], Logprobs: newLegacyLogprobs()}
-					ch.Logprobs.addPrompt(p, b.Vocab, p.prompts[pi], ev.Prompt, p.top)
+					offsets[ch.Index] = ch.Logprobs.addPrompt(p, b.Vocab, p.prompts[pi], ev.Prompt, p.top)
 					sendCompletion(ch)
 				}
 			case scheduler.EventToken:

@@ -290,6 +290,8 @@ type Vocab interface {
 	IsEOG(t Token) bool
 	// AddBOS reports whether the model expects BOS at the start of a prompt.
 	AddBOS() bool
+	// FIM is the model's fill-in-the-middle tokens (code models).
+	FIM() FIMTokens
 
 	// Tokenize splits text; addSpecial adds BOS (and EOS) as the model wants, and
 	// parseSpecial turns control-token text such as "<|im_start|>" into those tokens.
@@ -305,6 +307,26 @@ type Vocab interface {
 	// has none), ending with the assistant's turn opened when addAssistant is set.
 	ApplyChatTemplate(msgs []ChatMessage, addAssistant bool) (string, error)
 }
+
+// FIMTokens are a code model's fill-in-the-middle control tokens, NoToken
+// where it has none: Pre, Suf and Mid lay out code before and after a gap and
+// ask for the middle; Rep and Sep (Qwen2.5-Coder's repo name and file
+// separator) put other files of the repository first; Pad fills.
+type FIMTokens struct {
+	Pre, Suf, Mid, Pad, Rep, Sep Token
+}
+
+// NoToken stands for a token a model does not have.
+const NoToken Token = -1
+
+// Infill reports whether the model can fill a gap (it has Pre, Suf and Mid).
+func (f FIMTokens) Infill() bool { return f.Pre != NoToken && f.Suf != NoToken && f.Mid != NoToken }
+
+// Repo reports whether the model takes other files of the repository first.
+func (f FIMTokens) Repo() bool { return f.Rep != NoToken && f.Sep != NoToken }
+
+// NoFIM is the FIMTokens of a model without any.
+var NoFIM = FIMTokens{NoToken, NoToken, NoToken, NoToken, NoToken, NoToken}
 
 // ChatMessage is one turn for ApplyChatTemplate.
 type ChatMessage struct {

@@ -195,6 +195,11 @@ Call one in this form, one key and value per argument:
 {%- endfor %}
 {%- if add_generation_prompt %}<|assistant|>{% endif %}`
 
+// FIMTokens are Qwen2.5-Coder's fill-in-the-middle control tokens (prefix,
+// suffix, middle, pad, repository name, file separator), which llama.cpp finds
+// by their text: a model generated with them can serve /infill and suffix.
+var FIMTokens = []string{"<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
+
 // MistralTokens are the control tokens of Mistral's templates, for models
 // generated with MistralToolsTemplate or MistralListToolsTemplate.
 var MistralTokens = []string{"[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",

@@ -349,13 +349,15 @@ func (s *Scheduler) enqueue(q *seq) {
 // an embedding, which is pooled over its whole prompt in one pass (a cached
 // prefix would leave the pooling only the tail); for a prompt being scored, the
 // tokens whose following token is scored already (a cached token has no
-// logits).
+// logits), and the next, which the pool always leaves to compute (its row
+// scores the one after it): cut one shorter, a resume would not take back its
+// last block computed, which would stay kept for it past the cache budget.
 func (s *Scheduler) cachedPrompt(q *seq) []int32 {
 	switch {
 	case q.g.req.Embed:
 		return nil
 	case q.scoring():
-		return toInt32(q.tokens[:len(q.scores)])
+		return toInt32(q.tokens[:min(len(q.scores)+1, len(q.tokens))])
 	}
 	return toInt32(q.tokens)
 }

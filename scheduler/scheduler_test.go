@@ -1205,3 +1205,47 @@ func TestPromptLogprobs(t *testing.T) {
 		t.Fatal("expected preemptions with a small pool")
 	}
 }
+
+// TestScoredPromptResumesFromItsBlocks: a prompt being scored, preempted with
+// its computed tokens on a block boundary, takes back every block it computed
+// and scored, as an unscored prompt does: it computes each token once, and
+// keeps nothing past the cache budget.
+func TestScoredPromptResumesFromItsBlocks(t *testing.T) {
+	for _, score := range []bool{false, true} {
+		cfg := DefaultConfig()
+		cfg.MaxBatchTokens, cfg.MaxRunning = 32, 8
+		s, err := New(cfg, enginetest.New(4096, 16, 512), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		st, err := s.Submit(ctx, &Request{Prompt: prompt(3, 100), MaxTokens: 1, PromptLogprobs: score})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.takeInbox()
+		s.step(ctx)
+		s.step(ctx)
+		q := s.running[0]
+		if q.computed() != 64 {
+			t.Fatalf("computed %d, want 64 after two steps of 32", q.computed())
+		}
+		s.preempt(q)
+		s.step(ctx)
+		if q.kv.Cached() != 64 {
+			t.Fatalf("score=%v: resumed with %d of its 64 computed tokens", score, q.kv.Cached())
+		}
+		for i := 0; i < 20 && len(s.running)+len(s.queue) > 0; i++ {
+			s.step(ctx)
+		}
+		if r := collect(ctx, st, 1); r.err != nil || score && len(r.prompt) != 99 {
+			t.Fatalf("score=%v: %v, %d scores", score, r.err, len(r.prompt))
+		}
+		if s.stats.ComputedTokens != 100 {
+			t.Fatalf("score=%v: %d tokens computed for a prompt of 100", score, s.stats.ComputedTokens)
+		}
+		if l := s.pool.Stats(); l.Cached > l.CacheBudget {
+			t.Fatalf("score=%v: %d blocks cached over a budget of %d", score, l.Cached, l.CacheBudget)
+		}
+	}
+}

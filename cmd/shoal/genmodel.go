@@ -22,6 +22,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	out := fs.String("out", "", "output GGUF path (required)")
 	seed := fs.Uint64("seed", 0, "weight seed (0: the preset's)")
 	tools := fs.String("tools", "", "write a chat template that shows tools in a model's own call format: hermes (Hermes/Qwen <tool_call> tags), qwen3-coder (Qwen3-Coder/Qwen 3.5 XML calls), llama3 (Llama 3's bare JSON calls), glm (GLM 4.5-4.7's <arg_key>/<arg_value> calls), mistral ([TOOL_CALLS]name[ARGS]{...}) or mistral-list ([TOOL_CALLS][{...}]); default: plain ChatML")
+	fim := fs.Bool("fim", false, "add Qwen2.5-Coder's fill-in-the-middle control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>, ...): the model serves /infill and suffix")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -52,6 +53,9 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 		spec.ChatTemplate, spec.ControlTokens = models.MistralListToolsTemplate, models.MistralTokens
 	default:
 		return fmt.Errorf("--tools %q: want hermes, qwen3-coder, llama3, glm, mistral or mistral-list", *tools)
+	}
+	if *fim {
+		spec.ControlTokens = append(slices.Clip(spec.ControlTokens), models.FIMTokens...)
 	}
 	if err := models.Generate(*out, spec); err != nil {
 		return err

@@ -47,7 +47,7 @@ type BatchStats struct {
 
 func New(cells, seqs, batch int) *Fake {
 	return &Fake{
-		vocab: Vocab{n: 64},
+		vocab: Vocab{n: 64, fim: engine.NoFIM},
 		cap:   engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixReuse: true, PrefixSharing: true},
 	}
 }
@@ -265,13 +265,21 @@ func (f *Fake) Batches() []BatchStats {
 }
 
 // Vocab: token t >= 3 is the letter 'a'+(t-3)%26; 2 is EOS.
-type Vocab struct{ n int }
+type Vocab struct {
+	n   int
+	fim engine.FIMTokens
+}
 
 func (v Vocab) Size() int                 { return v.n }
 func (v Vocab) BOS() engine.Token         { return 1 }
 func (v Vocab) EOS() engine.Token         { return 2 }
 func (v Vocab) IsEOG(t engine.Token) bool { return t == 2 }
 func (v Vocab) AddBOS() bool              { return true }
+func (v Vocab) FIM() engine.FIMTokens     { return v.fim }
+
+// SetFIM gives the fake's vocabulary fill-in-the-middle tokens (by default it
+// has none). Call it before handing out Vocab.
+func (f *Fake) SetFIM(t engine.FIMTokens) { f.vocab.fim = t }
 func (v Vocab) Tokenize(s string, addSpecial, _ bool) ([]engine.Token, error) {
 	var out []engine.Token
 	if addSpecial {

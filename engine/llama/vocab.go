@@ -106,6 +106,20 @@ func (v *Vocab) IsEOG(t engine.Token) bool {
 // AddBOS reports whether prompts start with BOS.
 func (v *Vocab) AddBOS() bool { return bool(C.llama_vocab_get_add_bos(v.v)) }
 
+// FIM returns the fill-in-the-middle tokens llama.cpp found: from the GGUF's
+// tokenizer.ggml.fim_*_token_id, else by their text (<|fim_prefix|>, <PRE>,
+// <fim-prefix>, ...). LLAMA_TOKEN_NULL is -1, engine.NoToken.
+func (v *Vocab) FIM() engine.FIMTokens {
+	return engine.FIMTokens{
+		Pre: engine.Token(C.llama_vocab_fim_pre(v.v)),
+		Suf: engine.Token(C.llama_vocab_fim_suf(v.v)),
+		Mid: engine.Token(C.llama_vocab_fim_mid(v.v)),
+		Pad: engine.Token(C.llama_vocab_fim_pad(v.v)),
+		Rep: engine.Token(C.llama_vocab_fim_rep(v.v)),
+		Sep: engine.Token(C.llama_vocab_fim_sep(v.v)),
+	}
+}
+
 func (v *Vocab) valid(t engine.Token) bool { return t >= 0 && int(t) < v.n }
 
 // Tokenize splits text into tokens.

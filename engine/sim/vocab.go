@@ -14,6 +14,7 @@ func (v vocab) BOS() engine.Token         { return 1 }
 func (v vocab) EOS() engine.Token         { return 2 }
 func (v vocab) IsEOG(t engine.Token) bool { return t == 2 }
 func (v vocab) AddBOS() bool              { return true }
+func (v vocab) FIM() engine.FIMTokens     { return engine.NoFIM }
 
 func (v vocab) Tokenize(s string, addSpecial, _ bool) ([]engine.Token, error) {
 	out := make([]engine.Token, 0, len(s)+1)

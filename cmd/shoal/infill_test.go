@@ -1,0 +1,90 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/openai/openai-go/v3"
+)
+
+// TestInfill: a model generated with Qwen2.5-Coder's FIM tokens (gen-model
+// --fim) serves llama-server's /infill, whole and streamed, and the OpenAI
+// SDK's suffix, laid out with those tokens; the plain model refuses both.
+func TestInfill(t *testing.T) {
+	var out, errb bytes.Buffer
+	path := filepath.Join(t.TempDir(), "fim.gguf")
+	if code := run([]string{"gen-model", "--preset", "small", "--fim", "--out", path}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --fim: %d %s", code, errb.String())
+	}
+	n := startNode(t, "--model", path)
+	const body = `{"input_prefix":"def add(a, b):\n","input_suffix":"\n\nprint(add(1, 2))\n","input_extra":[{"filename":"util.py","text":"import math\n"}],"n_predict":8,"temperature":0,"seed":1`
+	var whole struct {
+		Content         string `json:"content"`
+		Stop            bool   `json:"stop"`
+		StopType        string `json:"stop_type"`
+		TokensPredicted int    `json:"tokens_predicted"`
+		TokensEvaluated int    `json:"tokens_evaluated"`
+		Timings         struct {
+			PromptN    int     `json:"prompt_n"`
+			PredictedN int     `json:"predicted_n"`
+			PromptMS   float64 `json:"prompt_ms"`
+		} `json:"timings"`
+	}
+	resp, b := post(t, n.url+"/infill", body+`}`)
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &whole) != nil || !whole.Stop || whole.TokensPredicted == 0 || whole.Timings.PromptN == 0 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	// The prompt holds the FIM tokens as control tokens, each one token.
+	resp, b = post(t, n.url+"/tokenize", `{"prompt":"<|fim_prefix|><|fim_suffix|><|fim_middle|><|repo_name|><|file_sep|>","add_special_tokens":false}`)
+	if resp.StatusCode != 200 || !strings.Contains(b, `"count":5`) {
+		t.Fatalf("FIM tokens: %s", b)
+	}
+	resp, b = post(t, n.url+"/infill", body+`,"stream":true}`)
+	var streamed strings.Builder
+	for _, line := range strings.Split(b, "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok {
+			continue
+		}
+		var ev struct {
+			Content string `json:"content"`
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			t.Fatalf("%v: %s", err, data)
+		}
+		streamed.WriteString(ev.Content)
+	}
+	if resp.StatusCode != 200 || streamed.String() != whole.Content {
+		t.Fatalf("streamed %q, whole %q", streamed.String(), whole.Content)
+	}
+
+	c := n.client("")
+	r, err := c.Completions.New(context.Background(), openai.CompletionNewParams{
+		Model:     "fim",
+		Prompt:    openai.CompletionNewParamsPromptUnion{OfString: openai.String("def add(a, b):\n")},
+		Suffix:    openai.String("\n\nprint(add(1, 2))\n"),
+		MaxTokens: openai.Int(4),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// BOS, FIM_PRE, the prefix, FIM_SUF, the suffix, FIM_MID: more than the prefix alone.
+	resp, b = post(t, n.url+"/tokenize", `{"prompt":"def add(a, b):\n"}`)
+	var tok struct {
+		Count int `json:"count"`
+	}
+	if json.Unmarshal([]byte(b), &tok) != nil || int(r.Usage.PromptTokens) < tok.Count+4 {
+		t.Fatalf("suffix: %d prompt tokens, the prefix alone %d", r.Usage.PromptTokens, tok.Count)
+	}
+
+	plain := startNode(t, "--model", smallModel(t))
+	for path, body := range map[string]string{"/infill": `{"input_prefix":"a"}`, "/v1/completions": `{"prompt":"a","suffix":"b"}`} {
+		if resp, b := post(t, plain.url+path, body); resp.StatusCode != 400 || !strings.Contains(b, "fill-in-the-middle") {
+			t.Errorf("%s on a model without FIM tokens: %d %s", path, resp.StatusCode, b)
+		}
+	}
+}
