@@ -89,6 +89,11 @@ func streamFailure(c *gin.Context) func(peer string) string {
 		return func(peer string) string {
 			return event("error", gin.H{"type": "error", "code": "peer_failed", "message": "peer " + peer + " failed mid-stream", "param": nil})
 		}
+	case c.Request.URL.Path == "/infill": // llama-server's streams end without [DONE]
+		return func(peer string) string {
+			b, _ := json.Marshal((&Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peer_failed", Message: "peer " + peer + " failed mid-stream"}).body())
+			return "data: " + string(b) + "\n\n"
+		}
 	}
 	return nil
 }

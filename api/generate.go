@@ -662,15 +662,18 @@ func (s *Server) completions(c *gin.Context) {
 		return
 	}
 	// A suffix asks for the text between the prompt and it: a code model's
-	// fill-in-the-middle (llama-server's /infill layout), where the model has
-	// the tokens for it.
-	infill := req.Suffix != nil && b.Vocab.FIM().Infill()
-	if req.Suffix != nil && *req.Suffix != "" && !infill {
+	// fill-in-the-middle, laid out as /infill lays out a prefix and a suffix.
+	// An empty one is no suffix.
+	fill := req.Suffix != nil && *req.Suffix != ""
+	switch {
+	case fill && !b.Vocab.FIM().Infill():
 		abort(c, invalid("suffix", "suffix needs a code model with fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID); this model has none"))
 		return
-	}
-	if infill && len(req.Prompt.Tokens) > 0 {
+	case fill && len(req.Prompt.Tokens) > 0:
 		abort(c, invalid("suffix", "suffix needs the prompt as text: token ids are laid out as given"))
+		return
+	case fill && req.Echo:
+		abort(c, invalid("echo", "echo is not supported with suffix"))
 		return
 	}
 	if req.Logprobs != nil {
@@ -686,8 +689,11 @@ func (s *Server) completions(c *gin.Context) {
 	}
 	for i, t := range req.Prompt.Texts {
 		toks, err := b.Vocab.Tokenize(t, true, true)
-		if infill {
-			toks, err = infillPrompt(b.Vocab, nil, t, *req.Suffix, "")
+		if fill {
+			var in *infill
+			if in, err = newInfill(b.Vocab, nil, t, *req.Suffix, "", false); err == nil {
+				toks = in.tokens()
+			}
 		}
 		if err != nil {
 			abort(c, err)

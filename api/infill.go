@@ -1,8 +1,9 @@
 package api
 
 import (
-	"fmt"
+	"encoding/json"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,73 +31,114 @@ const (
 	infillFileName = "filename"
 )
 
-// infillPrompt lays out a fill-in-the-middle prompt, prefix-suffix-middle as
-// llama-server's /infill does: BOS where the model wants one; the other files
-// of the repository, if any, after the model's repository and file-separator
-// tokens (Qwen2.5-Coder's repo-level layout) or, without them, each after a
-// line naming it; then FIM_PRE prefix FIM_SUF suffix FIM_MID, and the start of
-// the middle if given. Text is tokenized as text: control tokens written in
-// the code stay text. It fails for a model without FIM tokens.
-func infillPrompt(v engine.Vocab, extra []InfillChunk, prefix, suffix, middle string) ([]engine.Token, error) {
+// infill is a fill-in-the-middle prompt in parts, tokenized, before it is laid
+// out (infillPrompt).
+type infill struct {
+	fim            engine.FIMTokens
+	bos            []engine.Token
+	head           []engine.Token   // the repository's name, after FIM_REP
+	files          [][]engine.Token // each other file, its name first
+	tail           []engine.Token   // the file being edited's name, before FIM_PRE
+	prefix, suffix []engine.Token   // the prefix ends with the request's prompt
+}
+
+// newInfill tokenizes a fill-in-the-middle request's parts. Text is tokenized
+// as text (control tokens written in the code stay text), and what follows a
+// control token without the space a SentencePiece vocabulary puts before a
+// text's first word (CodeLlama's reference encodes its suffix so); the prefix
+// keeps it, as there. repo writes the repository layout where the model has
+// its tokens (llama-server's /infill); without it, only the other files given
+// are written, each after a line naming it.
+func newInfill(v engine.Vocab, extra []InfillChunk, prefix, suffix, prompt string, repo bool) (*infill, error) {
 	fim := v.FIM()
 	if !fim.Infill() {
-		return nil, fmt.Errorf("this model has no fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID): it is not a code infill model")
+		return nil, invalid("", "this model has no fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID): it is not a code infill model")
 	}
-	var out []engine.Token
+	in := &infill{fim: fim}
 	if v.AddBOS() {
-		out = append(out, v.BOS())
+		in.bos = []engine.Token{v.BOS()}
 	}
-	text := func(s string) error {
-		if s == "" {
+	var err error
+	text := func(s string, space bool) []engine.Token {
+		if s == "" || err != nil {
 			return nil
 		}
-		t, err := v.Tokenize(s, false, false)
-		out = append(out, t...)
-		return err
+		var t []engine.Token
+		if t, err = v.Tokenize(s, false, false); err != nil || space {
+			return t
+		}
+		// Without the dummy space: tokenized after a newline, whose tokens are
+		// then dropped (where they stay apart from the text's).
+		nl, nerr := v.Tokenize("\n", false, false)
+		both, berr := v.Tokenize("\n"+s, false, false)
+		if nerr == nil && berr == nil && len(both) > len(nl) && slices.Equal(both[:len(nl)], nl) {
+			return both[len(nl):]
+		}
+		return t
 	}
-	if len(extra) > 0 {
-		if fim.Repo() {
-			out = append(out, fim.Rep)
-			if err := text(infillRepoName + "\n"); err != nil {
-				return nil, err
-			}
+	sep := fim.Sep != engine.NoToken
+	if repo && fim.Rep != engine.NoToken {
+		in.head = append([]engine.Token{fim.Rep}, text(infillRepoName+"\n", false)...)
+	}
+	for _, ch := range extra {
+		name := ch.Filename
+		if name == "" {
+			name = "tmp"
 		}
-		for _, ch := range extra {
-			name := ch.Filename
-			if name == "" {
-				name = "tmp"
-			}
-			if fim.Repo() {
-				out = append(out, fim.Sep)
-				if err := text(name + "\n" + ch.Text); err != nil {
-					return nil, err
-				}
-				continue
-			}
-			if err := text("\n\n--- " + name + " ---\n\n" + ch.Text); err != nil {
-				return nil, err
-			}
-		}
-		if fim.Repo() {
-			out = append(out, fim.Sep)
-			if err := text(infillFileName + "\n"); err != nil {
-				return nil, err
-			}
+		if sep {
+			in.files = append(in.files, append([]engine.Token{fim.Sep}, text(name+"\n"+ch.Text, false)...))
+		} else {
+			in.files = append(in.files, text("\n\n--- "+name+" ---\n\n"+ch.Text, len(in.files) == 0 && len(in.head) == 0))
 		}
 	}
-	out = append(out, fim.Pre)
-	if err := text(prefix); err != nil {
-		return nil, err
+	if sep && (repo || len(extra) > 0) {
+		in.tail = append([]engine.Token{fim.Sep}, text(infillFileName+"\n", false)...)
 	}
-	out = append(out, fim.Suf)
-	if err := text(suffix); err != nil {
-		return nil, err
+	in.prefix = text(prefix+prompt, true) // the prompt is the cursor's line so far
+	in.suffix = text(suffix, false)
+	return in, err
+}
+
+// fit shortens in to at most budget tokens, as llama-server fits an infill
+// request: the other files go first, the oldest (first given) first, then the
+// prefix loses its start and the suffix its end, in a 3:1 share of what is
+// left. It reports whether anything was cut.
+func (in *infill) fit(budget int) bool {
+	fixed := len(in.bos) + len(in.head) + len(in.tail) + 3
+	files := 0
+	for _, f := range in.files {
+		files += len(f)
 	}
-	out = append(out, fim.Mid)
-	if err := text(middle); err != nil {
-		return nil, err
+	if fixed+files+len(in.prefix)+len(in.suffix) <= budget {
+		return false
 	}
-	return out, nil
+	avail := max(budget-fixed, 0)
+	suf := min(len(in.suffix), avail/4)
+	pre := min(len(in.prefix), avail-suf)
+	suf = min(len(in.suffix), avail-pre)
+	in.prefix, in.suffix = in.prefix[len(in.prefix)-pre:], in.suffix[:suf]
+	left := avail - pre - suf
+	keep := len(in.files)
+	for keep > 0 && len(in.files[keep-1]) <= left {
+		left -= len(in.files[keep-1])
+		keep--
+	}
+	in.files = in.files[keep:]
+	return true
+}
+
+// tokens lays in out, prefix-suffix-middle as llama-server's /infill does:
+// BOS; the repository's name, the other files and the edited file's name;
+// FIM_PRE prefix FIM_SUF suffix FIM_MID. (BOS comes first, where
+// llama-server writes it after the other files.)
+func (in *infill) tokens() []engine.Token {
+	out := slices.Concat(in.bos, in.head)
+	for _, f := range in.files {
+		out = append(out, f...)
+	}
+	out = append(out, in.tail...)
+	out = append(append(append(out, in.fim.Pre), in.prefix...), in.fim.Suf)
+	return append(append(out, in.suffix...), in.fim.Mid)
 }
 
 // InfillRequest is the body of POST /infill, llama-server's fill-in-the-middle
@@ -116,6 +158,9 @@ type InfillRequest struct {
 	RepeatPenalty *float64      `json:"repeat_penalty"`
 	NIndent       int           `json:"n_indent"`
 	TMaxPredictMS int           `json:"t_max_predict_ms"`
+	// ResponseFields answers only these fields, nested ones named by their path
+	// ("timings/prompt_n"), as llama-server's (llama.vim asks so).
+	ResponseFields []string `json:"response_fields"`
 }
 
 // InfillResponse is llama-server's answer to /infill, and each event of its
@@ -145,11 +190,18 @@ type InfillTimings struct {
 }
 
 // infillPlan holds an /infill request's two ways of ending a code completion
-// early (infillCut).
+// early (infillCut), and how to answer.
 type infillPlan struct {
 	indent     int
 	maxPredict time.Duration
+	truncated  bool     // the request was cut to fit the context
+	fields     []string // response_fields
 }
+
+// infillReserve is the room an /infill prompt leaves in the context for the
+// completion when n_predict gives none (and the most it leaves when it does:
+// half the context).
+const infillReserve = 256
 
 func (s *Server) infill(c *gin.Context) {
 	var req InfillRequest
@@ -203,13 +255,27 @@ func (s *Server) infill(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	toks, err := infillPrompt(b.Vocab, req.InputExtra, req.InputPrefix, req.InputSuffix, req.Prompt)
+	if p.promptScores {
+		abort(c, invalid("prompt_logprobs", "/infill does not answer prompt_logprobs"))
+		return
+	}
+	in, err := newInfill(b.Vocab, req.InputExtra, req.InputPrefix, req.InputSuffix, req.Prompt, true)
 	if err != nil {
 		abort(c, err)
 		return
 	}
-	p.prompts, p.warm = [][]engine.Token{toks}, warm
-	p.infill = &infillPlan{indent: req.NIndent, maxPredict: time.Duration(req.TMaxPredictMS) * time.Millisecond}
+	// Cut to fit, as llama-server: the request is an editor's view around the
+	// cursor, not a text to keep whole. The context ends the completion
+	// (n_predict is a most, as there), so none is refused for its length.
+	ctx := b.Generator.MaxContext()
+	reserve := min(infillReserve, ctx/4)
+	if maxTokens != nil {
+		reserve = min(*maxTokens, ctx/2)
+	}
+	truncated := in.fit(ctx - reserve)
+	p.prompts, p.warm, p.maxTokensAsked = [][]engine.Token{in.tokens()}, warm, false
+	p.infill = &infillPlan{indent: req.NIndent, maxPredict: time.Duration(req.TMaxPredictMS) * time.Millisecond,
+		truncated: truncated, fields: req.ResponseFields}
 	s.routeOrRun(c, b, &p, forwarded)
 }
 
@@ -247,14 +313,20 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
-			text, stop := cut.add(ev.Text, ev.At.Sub(first))
-			if stop {
+			text, how := cut.add(ev.Text, ev.At.Sub(first))
+			switch how {
+			case cutIndent: // what the scheduler holds comes after the cut
 				sub.stream.Stop(ev.Index)
+			case cutTime: // and here before it
+				sub.stream.Cut(ev.Index)
 			}
 			emit(text)
 		case scheduler.EventFinish:
 			fin = ev
-			text, _ := cut.add(ev.Text, 0)
+			text := ev.Text // held back by the scheduler until a time cut
+			if !cut.timeUp {
+				text, _ = cut.add(ev.Text, 0)
+			}
 			emit(text + cut.end())
 		}
 	})
@@ -282,13 +354,46 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		t.PredictedMS = ms(last.Sub(first))
 	}
 	t.PromptPerSecond, t.PredictedPerSecond = perSecond(t.PromptN, t.PromptMS), perSecond(t.PredictedN, t.PredictedMS)
-	r.Timings = &t
+	r.Timings, r.Truncated = &t, p.infill.truncated
 	if w != nil {
 		r.Content = ""
-		w.data(r)
+	}
+	var out any = r
+	if len(p.infill.fields) > 0 {
+		out = selectFields(r, p.infill.fields)
+	}
+	if w != nil {
+		w.data(out)
 		return
 	}
-	c.JSON(http.StatusOK, r)
+	c.JSON(http.StatusOK, out)
+}
+
+// selectFields is v as JSON with only the fields at paths, each under its path
+// ("timings/prompt_n" for a nested one), as llama-server answers
+// response_fields; a path v lacks is left out.
+func selectFields(v any, paths []string) map[string]any {
+	var all map[string]any
+	b, _ := json.Marshal(v)
+	_ = json.Unmarshal(b, &all)
+	out := map[string]any{}
+	for _, path := range paths {
+		var at any = all
+		for _, k := range strings.Split(path, "/") {
+			m, ok := at.(map[string]any)
+			if !ok {
+				at = nil
+				break
+			}
+			if at, ok = m[k]; !ok {
+				break
+			}
+		}
+		if at != nil {
+			out[path] = at
+		}
+	}
+	return out
 }
 
 func ms(d time.Duration) float64 { return float64(max(d, 0).Microseconds()) / 1000 }
@@ -312,13 +417,23 @@ type infillCut struct {
 	deciding bool            // after a line break, before the line's first other character
 	broken   bool            // a line break was written
 	stopped  bool
+	timeUp   bool // stopped by maxPredict
 }
 
+// cutKind is why infillCut.add stopped a completion.
+type cutKind uint8
+
+const (
+	cutNone   cutKind = iota
+	cutIndent         // a line indented less than n_indent
+	cutTime           // t_max_predict_ms passed
+)
+
 // add takes a token's text, generated elapsed after the first token, and
-// returns what of it to pass on, and whether the completion stops here.
-func (f *infillCut) add(text string, elapsed time.Duration) (out string, stop bool) {
+// returns what of it to pass on, and whether and why the completion stops here.
+func (f *infillCut) add(text string, elapsed time.Duration) (out string, stop cutKind) {
 	if f.stopped {
-		return "", false
+		return "", cutNone
 	}
 	var b strings.Builder
 	for _, r := range text {
@@ -336,7 +451,7 @@ func (f *infillCut) add(text string, elapsed time.Duration) (out string, stop bo
 			if f.held.Len() < f.indent {
 				f.stopped = true
 				f.held.Reset()
-				return b.String(), true
+				return b.String(), cutIndent
 			}
 			b.WriteString(f.held.String())
 			f.held.Reset()
@@ -348,11 +463,12 @@ func (f *infillCut) add(text string, elapsed time.Duration) (out string, stop bo
 		}
 	}
 	if f.maxPredict > 0 && f.broken && elapsed > f.maxPredict {
-		f.stopped = true
+		f.stopped, f.timeUp = true, true
+		b.WriteString(f.held.String())
 		f.held.Reset()
-		return b.String(), true
+		return b.String(), cutTime
 	}
-	return b.String(), false
+	return b.String(), cutNone
 }
 
 // end is the text held at the completion's natural end: the spaces of a last

@@ -17,7 +17,7 @@ var fimFake = engine.FIMTokens{Pre: 60, Suf: 61, Mid: 62, Pad: 63, Rep: engine.N
 
 func TestInfillPrompt(t *testing.T) {
 	f := enginetest.New(256, 4, 64)
-	if _, err := infillPrompt(f.Vocab(), nil, "a", "b", ""); err == nil {
+	if _, err := newInfill(f.Vocab(), nil, "a", "b", "", true); err == nil {
 		t.Fatal("a vocabulary without FIM tokens laid out an infill prompt")
 	}
 	tok := func(s string) []engine.Token { toks, _ := f.Vocab().Tokenize(s, false, false); return toks }
@@ -34,29 +34,46 @@ func TestInfillPrompt(t *testing.T) {
 		return out
 	}
 	f.SetFIM(fimFake)
-	v := f.Vocab()
 	extra := []InfillChunk{{Filename: "a.go", Text: "x"}, {Text: "y"}}
+	repo := fimFake
+	repo.Rep, repo.Sep = 58, 59
 	for _, c := range []struct {
 		name  string
 		fim   engine.FIMTokens
 		extra []InfillChunk
+		repo  bool
 		want  []engine.Token
 	}{
-		{"plain", fimFake, nil, cat(engine.Token(1), fimFake.Pre, "pre", fimFake.Suf, "suf", fimFake.Mid, "mid")},
-		{"extra as text", fimFake, extra, cat(engine.Token(1), "\n\n--- a.go ---\n\nx", "\n\n--- tmp ---\n\ny", fimFake.Pre, "pre", fimFake.Suf, "suf", fimFake.Mid, "mid")},
+		// The request's prompt (the cursor's line so far) ends the prefix, as llama-server lays it out.
+		{"plain", fimFake, nil, true, cat(engine.Token(1), fimFake.Pre, "premid", fimFake.Suf, "suf", fimFake.Mid)},
+		{"files as text", fimFake, extra, true, cat(engine.Token(1), "\n\n--- a.go ---\n\nx", "\n\n--- tmp ---\n\ny", fimFake.Pre, "premid", fimFake.Suf, "suf", fimFake.Mid)},
+		{"repository", repo, extra, true, cat(engine.Token(1), repo.Rep, infillRepoName+"\n", repo.Sep, "a.go\nx", repo.Sep, "tmp\ny", repo.Sep, infillFileName+"\n", repo.Pre, "premid", repo.Suf, "suf", repo.Mid)},
+		{"repository without files", repo, nil, true, cat(engine.Token(1), repo.Rep, infillRepoName+"\n", repo.Sep, infillFileName+"\n", repo.Pre, "premid", repo.Suf, "suf", repo.Mid)},
+		{"suffix (no repository)", repo, nil, false, cat(engine.Token(1), repo.Pre, "premid", repo.Suf, "suf", repo.Mid)},
 	} {
-		got, err := infillPrompt(v, c.extra, "pre", "suf", "mid")
-		if err != nil || !slices.Equal(got, c.want) {
+		f.SetFIM(c.fim)
+		in, err := newInfill(f.Vocab(), c.extra, "pre", "suf", "mid", c.repo)
+		if got := in.tokens(); err != nil || !slices.Equal(got, c.want) {
 			t.Fatalf("%s: %v %v, want %v", c.name, got, err, c.want)
 		}
 	}
-	repo := fimFake
-	repo.Rep, repo.Sep = 58, 59
-	f.SetFIM(repo)
-	got, _ := infillPrompt(f.Vocab(), extra, "pre", "", "")
-	want := cat(engine.Token(1), repo.Rep, infillRepoName+"\n", repo.Sep, "a.go\nx", repo.Sep, "tmp\ny", repo.Sep, infillFileName+"\n", repo.Pre, "pre", repo.Suf, repo.Mid)
-	if !slices.Equal(got, want) {
-		t.Fatalf("repository layout %v, want %v", got, want)
+
+	// Fitting: the oldest files go first, then the prefix's start and the
+	// suffix's end, 3:1.
+	f.SetFIM(fimFake)
+	files := []InfillChunk{{Filename: "old", Text: strings.Repeat("o", 40)}, {Filename: "new", Text: strings.Repeat("n", 40)}}
+	in, _ := newInfill(f.Vocab(), files, strings.Repeat("p", 100), strings.Repeat("s", 100), "", true)
+	whole := len(in.tokens())
+	if in.fit(whole) || len(in.tokens()) != whole {
+		t.Fatal("a prompt that fits was cut")
+	}
+	in.fit(whole - 30) // the oldest file (49 tokens) goes
+	if got := in.tokens(); len(got) > whole-30 || len(in.files) != 1 || len(in.prefix) != 100 || len(in.suffix) != 100 {
+		t.Fatalf("fit to %d: %d tokens, %d files, prefix %d, suffix %d", whole-30, len(got), len(in.files), len(in.prefix), len(in.suffix))
+	}
+	in.fit(1 + 3 + 80) // BOS and the three FIM tokens, 80 more
+	if len(in.files) != 0 || len(in.prefix) != 60 || len(in.suffix) != 20 || in.prefix[0] != tok("p")[0] {
+		t.Fatalf("fit to 84: %d files, prefix %d, suffix %d", len(in.files), len(in.prefix), len(in.suffix))
 	}
 }
 
@@ -68,18 +85,20 @@ func TestInfillCut(t *testing.T) {
 		late   int // tokens from this one on come after maxPredict (0: none)
 		want   string
 		stop   int // the token that stops it (-1: none)
+		how    cutKind
 	}{
-		{"no options", infillPlan{}, []string{"a\n", "b\n", "c"}, 0, "a\nb\nc", -1},
-		{"indented enough", infillPlan{indent: 4}, []string{"x = 1\n", "    y", " = 2\n", "    \n", "\tz"}, 0, "x = 1\n    y = 2\n    \n", 4},
-		{"first line free", infillPlan{indent: 4}, []string{"x", "\n  ", "  ", "ok\n  ", "bad"}, 0, "x\n    ok\n", 4},
-		{"blank lines pass", infillPlan{indent: 2}, []string{"a\n\n", "  \n", "  b"}, 0, "a\n\n  \n  b", -1},
-		{"cut mid-token", infillPlan{indent: 2}, []string{"a\n  b\nc d"}, 0, "a\n  b\n", 0},
-		{"time without a line break", infillPlan{maxPredict: time.Millisecond}, []string{"a", "b", "c"}, 1, "abc", -1},
-		{"time after a line break", infillPlan{maxPredict: time.Millisecond}, []string{"a", "b\n", "c", "d"}, 2, "ab\nc", 2},
+		{"no options", infillPlan{}, []string{"a\n", "b\n", "c"}, 0, "a\nb\nc", -1, cutNone},
+		{"indented enough", infillPlan{indent: 4}, []string{"x = 1\n", "    y", " = 2\n", "    \n", "\tz"}, 0, "x = 1\n    y = 2\n    \n", 4, cutIndent},
+		{"first line free", infillPlan{indent: 4}, []string{"x", "\n  ", "  ", "ok\n  ", "bad"}, 0, "x\n    ok\n", 4, cutIndent},
+		{"blank lines pass", infillPlan{indent: 2}, []string{"a\n\n", "  \n", "  b"}, 0, "a\n\n  \n  b", -1, cutNone},
+		{"cut mid-token", infillPlan{indent: 2}, []string{"a\n  b\nc d"}, 0, "a\n  b\n", 0, cutIndent},
+		{"time without a line break", infillPlan{maxPredict: time.Millisecond}, []string{"a", "b", "c"}, 1, "abc", -1, cutNone},
+		{"time after a line break", infillPlan{maxPredict: time.Millisecond}, []string{"a", "b\n", "c", "d"}, 2, "ab\nc", 2, cutTime},
+		{"time keeps a line's start", infillPlan{indent: 4, maxPredict: time.Millisecond}, []string{"a\n", "  "}, 1, "a\n  ", 1, cutTime},
 	} {
 		f := infillCut{infillPlan: c.plan}
 		var out strings.Builder
-		stopped := -1
+		stopped, how := -1, cutNone
 		for i, tok := range c.tokens {
 			elapsed := time.Duration(0)
 			if c.late > 0 && i >= c.late {
@@ -87,13 +106,13 @@ func TestInfillCut(t *testing.T) {
 			}
 			text, stop := f.add(tok, elapsed)
 			out.WriteString(text)
-			if stop && stopped < 0 {
-				stopped = i
+			if stop != cutNone && stopped < 0 {
+				stopped, how = i, stop
 			}
 		}
 		out.WriteString(f.end())
-		if out.String() != c.want || stopped != c.stop {
-			t.Errorf("%s: %q stopped at %d, want %q at %d", c.name, out.String(), stopped, c.want, c.stop)
+		if out.String() != c.want || stopped != c.stop || how != c.how {
+			t.Errorf("%s: %q stopped at %d (%d), want %q at %d (%d)", c.name, out.String(), stopped, how, c.want, c.stop, c.how)
 		}
 	}
 }
@@ -122,7 +141,8 @@ func TestInfillEndpoint(t *testing.T) {
 	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || w.Code != 200 {
 		t.Fatalf("%d %v: %s", w.Code, err, w.Body)
 	}
-	want, _ := infillPrompt(s.fake.Vocab(), []InfillChunk{{Filename: "u.py", Text: "import os"}}, "def f():\n", "\nf()\n", "ret")
+	in, _ := newInfill(s.fake.Vocab(), []InfillChunk{{Filename: "u.py", Text: "import os"}}, "def f():\n", "\nf()\n", "ret", true)
+	want := in.tokens()
 	if !whole.Stop || whole.StopType != "limit" || whole.TokensPredicted != 6 || whole.TokensEvaluated != len(want) || whole.Model != "fake" ||
 		whole.Timings == nil || whole.Timings.PredictedN != 6 || whole.Timings.PromptN != len(want) || len(whole.Content) == 0 {
 		t.Fatalf("whole: %s", w.Body)
@@ -151,11 +171,26 @@ func TestInfillEndpoint(t *testing.T) {
 	// The completions suffix: the same layout, without other files.
 	w = s.do(t, "POST", "/v1/completions", `{"prompt":"def f():\n","suffix":"\nf()\n","max_tokens":3,"temperature":0}`)
 	var cr CompletionResponse
-	want, _ = infillPrompt(s.fake.Vocab(), nil, "def f():\n", "\nf()\n", "")
+	in, _ = newInfill(s.fake.Vocab(), nil, "def f():\n", "\nf()\n", "", false)
+	want = in.tokens()
 	if err := json.Unmarshal(w.Body.Bytes(), &cr); err != nil || w.Code != 200 || cr.Usage.PromptTokens != len(want) {
 		t.Fatalf("suffix: %d %s (want %d prompt tokens)", w.Code, w.Body, len(want))
 	}
+	// An editor's view larger than the context is cut to fit, as llama-server
+	// fits it, and says so; n_predict past the context is a most.
+	big := fmt.Sprintf(`{"input_prefix":%q,"input_suffix":%q,"input_extra":[{"filename":"a","text":%q}],"n_predict":3000,"response_fields":["content","truncated","timings/prompt_n","nope/x"]}`,
+		strings.Repeat("p", 3000), strings.Repeat("s", 3000), strings.Repeat("x", 3000))
+	w = s.do(t, "POST", "/infill", big)
+	var fields map[string]any
+	if err := json.Unmarshal(w.Body.Bytes(), &fields); err != nil || w.Code != 200 || fields["truncated"] != true || len(fields) != 3 || fields["timings/prompt_n"].(float64) > 4096-2048 {
+		t.Fatalf("a view over the context: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":[[1,5]],"suffix":"","max_tokens":2}`); w.Code != 200 {
+		t.Fatalf("an empty suffix with token ids: %d %s", w.Code, w.Body)
+	}
 	for _, c := range []struct{ body, param string }{
+		{`{"prompt":"a","suffix":"b","echo":true}`, "echo"},
+		{`{"input_prefix":"x","prompt_logprobs":1}`, "prompt_logprobs"},
 		{`{"input_prefix":"x","n":2}`, "n"},
 		{`{"input_prefix":"x","n_indent":-1}`, "n_indent"},
 		{`{"input_prefix":"x","t_max_predict_ms":-5}`, "t_max_predict_ms"},
@@ -164,7 +199,7 @@ func TestInfillEndpoint(t *testing.T) {
 		{`{"prompt":[1,2],"suffix":"x"}`, "suffix"},
 	} {
 		path := "/infill"
-		if strings.Contains(c.body, "suffix") {
+		if strings.Contains(c.body, `"prompt"`) {
 			path = "/v1/completions"
 		}
 		if w := s.do(t, "POST", path, c.body); w.Code != 400 || !strings.Contains(w.Body.String(), `"param":"`+c.param+`"`) {

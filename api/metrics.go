@@ -80,6 +80,8 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		counter("vllm:prompt_tokens_total", "Prompt tokens of requests whose prompt was computed (prefix-cache hits included, as vLLM).", func(l scheduler.Load) float64 { return float64(l.PromptTokens) }),
 		counter("shoal_prompt_tokens_computed_total", "Prompt tokens computed (prefix-cache hits excluded; preempted sequences' recomputes included).", func(l scheduler.Load) float64 { return float64(l.ComputedTokens) }),
 		counter("vllm:generation_tokens_total", "Tokens generated.", func(l scheduler.Load) float64 { return float64(l.GeneratedTokens) }),
+		counter("vllm:spec_decode_num_draft_tokens_total", "Tokens proposed by speculative decoding (n-gram lookup, --spec-tokens).", func(l scheduler.Load) float64 { return float64(l.SpecProposed) }),
+		counter("vllm:spec_decode_num_accepted_tokens_total", "Proposed tokens the model drew the same (each saved a step).", func(l scheduler.Load) float64 { return float64(l.SpecAccepted) }),
 		counter("shoal_preemptions_total", "Sequences preempted for KV space (resumed by recompute).", func(l scheduler.Load) float64 { return float64(l.Preemptions) }),
 		counter("shoal_scheduler_steps_total", "Forward passes run by the scheduler.", func(l scheduler.Load) float64 { return float64(l.Steps) }),
 		gauge("shoal_kv_blocks_cached", "Unreferenced KV blocks kept for prefix reuse.", func(l scheduler.Load) float64 { return float64(l.KVBlocksCached) }),

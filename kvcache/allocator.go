@@ -18,6 +18,10 @@ type Allocator interface {
 	// tokens: what is still cached of them is its own, not a cache hit.
 	Resume(tokens []int32) (*Seq, []Op, error)
 	Grow(s *Seq, toks []int32) ([]Op, error)
+	// Trim takes back s's positions from n on, accounted by Grow and not
+	// committed since (draft tokens the model turned down): their blocks are
+	// freed, and the ops remove their cells.
+	Trim(s *Seq, n int) ([]Op, error)
 	Commit(s *Seq)
 	Release(s *Seq) []Op
 	// Suspend ends a preempted sequence that will Resume.

@@ -474,6 +474,34 @@ func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	return ops, nil
 }
 
+// Trim takes back s's positions from n on (Allocator.Trim).
+func (p *Pool) Trim(s *Seq, n int) ([]Op, error) {
+	if err := s.checkTrim(n); err != nil {
+		return nil, err
+	}
+	if n == s.len {
+		return nil, nil
+	}
+	keep := p.blocksFor(n)
+	for _, b := range s.blocks[keep:] {
+		*b = block{id: b.id} // uncommitted: private to s
+		p.free = append(p.free, b.id)
+	}
+	s.blocks = s.blocks[:keep]
+	s.tail = s.tail[:len(s.tail)-(s.len-n)]
+	s.len = n
+	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(n), P1: -1}}, nil
+}
+
+// checkTrim refuses a trim of s to n that would take back positions of its
+// sealed blocks (hashed, perhaps shared) or add some.
+func (s *Seq) checkTrim(n int) error {
+	if n > s.len || n < s.len-len(s.tail) {
+		return fmt.Errorf("kvcache: trim sequence %d of %d positions (%d in sealed blocks) to %d", s.ID, s.len, s.len-len(s.tail), n)
+	}
+	return nil
+}
+
 // Commit marks every position of s accounted so far as computed by the engine: full
 // blocks among them are hashed and indexed, so other sequences may copy them. Call it
 // after each successful decode of s's tokens, never before (a copy of cells the engine

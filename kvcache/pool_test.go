@@ -252,14 +252,15 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 				continue
 			}
 			compute(p.Start, prompt)
-		case 2: // generate tokens
+		case 2: // generate tokens, and drafts after them that are turned down
 			if len(live) == 0 {
 				continue
 			}
 			r := live[int(next())%len(live)]
 			n := int(next())%20 + 1
+			drafts := int(next()) % 8
 			var toks []int32
-			for i := range n {
+			for i := range n + drafts {
 				toks = append(toks, int32(50000+i))
 			}
 			from := r.seq.Len()
@@ -272,6 +273,14 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			}
 			sim.apply(t, ops)
 			sim.decode(t, r.seq.ID, from, r.seq.Len())
+			ops, err = p.Trim(r.seq, from+n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			if r.seq.Len() != from+n {
+				t.Fatalf("trimmed to %d, want %d", r.seq.Len(), from+n)
+			}
 			p.Commit(r.seq)
 		case 3: // finish
 			if len(live) == 0 {
@@ -599,5 +608,45 @@ func TestConfigValidate(t *testing.T) {
 		if _, err := New(c); err == nil {
 			t.Errorf("%+v: want error", c)
 		}
+	}
+}
+
+// TestTrim: Trim takes back uncommitted positions only, frees the blocks they
+// alone used, and removes their cells.
+func TestTrim(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens = 64, 4, 4
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim := newSim(cfg.Cells)
+	s := computeSeq(t, p, sim, seqPrompt(1, 10)) // 2 sealed blocks, 2 positions in the third
+	free := len(p.free)
+	ops, err := p.Grow(s, seqPrompt(100, 7)) // to 17: blocks 3 and 4 too
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim.apply(t, ops)
+	sim.decode(t, s.ID, 10, 17)
+	if len(p.free) != free-2 {
+		t.Fatalf("free %d after growing into two blocks, want %d", len(p.free), free-2)
+	}
+	ops, err = p.Trim(s, 11)
+	if err != nil || len(ops) != 1 || ops[0] != (Op{Kind: OpRemove, Seq: s.ID, P0: 11, P1: -1}) {
+		t.Fatalf("trim ops %v %v", ops, err)
+	}
+	sim.apply(t, ops)
+	if s.Len() != 11 || len(s.blocks) != 3 || len(p.free) != free || len(sim.positions(s.ID)) != 11 {
+		t.Fatalf("after trimming to 11: len %d, %d blocks, free %d (want %d), %d cells", s.Len(), len(s.blocks), len(p.free), free, len(sim.positions(s.ID)))
+	}
+	checkInvariants(t, p, sim, []*running{{seq: s}})
+	for _, n := range []int{12, 7} { // more than it has; into a sealed block
+		if _, err := p.Trim(s, n); err == nil {
+			t.Fatalf("trim to %d of 11 (8 sealed) accepted", n)
+		}
+	}
+	if ops, err := p.Trim(s, 8); err != nil || len(ops) != 1 {
+		t.Fatalf("trim to the sealed boundary: %v %v", ops, err)
 	}
 }

@@ -248,6 +248,19 @@ func (p *SplitPool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	return nil, nil
 }
 
+// Trim takes back s's positions from n on (Allocator.Trim).
+func (p *SplitPool) Trim(s *Seq, n int) ([]Op, error) {
+	if err := s.checkTrim(n); err != nil {
+		return nil, err
+	}
+	if n == s.len {
+		return nil, nil
+	}
+	s.tail = s.tail[:len(s.tail)-(s.len-n)]
+	s.len = n
+	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(n), P1: -1}}, nil
+}
+
 // Commit hashes and indexes s's computed full blocks.
 func (p *SplitPool) Commit(s *Seq) {
 	B := p.cfg.BlockTokens

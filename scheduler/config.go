@@ -54,7 +54,40 @@ type Config struct {
 	// milliseconds at temperature > 0, so one goroutine caps a large batch); 0:
 	// GOMAXPROCS, 1: every row on the scheduler's goroutine.
 	SampleWorkers int
+	// Spec is speculative decoding by n-gram lookup; off by default.
+	Spec SpecConfig
 }
+
+// SpecConfig configures speculative decoding by n-gram lookup (vLLM's "ngram"
+// method, prompt lookup decoding): a decoding sequence whose last tokens
+// appeared earlier in its prompt or output proposes the tokens that followed
+// them there, and one forward pass checks them all. Each token is still drawn
+// from the model's own distribution, in turn, with the same draws: the output
+// is the one without proposals (up to the last bits of the logits, which differ
+// between batch shapes), only sooner when proposals are right, as when a model
+// repeats code or text from its prompt.
+type SpecConfig struct {
+	// Tokens is the most tokens proposed per sequence and step (vLLM's
+	// num_speculative_tokens); 0: off.
+	Tokens int
+	// NgramMax and NgramMin bound the tail matched, longest first (vLLM's
+	// prompt_lookup_max and prompt_lookup_min).
+	NgramMax, NgramMin int
+	// MaxRunning: no proposals while more sequences than this decode; a full
+	// batch has no time to spare for rows that may be thrown away.
+	MaxRunning int
+}
+
+// Spec defaults, as vLLM's examples set prompt lookup.
+const (
+	DefaultSpecNgramMax   = 4
+	DefaultSpecNgramMin   = 2
+	DefaultSpecMaxRunning = 16
+	// MaxSpecTokens bounds SpecConfig.Tokens.
+	MaxSpecTokens = 32
+	// specWindow bounds how far back a proposal is looked for.
+	specWindow = 8192
+)
 
 // DefaultConfig returns the defaults above with prefix caching on.
 func DefaultConfig() Config {
@@ -64,6 +97,7 @@ func DefaultConfig() Config {
 		MaxWaiting:       DefaultMaxWaiting,
 		DefaultMaxTokens: DefaultMaxTokens,
 		KV:               kvcache.DefaultConfig(),
+		Spec:             SpecConfig{NgramMax: DefaultSpecNgramMax, NgramMin: DefaultSpecNgramMin, MaxRunning: DefaultSpecMaxRunning},
 	}
 }
 
@@ -84,6 +118,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("scheduler: sample workers %d must not be negative", c.SampleWorkers)
 	case c.MaxBatchTokens < c.MaxRunning:
 		return fmt.Errorf("scheduler: max batch tokens %d cannot hold a decode row for each of %d running sequences", c.MaxBatchTokens, c.MaxRunning)
+	case c.Spec.Tokens < 0 || c.Spec.Tokens > MaxSpecTokens:
+		return fmt.Errorf("scheduler: speculative tokens %d must be in [0, %d]", c.Spec.Tokens, MaxSpecTokens)
+	case c.Spec.Tokens > 0 && (c.Spec.NgramMin < 1 || c.Spec.NgramMax < c.Spec.NgramMin):
+		return fmt.Errorf("scheduler: speculative n-gram sizes %d..%d: want 1 <= min <= max", c.Spec.NgramMin, c.Spec.NgramMax)
+	case c.Spec.MaxRunning < 0:
+		return fmt.Errorf("scheduler: speculative max running %d must not be negative", c.Spec.MaxRunning)
 	}
 	return c.KV.ValidatePolicy()
 }

@@ -48,9 +48,12 @@ type Load struct {
 	PromptTokens    uint64 // prompt tokens of requests whose prompt was computed, cached ones included
 	ComputedTokens  uint64 // prompt tokens computed (cache hits excluded; recomputes included)
 	GeneratedTokens uint64
-	Preemptions     uint64
-	CacheGeneration uint64
-	UpdatedAt       time.Time
+	// SpecProposed and SpecAccepted count the tokens speculative decoding
+	// proposed and the model drew the same (Config.Spec).
+	SpecProposed, SpecAccepted uint64
+	Preemptions                uint64
+	CacheGeneration            uint64
+	UpdatedAt                  time.Time
 }
 
 // Scheduler runs continuous batching over one engine. Submit and Load may be called
@@ -83,6 +86,7 @@ type Scheduler struct {
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
 	decodeRows       int            // rows of this step that decode a generated token
+	draftTokens      int            // rows of this step that check a proposed token
 	eog              []engine.Token // the vocabulary's end tokens, once listed (endTokens)
 	ended            int            // sequences that left the running batch since the last step
 	endedAny         bool           // one has: the finish rate is measured, not predicted
@@ -135,6 +139,11 @@ type seq struct {
 	// scored: they were sent.
 	scores []engine.TokenScore
 	scored bool
+	// draft holds the tokens proposed this step after its decode row
+	// (Config.Spec), at batch rows draftRows and positions from draftAt on.
+	draft     []engine.Token
+	draftRows []int
+	draftAt   int
 }
 
 // scoring reports whether q still computes scores of its prompt's tokens.
@@ -338,6 +347,7 @@ func (s *Scheduler) takeInbox() {
 
 func (s *Scheduler) enqueue(q *seq) {
 	q.sampleRow, q.decoding = -1, false // a row of a batch it is no longer in
+	q.draft, q.draftRows = nil, nil
 	// What it will cost to prefill, given the cache now: the queue-wait estimate that
 	// routers read counts this, not the whole prompt.
 	q.uncached = len(q.tokens) - s.pool.CachedPrefix(s.cachedPrompt(q))
@@ -371,7 +381,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.dropCancelled()
 	s.batch.Reset()
 	s.rows = s.rows[:0]
-	s.decodeRows = 0
+	s.decodeRows, s.draftTokens = 0, 0
 	s.building = true
 	for _, q := range s.running {
 		q.sampleRow, q.decoding = -1, false
@@ -449,6 +459,8 @@ func (s *Scheduler) step(ctx context.Context) {
 			s.addRows(q, len(q.tokens)-1, len(q.tokens))
 		}
 	}
+	// 4. Proposals, from what the budget has left (Config.Spec).
+	s.propose()
 	s.building = false
 	if s.batch.Len() == 0 {
 		if len(s.running) == 0 && len(s.queue) > 0 {
@@ -498,6 +510,106 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 		}
 	}
 	return false
+}
+
+// propose adds to the batch, after the decode rows of sequences decoding, the
+// tokens that followed their last tokens where those appeared before in their
+// prompt or output (Config.Spec), as far as the step's budget allows and the
+// pool has room without preempting anyone. takeDrafts checks them.
+func (s *Scheduler) propose() {
+	sp := s.cfg.Spec
+	if sp.Tokens == 0 || s.decodeRows > sp.MaxRunning {
+		return
+	}
+	for _, q := range s.running {
+		if s.budget() == 0 {
+			return
+		}
+		if !q.running || !q.decoding || q.sampleRow < 0 {
+			continue
+		}
+		// The decode row yields one token; proposals may add up to the rest.
+		room := min(sp.Tokens, s.budget(), q.maxNew-q.gen-1, s.MaxContext()-len(q.tokens)-1)
+		if room < 1 {
+			continue
+		}
+		d := proposal(q.tokens, room, sp.NgramMax, sp.NgramMin)
+		if len(d) == 0 {
+			continue
+		}
+		ops, err := s.pool.Grow(q.kv, toInt32(d))
+		if err != nil {
+			continue // no room now: no proposals, no preemption for them
+		}
+		if err := s.apply(ops); err != nil {
+			s.failAll(fmt.Errorf("apply KV ops: %w", err))
+			return
+		}
+		q.draft, q.draftRows, q.draftAt = d, q.draftRows[:0], len(q.tokens)
+		for j, t := range d {
+			q.draftRows = append(q.draftRows, s.batch.Len())
+			s.batch.Add(t, engine.Pos(len(q.tokens)+j), engine.SeqID(q.kv.ID), true)
+			s.rows = append(s.rows, nil)
+		}
+		s.draftTokens += len(d)
+		s.stats.SpecProposed += uint64(len(d))
+	}
+}
+
+// proposal returns up to k tokens that followed, in toks, the latest earlier
+// occurrence of its last n tokens, for n from nmax down to nmin (within the last
+// specWindow tokens), or nil.
+func proposal(toks []engine.Token, k, nmax, nmin int) []engine.Token {
+	L := len(toks)
+	lo := max(0, L-specWindow)
+	for n := min(nmax, L-1); n >= nmin; n-- {
+		tail := toks[L-n:]
+		for i := L - n - 1; i >= lo; i-- {
+			if toks[i+n-1] == tail[n-1] && slices.Equal(toks[i:i+n], tail) {
+				return slices.Clone(toks[i+n : min(i+n+k, L)])
+			}
+		}
+	}
+	return nil
+}
+
+// takeDrafts checks q's proposals against the model, in turn: first is the
+// token its decode row drew; while it equals the next proposal, that
+// proposal's row (computed with it) draws the token after it, from the model's
+// distribution as any draw. The first that differs is the model's own next
+// token, and the proposals after it are trimmed from the KV cache, which is
+// committed then.
+func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
+	draft, rows := q.draft, q.draftRows
+	q.draft = nil
+	accepted, tok := 0, first
+	for j, d := range draft {
+		if !q.running || q.done || tok != d {
+			break
+		}
+		accepted++
+		var out engine.Sampled
+		var serr error
+		if err := s.eng.Logits(rows[j], func(l []float32) { out, serr = q.sampler.Sample(l) }); err != nil {
+			serr = err
+		}
+		s.emitSampled(q, out, serr)
+		tok = out.Token
+	}
+	s.stats.SpecAccepted += uint64(accepted)
+	if q.kv == nil {
+		return // it ended: its KV is released
+	}
+	ops, err := s.pool.Trim(q.kv, q.draftAt+accepted)
+	if err == nil {
+		err = s.apply(ops)
+	}
+	if err != nil {
+		s.fail(q.g, fmt.Errorf("trim proposals: %w", err))
+		return
+	}
+	s.pool.Commit(q.kv)
+	q.committed = q.computed()
 }
 
 // maxPassedOver bounds how many waiting requests (each waiting for a prefix in
@@ -729,7 +841,7 @@ func (s *Scheduler) decode(ctx context.Context) {
 		}
 	}
 	decodeTokens := s.decodeRows
-	prefillTokens := s.batch.Len() - decodeTokens
+	prefillTokens := s.batch.Len() - decodeTokens - s.draftTokens
 	s.stats.Steps++
 	s.stats.ComputedTokens += uint64(prefillTokens)
 	if prefillTokens >= minRateTokens && prefillTokens >= prefillDominates*decodeTokens {
@@ -737,9 +849,10 @@ func (s *Scheduler) decode(ctx context.Context) {
 	}
 	s.stats.DecodeTokensPS = s.decodePS.add(decodeTokens, elapsed)
 
-	// The batch's cells now exist: make its full blocks shareable.
+	// The batch's cells now exist: make its full blocks shareable. Those of a
+	// sequence with proposals wait until they are checked (takeDrafts).
 	for _, q := range s.running {
-		if s.inBatch(q) {
+		if s.inBatch(q) && q.draft == nil {
 			s.pool.Commit(q.kv)
 			q.committed = q.computed()
 		}
@@ -917,6 +1030,9 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 	for i, q := range qs {
 		if q.running && !q.done { // an earlier failure of its group ended it
 			s.emitSampled(q, res[i].out, res[i].err)
+			if q.draft != nil {
+				s.takeDrafts(q, res[i].out.Token)
+			}
 		}
 	}
 }
@@ -1217,8 +1333,8 @@ func (s *Scheduler) dropCancelled() {
 			s.cancel(g, err)
 		} else if !g.req.Deadline.IsZero() && now.After(g.req.Deadline) {
 			s.cancel(g, context.DeadlineExceeded)
-		} else if g.stream.stopped(q.index) {
-			s.end(q, FinishStop)
+		} else if reason, ok := g.stream.stopped(q.index); ok {
+			s.end(q, reason)
 		}
 	}
 	for _, q := range slices.Concat(s.running, s.queue) {
@@ -1246,7 +1362,11 @@ func (s *Scheduler) end(q *seq, reason FinishReason) {
 	} else if q.kv == nil {
 		s.waiting.Add(-1) // waiting for its fork
 	}
-	s.finish(q, Event{Finish: reason})
+	ev := Event{Finish: reason}
+	if reason == FinishLength {
+		ev.Text = q.held + q.detok.Flush() // cut at a limit: what was held back is output
+	}
+	s.finish(q, ev)
 }
 
 func (s *Scheduler) publish() {

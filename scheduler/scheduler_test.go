@@ -1249,3 +1249,136 @@ func TestScoredPromptResumesFromItsBlocks(t *testing.T) {
 		}
 	}
 }
+
+// TestSpeculativeEqualsPlain: with proposals (Config.Spec) every request says
+// exactly what it says without them, greedy or sampled with a seed, alone,
+// beside others, preempted, or ended by EOS, a stop string or max_tokens
+// amid accepted proposals; on a model that repeats itself most proposals are
+// taken, no batch passes the budget, and nothing is left in the pool.
+func TestSpeculativeEqualsPlain(t *testing.T) {
+	reqs := mixedRequests(16)
+	for i, r := range reqs {
+		r.MaxTokens = 20 + i*5
+		switch i % 4 {
+		case 1:
+			r.Sampling = sample.Params{Temperature: 3, Seed: uint64(i)} // many proposals turned down
+		case 2:
+			r.Stop = []string{"ab"}
+		case 3:
+			r.N = 2
+			r.Sampling = sample.Params{Temperature: 1, Seed: uint64(i), Logprobs: true}
+		}
+	}
+	run := func(cells, batch int, spec int, eos int) ([]result, Load, *enginetest.Fake) {
+		f := enginetest.New(cells, 64, 512)
+		f.Period, f.EOSAt = 7, eos
+		s, _ := startScheduler(t, f, func(c *Config) {
+			c.MaxBatchTokens = batch
+			c.Spec.Tokens = spec
+		})
+		got := runConcurrently(t, s, reqs)
+		deadline := time.Now().Add(5 * time.Second)
+		for l := s.Load(); l.KVBlocksUsed != 0 || l.Running != 0; l = s.Load() {
+			if time.Now().After(deadline) {
+				t.Fatalf("spec %d: %d blocks used, %d running after every request ended", spec, l.KVBlocksUsed, l.Running)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		return got, s.Load(), f
+	}
+	for _, c := range []struct {
+		name         string
+		cells, batch int
+		eos          int
+	}{{"roomy", 4096, 128, 0}, {"preempted", 600, 128, 0}, {"eos", 4096, 64, 60}} {
+		want, _, _ := run(c.cells, c.batch, 0, c.eos)
+		got, l, f := run(c.cells, c.batch, 5, c.eos)
+		for i := range reqs {
+			for j := range max(reqs[i].N, 1) {
+				if got[i].err != nil || !slices.Equal(got[i].tokens[j], want[i].tokens[j]) || got[i].text[j] != want[i].text[j] || got[i].finish[j] != want[i].finish[j] {
+					t.Fatalf("%s: request %d choice %d: %v %q %v (%v), want %v %q %v", c.name, i, j, got[i].tokens[j], got[i].text[j], got[i].finish[j], got[i].err, want[i].tokens[j], want[i].text[j], want[i].finish[j])
+				}
+			}
+			if got[i].usage.CompletionTokens != want[i].usage.CompletionTokens {
+				t.Fatalf("%s: request %d: usage %+v, want %+v", c.name, i, got[i].usage, want[i].usage)
+			}
+		}
+		if l.SpecProposed == 0 || l.SpecAccepted*2 < l.SpecProposed {
+			t.Fatalf("%s: %d of %d proposals taken on a model that repeats itself", c.name, l.SpecAccepted, l.SpecProposed)
+		}
+		for i, b := range f.Batches() {
+			if b.Rows > c.batch {
+				t.Fatalf("%s: batch %d has %d rows, budget %d", c.name, i, b.Rows, c.batch)
+			}
+		}
+		t.Logf("%s: %d of %d proposals taken, %d preemptions", c.name, l.SpecAccepted, l.SpecProposed, l.Preemptions)
+	}
+}
+
+func TestProposal(t *testing.T) {
+	tk := func(xs ...int) []engine.Token {
+		out := make([]engine.Token, len(xs))
+		for i, x := range xs {
+			out[i] = engine.Token(x)
+		}
+		return out
+	}
+	for _, c := range []struct {
+		toks       []engine.Token
+		k, nmax, n int
+		want       []engine.Token
+	}{
+		{tk(1, 2, 3, 4, 5, 1, 2, 3), 3, 3, 1, tk(4, 5, 1)}, // the longest tail
+		{tk(1, 2, 3, 9, 2, 3, 7, 2, 3), 2, 3, 2, tk(7, 2)}, // the latest occurrence
+		{tk(5, 6, 7, 8, 6, 7), 5, 3, 2, tk(8, 6, 7)},       // up to the end
+		{tk(1, 2, 3, 4), 3, 3, 1, nil},                     // no repeat
+		{tk(4, 4, 4, 4), 2, 2, 2, tk(4)},                   // overlapping, cut by the end
+		{tk(1, 2, 9, 2), 3, 3, 2, nil},                     // only a 1-gram repeats
+		{tk(1, 2, 9, 2), 3, 3, 1, tk(9, 2)},
+	} {
+		if got := proposal(c.toks, c.k, c.nmax, c.n); !slices.Equal(got, c.want) {
+			t.Errorf("proposal(%v, k=%d, n=%d..%d) = %v, want %v", c.toks, c.k, c.n, c.nmax, got, c.want)
+		}
+	}
+}
+
+// TestCutPassesHeldText: a reader's Cut ends a choice as max_tokens would, and
+// the text held back as the possible start of a stop string comes with the
+// finish; Stop drops it, as a stop string would.
+func TestCutPassesHeldText(t *testing.T) {
+	p := prompt(5, 20)
+	ref := solo(t, []*Request{{Prompt: p, MaxTokens: 8}})[0].text[0]
+	for _, cut := range []bool{true, false} {
+		cfg := DefaultConfig()
+		cfg.MaxBatchTokens, cfg.MaxRunning = 64, 4
+		s, err := New(cfg, enginetest.New(4096, 8, 512), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		// The stop string begins with the text's 4th and 5th characters and
+		// goes on otherwise: those two are held back once generated.
+		st, err := s.Submit(ctx, &Request{Prompt: p, MaxTokens: 8, Stop: []string{ref[3:5] + "@"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.takeInbox()
+		for range 5 { // five tokens, the first with the prompt
+			s.step(ctx)
+		}
+		if cut {
+			st.Cut(0)
+		} else {
+			st.Stop(0)
+		}
+		s.step(ctx)
+		r := collect(ctx, st, 1)
+		want, reason := ref[:5], FinishLength
+		if !cut {
+			want, reason = ref[:3], FinishStop
+		}
+		if r.err != nil || r.text[0] != want || r.finish[0] != reason {
+			t.Fatalf("cut %v: %q %s (%v), want %q %s", cut, r.text[0], r.finish[0], r.err, want, reason)
+		}
+	}
+}

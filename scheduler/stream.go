@@ -80,9 +80,10 @@ type Stream struct {
 	closed bool
 	notify chan struct{} // capacity 1: "something changed"
 	done   chan struct{} // closed after the final event was appended
-	// stop holds the choices the reader asked to end (Stop); stopAsked says
-	// whether there are any, so that the scheduler's check costs one load.
-	stop      map[int]bool
+	// stop holds the choices the reader asked to end (Stop, Cut) and how;
+	// stopAsked says whether there are any, so that the scheduler's check costs
+	// one load.
+	stop      map[int]FinishReason
 	stopAsked atomic.Bool
 	wake      func() // the scheduler's, to act on Stop while it waits
 }
@@ -95,12 +96,22 @@ func newStream(wake func()) *Stream {
 // (FinishStop, its KV freed) within one step: for a reader that matches stop
 // strings in text the scheduler does not see, such as an answer inside JSON.
 // Its finish event follows as usual; a choice that has ended is unaffected.
-func (s *Stream) Stop(index int) {
+func (s *Stream) Stop(index int) { s.end(index, FinishStop) }
+
+// Cut asks the scheduler to end choice index as max_tokens would
+// (FinishLength) within one step: the text it held back (the possible start of
+// a stop string, a character's first bytes) comes with the finish, for a
+// reader that ends a choice at a limit of its own, such as a time.
+func (s *Stream) Cut(index int) { s.end(index, FinishLength) }
+
+func (s *Stream) end(index int, reason FinishReason) {
 	s.mu.Lock()
 	if s.stop == nil {
-		s.stop = map[int]bool{}
+		s.stop = map[int]FinishReason{}
 	}
-	s.stop[index] = true
+	if _, asked := s.stop[index]; !asked {
+		s.stop[index] = reason
+	}
 	s.mu.Unlock()
 	s.stopAsked.Store(true)
 	if s.wake != nil {
@@ -108,14 +119,15 @@ func (s *Stream) Stop(index int) {
 	}
 }
 
-// stopped reports whether the reader asked to end choice index.
-func (s *Stream) stopped(index int) bool {
+// stopped reports whether the reader asked to end choice index, and how.
+func (s *Stream) stopped(index int) (FinishReason, bool) {
 	if !s.stopAsked.Load() {
-		return false
+		return "", false
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.stop[index]
+	r, ok := s.stop[index]
+	return r, ok
 }
 
 func (s *Stream) push(ev Event) {

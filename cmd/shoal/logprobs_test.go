@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/openai/openai-go/v3"
+
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // TestPromptLogprobs: on the real engine, a greedy continuation scored as a
@@ -106,4 +108,29 @@ func TestPromptLogprobs(t *testing.T) {
 			t.Errorf("greedy token %d has rank %d", i+1-p, e.Rank)
 		}
 	}
+}
+
+// TestSpeculativeFlags: vLLM's --speculative-config sets n-gram speculation
+// (other methods are refused), and a node serving with it counts proposals in
+// vLLM's metrics.
+func TestSpeculativeFlags(t *testing.T) {
+	base := scheduler.DefaultConfig().Spec
+	got, err := parseSpeculativeConfig(`{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}`, base)
+	if err != nil || got.Tokens != 5 || got.NgramMax != 3 || got.NgramMin != base.NgramMin {
+		t.Fatalf("%+v %v", got, err)
+	}
+	for _, bad := range []string{`{"method": "eagle", "num_speculative_tokens": 3}`, `{"method": "ngram"}`, `{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}`, `not json`} {
+		if _, err := parseSpeculativeConfig(bad, base); err == nil {
+			t.Errorf("%s: accepted", bad)
+		}
+	}
+	n := startNode(t, "--model", smallModel(t), "--speculative-config", `{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":1}`)
+	resp, b := post(t, n.url+"/v1/completions", `{"prompt":"a b a b a b a b a b a b","max_tokens":32,"temperature":0,"ignore_eos":true}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if v := n.metric(t, "vllm:spec_decode_num_draft_tokens_total"); v == "" || v == "0" {
+		t.Fatalf("draft tokens metric %q after a repetitive prompt", v)
+	}
+	t.Logf("proposed %s, taken %s", n.metric(t, "vllm:spec_decode_num_draft_tokens_total"), n.metric(t, "vllm:spec_decode_num_accepted_tokens_total"))
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -135,6 +136,8 @@ type serveFlags struct {
 	unified                                                                 *bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens   int
 	maxTokensCap, maxModelLen                                               int
+	spec                                                                    scheduler.SpecConfig
+	specConfig                                                              string
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
@@ -184,6 +187,11 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.defaultMaxTokens, "default-max-tokens", sc.DefaultMaxTokens, "max_tokens when a request gives none; 0: until end-of-generation or a full context, as vLLM")
 	fs.IntVar(&f.maxTokensCap, "max-tokens-cap", ac.MaxTokensCap, "reject requests whose max_tokens exceeds this (0: only the context bounds it)")
 	fs.IntVar(&f.maxModelLen, "max-model-len", sc.MaxModelLen, "longest sequence (prompt plus output) one request may have, as vLLM's (0: the model's trained context; the KV cells one sequence may use cap it too)")
+	fs.IntVar(&f.spec.Tokens, "spec-tokens", 0, "speculative decoding by n-gram lookup: the most tokens a decoding sequence proposes per step from where its last tokens appeared before in its prompt or output, all checked in one pass (0: off); the output is the same, sooner when the model repeats text it has seen")
+	fs.IntVar(&f.spec.NgramMax, "spec-ngram-max", sc.Spec.NgramMax, "with --spec-tokens: the longest tail of tokens looked up")
+	fs.IntVar(&f.spec.NgramMin, "spec-ngram-min", sc.Spec.NgramMin, "with --spec-tokens: the shortest tail of tokens looked up")
+	fs.IntVar(&f.spec.MaxRunning, "spec-max-running", sc.Spec.MaxRunning, "with --spec-tokens: no proposals while more sequences than this decode")
+	fs.StringVar(&f.specConfig, "speculative-config", "", `vLLM's form of --spec-tokens: {"method": "ngram", "num_speculative_tokens": N, "prompt_lookup_max": M, "prompt_lookup_min": m}`)
 	fs.IntVar(&f.blockTokens, "block-tokens", sc.KV.BlockTokens, "KV block size in tokens (prefix-cache granularity)")
 	fs.BoolVar(&f.caching, "prefix-caching", true, "reuse the KV cache of common prompt prefixes")
 	fs.Float64Var(&f.cacheFloor, "prefix-cache-floor", sc.KV.CacheFloor, "with one KV pool: share of the pool (or, when fewer, of the cells whose KV is as large as the model's weights) that cached prefixes nobody is using always keep; beyond it they are kept as far as reuse shows it pays: misses on recently evicted prefixes, first hits on cached ones (1: keep until the pool is full)")
@@ -196,7 +204,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Var(optional[int]{&f.sampling.TopK}, "top-k", "top_k of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.MinP}, "min-p", "min_p of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.RepeatPenalty}, "repeat-penalty", "repetition_penalty of requests that give none (default: the model's recommendation, else off)")
-	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/*, /tokenize, /detokenize and /cluster (repeatable; also SHOAL_API_KEYS=a,b)")
+	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/*, /infill, /tokenize, /detokenize and /cluster (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
 }
@@ -316,6 +324,12 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	sc.KV.BlockTokens, sc.KV.Caching, sc.KV.Seed, sc.KV.Model = f.blockTokens, f.caching, f.hashSeed, name
 	sc.KV.CacheFloor = f.cacheFloor
 	sc.MaxModelLen = f.maxModelLen
+	sc.Spec = f.spec
+	if f.specConfig != "" {
+		if sc.Spec, err = parseSpeculativeConfig(f.specConfig, sc.Spec); err != nil {
+			return err
+		}
+	}
 	if err := sc.Validate(); err != nil {
 		return err
 	}
@@ -663,4 +677,34 @@ func describeDefault[T any](attrs []any, name string, v, flag *T) []any {
 		from = "flag"
 	}
 	return append(attrs, name, fmt.Sprintf("%v (%s)", *v, from))
+}
+
+// parseSpeculativeConfig reads vLLM's --speculative-config over base: its
+// n-gram method only (shoal has no draft models).
+func parseSpeculativeConfig(js string, base scheduler.SpecConfig) (scheduler.SpecConfig, error) {
+	var c struct {
+		Method   string `json:"method"`
+		Tokens   *int   `json:"num_speculative_tokens"`
+		NgramMax *int   `json:"prompt_lookup_max"`
+		NgramMin *int   `json:"prompt_lookup_min"`
+	}
+	dec := json.NewDecoder(strings.NewReader(js))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		return base, fmt.Errorf("--speculative-config: %w (want {\"method\": \"ngram\", \"num_speculative_tokens\": N, \"prompt_lookup_max\": M, \"prompt_lookup_min\": m})", err)
+	}
+	if c.Method != "ngram" {
+		return base, fmt.Errorf("--speculative-config: method %q: only \"ngram\" (prompt lookup) is served; draft models are not", c.Method)
+	}
+	if c.Tokens == nil {
+		return base, fmt.Errorf("--speculative-config: num_speculative_tokens is required")
+	}
+	base.Tokens = *c.Tokens
+	if c.NgramMax != nil {
+		base.NgramMax = *c.NgramMax
+	}
+	if c.NgramMin != nil {
+		base.NgramMin = *c.NgramMin
+	}
+	return base, nil
 }

@@ -20,12 +20,16 @@ import (
 // partial copies between streams), leaving memory untouched, so that a test cannot
 // pass on behaviour the real engine would reject.
 type Fake struct {
-	vocab   Vocab
-	cap     engine.Capacity
-	cells   []*cell
-	logits  map[int][]float32 // output rows of the last decode
-	Delay   time.Duration
-	EOSAt   int // if > 0, EOS once a sequence reaches this length
+	vocab  Vocab
+	cap    engine.Capacity
+	cells  []*cell
+	logits map[int][]float32 // output rows of the last decode
+	Delay  time.Duration
+	EOSAt  int // if > 0, EOS once a sequence reaches this length
+	// Period, if > 0, makes a sequence repeat itself: the token after
+	// position p is the one at p+1-Period (from Period tokens on), as a model
+	// copying text it has seen does.
+	Period  int
 	mu      sync.Mutex
 	batches []BatchStats
 	Failing func(b *engine.Batch) error
@@ -155,6 +159,9 @@ func (f *Fake) next(s engine.SeqID, pos engine.Pos) []float32 {
 	}
 	l := make([]float32, f.vocab.n)
 	next := 3 + int(h.Sum32()%uint32(f.vocab.n-3))
+	if f.Period > 0 && int(pos)+1 >= f.Period {
+		next = int(toks[int(pos)+1-f.Period])
+	}
 	if f.EOSAt > 0 && int(pos)+2 >= f.EOSAt {
 		next = 2
 	}

@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 
@@ -250,5 +251,48 @@ func TestSchedulerSmallPoolCompletesAll(t *testing.T) {
 	t.Logf("preemptions %d, prefix hits %d of %d", l.Preemptions, l.PrefixHits, l.PrefixQueries)
 	if l.Preemptions == 0 {
 		t.Error("expected preemptions with a pool smaller than the requests")
+	}
+}
+
+// TestSchedulerSpeculativeEqualsSolo: with n-gram proposals, every request's
+// greedy output is the one it has alone without them (up to numerical ties:
+// a proposal's row is computed in a batch of another shape), in both KV
+// layouts; proposals are made and some are taken.
+func TestSchedulerSpeculativeEqualsSolo(t *testing.T) {
+	for _, unified := range []bool{true, false} {
+		t.Run(fmt.Sprintf("unified=%v", unified), func(t *testing.T) {
+			e := openTest(t, models.Small(), func(c *Config) {
+				c.ContextCells, c.MaxSeqs, c.BatchTokens, c.Unified = 8192, 16, 512, unified
+				if !unified {
+					c.ContextCells = 512 * 16
+				}
+			})
+			prompts := mixedPrompts(t, e, 12)
+			for i := range 4 { // text that repeats, as code being edited does
+				prompts = append(prompts, tokenize(t, e, strings.Repeat(testPrompts[i]+" ", 6)))
+			}
+			maxTokens := make([]int, len(prompts))
+			for i := range maxTokens {
+				maxTokens[i] = 48 + i%5
+			}
+			tie := tieMargin(t, e)
+			want := soloGreedy(t, e, prompts, maxTokens)
+			s := startSched(t, e, func(c *scheduler.Config) { c.MaxRunning = 16; c.Spec.Tokens = 5 })
+			got := runAll(t, s, prompts, maxTokens)
+			ties := 0
+			for i := range prompts {
+				if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i], tie) {
+					ties++
+				}
+			}
+			if ties > max(2, len(prompts)/8) {
+				t.Fatalf("%d of %d requests diverged at numerical ties", ties, len(prompts))
+			}
+			l := s.Load()
+			if l.SpecProposed == 0 || l.SpecAccepted == 0 {
+				t.Fatalf("%d proposed, %d taken", l.SpecProposed, l.SpecAccepted)
+			}
+			t.Logf("%d of %d proposals taken; %d ties", l.SpecAccepted, l.SpecProposed, ties)
+		})
 	}
 }
