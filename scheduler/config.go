@@ -87,6 +87,9 @@ const (
 	MaxSpecTokens = 32
 	// specWindow bounds how far back a proposal is looked for.
 	specWindow = 8192
+	// specPause is how many steps a sequence whose single proposed token was
+	// turned down proposes nothing.
+	specPause = 16
 )
 
 // DefaultConfig returns the defaults above with prefix caching on.

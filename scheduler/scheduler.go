@@ -144,6 +144,10 @@ type seq struct {
 	draft     []engine.Token
 	draftRows []int
 	draftAt   int
+	// draftMax is how many tokens it proposes next (up to Config.Spec.Tokens):
+	// halved when none of a proposal was taken, doubled when all were; when a
+	// single token is turned down, it proposes nothing for draftPause steps.
+	draftMax, draftPause int
 }
 
 // scoring reports whether q still computes scores of its prompt's tokens.
@@ -528,8 +532,15 @@ func (s *Scheduler) propose() {
 		if !q.running || !q.decoding || q.sampleRow < 0 {
 			continue
 		}
+		if q.draftPause > 0 {
+			q.draftPause--
+			continue
+		}
 		// The decode row yields one token; proposals may add up to the rest.
-		room := min(sp.Tokens, s.budget(), q.maxNew-q.gen-1, s.MaxContext()-len(q.tokens)-1)
+		if q.draftMax == 0 {
+			q.draftMax = sp.Tokens
+		}
+		room := min(q.draftMax, s.budget(), q.maxNew-q.gen-1, s.MaxContext()-len(q.tokens)-1)
 		if room < 1 {
 			continue
 		}
@@ -597,6 +608,14 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		tok = out.Token
 	}
 	s.stats.SpecAccepted += uint64(accepted)
+	switch {
+	case accepted == 0 && q.draftMax <= 1:
+		q.draftPause = specPause // its text does not repeat now: stop checking for a while
+	case accepted == 0: // rows that brought nothing: propose fewer
+		q.draftMax = max(1, q.draftMax/2)
+	case accepted == len(draft):
+		q.draftMax = min(s.cfg.Spec.Tokens, 2*q.draftMax)
+	}
 	if q.kv == nil {
 		return // it ended: its KV is released
 	}

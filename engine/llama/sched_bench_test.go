@@ -360,3 +360,89 @@ func BenchmarkSchedulerPromptScore(b *testing.B) {
 		})
 	}
 }
+
+// specCode is the file BenchmarkSchedulerSpeculative's edit repeats.
+const specCode = `func (p *Pool) Trim(s *Seq, n int) ([]Op, error) {
+	if err := s.checkTrim(n); err != nil {
+		return nil, err
+	}
+	if n == s.len {
+		return nil, nil
+	}
+	keep := p.blocksFor(n)
+	for _, b := range s.blocks[keep:] {
+		*b = block{id: b.id}
+		p.free = append(p.free, b.id)
+	}
+	s.blocks = s.blocks[:keep]
+	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(n), P1: -1}}, nil
+}
+`
+
+// BenchmarkSchedulerSpeculative: greedy decoding of one and of four requests,
+// without and with n-gram proposals (Config.Spec), side by side; output tokens
+// per second of each request's decode, the share of proposals taken, and the
+// tokens each sequence's step yields (what a step costs hardly depends on a
+// few more rows where decoding is memory-bound, as on a GPU: there, this is
+// the speed-up). Two workloads: "edit", whose prompt holds the model's own
+// greedy continuation of its first part, then that first part again, so that
+// it tends to write again what it wrote (the 100m model's weights are random;
+// a real model rewriting code it was shown repeats it so), and "free", the
+// model's own greedy output of a prompt.
+func BenchmarkSchedulerSpeculative(b *testing.B) {
+	path := genModel(b, models.Bench100M())
+	e := openBench(b, path, runtime.NumCPU(), true, 8, 2048)
+	for _, work := range []string{"edit", "free"} {
+		prompt, err := e.Vocab().Tokenize("Here is a function:\n"+specCode+"\nThe same function, unchanged:\n", true, false)
+		if err != nil {
+			b.Fatal(err)
+		}
+		maxTokens := 128
+		if work == "edit" {
+			// The model's own greedy continuation, then the prompt again: what
+			// it wrote once it tends to write again.
+			e.ClearMemory()
+			out := decodeGreedy(b, e, [][]engine.Token{prompt}, 128, false)[0].tokens
+			prompt = slices.Concat(prompt, out, prompt[1:])
+		}
+		for _, n := range []int{1, 4} {
+			for _, spec := range []int{0, 5} {
+				b.Run(fmt.Sprintf("model=100m/%s/batch=%d/spec=%d", work, n, spec), func(b *testing.B) {
+					e.ClearMemory()
+					s := startSched(b, e, func(c *scheduler.Config) {
+						c.MaxRunning, c.MaxBatchTokens, c.KV.Caching, c.Spec.Tokens = 8, 512, false, spec
+					})
+					var tokens int
+					var window time.Duration
+					for b.Loop() {
+						var wg sync.WaitGroup
+						var mu sync.Mutex
+						for i := range n {
+							p := slices.Clone(prompt)
+							p[len(p)-1] = engine.Token(10 + i) // distinct requests
+							wg.Go(func() {
+								ts, _, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: maxTokens, IgnoreEOS: true})
+								if err != nil {
+									b.Error(err)
+									return
+								}
+								mu.Lock()
+								tokens, window = tokens+len(ts)-1, window+ts[len(ts)-1].Sub(ts[0])
+								mu.Unlock()
+							})
+						}
+						wg.Wait()
+					}
+					b.ReportMetric(float64(tokens)/window.Seconds(), "tok/s/request")
+					l := s.Load()
+					if l.SpecProposed > 0 {
+						b.ReportMetric(float64(l.SpecAccepted)/float64(l.SpecProposed), "taken")
+						b.ReportMetric(float64(l.SpecProposed)/float64(tokens), "proposed/tok")
+					}
+					// Each request's tokens over its steps (its first token comes with its prompt).
+					b.ReportMetric(float64(tokens)/float64(tokens-int(l.SpecAccepted)), "tok/step")
+				})
+			}
+		}
+	}
+}
