@@ -18,6 +18,9 @@ type Allocator interface {
 	// tokens: what is still cached of them is its own, not a cache hit.
 	Resume(tokens []int32) (*Seq, []Op, error)
 	Grow(s *Seq, toks []int32) ([]Op, error)
+	// Spare reports whether s can grow by n positions from free cells alone,
+	// evicting no cached block (for speculative rows that may be thrown away).
+	Spare(s *Seq, n int) bool
 	// Trim takes back s's positions from n on, accounted by Grow and not
 	// committed since (draft tokens the model turned down): their blocks are
 	// freed, and the ops remove their cells.

@@ -474,6 +474,11 @@ func (p *Pool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	return ops, nil
 }
 
+// Spare reports whether s can grow by n positions from free blocks alone.
+func (p *Pool) Spare(s *Seq, n int) bool {
+	return p.blocksFor(s.len+n)-len(s.blocks) <= len(p.free)
+}
+
 // Trim takes back s's positions from n on (Allocator.Trim).
 func (p *Pool) Trim(s *Seq, n int) ([]Op, error) {
 	if err := s.checkTrim(n); err != nil {

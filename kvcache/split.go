@@ -248,6 +248,10 @@ func (p *SplitPool) Grow(s *Seq, toks []int32) ([]Op, error) {
 	return nil, nil
 }
 
+// Spare reports whether s's stream has room for n more positions (a stream
+// evicts nothing to grow).
+func (p *SplitPool) Spare(s *Seq, n int) bool { return s.len+n <= p.StreamTokens() }
+
 // Trim takes back s's positions from n on (Allocator.Trim).
 func (p *SplitPool) Trim(s *Seq, n int) ([]Op, error) {
 	if err := s.checkTrim(n); err != nil {

@@ -87,6 +87,8 @@ type Scheduler struct {
 	runCap, capSteps int
 	decodeRows       int            // rows of this step that decode a generated token
 	draftTokens      int            // rows of this step that check a proposed token
+	stepAccepted     int            // proposals of this step the model drew the same
+	specPause        int            // steps without proposals after a batch with them did not fit
 	eog              []engine.Token // the vocabulary's end tokens, once listed (endTokens)
 	ended            int            // sequences that left the running batch since the last step
 	endedAny         bool           // one has: the finish rate is measured, not predicted
@@ -148,6 +150,9 @@ type seq struct {
 	// halved when none of a proposal was taken, doubled when all were; when a
 	// single token is turned down, it proposes nothing for draftPause steps.
 	draftMax, draftPause int
+	// draftOK, while its proposals are checked, is how many of its positions
+	// hold tokens now certain: what finish commits if it ends amid them.
+	draftOK int
 }
 
 // scoring reports whether q still computes scores of its prompt's tokens.
@@ -196,6 +201,15 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	}
 	if !c.PrefixReuse {
 		cfg.KV.Caching = false // every sequence computes its own prompt
+		if cfg.Spec.Tokens > 0 {
+			// Recurrent and hybrid memory cannot be cut back past turned-down
+			// proposals (llama.cpp refuses it), and sliding-window memory
+			// reports the same: no proposals.
+			cfg.Spec.Tokens = 0
+			if log != nil {
+				log.Warn("speculative decoding is off: this model's memory cannot be cut back past turned-down proposals")
+			}
+		}
 	}
 	if cfg.MaxModelLen == 0 {
 		cfg.MaxModelLen = eng.Info().TrainedContext // 0 when unknown: the cells cap it
@@ -385,7 +399,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.dropCancelled()
 	s.batch.Reset()
 	s.rows = s.rows[:0]
-	s.decodeRows, s.draftTokens = 0, 0
+	s.decodeRows, s.draftTokens, s.stepAccepted = 0, 0, 0
 	s.building = true
 	for _, q := range s.running {
 		q.sampleRow, q.decoding = -1, false
@@ -522,6 +536,10 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 // pool has room without preempting anyone. takeDrafts checks them.
 func (s *Scheduler) propose() {
 	sp := s.cfg.Spec
+	if s.specPause > 0 {
+		s.specPause--
+		return
+	}
 	if sp.Tokens == 0 || s.decodeRows > sp.MaxRunning {
 		return
 	}
@@ -548,9 +566,12 @@ func (s *Scheduler) propose() {
 		if len(d) == 0 {
 			continue
 		}
+		if !s.pool.Spare(q.kv, len(d)) {
+			continue // only from free cells: no cached block is evicted, nobody preempted, for them
+		}
 		ops, err := s.pool.Grow(q.kv, toInt32(d))
 		if err != nil {
-			continue // no room now: no proposals, no preemption for them
+			continue
 		}
 		if err := s.apply(ops); err != nil {
 			s.failAll(fmt.Errorf("apply KV ops: %w", err))
@@ -599,6 +620,7 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 			break
 		}
 		accepted++
+		q.draftOK = q.draftAt + accepted
 		var out engine.Sampled
 		var serr error
 		if err := s.eng.Logits(rows[j], func(l []float32) { out, serr = q.sampler.Sample(l) }); err != nil {
@@ -607,7 +629,9 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		s.emitSampled(q, out, serr)
 		tok = out.Token
 	}
+	q.draftOK = 0
 	s.stats.SpecAccepted += uint64(accepted)
+	s.stepAccepted += accepted
 	switch {
 	case accepted == 0 && q.draftMax <= 1:
 		q.draftPause = specPause // its text does not repeat now: stop checking for a while
@@ -805,6 +829,14 @@ func (s *Scheduler) decode(ctx context.Context) {
 	start := time.Now()
 	err := s.eng.Decode(ctx, &s.batch)
 	if err != nil {
+		if errors.Is(err, engine.ErrNoKVSpace) && s.draftTokens > 0 {
+			// The proposals' rows may be what did not fit: the step again
+			// without any, before anyone is failed or the batch made smaller.
+			s.undoBatch()
+			s.specPause = capRecoverSteps
+			s.log.Debug("the engine found no KV cells for a batch with proposals; pausing them", "proposed", s.draftTokens)
+			return
+		}
 		if errors.Is(err, engine.ErrNoKVSpace) {
 			// The engine could not place the batch although the pool had room
 			// (fragmentation). Requeue the batch and run fewer sequences until
@@ -866,7 +898,6 @@ func (s *Scheduler) decode(ctx context.Context) {
 	if prefillTokens >= minRateTokens && prefillTokens >= prefillDominates*decodeTokens {
 		s.stats.PrefillTokensPS = s.prefillPS.add(prefillTokens, elapsed)
 	}
-	s.stats.DecodeTokensPS = s.decodePS.add(decodeTokens, elapsed)
 
 	// The batch's cells now exist: make its full blocks shareable. Those of a
 	// sequence with proposals wait until they are checked (takeDrafts).
@@ -902,6 +933,8 @@ func (s *Scheduler) decode(ctx context.Context) {
 		}
 	}
 	s.sampleRows(sampling)
+	// Tokens generated: a decode row's, and the proposals taken after it.
+	s.stats.DecodeTokensPS = s.decodePS.add(decodeTokens+s.stepAccepted, elapsed)
 	// This step's finishes (and cancellations since the last step) against its time.
 	s.stats.FinishPS = s.finishPS.add(s.ended, elapsed)
 	s.endedAny = s.endedAny || s.ended > 0
@@ -1048,6 +1081,9 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 	})
 	for i, q := range qs {
 		if q.running && !q.done { // an earlier failure of its group ended it
+			if q.draft != nil {
+				q.draftOK = q.draftAt
+			}
 			s.emitSampled(q, res[i].out, res[i].err)
 			if q.draft != nil {
 				s.takeDrafts(q, res[i].out.Token)
@@ -1288,6 +1324,14 @@ func (s *Scheduler) finish(q *seq, ev Event) {
 		s.ended++
 	}
 	s.removeFromRunning(q)
+	if q.kv != nil && q.draftOK > 0 {
+		// Ended amid its proposals: what they verified is computed and
+		// cached as any finished sequence's is.
+		if ops, err := s.pool.Trim(q.kv, q.draftOK); err == nil && s.apply(ops) == nil {
+			s.pool.Commit(q.kv)
+		}
+		q.draftOK = 0
+	}
 	s.release(q, false)
 	if q.sampler != nil {
 		q.sampler.Close()

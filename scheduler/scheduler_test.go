@@ -1382,3 +1382,101 @@ func TestCutPassesHeldText(t *testing.T) {
 		}
 	}
 }
+
+// TestSpeculativeKeepsTheCache: proposals change nothing in the prefix cache.
+// A request ending amid its proposals (max_tokens, EOS) leaves cached what it
+// computed, as without proposals (a follow-up with its prompt and output finds
+// as many tokens cached); and proposals take only free cells, never a cached
+// prefix's.
+func TestSpeculativeKeepsTheCache(t *testing.T) {
+	for _, eos := range []int{0, 61} {
+		for maxTok := 5; maxTok < 40; maxTok += 3 {
+			var cached [2]int
+			for k, spec := range []int{0, 5} {
+				f := enginetest.New(4096, 16, 512)
+				f.Period, f.EOSAt = 7, eos
+				s, _ := startScheduler(t, f, func(c *Config) { c.Spec.Tokens = spec })
+				p := prompt(3, 20)
+				r := runConcurrently(t, s, []*Request{{Prompt: p, MaxTokens: maxTok}})[0]
+				follow := slices.Concat(p, r.tokens[0], []engine.Token{5, 6, 7})
+				cached[k] = runConcurrently(t, s, []*Request{{Prompt: follow, MaxTokens: 1}})[0].usage.CachedTokens
+			}
+			if cached[0] != cached[1] {
+				t.Fatalf("eos %d, max_tokens %d: the follow-up found %d tokens cached without proposals, %d with", eos, maxTok, cached[0], cached[1])
+			}
+		}
+	}
+	var cached [2]int
+	for k, spec := range []int{0, 5} {
+		f := enginetest.New(512, 16, 512)
+		f.Period = 7
+		s, _ := startScheduler(t, f, func(c *Config) { c.Spec.Tokens, c.KV.CacheFloor = spec, 1 })
+		a := prompt(5, 65)
+		runConcurrently(t, s, []*Request{{Prompt: a, MaxTokens: 1}})
+		f.EOSAt = 449 // the next request's KV ends at 448 positions, every free block
+		runConcurrently(t, s, []*Request{{Prompt: prompt(9, 20), MaxTokens: 480}})
+		f.EOSAt = 0
+		cached[k] = runConcurrently(t, s, []*Request{{Prompt: a, MaxTokens: 1}})[0].usage.CachedTokens
+	}
+	if cached[0] != cached[1] {
+		t.Fatalf("a prompt cached before a request that used every free block: %d tokens still cached without proposals, %d with", cached[0], cached[1])
+	}
+}
+
+// TestSpeculativeEdges: a lone request whose batch with proposals does not fit
+// the engine's cells runs on without them; a model whose memory cannot be cut
+// back (recurrent) gets no proposals; the decode rate counts the tokens
+// proposals add.
+func TestSpeculativeEdges(t *testing.T) {
+	f := enginetest.New(4096, 16, 512)
+	f.Period, f.EOSAt = 7, 90 // the KV ends at 89 positions
+	f.Failing = func(b *engine.Batch) error {
+		if f.CellsUsed()+b.Len() > 92 { // room for the request, not for all its proposals
+			return engine.ErrNoKVSpace
+		}
+		return nil
+	}
+	s, _ := startScheduler(t, f, func(c *Config) { c.Spec.Tokens, c.KV.Caching = 5, false })
+	if r := runConcurrently(t, s, []*Request{{Prompt: prompt(9, 20), MaxTokens: 200}})[0]; r.err != nil || r.finish[0] != FinishStop {
+		t.Fatalf("a lone request whose proposals did not fit: %v %v", r.err, r.finish)
+	}
+
+	rf := enginetest.New(4096, 16, 512)
+	rf.Period = 7
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens, cfg.MaxRunning, cfg.Spec.Tokens = 64, 16, 5
+	s, err := New(cfg, recurrent{rf}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.cfg.Spec.Tokens != 0 {
+		t.Fatal("proposals on a model whose memory cannot be cut back")
+	}
+
+	f = enginetest.New(4096, 16, 512)
+	f.Period, f.Delay = 7, 2*time.Millisecond
+	s, _ = startScheduler(t, f, func(c *Config) { c.Spec.Tokens = 5 })
+	start := time.Now()
+	r := runConcurrently(t, s, []*Request{{Prompt: prompt(9, 20), MaxTokens: 400}})[0]
+	real := float64(len(r.tokens[0])) / time.Since(start).Seconds()
+	if l := s.Load(); l.DecodeTokensPS < real/2 {
+		t.Fatalf("decode rate %.0f tok/s, %.0f measured", l.DecodeTokensPS, real)
+	}
+}
+
+// recurrent is a fake whose memory, as llama.cpp's recurrent memory, cannot be
+// shared or cut at a position past 0.
+type recurrent struct{ *enginetest.Fake }
+
+func (r recurrent) Capacity() engine.Capacity {
+	c := r.Fake.Capacity()
+	c.PrefixReuse, c.PrefixSharing = false, false
+	return c
+}
+
+func (r recurrent) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
+	if s >= 0 && p0 > 0 {
+		return engine.ErrUnsupported
+	}
+	return r.Fake.SeqRemove(s, p0, p1)
+}
