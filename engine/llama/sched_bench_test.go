@@ -362,21 +362,19 @@ func BenchmarkSchedulerPromptScore(b *testing.B) {
 }
 
 // specCode is the file BenchmarkSchedulerSpeculative's edit repeats.
-const specCode = `func (p *Pool) Trim(s *Seq, n int) ([]Op, error) {
-	if err := s.checkTrim(n); err != nil {
-		return nil, err
-	}
-	if n == s.len {
-		return nil, nil
-	}
-	keep := p.blocksFor(n)
-	for _, b := range s.blocks[keep:] {
-		*b = block{id: b.id}
-		p.free = append(p.free, b.id)
-	}
-	s.blocks = s.blocks[:keep]
-	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(n), P1: -1}}, nil
-}
+const specCode = `def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals, sorted by start."""
+    if not intervals:
+        return []
+    intervals = sorted(intervals, key=lambda iv: iv[0])
+    merged = [list(intervals[0])]
+    for start, end in intervals[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
 `
 
 // BenchmarkSchedulerSpeculative: greedy decoding of one and of four requests,

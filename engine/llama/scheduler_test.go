@@ -136,6 +136,30 @@ func sameGreedy(t *testing.T, name string, got []engine.Token, want reference, t
 	return false
 }
 
+// sameAsSolo runs prompts at once on a scheduler over e (configured by mod)
+// and checks each greedy output against the prompt's alone, up to numerical
+// ties. Ties are rare (about 1 in 32 requests on the CPU); many would mean the
+// scheduler's batches move logits more than batch shapes do. It returns the
+// scheduler and the ties.
+func sameAsSolo(t *testing.T, e *Engine, prompts [][]engine.Token, maxTokens []int, mod func(*scheduler.Config)) (*scheduler.Scheduler, int) {
+	t.Helper()
+	tie := tieMargin(t, e)
+	want := soloGreedy(t, e, prompts, maxTokens)
+	s := startSched(t, e, mod)
+	got := runAll(t, s, prompts, maxTokens)
+	ties := 0
+	for i := range prompts {
+		if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i], tie) {
+			ties++
+		}
+	}
+	if ties > max(2, len(prompts)/8) {
+		t.Fatalf("%d of %d requests diverged at numerical ties", ties, len(prompts))
+	}
+	t.Logf("%d of %d requests diverged at a numerical tie (margin < %.3g)", ties, len(prompts), tie)
+	return s, ties
+}
+
 func runAll(t *testing.T, s *scheduler.Scheduler, prompts [][]engine.Token, maxTokens []int) []genResult {
 	t.Helper()
 	res := make([]genResult, len(prompts))
@@ -173,22 +197,7 @@ func testConcurrent(t *testing.T, unified bool) {
 	for i := range maxTokens {
 		maxTokens[i] = 4 + i*5%28
 	}
-	tie := tieMargin(t, e)
-	want := soloGreedy(t, e, prompts, maxTokens)
-	s := startSched(t, e, nil)
-	got := runAll(t, s, prompts, maxTokens)
-	ties := 0
-	for i := range prompts {
-		if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i], tie) {
-			ties++
-		}
-	}
-	// Ties are rare (about 1 in 32 requests on the CPU); many would mean the
-	// scheduler's batches move logits more than batch shapes do.
-	if ties > max(2, len(prompts)/8) {
-		t.Fatalf("%d of %d requests diverged at numerical ties", ties, len(prompts))
-	}
-	t.Logf("%d of %d requests diverged at a numerical tie (margin < %.3g)", ties, len(prompts), tie)
+	s, _ := sameAsSolo(t, e, prompts, maxTokens, nil)
 	if l := s.Load(); l.PrefixHits == 0 {
 		t.Errorf("shared prefixes among the prompts gave no cache hits: %+v", l)
 	}
@@ -275,19 +284,7 @@ func TestSchedulerSpeculativeEqualsSolo(t *testing.T) {
 			for i := range maxTokens {
 				maxTokens[i] = 48 + i%5
 			}
-			tie := tieMargin(t, e)
-			want := soloGreedy(t, e, prompts, maxTokens)
-			s := startSched(t, e, func(c *scheduler.Config) { c.MaxRunning = 16; c.Spec.Tokens = 5 })
-			got := runAll(t, s, prompts, maxTokens)
-			ties := 0
-			for i := range prompts {
-				if sameGreedy(t, fmt.Sprintf("request %d", i), got[i].tokens, want[i], tie) {
-					ties++
-				}
-			}
-			if ties > max(2, len(prompts)/8) {
-				t.Fatalf("%d of %d requests diverged at numerical ties", ties, len(prompts))
-			}
+			s, ties := sameAsSolo(t, e, prompts, maxTokens, func(c *scheduler.Config) { c.MaxRunning = 16; c.Spec.Tokens = 5 })
 			l := s.Load()
 			if l.SpecProposed == 0 || l.SpecAccepted == 0 {
 				t.Fatalf("%d proposed, %d taken", l.SpecProposed, l.SpecAccepted)
