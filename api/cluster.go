@@ -102,8 +102,9 @@ func streamFailure(c *gin.Context) func(peer string) string {
 // true when the request was answered (forwarded, or refused with 429), false when it
 // should be served here; then the caller calls done when the local request ends, so
 // that the router counts it until the node's gossiped load shows it. tokens may be
-// nil (model served only elsewhere).
-func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int) (answered bool, done func()) {
+// nil (model served only elsewhere); uncached: the request reads nothing from the
+// prefix cache (Node.RouteUncached).
+func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int, uncached bool) (answered bool, done func()) {
 	noop := func() {}
 	cs := s.cluster.Load()
 	if cs == nil {
@@ -116,7 +117,11 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			t32[i] = int32(t)
 		}
 	}
-	targets, err := cs.node.Route(model, t32, priority)
+	route := cs.node.Route
+	if uncached {
+		route = cs.node.RouteUncached
+	}
+	targets, err := route(model, t32, priority)
 	switch {
 	case errors.Is(err, cluster.ErrSaturated):
 		s.metrics.rejected(errSaturatedMarker)

@@ -620,7 +620,8 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool)
 		}
 	}
 	if !forwarded {
-		answered, done := s.route(c, p.model, p.prompts[0], p.req.Priority)
+		// A scored prompt reads nothing from the cache: placed by load alone.
+		answered, done := s.route(c, p.model, p.prompts[0], p.req.Priority, p.req.PromptLogprobs)
 		defer done()
 		if answered {
 			return
@@ -768,7 +769,7 @@ func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, pr
 			Message: fmt.Sprintf("the model %q was forwarded to this node, which serves %q", model, s.cfg.ModelName)})
 		return false
 	}
-	_, done := s.route(c, model, nil, priority)
+	_, done := s.route(c, model, nil, priority, false)
 	done()
 	return false
 }

@@ -1174,3 +1174,24 @@ func TestRejoinAfterRestart(t *testing.T) {
 	eventually(t, "b finds the restarted seed", alive(b, "seed"))
 	eventually(t, "the restarted seed sees b", alive(again, "b"))
 }
+
+// TestRouteUncached: a request that reads nothing from the cache goes by load
+// and its whole prefill, not to the node holding its prefix.
+func TestRouteUncached(t *testing.T) {
+	prompt := make([]int32, 400)
+	for i := range prompt {
+		prompt[i] = int32(i)
+	}
+	warm := &peer{name: "self", load: Load{PrefillTPS: 1000, PendingTokens: 300}, summary: summaryOf(prompt, 99)}
+	cold := &peer{name: "cold", load: Load{PrefillTPS: 1000}}
+	n := routerWith(t, PrefixAware, warm, cold)
+	ts, err := n.Route("m", prompt, 0)
+	if err != nil || ts[0].Name != "self" || ts[0].Cached != 396 {
+		t.Fatalf("the warm node's cache outweighs its short queue: %+v %v", ts, err)
+	}
+	n.recent = nil
+	ts, err = n.RouteUncached("m", prompt, 0)
+	if err != nil || ts[0].Name != "cold" || ts[0].Cached != 0 {
+		t.Fatalf("uncached: the idle node, nothing counted as cached: %+v %v", ts, err)
+	}
+}

@@ -65,8 +65,20 @@ const minPrefillTPS = 100
 // only); then routing is by load. An urgent request (priority < 0: lower runs first,
 // as in vLLM) may go to a saturated node.
 func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, error) {
+	return n.route(model, tokens, priority, true)
+}
+
+// RouteUncached is Route for a request that computes its whole prompt wherever
+// it runs (one whose prompt is scored reads nothing from the prefix cache):
+// nodes are compared by load and the whole prompt's prefill, not by what they
+// hold of it.
+func (n *Node) RouteUncached(model string, tokens []int32, priority int) ([]Target, error) {
+	return n.route(model, tokens, priority, false)
+}
+
+func (n *Node) route(model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
 	var hashes []kvcache.Hash
-	if tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
+	if reuse && tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
 		hashes = kvcache.NewHasher(n.cfg.HashSeed, model).Chain(tokens, n.cfg.BlockTokens)
 	}
 	n.routed.Add(1)
