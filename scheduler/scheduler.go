@@ -547,7 +547,11 @@ func (s *Scheduler) propose() {
 		if s.budget() == 0 {
 			return
 		}
-		if !q.running || !q.decoding || q.sampleRow < 0 {
+		// A sequence decoding, or drawing its first token after its prompt
+		// (only choice of its request: n > 1 forks from that row, and a
+		// scored prompt's event comes first).
+		first := q.gen == 0 && q.g.req.N <= 1 && !q.g.req.PromptLogprobs && !q.g.req.Embed
+		if !q.running || !(q.decoding || first) || q.sampleRow < 0 {
 			continue
 		}
 		if q.draftPause > 0 {

@@ -417,7 +417,7 @@ func BenchmarkSchedulerSpeculative(b *testing.B) {
 						var mu sync.Mutex
 						for i := range n {
 							p := slices.Clone(prompt)
-							p[len(p)-1] = engine.Token(10 + i) // distinct requests
+							p[1] = engine.Token(10 + i) // distinct requests (and their last tokens as in the text)
 							wg.Go(func() {
 								ts, _, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: maxTokens, IgnoreEOS: true})
 								if err != nil {
