@@ -415,9 +415,8 @@ func BenchmarkSchedulerSpeculative(b *testing.B) {
 					for b.Loop() {
 						var wg sync.WaitGroup
 						var mu sync.Mutex
-						for i := range n {
-							p := slices.Clone(prompt)
-							p[1] = engine.Token(10 + i) // distinct requests (and their last tokens as in the text)
+						for range n {
+							p := slices.Clone(prompt) // alike: with the cache off, each computes its own
 							wg.Go(func() {
 								ts, _, err := tokenTimes(s, &scheduler.Request{Prompt: p, MaxTokens: maxTokens, IgnoreEOS: true})
 								if err != nil {
