@@ -623,6 +623,9 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		if !q.running || q.done || tok != d {
 			break
 		}
+		if _, asked := q.g.stream.stopped(q.index); asked {
+			break // its reader ended it: no more tokens than it must
+		}
 		accepted++
 		q.draftOK = q.draftAt + accepted
 		var out engine.Sampled

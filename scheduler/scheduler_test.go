@@ -1480,3 +1480,40 @@ func (r recurrent) SeqRemove(s engine.SeqID, p0, p1 engine.Pos) error {
 	}
 	return r.Fake.SeqRemove(s, p0, p1)
 }
+
+// TestSpeculativeStopsWithItsReader: a reader's Stop that comes while a step
+// runs ends the proposals it checks: the step yields its decode row's token
+// only, not the proposals the model would have taken.
+func TestSpeculativeStopsWithItsReader(t *testing.T) {
+	f := enginetest.New(4096, 8, 512)
+	f.Period = 7
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens, cfg.MaxRunning, cfg.Spec.Tokens = 64, 4, 5
+	s, err := New(cfg, f, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	st, err := s.Submit(ctx, &Request{Prompt: prompt(2, 30), MaxTokens: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.takeInbox()
+	for range 3 { // the prompt, then steps whose proposals are taken
+		s.step(ctx)
+	}
+	before := s.Load().GeneratedTokens
+	if s.stats.SpecAccepted == 0 {
+		t.Fatal("no proposals taken on a model that repeats itself")
+	}
+	f.Failing = func(*engine.Batch) error { st.Stop(0); return nil } // during the next decode
+	s.step(ctx)
+	if got := s.stats.GeneratedTokens - before; got != 1 {
+		t.Fatalf("the step during which the reader stopped yielded %d tokens, want 1", got)
+	}
+	f.Failing = nil
+	s.step(ctx)
+	if r := collect(ctx, st, 1); r.finish[0] != FinishStop {
+		t.Fatalf("finish %v", r.finish)
+	}
+}
