@@ -623,8 +623,8 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		if !q.running || q.done || tok != d {
 			break
 		}
-		if _, asked := q.g.stream.stopped(q.index); asked {
-			break // its reader ended it: no more tokens than it must
+		if _, asked := q.g.stream.stopped(q.index); asked || q.g.ctx.Err() != nil {
+			break // its reader ended it, or its client left: no more tokens than it must
 		}
 		accepted++
 		q.draftOK = q.draftAt + accepted
@@ -909,9 +909,13 @@ func (s *Scheduler) decode(ctx context.Context) {
 	// The batch's cells now exist: make its full blocks shareable. Those of a
 	// sequence with proposals wait until they are checked (takeDrafts).
 	for _, q := range s.running {
-		if s.inBatch(q) && q.draft == nil {
+		switch {
+		case !s.inBatch(q):
+		case q.draft == nil:
 			s.pool.Commit(q.kv)
 			q.committed = q.computed()
+		default:
+			q.draftOK = q.draftAt // computed for certain: what an end before the check keeps
 		}
 	}
 	s.scorePrompts()
@@ -1088,9 +1092,6 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 	})
 	for i, q := range qs {
 		if q.running && !q.done { // an earlier failure of its group ended it
-			if q.draft != nil {
-				q.draftOK = q.draftAt
-			}
 			s.emitSampled(q, res[i].out, res[i].err)
 			if q.draft != nil {
 				s.takeDrafts(q, res[i].out.Token)
@@ -1331,14 +1332,7 @@ func (s *Scheduler) finish(q *seq, ev Event) {
 		s.ended++
 	}
 	s.removeFromRunning(q)
-	if q.kv != nil && q.draftOK > 0 {
-		// Ended amid its proposals: what they verified is computed and
-		// cached as any finished sequence's is.
-		if ops, err := s.pool.Trim(q.kv, q.draftOK); err == nil && s.apply(ops) == nil {
-			s.pool.Commit(q.kv)
-		}
-		q.draftOK = 0
-	}
+	s.keepVerified(q)
 	s.release(q, false)
 	if q.sampler != nil {
 		q.sampler.Close()
@@ -1350,6 +1344,18 @@ func (s *Scheduler) finish(q *seq, ev Event) {
 	if g.open == 0 {
 		g.stream.push(Event{Kind: EventDone, Usage: g.usage})
 	}
+}
+
+// keepVerified commits, for q ending amid its proposals, the positions they
+// verified (computed, as any ended sequence's are, and cached as theirs), and
+// trims the rest.
+func (s *Scheduler) keepVerified(q *seq) {
+	if q.kv != nil && q.draftOK > 0 {
+		if ops, err := s.pool.Trim(q.kv, q.draftOK); err == nil && s.apply(ops) == nil {
+			s.pool.Commit(q.kv)
+		}
+	}
+	q.draftOK = 0
 }
 
 func (s *Scheduler) removeFromRunning(q *seq) {
@@ -1376,6 +1382,7 @@ func (s *Scheduler) fail(g *group, err error) {
 		}
 		s.removeFromBatch(q)
 		s.removeFromRunning(q)
+		s.keepVerified(q)
 		s.release(q, false)
 		if q.sampler != nil {
 			q.sampler.Close()

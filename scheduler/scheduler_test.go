@@ -1421,6 +1421,24 @@ func TestSpeculativeKeepsTheCache(t *testing.T) {
 	if cached[0] != cached[1] {
 		t.Fatalf("a prompt cached before a request that used every free block: %d tokens still cached without proposals, %d with", cached[0], cached[1])
 	}
+	// A request that fails at its first draw (the fake compiles no grammar),
+	// with proposals after its prompt, leaves its prompt cached all the same.
+	var rep []engine.Token
+	for i := range 40 {
+		rep = append(rep, engine.Token(3+i%7))
+	}
+	for k, spec := range []int{0, 5} {
+		f := enginetest.New(4096, 16, 512)
+		f.Period = 7
+		s, _ := startScheduler(t, f, func(c *Config) { c.Spec.Tokens = spec })
+		if r := runConcurrently(t, s, []*Request{{Prompt: rep, MaxTokens: 10, Grammar: `root ::= "x"`}})[0]; r.err == nil {
+			t.Fatal("the fake compiled a grammar")
+		}
+		cached[k] = runConcurrently(t, s, []*Request{{Prompt: slices.Concat(rep, []engine.Token{5, 6}), MaxTokens: 1}})[0].usage.CachedTokens
+	}
+	if cached[0] != cached[1] {
+		t.Fatalf("after a failed first draw: %d tokens cached without proposals, %d with", cached[0], cached[1])
+	}
 }
 
 // TestSpeculativeEdges: a lone request whose batch with proposals does not fit
