@@ -32,7 +32,7 @@ const (
 )
 
 // infill is a fill-in-the-middle prompt in parts, tokenized, before it is laid
-// out (infillPrompt).
+// out (tokens) and perhaps cut to fit (fit).
 type infill struct {
 	fim            engine.FIMTokens
 	bos            []engine.Token
@@ -59,6 +59,7 @@ func newInfill(v engine.Vocab, extra []InfillChunk, prefix, suffix, prompt strin
 		in.bos = []engine.Token{v.BOS()}
 	}
 	var err error
+	nl, nlErr := v.Tokenize("\n", false, false) // once, for every part's layout
 	text := func(s string, space bool) []engine.Token {
 		if s == "" || err != nil {
 			return nil
@@ -69,9 +70,8 @@ func newInfill(v engine.Vocab, extra []InfillChunk, prefix, suffix, prompt strin
 		}
 		// Without the dummy space: tokenized after a newline, whose tokens are
 		// then dropped (where they stay apart from the text's).
-		nl, nerr := v.Tokenize("\n", false, false)
 		both, berr := v.Tokenize("\n"+s, false, false)
-		if nerr == nil && berr == nil && len(both) > len(nl) && slices.Equal(both[:len(nl)], nl) {
+		if nlErr == nil && berr == nil && len(both) > len(nl) && slices.Equal(both[:len(nl)], nl) {
 			return both[len(nl):]
 		}
 		return t

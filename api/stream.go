@@ -121,7 +121,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		return nil
 	}
 	// Per choice, the next token's text_offset: offsets count the tokens'
-	// names, as the whole answer's (legacyLogprobs.add).
+	// names, as the whole answer's (CompletionLogprobs.add).
 	offsets := map[int]int{}
 	sendCompletion := func(ch CompletionChoice) {
 		w.data(completionChunkJSON{CompletionResponse: CompletionResponse{ID: id, Object: object, Created: created, Model: p.model,

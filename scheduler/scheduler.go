@@ -150,8 +150,9 @@ type seq struct {
 	// halved when none of a proposal was taken, doubled when all were; when a
 	// single token is turned down, it proposes nothing for draftPause steps.
 	draftMax, draftPause int
-	// draftOK, while its proposals are checked, is how many of its positions
-	// hold tokens now certain: what finish commits if it ends amid them.
+	// draftOK, from its decode until its proposals are checked, is how many of
+	// its positions hold tokens now certain: what keepVerified commits if it
+	// ends (finish, fail) amid them.
 	draftOK int
 }
 
