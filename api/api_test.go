@@ -544,6 +544,7 @@ func FuzzRequests(f *testing.F) {
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"response_format":{"type":"json_object"},"max_tokens":2}`,
 		`{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}],"tool_choice":{"type":"function"}}`,
 		`{"prompt":"a","guided_choice":["x\"","\u0000"],"structured_outputs":{"json":"{}"},"response_format":{"type":"json_object","schema":true}}`,
+		`{"prompt":"a","guided_regex":"(a|b?)*[\\d]{2}","max_tokens":2}`, `{"prompt":"a","grammar":"root ::= x\nx ::= [a-c]{1,3}","max_tokens":2}`,
 		`{"prompt":"\xff\xfe","max_tokens":1e309}`, `{"n":-1}`, `[]`, `null`, `{"logit_bias":{"3":1e40}}`,
 	} {
 		f.Add(b, uint8(0))
@@ -835,5 +836,43 @@ func TestPromptLogprobs(t *testing.T) {
 		if w := s.do(t, "POST", "/v1/completions", bad); w.Code != 400 || !strings.Contains(w.Body.String(), "prompt_logprobs") {
 			t.Fatalf("%s: %d %s", bad, w.Code, w.Body)
 		}
+	}
+}
+
+// TestGrammarConstraints: a client's GBNF grammar or regular expression is
+// checked before it reaches llama.cpp, its errors name the field and the
+// place, and neither is combined with tools.
+func TestGrammarConstraints(t *testing.T) {
+	s := newTestServer(t, nil)
+	for body, want := range map[string]string{
+		`{"prompt":"a","grammar":"root ::= \"a\"\nb ::= (\"c\"","max_tokens":2}`:                                                        `"param":"grammar"`,
+		`{"prompt":"a","guided_grammar":"root ::= [a-z]{9,2}","max_tokens":2}`:                                                          `line 1, column 15: repetition {9,2}`,
+		`{"prompt":"a","guided_regex":"a(?=b)","max_tokens":2}`:                                                                         `"param":"guided_regex"`,
+		`{"prompt":"a","structured_outputs":{"grammar":"root ::= x"},"max_tokens":2}`:                                                   `rule \"x\" is referred to but not defined`,
+		`{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"guided_regex":"a+"}`:        `guided_regex cannot be combined with tools`,
+		`{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"grammar":"root ::= \"a\""}`: `grammar cannot be combined with tools`,
+	} {
+		path := "/v1/completions"
+		if strings.Contains(body, "messages") {
+			path = "/v1/chat/completions"
+		}
+		w := s.do(t, "POST", path, body)
+		if w.Code != 400 || !strings.Contains(w.Body.String(), want) {
+			t.Errorf("%s: %d %s, want 400 with %s", body, w.Code, w.Body, want)
+		}
+	}
+	// llama-server's clients send "grammar": "" for none.
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"a","grammar":"","max_tokens":2}`); w.Code != 200 {
+		t.Errorf("an empty grammar: %d %s", w.Code, w.Body)
+	}
+}
+
+// TestPrefixRules: renaming a client's grammar apart leaves its literals,
+// classes, token references and comments alone.
+func TestPrefixRules(t *testing.T) {
+	g := "root ::= x <think> <[12]> \"x\" [x] # x\nx ::= \"a\" 12\n12 ::= !<x>\n"
+	want := "p-root ::= p-x <think> <[12]> \"x\" [x] # x\np-x ::= \"a\" p-12\np-12 ::= !<x>\n"
+	if got := prefixRules(g, "p-"); got != want {
+		t.Errorf("got  %q\nwant %q", got, want)
 	}
 }

@@ -224,7 +224,7 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 	}
 	r.Sampling = sp
 	var err error
-	if p.grammarParam, r.Grammar, err = s.grammarFor(f); err != nil {
+	if p.grammarParam, r.Grammar, err = s.grammarFor(b.Vocab, f); err != nil {
 		return p, err
 	}
 	return p, nil
@@ -284,18 +284,18 @@ ws     ::= | " " | "\n" [ \t]{0,20}
 `
 
 // constraint is an output constraint a request names: a JSON schema (raw, as
-// given), a choice among strings, or a form shoal refuses (refused names it).
+// given), a choice among strings, a regular expression the output matches
+// whole, or a GBNF grammar (grammar set, or regex nil and the others empty).
 type constraint struct {
 	param   string
 	schema  json.RawMessage
 	choices []string
-	refused string
+	regex   *string
+	grammar string
 }
 
 // constraintOf is the one output constraint a request names, if any:
 // response_format, or the same constraints as vLLM and llama-server spell them.
-// Regular expressions and raw grammars are refused: shoal does not hand
-// clients' grammar text to llama.cpp's parser.
 func constraintOf(f *SamplingFields) (*constraint, error) {
 	var cs []constraint
 	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
@@ -334,42 +334,51 @@ func constraintOf(f *SamplingFields) (*constraint, error) {
 			cs = append(cs, constraint{param: "structured_outputs", choices: so.Choice})
 		}
 		if so.Regex != nil {
-			cs = append(cs, constraint{param: "structured_outputs", refused: "structured_outputs.regex"})
+			cs = append(cs, constraint{param: "structured_outputs", regex: so.Regex})
 		}
 		if so.Grammar != nil {
-			cs = append(cs, constraint{param: "structured_outputs", refused: "structured_outputs.grammar"})
+			cs = append(cs, constraint{param: "structured_outputs", grammar: *so.Grammar})
 		}
 	}
 	if f.GuidedRegex != nil {
-		cs = append(cs, constraint{param: "guided_regex", refused: "guided_regex"})
+		cs = append(cs, constraint{param: "guided_regex", regex: f.GuidedRegex})
 	}
 	if f.GuidedGrammar != nil {
-		cs = append(cs, constraint{param: "guided_grammar", refused: "guided_grammar"})
+		cs = append(cs, constraint{param: "guided_grammar", grammar: *f.GuidedGrammar})
 	}
-	if f.Grammar != nil {
-		cs = append(cs, constraint{param: "grammar", refused: "grammar"})
+	if f.Grammar != nil && *f.Grammar != "" { // llama-server's clients send "" for none
+		cs = append(cs, constraint{param: "grammar", grammar: *f.Grammar})
 	}
 	switch {
 	case len(cs) == 0:
 		return nil, nil
 	case len(cs) > 1:
 		return nil, invalid(cs[1].param, "at most one output constraint per request: %s and %s were both given", cs[0].param, cs[1].param)
-	case cs[0].refused != "":
-		return nil, invalid(cs[0].param, "%s is not supported: constrain the output with a JSON schema (response_format json_schema, guided_json) or guided_choice", cs[0].refused)
 	}
 	return &cs[0], nil
 }
 
-// grammarFor is the GBNF of the output constraint a request names, if any.
 // grammarFor is the grammar of f's output constraint, if it has one, and the
-// field that asked for it.
-func (s *Server) grammarFor(f *SamplingFields) (param, gbnf string, err error) {
+// field that asked for it. A client's grammar or regular expression is
+// checked and bounded (engine.ParseGBNF) before llama.cpp's parser sees it.
+func (s *Server) grammarFor(v engine.Vocab, f *SamplingFields) (param, gbnf string, err error) {
 	c, err := constraintOf(f)
 	switch {
 	case err != nil || c == nil:
 		return "", "", err
 	case c.choices != nil:
 		gbnf, err = choiceGrammar(c.param, c.choices)
+	case c.regex != nil:
+		if *c.regex == "" {
+			return "", "", invalid(c.param, "%s is empty", c.param)
+		}
+		if gbnf, err = engine.RegexGrammar(*c.regex); err != nil {
+			err = invalid(c.param, "%s: %v", c.param, err)
+		}
+	case c.schema == nil:
+		if gbnf, err = engine.ParseGBNF(c.grammar, v); err != nil {
+			err = invalid(c.param, "%s: %v", c.param, err)
+		}
 	default:
 		gbnf, err = s.schemaGrammar(c.param, c.schema)
 	}
@@ -382,6 +391,8 @@ func answerSchema(c *constraint) (json.RawMessage, error) {
 	switch {
 	case c == nil:
 		return json.RawMessage(textAnswer), nil
+	case c.regex != nil || c.schema == nil && c.choices == nil:
+		return nil, invalid(c.param, "%s cannot be combined with tools: constrain the answer with a JSON schema or guided_choice, or leave the tools out", c.param)
 	case c.choices != nil:
 		if _, err := choiceGrammar(c.param, c.choices); err != nil {
 			return nil, err

@@ -205,7 +205,8 @@ func prefixRules(gbnf, prefix string) string {
 }
 
 // renameRules maps every rule name in gbnf, defined or referred to, through
-// rename, leaving string literals, character classes and comments as they are.
+// rename, leaving string literals, character classes, token references
+// (<[12]>, <think>) and comments as they are.
 func renameRules(gbnf string, rename func(string) string) string {
 	var out strings.Builder
 	isName := func(c byte) bool {
@@ -214,14 +215,11 @@ func renameRules(gbnf string, rename func(string) string) string {
 	for i := 0; i < len(gbnf); {
 		c := gbnf[i]
 		switch {
-		case c == '"' || c == '[':
-			end := byte('"')
-			if c == '[' {
-				end = ']'
-			}
+		case c == '"' || c == '[' || c == '<':
+			end := map[byte]byte{'"': '"', '[': ']', '<': '>'}[c]
 			j := i + 1
 			for j < len(gbnf) && gbnf[j] != end {
-				if gbnf[j] == '\\' {
+				if gbnf[j] == '\\' && c != '<' { // a token reference has no escapes
 					j++
 				}
 				j++

@@ -447,7 +447,7 @@ func TestStructuredOutputAndLogprobs(t *testing.T) {
 
 	// vLLM's and llama-server's spellings of the same constraints, as clients
 	// send them (extra_body); those shoal cannot honour are refused, not ignored.
-	text = func(body string) string {
+	complete := func(body string) string {
 		t.Helper()
 		resp, b := post(t, n.url+"/v1/completions", body)
 		var r struct {
@@ -459,9 +459,22 @@ func TestStructuredOutputAndLogprobs(t *testing.T) {
 			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
 		}
 		return r.Choices[0].Text
-	}(`{"prompt":"Pick one:","max_tokens":20,"seed":5,"guided_choice":["yes \"sure\"","no\\way","maybe"]}`)
+	}
+	text = complete(`{"prompt":"Pick one:","max_tokens":20,"seed":5,"guided_choice":["yes \"sure\"","no\\way","maybe"]}`)
 	if !slices.Contains([]string{`yes "sure"`, `no\way`, "maybe"}, text) {
 		t.Fatalf("guided_choice gave %q", text)
+	}
+	// Regular expressions (vLLM) and GBNF grammars (llama-server, vLLM): the
+	// output is one whole match.
+	for body, re := range map[string]string{
+		`{"prompt":"Code:","max_tokens":20,"seed":4,"guided_regex":"[A-Z]{3}-\\d{2,3}"}`:                                                   `[A-Z]{3}-\d{2,3}`,
+		`{"prompt":"Code:","max_tokens":20,"seed":5,"structured_outputs":{"regex":"(?i)(yes|no)!"}}`:                                       `(?i)(yes|no)!`,
+		`{"prompt":"Pair:","max_tokens":30,"seed":6,"grammar":"root ::= \"(\" num \", \" num \")\"\nnum ::= [1-9] [0-9]{0,2} # a number"}`: `\([1-9][0-9]{0,2}, [1-9][0-9]{0,2}\)`,
+		`{"prompt":"Word:","max_tokens":20,"seed":7,"guided_grammar":"root ::= [a-z]{2,5} \".\""}`:                                         `[a-z]{2,5}\.`,
+	} {
+		if got := complete(body); !regexp.MustCompile(`^(?:` + re + `)$`).MatchString(got) {
+			t.Errorf("%s: %q does not match %s", body, got, re)
+		}
 	}
 	for _, body := range []string{
 		`{"prompt":"JSON:","max_tokens":40,"seed":1,"guided_json":"{\"type\":\"object\",\"properties\":{\"ok\":{\"type\":\"boolean\"}},\"required\":[\"ok\"]}"}`,
@@ -483,13 +496,16 @@ func TestStructuredOutputAndLogprobs(t *testing.T) {
 		}
 	}
 	for body, param := range map[string]string{
-		`{"prompt":"x","guided_regex":"[a-z]+"}`:                               "guided_regex",
-		`{"prompt":"x","grammar":"root ::= \"a\""}`:                            "grammar",
-		`{"prompt":"x","guided_grammar":"root ::= \"a\""}`:                     "guided_grammar",
+		`{"prompt":"x","guided_regex":"(a)\\1"}`:                               "guided_regex",
+		`{"prompt":"x","guided_regex":""}`:                                     "guided_regex",
+		`{"prompt":"x","grammar":"root ::= x"}`:                                "grammar",
+		`{"prompt":"x","grammar":"root ::= <[99999999]>"}`:                     "grammar",
+		`{"prompt":"x","guided_grammar":"root ::= root \"a\""}`:                "guided_grammar",
+		`{"prompt":"x","grammar":"root ::= \"a\"","guided_regex":"a"}`:         "grammar",
 		`{"prompt":"x","guided_choice":["a"],"guided_json":{"type":"object"}}`: "guided_choice",
 		`{"prompt":"x","guided_choice":[]}`:                                    "guided_choice",
 		`{"prompt":"x","guided_json":"not json"}`:                              "guided_json",
-		`{"prompt":"x","structured_outputs":{"regex":"a+"}}`:                   "structured_outputs",
+		`{"prompt":"x","structured_outputs":{"regex":"a\\bb"}}`:                "structured_outputs",
 	} {
 		resp, b := post(t, n.url+"/v1/completions", body)
 		if resp.StatusCode != 400 || !strings.Contains(b, `"param":"`+param+`"`) {
