@@ -507,3 +507,59 @@ func (t *randomTensor) WriteTo(w io.Writer) (int64, error) {
 	}
 	return written, nil
 }
+
+// GenerateLoRA writes a LoRA adapter for the model spec describes: seeded
+// random low-rank updates of rank r to every layer's attention query and value
+// matrices (adapter.lora.alpha r, so llama.cpp applies them at scale 1), in
+// the GGUF layout llama.cpp's converter writes (lora_a of shape [in, r],
+// lora_b of [r, out]). seed 0 takes the spec's. The updates are large enough
+// to change the model's greedy choices.
+func GenerateLoRA(path string, spec Spec, r int, seed uint64) (err error) {
+	if err := spec.Validate(); err != nil {
+		return fmt.Errorf("generate LoRA %s: %w", path, err)
+	}
+	if r < 1 || r > spec.Embd {
+		return fmt.Errorf("generate LoRA %s: rank %d: want 1..%d", path, r, spec.Embd)
+	}
+	seed = cmp.Or(seed, spec.Seed) ^ 0x4c6f5241 // "LoRA": not the base weights' draws
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("generate LoRA: %w", err)
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil && cerr != nil {
+			err = fmt.Errorf("generate LoRA %s: %w", path, cerr)
+		}
+	}()
+	kv := ggml.KV{
+		"general.architecture":      "llama",
+		"general.type":              "adapter",
+		"general.name":              spec.Name + "-lora",
+		"general.alignment":         uint32(32),
+		"adapter.type":              "lora",
+		"adapter.lora.alpha":        float32(r),
+		"general.base_model.count":  uint32(1),
+		"general.base_model.0.name": spec.Name,
+	}
+	e, rank := uint64(spec.Embd), uint64(r)
+	ekv := uint64(spec.Embd / spec.Heads * spec.HeadsKV)
+	var ts []*ggml.Tensor
+	add := func(name string, scale float32, shape ...uint64) {
+		ts = append(ts, &ggml.Tensor{Name: name, Kind: kindF32, Shape: shape,
+			WriterTo: &randomTensor{seed: tensorSeed(seed, name), n: product(shape), scale: scale, kind: kindF32}})
+	}
+	for i := range spec.Layers {
+		for _, w := range []struct {
+			name    string
+			in, out uint64
+		}{{"attn_q", e, e}, {"attn_v", e, ekv}} {
+			p := fmt.Sprintf("blk.%d.%s.weight", i, w.name)
+			add(p+".lora_a", float32(1/math.Sqrt(float64(w.in))), w.in, rank)
+			add(p+".lora_b", float32(1/math.Sqrt(float64(rank))), rank, w.out)
+		}
+	}
+	if err := ggml.WriteGGUF(f, kv, ts); err != nil {
+		return fmt.Errorf("generate LoRA %s: write gguf: %w", path, err)
+	}
+	return nil
+}

@@ -88,3 +88,46 @@ func TestInfill(t *testing.T) {
 		}
 	}
 }
+
+// TestLoRA: gen-model --lora writes an adapter for a preset's model; serve
+// --lora applies it (another greedy answer), at scale 0 not at all, and an
+// adapter that does not fit the model stops the start with its reason.
+func TestLoRA(t *testing.T) {
+	var out, errb bytes.Buffer
+	adapter := filepath.Join(t.TempDir(), "lora.gguf")
+	if code := run([]string{"gen-model", "--preset", "small", "--lora", "8", "--out", adapter}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --lora: %d %s", code, errb.String())
+	}
+	const body = `{"prompt":"Once upon a time","max_tokens":12,"temperature":0}`
+	answer := func(args ...string) string {
+		n := startNode(t, append([]string{"--model", smallModel(t)}, args...)...)
+		resp, b := post(t, n.url+"/v1/completions", body)
+		var r struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
+			t.Fatalf("%v: %d %s", args, resp.StatusCode, b)
+		}
+		if len(args) > 0 && !strings.Contains(n.log(), "LoRA adapter applied") {
+			t.Errorf("%v: the log does not name the adapter", args)
+		}
+		return r.Choices[0].Text
+	}
+	plain, on, off := answer(), answer("--lora", adapter), answer("--lora", adapter+":0")
+	if on == plain {
+		t.Errorf("with the adapter the answer is the model's own: %q", on)
+	}
+	if off != plain {
+		t.Errorf("at scale 0: %q, the model's own: %q", off, plain)
+	}
+	other := filepath.Join(t.TempDir(), "tiny-lora.gguf")
+	if code := run([]string{"gen-model", "--preset", "tiny", "--lora", "4", "--out", other}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --lora: %d %s", code, errb.String())
+	}
+	errb.Reset()
+	if code := run([]string{"serve", "--model", smallModel(t), "--addr", "127.0.0.1:0", "--lora", other}, &out, &errb); code == 0 || !strings.Contains(errb.String(), "incorrect shape") {
+		t.Errorf("an adapter for another model: exit %d, %s", code, errb.String())
+	}
+}

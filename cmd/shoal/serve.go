@@ -96,6 +96,24 @@ func floatList(s string) ([]float32, error) {
 	return out, nil
 }
 
+// loraList reads --lora values, FILE or FILE:SCALE.
+func loraList(l []string) ([]llama.LoRA, error) {
+	var out []llama.LoRA
+	for _, v := range l {
+		a := llama.LoRA{Path: v, Scale: 1}
+		if i := strings.LastIndexByte(v, ':'); i > 0 {
+			if x, err := strconv.ParseFloat(v[i+1:], 32); err == nil {
+				a.Path, a.Scale = v[:i], float32(x)
+			}
+		}
+		if math.IsNaN(float64(a.Scale)) || math.IsInf(float64(a.Scale), 0) {
+			return nil, fmt.Errorf("--lora %q: the scale must be a finite number", v)
+		}
+		out = append(out, a)
+	}
+	return out, nil
+}
+
 // envPrefix: every flag --some-flag can also be set as SHOAL_SOME_FLAG.
 const envPrefix = "SHOAL_"
 
@@ -141,7 +159,7 @@ type serveFlags struct {
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
-	apiKeys, allowedOrigins                                                 listFlag
+	apiKeys, allowedOrigins, lora                                           listFlag
 	sampling                                                                engine.SamplingDefaults
 	cluster                                                                 *clusterFlags
 }
@@ -176,6 +194,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
+	fs.Var(&f.lora, "lora", "a LoRA adapter (GGUF) applied to every request: FILE, or FILE:SCALE (default scale 1); repeatable, as llama-server's --lora and Ollama's ADAPTER")
 	fs.StringVar(&f.chatTemplate, "chat-template", "", "a llama.cpp built-in chat format instead of the model's own template: a name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, run as Jinja; ChatML when it has none)")
 	fs.StringVar(&f.chatTemplateFile, "chat-template-file", "", "a Jinja chat template file to render chats with instead of the model's own (as llama-server's)")
 	fs.BoolVar(&f.jinja, "jinja", true, "render chats with the model's own Jinja chat template (tools in the model's own call format where it has one); false: llama.cpp's built-in format for it, tools described in the system message")
@@ -295,6 +314,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
 	lc.Embeddings, lc.Pooling, lc.ChatTemplate = f.embeddings, f.pooling, f.chatTemplate
+	if lc.LoRA, err = loraList(f.lora); err != nil {
+		return err
+	}
 	setFlags := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
 	// Unless asked for either, the engine splits a pool sized from GPU memory when
@@ -442,6 +464,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
 		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse,
 		"chat_template", cmp.Or(f.chatTemplateFile, abbrev(info.ChatTemplate, 40)))
+	for _, a := range lc.LoRA {
+		log.Info("LoRA adapter applied", "file", a.Path, "scale", a.Scale)
+	}
 	if template != "" {
 		// Given by the operator, it must run: no quiet fallback to another format.
 		if err := api.CheckTemplate(template, eng.Vocab()); err != nil {

@@ -1185,3 +1185,53 @@ t-4 ::= | "\x0A" t-1 | [^>\n] t-0
 		t.Fatal("once written in full, the tag ends the text: only what follows it is allowed")
 	}
 }
+
+// TestLoRA: an adapter changes the model's outputs at scale 1, leaves them as
+// they are at scale 0, and one for another model's shapes, or no adapter at
+// all, is an error at open.
+func TestLoRA(t *testing.T) {
+	spec := models.Small()
+	adapter := filepath.Join(t.TempDir(), "lora.gguf")
+	if err := models.GenerateLoRA(adapter, spec, 8, 0); err != nil {
+		t.Fatal(err)
+	}
+	base := openTest(t, spec, nil)
+	prompts := [][]engine.Token{tokenize(t, base, testPrompts[0]), tokenize(t, base, testPrompts[1])}
+	want := decodeGreedy(t, base, prompts, 8, false)
+	withScale := func(scale float32) []greedyRun {
+		e := openTest(t, spec, func(c *Config) { c.LoRA = []LoRA{{Path: adapter, Scale: scale}} })
+		return decodeGreedy(t, e, prompts, 8, false)
+	}
+	off, on := withScale(0), withScale(1)
+	for i := range prompts {
+		if d := maxAbsDiff(off[i].logits[0], want[i].logits[0]); d > 1e-3 {
+			t.Errorf("prompt %d: at scale 0 the logits differ from the model's by %g", i, d)
+		}
+		if d := maxAbsDiff(on[i].logits[0], want[i].logits[0]); d < 0.1 {
+			t.Errorf("prompt %d: at scale 1 the logits differ from the model's by only %g", i, d)
+		}
+	}
+	if slices.Equal(on[0].tokens, want[0].tokens) && slices.Equal(on[1].tokens, want[1].tokens) {
+		t.Errorf("the adapter changed no greedy choice: %v", on[0].tokens)
+	}
+
+	other := filepath.Join(t.TempDir(), "other.gguf")
+	if err := models.GenerateLoRA(other, models.Tiny(), 4, 0); err != nil {
+		t.Fatal(err)
+	}
+	junk := filepath.Join(t.TempDir(), "junk.gguf")
+	if err := os.WriteFile(junk, []byte("GGUF\x03\x00\x00\x00\xff\xff\xff\xff\xff\xff\xff\x7f"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]string{junk: "LoRA adapter", other: "shape", filepath.Join(t.TempDir(), "none.gguf"): "none.gguf", genModel(t, models.Tiny()): "adapter"} {
+		cfg := DefaultConfig(genModel(t, spec))
+		cfg.ContextCells, cfg.MaxSeqs = 256, 2
+		cfg.LoRA = []LoRA{{Path: path, Scale: 1}}
+		if e, err := Open(cfg); err == nil {
+			e.Close()
+			t.Errorf("%s: opened", path)
+		} else if !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want it to say %q", path, err, want)
+		}
+	}
+}

@@ -61,6 +61,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
 	"runtime"
 	"runtime/cgo"
@@ -141,9 +142,20 @@ type Config struct {
 	// (ChatTemplateNames: llama3, chatml, mistral-v7, ...) or a template text that
 	// llama.cpp recognises. "" uses the model's, or ChatML when it has none.
 	ChatTemplate string
+	// LoRA adapters are applied to every sequence, each at its scale, as
+	// llama-server's --lora and Ollama's ADAPTER apply them.
+	LoRA []LoRA
 
 	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
 	Progress func(float32)
+}
+
+// LoRA is a LoRA adapter file (GGUF, as llama.cpp's convert_lora_to_gguf.py
+// writes it, for the model's architecture and shapes) and the scale it is
+// applied at (1: as trained; 0: not at all).
+type LoRA struct {
+	Path  string
+	Scale float32
 }
 
 // DefaultConfig returns a Config for path with every default filled in.
@@ -183,6 +195,11 @@ func (c Config) Validate() error {
 		return errors.New("threads must not be negative")
 	case c.KVMemory != c.KVMemory || c.KVMemory > 1 && c.KVMemory < 1<<20:
 		return fmt.Errorf("KV memory %v: want a fraction in (0,1] or at least 1 MiB of bytes", c.KVMemory)
+	}
+	for _, l := range c.LoRA {
+		if l.Path == "" || math.IsNaN(float64(l.Scale)) || math.IsInf(float64(l.Scale), 0) {
+			return fmt.Errorf("LoRA adapter %q at scale %v: want a file and a finite scale", l.Path, l.Scale)
+		}
 	}
 	if _, err := flashType(c.FlashAttention); err != nil {
 		return err
@@ -258,6 +275,9 @@ type Engine struct {
 	batch C.struct_llama_batch
 	abort *C.int32_t // C memory polled by ggml
 	vocab *Vocab
+	// lora are the loaded adapters, applied to the context at cfg.LoRA's
+	// scales; the model frees them.
+	lora []*C.struct_llama_adapter_lora
 
 	info   engine.ModelInfo
 	cap    engine.Capacity
@@ -321,6 +341,21 @@ func Open(cfg Config) (*Engine, error) {
 	}
 
 	e := &Engine{model: model}
+	for _, l := range cfg.LoRA {
+		if err := checkGGUF(l.Path); err != nil {
+			C.llama_model_free(model)
+			return nil, fmt.Errorf("open engine: LoRA adapter: %w", err)
+		}
+		cp := C.CString(l.Path)
+		a := C.llama_adapter_lora_init(model, cp)
+		C.free(unsafe.Pointer(cp))
+		if a == nil {
+			C.llama_model_free(model)
+			return nil, fmt.Errorf("open engine: LoRA adapter %s: %s", l.Path,
+				cmp.Or(lastLlamaError(), "llama.cpp could not load it (a LoRA GGUF for this model's architecture and shapes expected)"))
+		}
+		e.lora = append(e.lora, a)
+	}
 	offloaded := offloadedLayers(cfg, int(C.llama_model_n_layer(model)), devs)
 	cells, err := e.kvCells(cfg, offloaded > 0)
 	if err == nil && cfg.AutoUnified && cfg.Unified && offloaded > 0 {
@@ -405,6 +440,14 @@ func (e *Engine) newContext(cfg Config) error {
 		return fmt.Errorf("create context (n_ctx %d, n_seq_max %d, kv %s, flash %s): %s",
 			cfg.ContextCells, cfg.MaxSeqs, cfg.KVType, cfg.FlashAttention,
 			cmp.Or(lastLlamaError(), "llama.cpp refused it (a quantized V cache needs flash attention; memory may be short)"))
+	}
+	for i, a := range e.lora {
+		if C.llama_set_adapter_lora(ctx, a, C.float(cfg.LoRA[i].Scale)) != 0 {
+			C.llama_free(ctx)
+			C.free(unsafe.Pointer(e.abort))
+			e.abort = nil
+			return fmt.Errorf("apply LoRA adapter %s: llama.cpp refused it", cfg.LoRA[i].Path)
+		}
 	}
 	e.ctx = ctx
 	e.mem = C.llama_get_memory(ctx)
