@@ -116,6 +116,9 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		return p, err
 	}
 	p.model = s.cfg.ModelName
+	if a, _ := s.adapterOf(f.Model); a > 0 {
+		p.model, p.req.Adapter = f.Model, a
+	}
 	p.stream = f.Stream
 	if f.StreamOptions != nil {
 		if !f.Stream {
@@ -799,7 +802,8 @@ func (s *Server) checkHop(c *gin.Context) (forwarded, ok bool) {
 
 // elsewhere reports whether model is served by another node, not this one.
 func (s *Server) elsewhere(model string) bool {
-	return s.node() != nil && model != "" && model != s.cfg.ModelName
+	_, here := s.adapterOf(model)
+	return s.node() != nil && !here
 }
 
 func priorityOf(p *int) int {

@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/subtle"
 	"encoding/base64"
@@ -69,6 +70,10 @@ type Config struct {
 	// ReasoningFormat is "auto" (a reasoning model's thoughts come back as
 	// reasoning_content, apart from content) or "none" (left in content).
 	ReasoningFormat string
+	// Adapters are the ids of the LoRA adapters served besides ModelName, as
+	// model ids of their own (vLLM's --lora-modules): a request naming
+	// Adapters[i] runs under scheduler adapter i+1.
+	Adapters []string
 }
 
 // DefaultConfig returns the defaults with no API keys.
@@ -85,6 +90,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("api: max tokens cap %d must not be negative", c.MaxTokensCap)
 	case c.ModelName == "":
 		return errors.New("api: model name is empty")
+	case slices.Contains(c.Adapters, c.ModelName) || slices.Contains(c.Adapters, ""):
+		return fmt.Errorf("api: adapter ids %q: empty or the model's own id", c.Adapters)
 	case !slices.Contains(ReasoningFormats, c.ReasoningFormat):
 		return fmt.Errorf("api: reasoning format %q: want one of %s", c.ReasoningFormat, strings.Join(ReasoningFormats, ", "))
 	}
@@ -372,8 +379,20 @@ func abort(c *gin.Context, err error) {
 	c.AbortWithStatusJSON(e.Status, e.body())
 }
 
+// adapterOf reports whether model is served here, and under which adapter
+// (0: the model itself).
+func (s *Server) adapterOf(model string) (adapter int, here bool) {
+	if model == "" || model == s.cfg.ModelName {
+		return 0, true
+	}
+	if i := slices.Index(s.cfg.Adapters, model); i >= 0 {
+		return i + 1, true
+	}
+	return 0, false
+}
+
 func (s *Server) checkModel(model string) error {
-	if model != "" && model != s.cfg.ModelName {
+	if _, here := s.adapterOf(model); !here {
 		if s.clusterServes(model) {
 			return nil // served elsewhere in the cluster: routed by the caller
 		}
@@ -424,9 +443,12 @@ func (s *Server) modelList() ModelList {
 	list := ModelList{Object: "list", Data: []Model{{
 		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Simulated: sim,
 	}}}
+	for _, a := range s.cfg.Adapters {
+		list.Data = append(list.Data, Model{ID: a, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Parent: s.cfg.ModelName})
+	}
 	if node := s.node(); node != nil {
 		for _, m := range node.Models() {
-			if m.ID != s.cfg.ModelName {
+			if _, here := s.adapterOf(m.ID); !here {
 				list.Data = append(list.Data, Model{ID: m.ID, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: m.MaxModelLen})
 			}
 		}
@@ -479,6 +501,7 @@ func (s *Server) embeddings(c *gin.Context) {
 		abort(c, invalid("input", "at most 2048 inputs per request"))
 		return
 	}
+	adapter, _ := s.adapterOf(req.Model)
 	ctx := c.Request.Context()
 	// Inputs are submitted as a window that moves on as results come back: all at
 	// once, 2,048 inputs would overflow a queue of --max-waiting 1,024 on an idle
@@ -489,7 +512,7 @@ func (s *Server) embeddings(c *gin.Context) {
 	}
 	streams := make([]*scheduler.Stream, len(inputs))
 	submit := func(i int) bool {
-		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: inputs[i], Embed: true})
+		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: inputs[i], Embed: true, Adapter: adapter})
 		if err != nil {
 			s.metrics.rejected(err)
 			if errors.Is(err, scheduler.ErrPromptTooLong) {
@@ -507,7 +530,7 @@ func (s *Server) embeddings(c *gin.Context) {
 			return
 		}
 	}
-	resp := EmbeddingResponse{Object: "list", Model: s.cfg.ModelName}
+	resp := EmbeddingResponse{Object: "list", Model: cmp.Or(req.Model, s.cfg.ModelName)}
 	for i, st := range streams {
 		var vec []float32
 		for {

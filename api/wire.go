@@ -401,6 +401,8 @@ type Model struct {
 	MaxModelLen int    `json:"max_model_len"`
 	// Simulated is true when a node serves engine/sim, not a model.
 	Simulated bool `json:"simulated,omitempty"`
+	// Parent is a LoRA adapter's base model, as vLLM lists adapters.
+	Parent string `json:"parent,omitempty"`
 }
 
 // ModelList is the body of GET /v1/models.

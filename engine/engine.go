@@ -148,6 +148,10 @@ type Batch struct {
 	Pos    []Pos
 	Seq    []SeqID
 	Output []bool
+	// Adapter is the LoRA adapter every row is computed under: i for the
+	// engine's i-th selectable adapter (1-based), 0 for none. An engine
+	// without adapters refuses any other than 0.
+	Adapter int
 }
 
 // Add appends one row.

@@ -4,19 +4,23 @@ package kvcache
 // one unified cell pool (blocks shared by partial copies); SplitPool accounts one
 // stream per sequence (a cached prefix reused by copying a whole stream and trimming).
 //
+// The methods that look a prompt up take the id of the model whose KV it is:
+// "" for the pool's own (Config.Model), a LoRA adapter's otherwise, whose
+// blocks hash apart (a prefix computed under one is not another's).
+//
 // Concurrency: owned by one goroutine, except Stats and Summary (any goroutine).
 type Allocator interface {
 	BlockTokens() int
 	TotalBlocks() int
 	// Fits reports whether a sequence with this prompt and up to maxNew generated
 	// tokens can start now (counting its cached prefix as resident).
-	Fits(prompt []int32, maxNew int) bool
+	Fits(model string, prompt []int32, maxNew int) bool
 	// CachedPrefix is how many leading tokens of prompt Start would reuse.
-	CachedPrefix(prompt []int32) int
-	Start(prompt []int32) (*Seq, []Op, error)
+	CachedPrefix(model string, prompt []int32) int
+	Start(model string, prompt []int32) (*Seq, []Op, error)
 	// Resume starts a sequence that Suspend ended, from its prompt and generated
 	// tokens: what is still cached of them is its own, not a cache hit.
-	Resume(tokens []int32) (*Seq, []Op, error)
+	Resume(model string, tokens []int32) (*Seq, []Op, error)
 	Grow(s *Seq, toks []int32) ([]Op, error)
 	// Spare reports whether s can grow by n positions from free cells alone,
 	// evicting no cached block (for speculative rows that may be thrown away).
@@ -32,7 +36,7 @@ type Allocator interface {
 	// Abandon is for a suspended sequence that will not Resume after all
 	// (cancelled, or ended while it waited), from its prompt and generated tokens:
 	// what Suspend kept of them is cached as Release would have left it.
-	Abandon(tokens []int32) []Op
+	Abandon(model string, tokens []int32) []Op
 	Fork(s *Seq) (*Seq, []Op, error)
 	Publish()
 	Stats() Stats

@@ -143,6 +143,7 @@ type Seq struct {
 	sealed int     // blocks hashed so far (Commit)
 	parent Hash    // hash of the last sealed block
 	cached int
+	hasher Hasher // its model's: the adapter's, under a LoRA adapter
 }
 
 // Len is the number of positions accounted to the sequence.
@@ -268,7 +269,7 @@ func (p *Pool) blocksFor(tokens int) int {
 
 // match returns the indexed blocks of the longest cached prefix of tokens, leaving at
 // least one token to compute (its logits start generation).
-func (p *Pool) match(tokens []int32) []*block {
+func (p *Pool) match(h Hasher, tokens []int32) []*block {
 	if !p.cfg.Caching || len(tokens) == 0 {
 		return nil
 	}
@@ -277,27 +278,37 @@ func (p *Pool) match(tokens []int32) []*block {
 	var out []*block
 	var parent Hash
 	for i := range limit {
-		h := p.hasher.Block(parent, tokens[i*B:(i+1)*B])
-		b, ok := p.index[h]
+		hb := h.Block(parent, tokens[i*B:(i+1)*B])
+		b, ok := p.index[hb]
 		if !ok {
 			break
 		}
 		out = append(out, b)
-		parent = h
+		parent = hb
 	}
 	return out
 }
 
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
 // a query.
-func (p *Pool) CachedPrefix(prompt []int32) int {
-	return len(p.match(prompt)) * p.cfg.BlockTokens
+func (p *Pool) CachedPrefix(model string, prompt []int32) int {
+	return len(p.match(p.hasherFor(model), prompt)) * p.cfg.BlockTokens
+}
+
+// hasherFor is the hasher of a model's blocks: "" is the pool's own
+// (Config.Model); another id names a LoRA adapter, whose blocks hold other
+// KV and hash apart, as a cluster's router hashes requests for it.
+func (p *Pool) hasherFor(model string) Hasher {
+	if model == "" {
+		return p.hasher
+	}
+	return NewHasher(p.cfg.Seed, model)
 }
 
 // Fits reports whether a sequence with this prompt and up to maxNew generated tokens
 // fits into free and evictable blocks, counting its cached prefix as already resident.
-func (p *Pool) Fits(prompt []int32, maxNew int) bool {
-	m := p.match(prompt)
+func (p *Pool) Fits(model string, prompt []int32, maxNew int) bool {
+	m := p.match(p.hasherFor(model), prompt)
 	reusable := 0
 	for _, b := range m {
 		if b.ref == 0 {
@@ -312,21 +323,25 @@ func (p *Pool) Fits(prompt []int32, maxNew int) bool {
 // prefix. The returned ops (copies from holders, and removals for any eviction needed
 // to free a sequence id) must be applied before the sequence's first decode. The rest
 // of the prompt is accounted by Grow as it is computed.
-func (p *Pool) Start(prompt []int32) (*Seq, []Op, error) { return p.start(prompt, false) }
+func (p *Pool) Start(model string, prompt []int32) (*Seq, []Op, error) {
+	return p.start(model, prompt, false)
+}
 
 // Resume is Start for a sequence that was preempted (Suspend): it takes back what is
 // still cached of its own tokens, which is not reuse by another sequence, so it is
 // neither counted as a lookup or hit nor raises the cache budget.
-func (p *Pool) Resume(tokens []int32) (*Seq, []Op, error) { return p.start(tokens, true) }
+func (p *Pool) Resume(model string, tokens []int32) (*Seq, []Op, error) {
+	return p.start(model, tokens, true)
+}
 
-func (p *Pool) start(prompt []int32, resume bool) (*Seq, []Op, error) {
+func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, error) {
 	var ops []Op
 	id, ops, err := p.takeSeqID(ops)
 	if err != nil {
 		return nil, nil, err
 	}
-	s := &Seq{ID: id}
-	m := p.match(prompt)
+	s := &Seq{ID: id, hasher: p.hasherFor(model)}
+	m := p.match(s.hasher, prompt)
 	for i, b := range m {
 		if b.lru != nil && !b.reused && !resume {
 			// Kept unused until a later sequence asked for it: keeping paid, and a
@@ -352,7 +367,7 @@ func (p *Pool) start(prompt []int32, resume bool) (*Seq, []Op, error) {
 	}
 	if !resume {
 		if p.cfg.Caching {
-			p.missedGhosts(prompt, len(m), s.parent)
+			p.missedGhosts(s.hasher, prompt, len(m), s.parent)
 		}
 		p.queries += uint64(len(prompt))
 		p.hits += uint64(s.cached)
@@ -524,7 +539,7 @@ func (p *Pool) Commit(s *Seq) {
 // seal hashes full block b of s and indexes it unless an equal block is already
 // indexed (then it stays private to s).
 func (p *Pool) seal(s *Seq, b *block, toks []int32) {
-	h := p.hasher.Block(s.parent, toks)
+	h := s.hasher.Block(s.parent, toks)
 	s.parent = h
 	if !p.cfg.Caching {
 		return
@@ -630,22 +645,22 @@ func (p *Pool) wasted() {
 // missedGhosts raises the budget when the blocks of tokens after its first
 // cached blocks were evicted recently: to twice what would have kept them all (a
 // working set that grows, such as chats, outgrows just enough at once).
-func (p *Pool) missedGhosts(tokens []int32, cached int, parent Hash) {
+func (p *Pool) missedGhosts(h Hasher, tokens []int32, cached int, parent Hash) {
 	if p.budget >= len(p.blocks) {
 		return
 	}
 	B := p.cfg.BlockTokens
 	oldest := uint64(0)
 	for i := cached; i < (len(tokens)-1)/B; i++ {
-		h := p.hasher.Block(parent, tokens[i*B:(i+1)*B])
-		at, ok := p.ghosts.at(h)
+		hb := h.Block(parent, tokens[i*B:(i+1)*B])
+		at, ok := p.ghosts.at(hb)
 		if !ok {
 			break
 		}
 		if oldest == 0 || at < oldest {
 			oldest = at
 		}
-		parent = h
+		parent = hb
 	}
 	if oldest > 0 {
 		need := p.budgeted() + int(p.evictions-oldest) + 1
@@ -707,8 +722,8 @@ func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
 // least recently used among the cached, deepest first) and trims beyond it. A
 // prefix another suspended sequence shares goes back too: it is cached, only no
 // longer kept past the budget.
-func (p *Pool) Abandon(tokens []int32) []Op {
-	m := p.match(tokens)
+func (p *Pool) Abandon(model string, tokens []int32) []Op {
+	m := p.match(p.hasherFor(model), tokens)
 	for i := len(m) - 1; i >= 0; i-- {
 		if b := m[i]; b.suspended && b.lru != nil {
 			p.suspended.Remove(b.lru)
@@ -784,7 +799,7 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 	if private > len(p.free)+p.EvictableBlocks() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher}
 	for _, b := range s.blocks {
 		if b.state == stateIndexed {
 			p.ref(b)

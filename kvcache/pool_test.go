@@ -73,6 +73,7 @@ func (c *simCells) positions(s SeqID) map[int32]int {
 
 type running struct {
 	seq    *Seq
+	model  string
 	tokens []int32
 }
 
@@ -211,8 +212,8 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 	}
 	// compute starts a sequence for prompt (Start or Resume) and computes the rest
 	// of it, as the scheduler does; it is dropped when there is no room.
-	compute := func(start func([]int32) (*Seq, []Op, error), prompt []int32) {
-		s, ops, err := start(prompt)
+	compute := func(start func(string, []int32) (*Seq, []Op, error), model string, prompt []int32) {
+		s, ops, err := start(model, prompt)
 		if errors.Is(err, ErrNoSeq) {
 			return
 		}
@@ -235,7 +236,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 		sim.apply(t, ops)
 		sim.decode(t, s.ID, from, s.Len())
 		p.Commit(s)
-		live = append(live, &running{seq: s, tokens: prompt})
+		live = append(live, &running{seq: s, model: model, tokens: prompt})
 	}
 	for step := 0; len(data) > 0 && step < 400; step++ {
 		switch op := next() % 6; op {
@@ -248,10 +249,11 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 				prompt = append(prompt, int32(10000+step*100+i))
 			}
 			maxNew := int(next() % 32)
-			if !p.Fits(prompt, maxNew) {
+			model := []string{"", "", "lora"}[next()%3] // a LoRA adapter's KV is cached apart
+			if !p.Fits(model, prompt, maxNew) {
 				continue
 			}
-			compute(p.Start, prompt)
+			compute(p.Start, model, prompt)
 		case 2: // generate tokens, and drafts after them that are turned down
 			if len(live) == 0 {
 				continue
@@ -302,7 +304,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 				t.Fatal(err)
 			}
 			sim.apply(t, ops)
-			live = append(live, &running{seq: f, tokens: r.tokens})
+			live = append(live, &running{seq: f, model: r.model, tokens: r.tokens})
 		case 5: // preempt and resume (its prompt again, from what is still cached), or end while preempted
 			if len(live) == 0 {
 				continue
@@ -313,9 +315,9 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			live = append(live[:i], live[i+1:]...)
 			check(live)
 			if next()%4 == 0 {
-				sim.apply(t, p.Abandon(r.tokens))
+				sim.apply(t, p.Abandon(r.model, r.tokens))
 			} else {
-				compute(p.Resume, r.tokens)
+				compute(p.Resume, r.model, r.tokens)
 			}
 		}
 		check(live)
@@ -369,7 +371,7 @@ func TestPoolRandomWorkloads(t *testing.T) {
 // computeSeq starts a sequence for prompt on p and computes the uncached rest.
 func computeSeq(t *testing.T, p *Pool, sim *simCells, prompt []int32) *Seq {
 	t.Helper()
-	s, ops, err := p.Start(prompt)
+	s, ops, err := p.Start("", prompt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -411,7 +413,7 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 		t.Fatalf("warm start cached %d, want 16", b.Cached())
 	}
 	// A prompt of exactly 4 blocks reuses only 3: the last token is always computed.
-	if got := p.CachedPrefix(prompt[:16]); got != 12 {
+	if got := p.CachedPrefix("", prompt[:16]); got != 12 {
 		t.Fatalf("cached prefix of a block-aligned prompt: %d, want 12", got)
 	}
 	sim.apply(t, p.Release(b))
@@ -432,7 +434,7 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 		t.Fatalf("expected a full pool: %+v", st)
 	}
 	// 15 blocks needed, 12 free: the three deepest blocks of the chain went, its root stays.
-	if got := p.CachedPrefix(prompt); got != 4 || st.Evictions != 3 {
+	if got := p.CachedPrefix("", prompt); got != 4 || st.Evictions != 3 {
 		t.Fatalf("after evicting 3 leaves: prefix %d, evictions %d", got, st.Evictions)
 	}
 	if _, err := p.Grow(c, make([]int32, 8)); !errors.Is(err, ErrNoSpace) {
@@ -451,12 +453,12 @@ func TestSuspendAndResume(t *testing.T) {
 	a := seqPrompt(1, 42) // 10 full blocks
 	sim.apply(t, p.Suspend(computeSeq(t, p, sim, a)))
 	checkInvariants(t, p, sim, nil)
-	if n := p.CachedPrefix(a); n != 40 {
+	if n := p.CachedPrefix("", a); n != 40 {
 		t.Fatalf("suspended: %d tokens cached, want all 40 of its full blocks", n)
 	}
 	p.Publish()
 	before, budget := p.Stats(), p.budget
-	s, ops, err := p.Resume(a)
+	s, ops, err := p.Resume("", a)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -467,19 +469,19 @@ func TestSuspendAndResume(t *testing.T) {
 	}
 	sim.apply(t, p.Release(s))
 	checkInvariants(t, p, sim, nil)
-	if n := p.CachedPrefix(a); n != 16 {
+	if n := p.CachedPrefix("", a); n != 16 {
 		t.Fatalf("released: %d tokens cached, want the budget's 16", n)
 	}
 	// A suspended sequence that will not resume: what was kept for it is cache
 	// again, the least recently used, and the budget applies.
 	b := seqPrompt(500, 42)
 	sim.apply(t, p.Suspend(computeSeq(t, p, sim, b)))
-	if n := p.CachedPrefix(b); n != 40 {
+	if n := p.CachedPrefix("", b); n != 40 {
 		t.Fatalf("suspended: %d tokens of b cached, want 40", n)
 	}
-	sim.apply(t, p.Abandon(b))
+	sim.apply(t, p.Abandon("", b))
 	checkInvariants(t, p, sim, nil)
-	if nb, na := p.CachedPrefix(b), p.CachedPrefix(a); nb != 0 || na != 16 {
+	if nb, na := p.CachedPrefix("", b), p.CachedPrefix("", a); nb != 0 || na != 16 {
 		t.Fatalf("abandoned: %d tokens of b and %d of a cached, want 0 and 16", nb, na)
 	}
 	p.Publish()
@@ -511,8 +513,8 @@ func TestCacheBudget(t *testing.T) {
 	release(s)
 	release(run(b))
 	release(run(c)) // over the budget: b's never-reused blocks go first
-	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
-		t.Fatalf("after c: a %d and b %d tokens cached, want 16 and 0", p.CachedPrefix(a), p.CachedPrefix(b))
+	if p.CachedPrefix("", a) != 16 || p.CachedPrefix("", b) != 0 {
+		t.Fatalf("after c: a %d and b %d tokens cached, want 16 and 0", p.CachedPrefix("", a), p.CachedPrefix("", b))
 	}
 	// b again misses 4 blocks evicted a few evictions ago: the budget grows to twice
 	// what would have kept them, and b stays this time.
@@ -522,16 +524,16 @@ func TestCacheBudget(t *testing.T) {
 	} else {
 		release(s)
 	}
-	if p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 16 {
-		t.Fatalf("budget %d: a %d and b %d tokens cached, want both 16", p.budget, p.CachedPrefix(a), p.CachedPrefix(b))
+	if p.CachedPrefix("", a) != 16 || p.CachedPrefix("", b) != 16 {
+		t.Fatalf("budget %d: a %d and b %d tokens cached, want both 16", p.budget, p.CachedPrefix("", a), p.CachedPrefix("", b))
 	}
 	// 24 prompts nobody reuses cache 96 blocks: the budget falls back to the floor,
 	// and the reused blocks are the ones that stay.
 	for i := range 24 {
 		release(run(seqPrompt(1000+100*i, 18)))
 	}
-	if p.budget != p.floor || p.CachedPrefix(a) != 16 || p.CachedPrefix(b) != 0 {
-		t.Fatalf("after 24 unique prompts: budget %d (floor %d), a %d and b %d tokens cached", p.budget, p.floor, p.CachedPrefix(a), p.CachedPrefix(b))
+	if p.budget != p.floor || p.CachedPrefix("", a) != 16 || p.CachedPrefix("", b) != 0 {
+		t.Fatalf("after 24 unique prompts: budget %d (floor %d), a %d and b %d tokens cached", p.budget, p.floor, p.CachedPrefix("", a), p.CachedPrefix("", b))
 	}
 
 	// Floor 0: a block nobody reused goes with its sequence, cells and all.
@@ -540,8 +542,8 @@ func TestCacheBudget(t *testing.T) {
 	sim = newSim(cfg.Cells)
 	sim.apply(t, p.Release(computeSeq(t, p, sim, a)))
 	checkInvariants(t, p, sim, nil)
-	if n := len(sim.cells); n != 0 || p.CachedPrefix(a) != 0 {
-		t.Fatalf("floor 0: %d cells and %d tokens cached after release", n, p.CachedPrefix(a))
+	if n := len(sim.cells); n != 0 || p.CachedPrefix("", a) != 0 {
+		t.Fatalf("floor 0: %d cells and %d tokens cached after release", n, p.CachedPrefix("", a))
 	}
 }
 
@@ -648,5 +650,59 @@ func TestTrim(t *testing.T) {
 	}
 	if ops, err := p.Trim(s, 8); err != nil || len(ops) != 1 {
 		t.Fatalf("trim to the sealed boundary: %v %v", ops, err)
+	}
+}
+
+// TestModelsCacheApart: the same tokens under a LoRA adapter and under the
+// model itself are different KV; each reuses only its own.
+func TestModelsCacheApart(t *testing.T) {
+	for _, split := range []bool{false, true} {
+		cfg := DefaultConfig()
+		cfg.Cells, cfg.MaxSeqs, cfg.Model, cfg.CacheFloor = 256, 4, "base", 1
+		var p Allocator
+		var err error
+		if split {
+			p, err = NewSplit(cfg, 64)
+		} else {
+			p, err = New(cfg)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		prompt := make([]int32, 40)
+		for i := range prompt {
+			prompt[i] = int32(100 + i)
+		}
+		run := func(model string) int {
+			s, _, err := p.Start(model, prompt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cached := s.Cached()
+			if _, err := p.Grow(s, prompt[s.Len():]); err != nil {
+				t.Fatal(err)
+			}
+			p.Commit(s)
+			p.Release(s)
+			return cached
+		}
+		if got := run(""); got != 0 {
+			t.Fatalf("split %v: first run cached %d", split, got)
+		}
+		if got := p.CachedPrefix("lora", prompt); got != 0 {
+			t.Errorf("split %v: the adapter finds %d tokens of the model's KV", split, got)
+		}
+		if got := run("lora"); got != 0 {
+			t.Errorf("split %v: the adapter reused %d tokens of the model's KV", split, got)
+		}
+		if got, want := run("lora"), 32; got != want {
+			t.Errorf("split %v: the adapter reused %d tokens of its own, want %d", split, got, want)
+		}
+		if got, want := run(""), 32; got != want {
+			t.Errorf("split %v: the model reused %d tokens of its own, want %d", split, got, want)
+		}
+		if got, want := p.CachedPrefix("base", prompt), 32; got != want {
+			t.Errorf("split %v: by its own id the model finds %d, want %d", split, got, want)
+		}
 	}
 }

@@ -68,7 +68,7 @@ func (p *SplitPool) StreamTokens() int { return p.perStream * p.cfg.BlockTokens 
 
 // match returns the number of leading blocks of prompt held by some stream (leaving
 // at least one token to compute) and the streams holding the deepest of them.
-func (p *SplitPool) match(prompt []int32) (int, map[SeqID]struct{}) {
+func (p *SplitPool) match(h Hasher, prompt []int32) (int, map[SeqID]struct{}) {
 	if !p.cfg.Caching || len(prompt) == 0 {
 		return 0, nil
 	}
@@ -77,24 +77,32 @@ func (p *SplitPool) match(prompt []int32) (int, map[SeqID]struct{}) {
 	var holders map[SeqID]struct{}
 	n := 0
 	for i := range (len(prompt) - 1) / B {
-		h := p.hasher.Block(parent, prompt[i*B:(i+1)*B])
-		hs, ok := p.index[h]
+		hb := h.Block(parent, prompt[i*B:(i+1)*B])
+		hs, ok := p.index[hb]
 		if !ok {
 			break
 		}
-		parent, holders, n = h, hs, i+1
+		parent, holders, n = hb, hs, i+1
 	}
 	return n, holders
 }
 
+// hasherFor is the hasher of a model's blocks (Pool.hasherFor).
+func (p *SplitPool) hasherFor(model string) Hasher {
+	if model == "" {
+		return p.hasher
+	}
+	return NewHasher(p.cfg.Seed, model)
+}
+
 // CachedPrefix is how many leading tokens of prompt are cached.
-func (p *SplitPool) CachedPrefix(prompt []int32) int {
-	n, _ := p.match(prompt)
+func (p *SplitPool) CachedPrefix(model string, prompt []int32) int {
+	n, _ := p.match(p.hasherFor(model), prompt)
 	return n * p.cfg.BlockTokens
 }
 
 // Fits reports whether prompt + maxNew fits a stream and a stream can be had.
-func (p *SplitPool) Fits(prompt []int32, maxNew int) bool {
+func (p *SplitPool) Fits(_ string, prompt []int32, maxNew int) bool {
 	if len(prompt)+maxNew > p.StreamTokens() {
 		return false
 	}
@@ -109,8 +117,8 @@ func (p *SplitPool) Fits(prompt []int32, maxNew int) bool {
 // Start takes a stream for prompt with its longest cached prefix: a copy of a
 // stream holding it when a free stream exists (keeping that holder's cache), else
 // adopting an idle holder of it, else a free or recycled stream with nothing cached.
-func (p *SplitPool) Start(prompt []int32) (*Seq, []Op, error) {
-	s, ops, err := p.Resume(prompt)
+func (p *SplitPool) Start(model string, prompt []int32) (*Seq, []Op, error) {
+	s, ops, err := p.Resume(model, prompt)
 	if err == nil {
 		p.queries += uint64(len(prompt))
 		p.hits += uint64(s.cached)
@@ -119,8 +127,9 @@ func (p *SplitPool) Start(prompt []int32) (*Seq, []Op, error) {
 }
 
 // Resume is Start for a preempted sequence, not counted as a cache lookup.
-func (p *SplitPool) Resume(prompt []int32) (*Seq, []Op, error) {
-	n, holders := p.match(prompt)
+func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
+	h := p.hasherFor(model)
+	n, holders := p.match(h, prompt)
 	B := int32(p.cfg.BlockTokens)
 	var ops []Op
 	id, free := p.freeStream()
@@ -160,7 +169,7 @@ func (p *SplitPool) Resume(prompt []int32) (*Seq, []Op, error) {
 	for _, h := range st.chain {
 		p.track(h, id)
 	}
-	s := &Seq{ID: id, len: n * p.cfg.BlockTokens, sealed: n, cached: n * p.cfg.BlockTokens}
+	s := &Seq{ID: id, len: n * p.cfg.BlockTokens, sealed: n, cached: n * p.cfg.BlockTokens, hasher: h}
 	if n > 0 {
 		s.parent = st.chain[n-1]
 	}
@@ -270,7 +279,7 @@ func (p *SplitPool) Commit(s *Seq) {
 	B := p.cfg.BlockTokens
 	st := &p.streams[s.ID]
 	for len(s.tail) >= B {
-		h := p.hasher.Block(s.parent, s.tail[:B])
+		h := s.hasher.Block(s.parent, s.tail[:B])
 		s.parent = h
 		s.sealed++
 		s.tail = s.tail[B:]
@@ -301,7 +310,7 @@ func (p *SplitPool) Release(s *Seq) []Op {
 func (p *SplitPool) Suspend(s *Seq) []Op { return p.Release(s) }
 
 // Abandon has nothing to do: Suspend kept nothing past the budget.
-func (p *SplitPool) Abandon([]int32) []Op { return nil }
+func (p *SplitPool) Abandon(string, []int32) []Op { return nil }
 
 // Fork copies s's stream to a new one.
 func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
@@ -323,7 +332,7 @@ func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 			p.track(h, id)
 		}
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher}
 	st.state, st.seq = seqRunning, f
 	return f, ops, nil
 }

@@ -171,7 +171,7 @@ func TestSplitReuseByCopyAndAdoption(t *testing.T) {
 		prompt[i] = int32(i + 1)
 	}
 	start := func(pr []int32) (*Seq, []Op) {
-		s, ops, err := p.Start(pr)
+		s, ops, err := p.Start("", pr)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/shoal-ai/shoal/kvcache"
@@ -56,6 +57,12 @@ type Config struct {
 	SampleWorkers int
 	// Spec is speculative decoding by n-gram lookup; off by default.
 	Spec SpecConfig
+	// Adapters are the ids of the LoRA adapters a request may run under
+	// (Request.Adapter i is Adapters[i-1], engine.Batch.Adapter i). llama.cpp
+	// applies an adapter to a whole forward pass, so a step computes the
+	// sequences of one adapter (or of none), and the adapters with work take
+	// turns, step by step. Each adapter's KV is cached apart, under its id.
+	Adapters []string
 }
 
 // SpecConfig configures speculative decoding by n-gram lookup (vLLM's "ngram"
@@ -127,6 +134,11 @@ func (c Config) Validate() error {
 		return fmt.Errorf("scheduler: speculative n-gram sizes %d..%d: want 1 <= min <= max", c.Spec.NgramMin, c.Spec.NgramMax)
 	case c.Spec.MaxRunning < 0:
 		return fmt.Errorf("scheduler: speculative max running %d must not be negative", c.Spec.MaxRunning)
+	}
+	for i, a := range c.Adapters {
+		if a == "" || slices.Contains(c.Adapters[:i], a) || a == c.KV.Model {
+			return fmt.Errorf("scheduler: adapter id %q: want ids that are not empty, repeated or the model's", a)
+		}
 	}
 	return c.KV.ValidatePolicy()
 }

@@ -50,9 +50,12 @@ type Request struct {
 	// Embed asks for the prompt's pooled embedding (EventEmbedding) instead of
 	// generation; the engine must be a pooling one. The prompt is computed in one pass.
 	Embed bool
+	// Adapter is the LoRA adapter the request runs under: i for
+	// Config.Adapters[i-1], 0 for none.
+	Adapter int
 }
 
-func (r *Request) validate(vocab int) error {
+func (r *Request) validate(vocab, adapters int) error {
 	if len(r.Prompt) == 0 {
 		return fmt.Errorf("%w: empty prompt", ErrInvalid)
 	}
@@ -60,6 +63,9 @@ func (r *Request) validate(vocab int) error {
 		if t < 0 || int(t) >= vocab {
 			return fmt.Errorf("%w: prompt token %d at %d outside the vocabulary of %d", ErrInvalid, t, i, vocab)
 		}
+	}
+	if r.Adapter < 0 || r.Adapter > adapters {
+		return fmt.Errorf("%w: adapter %d: this scheduler has %d", ErrInvalid, r.Adapter, adapters)
 	}
 	if r.MaxTokens < 0 {
 		return fmt.Errorf("%w: max_tokens %d must not be negative", ErrInvalid, r.MaxTokens)

@@ -89,6 +89,7 @@ type Scheduler struct {
 	draftTokens      int            // rows of this step that check a proposed token
 	stepAccepted     int            // proposals of this step the model drew the same
 	specPause        int            // steps without proposals after a batch with them did not fit
+	adapter          int            // the LoRA adapter of the last step (Config.Adapters)
 	eog              []engine.Token // the vocabulary's end tokens, once listed (endTokens)
 	ended            int            // sequences that left the running batch since the last step
 	endedAny         bool           // one has: the finish rate is measured, not predicted
@@ -259,7 +260,7 @@ func (s *Scheduler) MaxContext() int {
 // Submit queues req. The stream ends with EventDone or EventError; cancelling ctx
 // cancels the request within one step, waiting or running.
 func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
-	if err := req.validate(s.vocab.Size()); err != nil {
+	if err := req.validate(s.vocab.Size(), len(s.cfg.Adapters)); err != nil {
 		return nil, err
 	}
 	if n := len(req.Prompt); n >= s.MaxContext() {
@@ -369,7 +370,7 @@ func (s *Scheduler) enqueue(q *seq) {
 	q.draft, q.draftRows = nil, nil
 	// What it will cost to prefill, given the cache now: the queue-wait estimate that
 	// routers read counts this, not the whole prompt.
-	q.uncached = len(q.tokens) - s.pool.CachedPrefix(s.cachedPrompt(q))
+	q.uncached = len(q.tokens) - s.pool.CachedPrefix(s.model(q), s.cachedPrompt(q))
 	i, _ := slices.BinarySearchFunc(s.queue, q, queueOrder)
 	s.queue = slices.Insert(s.queue, i, q)
 }
@@ -395,10 +396,43 @@ func queueOrder(a, b *seq) int {
 	return cmp.Or(cmp.Compare(a.g.req.Priority, b.g.req.Priority), cmp.Compare(a.arrival, b.arrival))
 }
 
+// model is the id q's KV is cached under: its adapter's, or "" (the model's).
+func (s *Scheduler) model(q *seq) string {
+	if a := q.g.req.Adapter; a > 0 {
+		return s.cfg.Adapters[a-1]
+	}
+	return ""
+}
+
+// stepAdapter picks the adapter whose sequences this step computes: the next
+// after the last step's, in turn, that has a sequence running or near the
+// queue's head (llama.cpp applies an adapter to a whole forward pass).
+func (s *Scheduler) stepAdapter() int {
+	n := len(s.cfg.Adapters) + 1
+	if n == 1 {
+		return 0
+	}
+	has := make([]bool, n)
+	for _, q := range s.running {
+		has[q.g.req.Adapter] = true
+	}
+	for _, q := range s.queue[:min(len(s.queue), maxPassedOver+1)] {
+		has[q.g.req.Adapter] = true
+	}
+	for i := 1; i <= n; i++ {
+		if a := (s.adapter + i) % n; has[a] {
+			return a
+		}
+	}
+	return s.adapter
+}
+
 // step runs one forward pass.
 func (s *Scheduler) step(ctx context.Context) {
 	s.dropCancelled()
 	s.batch.Reset()
+	s.adapter = s.stepAdapter()
+	s.batch.Adapter = s.adapter
 	s.rows = s.rows[:0]
 	s.decodeRows, s.draftTokens, s.stepAccepted = 0, 0, 0
 	s.building = true
@@ -409,7 +443,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	// 1. A decode row for every running sequence whose prompt is computed. Growing
 	// may preempt others (including ones already in the batch), so iterate a copy.
 	for _, q := range slices.Clone(s.running) {
-		if !q.running || q.computed() < len(q.tokens)-1 {
+		if !q.running || q.computed() < len(q.tokens)-1 || q.g.req.Adapter != s.adapter {
 			continue
 		}
 		if s.grow(q, q.tokens[len(q.tokens)-1:]) {
@@ -425,7 +459,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		if s.budget() == 0 {
 			break
 		}
-		if q.running && q.computed() < len(q.tokens)-1 {
+		if q.running && q.computed() < len(q.tokens)-1 && q.g.req.Adapter == s.adapter {
 			s.prefill(q)
 		}
 	}
@@ -440,7 +474,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		}
 		need := q.reserve(s.MaxContext())
 		prompt := s.cachedPrompt(q)
-		if !s.pool.Fits(prompt, need+len(q.tokens)-len(prompt)) {
+		if !s.pool.Fits(s.model(q), prompt, need+len(q.tokens)-len(prompt)) {
 			if len(s.running) == 0 {
 				// Nothing running will free more: the request can never fit.
 				s.fail(q.g, fmt.Errorf("%w: %d tokens plus %d to generate exceed the KV pool", ErrPromptTooLong, len(q.tokens), need))
@@ -452,7 +486,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		if q.suspended {
 			start = s.pool.Resume
 		}
-		kv, ops, err := start(prompt)
+		kv, ops, err := start(s.model(q), prompt)
 		if err != nil {
 			break // no sequence id: wait for one to finish
 		}
@@ -472,7 +506,9 @@ func (s *Scheduler) step(ctx context.Context) {
 			q.firstStart = false
 		}
 		s.running = append(s.running, q)
-		if q.computed() < len(q.tokens)-1 {
+		if q.g.req.Adapter != s.adapter {
+			// Admitted in its place in the queue, computed in its adapter's steps.
+		} else if q.computed() < len(q.tokens)-1 {
 			s.prefill(q)
 		} else if s.grow(q, q.tokens[len(q.tokens)-1:]) {
 			s.addRows(q, len(q.tokens)-1, len(q.tokens))
@@ -510,8 +546,8 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 	B := s.pool.BlockTokens()
 	cached := -1
 	for _, r := range s.running {
-		if r.gen > 0 || r.index > 0 || r.committed >= len(r.tokens) {
-			continue // not computing a prompt
+		if r.gen > 0 || r.index > 0 || r.committed >= len(r.tokens) || r.g.req.Adapter != q.g.req.Adapter {
+			continue // not computing a prompt, or another adapter's KV
 		}
 		n := 0
 		for n < min(len(q.tokens), len(r.tokens)-1) && q.tokens[n] == r.tokens[n] {
@@ -522,7 +558,7 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 			continue
 		}
 		if cached < 0 {
-			cached = s.pool.CachedPrefix(toInt32(q.tokens))
+			cached = s.pool.CachedPrefix(s.model(q), toInt32(q.tokens))
 		}
 		if n >= cached+B {
 			return true
@@ -764,7 +800,7 @@ func (s *Scheduler) removeFromBatch(q *seq) {
 		return // after the decode, row numbers must stay those of the decoded batch
 	}
 	id := engine.SeqID(q.kv.ID)
-	var nb engine.Batch
+	nb := engine.Batch{Adapter: s.batch.Adapter}
 	var nr []*seq
 	for i := range s.batch.Len() {
 		if s.batch.Seq[i] == id {
@@ -790,7 +826,7 @@ func (s *Scheduler) release(q *seq, resume bool) {
 	if q.kv == nil {
 		if q.suspended && !resume {
 			// Ended while waiting to resume: its kept blocks are cache now.
-			if err := s.apply(s.pool.Abandon(toInt32(q.tokens))); err != nil {
+			if err := s.apply(s.pool.Abandon(s.model(q), toInt32(q.tokens))); err != nil {
 				s.log.Error("abandon suspended KV", "err", err)
 			}
 			q.suspended = false

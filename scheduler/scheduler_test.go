@@ -1535,3 +1535,57 @@ func TestSpeculativeStopsWithItsReader(t *testing.T) {
 		t.Fatalf("finish %v", r.finish)
 	}
 }
+
+// TestAdaptersEqualSolo: requests under LoRA adapters and without, with the
+// same prompts, run together (in turns, one adapter per step) as each does
+// alone; each adapter reuses its own cached prefixes and never another's,
+// through preemption too.
+func TestAdaptersEqualSolo(t *testing.T) {
+	var reqs []*Request
+	for i := range 18 {
+		p := prompt(i%3, 40+i%3*7) // three prompts, each under every adapter
+		reqs = append(reqs, &Request{Prompt: p, MaxTokens: 5 + i%5*4, Adapter: i / 3 % 3})
+	}
+	adapters := func(c *Config) { c.Adapters = []string{"a", "b"} }
+	var want []result
+	for _, r := range reqs {
+		f := enginetest.New(4096, 32, 512)
+		f.Adapters = 2
+		s, _ := startScheduler(t, f, func(c *Config) { adapters(c); c.KV.Caching = false })
+		st, err := s.Submit(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want = append(want, collect(context.Background(), st, 1))
+	}
+	for i := 3; i < 6; i++ {
+		if slices.Equal(want[i].tokens[0], want[i-3].tokens[0]) {
+			t.Fatalf("request %d: the fake answers the same under adapter 1 as under none", i)
+		}
+	}
+	for _, cells := range []int{4096, 300} {
+		f := enginetest.New(cells, 32, 512)
+		f.Adapters = 2
+		s, _ := startScheduler(t, f, adapters)
+		for round := range 2 { // the second finds every prefix cached, under its own adapter
+			got := runConcurrently(t, s, reqs)
+			for i := range reqs {
+				if got[i].err != nil || !slices.Equal(got[i].tokens[0], want[i].tokens[0]) {
+					t.Fatalf("cells %d, round %d, request %d (adapter %d): %v %v, want %v", cells, round, i, reqs[i].Adapter, got[i].err, got[i].tokens, want[i].tokens)
+				}
+			}
+			if cells == 4096 && round == 1 {
+				for i := range reqs {
+					if got[i].usage.CachedTokens == 0 {
+						t.Errorf("round 2, request %d (adapter %d): nothing cached", i, reqs[i].Adapter)
+					}
+				}
+			}
+		}
+	}
+	f := enginetest.New(4096, 32, 512)
+	s, _ := startScheduler(t, f, adapters)
+	if _, err := s.Submit(context.Background(), &Request{Prompt: prompt(0, 4), Adapter: 3}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("adapter 3 of 2: %v", err)
+	}
+}

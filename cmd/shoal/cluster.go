@@ -177,7 +177,7 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	cc := cluster.DefaultConfig()
 	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, cf.advertise, cf.join, key, secret
 	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
-	cc.Meta = cluster.Meta{HTTP: adv, Models: []string{model}, Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device, Keys: keys,
+	cc.Meta = cluster.Meta{HTTP: adv, Models: append([]string{model}, sc.Adapters...), Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device, Keys: keys,
 		MaxModelLen: sched.MaxContext()}
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
 	if err != nil {

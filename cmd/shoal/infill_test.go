@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net/http"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/openai/openai-go/v3"
@@ -122,6 +125,50 @@ func TestLoRA(t *testing.T) {
 	if off != plain {
 		t.Errorf("at scale 0: %q, the model's own: %q", off, plain)
 	}
+
+	// Served as a model of its own (--lora-modules), beside the model: each
+	// request runs under the adapter it names, also when they run together.
+	n := startNode(t, "--model", smallModel(t), "--model-name", "base", "--lora-modules", "tuned="+adapter)
+	ask := func(model string) string {
+		resp, b := post(t, n.url+"/v1/completions", `{"model":"`+model+`",`+body[1:])
+		var r struct {
+			Model   string `json:"model"`
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 || r.Model != model {
+			t.Errorf("%s: %d %s", model, resp.StatusCode, b)
+			return ""
+		}
+		return r.Choices[0].Text
+	}
+	var wg sync.WaitGroup
+	for i := range 6 {
+		wg.Go(func() {
+			model, want := "base", plain
+			if i%2 == 0 {
+				model, want = "tuned", on
+			}
+			if got := ask(model); got != want {
+				t.Errorf("%s: %q, want %q", model, got, want)
+			}
+		})
+	}
+	wg.Wait()
+	resp, err := http.Get(n.url + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	models, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(models), `"id":"tuned"`) || !strings.Contains(string(models), `"parent":"base"`) {
+		t.Errorf("/v1/models: %s", models)
+	}
+	if resp, b := post(t, n.url+"/v1/completions", `{"model":"other",`+body[1:]); resp.StatusCode != 404 {
+		t.Errorf("an unknown model: %d %s", resp.StatusCode, b)
+	}
+
 	other := filepath.Join(t.TempDir(), "tiny-lora.gguf")
 	if code := run([]string{"gen-model", "--preset", "tiny", "--lora", "4", "--out", other}, &out, &errb); code != 0 {
 		t.Fatalf("gen-model --lora: %d %s", code, errb.String())

@@ -159,7 +159,7 @@ type serveFlags struct {
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
-	apiKeys, allowedOrigins, lora                                           listFlag
+	apiKeys, allowedOrigins, lora, loraModules                              listFlag
 	sampling                                                                engine.SamplingDefaults
 	cluster                                                                 *clusterFlags
 }
@@ -194,6 +194,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
+	fs.Var(&f.loraModules, "lora-modules", "a LoRA adapter served as a model of its own, as vLLM's --lora-modules: NAME=FILE or NAME=FILE:SCALE; a request whose \"model\" is NAME runs under it (repeatable)")
 	fs.Var(&f.lora, "lora", "a LoRA adapter (GGUF) applied to every request: FILE, or FILE:SCALE (default scale 1); repeatable, as llama-server's --lora and Ollama's ADAPTER")
 	fs.StringVar(&f.chatTemplate, "chat-template", "", "a llama.cpp built-in chat format instead of the model's own template: a name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, run as Jinja; ChatML when it has none)")
 	fs.StringVar(&f.chatTemplateFile, "chat-template-file", "", "a Jinja chat template file to render chats with instead of the model's own (as llama-server's)")
@@ -317,6 +318,18 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if lc.LoRA, err = loraList(f.lora); err != nil {
 		return err
 	}
+	var adapterIDs []string
+	for _, m := range f.loraModules {
+		id, file, ok := strings.Cut(m, "=")
+		if !ok || id == "" || file == "" {
+			return fmt.Errorf("--lora-modules %q: want NAME=FILE or NAME=FILE:SCALE", m)
+		}
+		l, err := loraList([]string{file})
+		if err != nil {
+			return fmt.Errorf("--lora-modules %q: %w", m, err)
+		}
+		lc.Adapters, adapterIDs = append(lc.Adapters, l...), append(adapterIDs, id)
+	}
 	setFlags := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
 	// Unless asked for either, the engine splits a pool sized from GPU memory when
@@ -346,6 +359,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	sc.KV.BlockTokens, sc.KV.Caching, sc.KV.Seed, sc.KV.Model = f.blockTokens, f.caching, f.hashSeed, name
 	sc.KV.CacheFloor = f.cacheFloor
 	sc.MaxModelLen = f.maxModelLen
+	sc.Adapters = adapterIDs
 	sc.Spec = f.spec
 	if f.specConfig != "" {
 		if sc.Spec, err = parseSpeculativeConfig(f.specConfig, sc.Spec); err != nil {
@@ -360,6 +374,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ac.AllowedOrigins = f.allowedOrigins
 	ac.PriorityScheduling = f.schedulingPolicy == "priority"
 	ac.ReasoningFormat = f.reasoningFormat
+	ac.Adapters = adapterIDs
 	if f.sim == "" {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}
@@ -466,6 +481,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		"chat_template", cmp.Or(f.chatTemplateFile, abbrev(info.ChatTemplate, 40)))
 	for _, a := range lc.LoRA {
 		log.Info("LoRA adapter applied", "file", a.Path, "scale", a.Scale)
+	}
+	for i, a := range lc.Adapters {
+		log.Info("LoRA adapter served", "model", adapterIDs[i], "file", a.Path, "scale", a.Scale)
 	}
 	if template != "" {
 		// Given by the operator, it must run: no quiet fallback to another format.

@@ -29,17 +29,22 @@ type Fake struct {
 	// Period, if > 0, makes a sequence repeat itself: the token after
 	// position p is the one at p+1-Period (from Period tokens on), as a model
 	// copying text it has seen does.
-	Period  int
-	mu      sync.Mutex
-	batches []BatchStats
-	Failing func(b *engine.Batch) error
-	aborted bool // Abort: the next Decode returns ErrAborted
+	Period int
+	// Adapters is how many LoRA adapters a batch may select (Batch.Adapter):
+	// a cell computed under one holds other "KV", and a row's logits depend on
+	// the adapters its sequence's cells were computed under and its own.
+	Adapters int
+	mu       sync.Mutex
+	batches  []BatchStats
+	Failing  func(b *engine.Batch) error
+	aborted  bool // Abort: the next Decode returns ErrAborted
 }
 
 type cell struct {
-	pos  engine.Pos
-	tok  engine.Token
-	seqs map[engine.SeqID]bool
+	pos     engine.Pos
+	tok     engine.Token
+	adapter int
+	seqs    map[engine.SeqID]bool
 }
 
 // BatchStats describes one decoded batch.
@@ -81,6 +86,9 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	if aborted || ctx.Err() != nil {
 		return fmt.Errorf("fake: %w", engine.ErrAborted)
 	}
+	if b.Adapter < 0 || b.Adapter > f.Adapters {
+		return fmt.Errorf("fake: adapter %d of %d: %w", b.Adapter, f.Adapters, engine.ErrInvalidInput)
+	}
 	if err := b.Check(f.cap, f.vocab.n, func(s engine.SeqID) (engine.Pos, bool) {
 		_, hi, ok := f.SeqPosRange(s)
 		return hi, ok
@@ -117,7 +125,7 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	fb := BatchStats{Rows: b.Len(), Seqs: map[engine.SeqID]int{}}
 	for i := range b.Len() {
 		s := b.Seq[i]
-		f.cells = append(f.cells, &cell{pos: b.Pos[i], tok: b.Tokens[i], seqs: map[engine.SeqID]bool{s: true}})
+		f.cells = append(f.cells, &cell{pos: b.Pos[i], tok: b.Tokens[i], adapter: b.Adapter, seqs: map[engine.SeqID]bool{s: true}})
 		fb.Seqs[s]++
 	}
 	f.logits = map[int][]float32{}
@@ -126,7 +134,7 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 			continue
 		}
 		fb.Outputs++
-		f.logits[i] = f.next(b.Seq[i], b.Pos[i])
+		f.logits[i] = f.next(b.Seq[i], b.Pos[i], b.Adapter)
 	}
 	f.mu.Lock()
 	f.batches = append(f.batches, fb)
@@ -141,13 +149,15 @@ func (f *Fake) checkSeq(s engine.SeqID) error {
 	return nil
 }
 
-// next computes logits from the tokens seq s holds at positions 0..pos.
-func (f *Fake) next(s engine.SeqID, pos engine.Pos) []float32 {
+// next computes logits from the tokens seq s holds at positions 0..pos, and
+// the adapters they and the row were computed under.
+func (f *Fake) next(s engine.SeqID, pos engine.Pos, adapter int) []float32 {
 	toks := make([]engine.Token, pos+1)
+	under := make([]int, pos+1)
 	seen := make([]bool, pos+1)
 	for _, c := range f.cells {
 		if c.seqs[s] && c.pos <= pos {
-			toks[c.pos], seen[c.pos] = c.tok, true
+			toks[c.pos], under[c.pos], seen[c.pos] = c.tok, c.adapter, true
 		}
 	}
 	h := fnv.New32a()
@@ -156,6 +166,12 @@ func (f *Fake) next(s engine.SeqID, pos engine.Pos) []float32 {
 			panic(fmt.Sprintf("fake: seq %d lacks position %d", s, i))
 		}
 		fmt.Fprint(h, t, ",")
+		if under[i] > 0 {
+			fmt.Fprint(h, "@", under[i], ",")
+		}
+	}
+	if adapter > 0 {
+		fmt.Fprint(h, "under ", adapter)
 	}
 	l := make([]float32, f.vocab.n)
 	next := 3 + int(h.Sum32()%uint32(f.vocab.n-3))

@@ -1235,3 +1235,55 @@ func TestLoRA(t *testing.T) {
 		}
 	}
 }
+
+// TestSelectedAdapters: batches that select an adapter, interleaved with
+// batches that do not, compute what an engine with the adapter always
+// applied, and one without, compute.
+func TestSelectedAdapters(t *testing.T) {
+	spec := models.Small()
+	adapter := filepath.Join(t.TempDir(), "lora.gguf")
+	if err := models.GenerateLoRA(adapter, spec, 8, 0); err != nil {
+		t.Fatal(err)
+	}
+	base := openTest(t, spec, nil)
+	static := openTest(t, spec, func(c *Config) { c.LoRA = []LoRA{{Path: adapter, Scale: 1}} })
+	prompts := [][]engine.Token{tokenize(t, base, testPrompts[0]), tokenize(t, base, testPrompts[3])}
+	plain := decodeGreedy(t, base, prompts, 6, false)
+	wantBase := plain[1]
+	wantLoRA := decodeGreedy(t, static, prompts[:1], 6, false)[0]
+
+	e := openTest(t, spec, func(c *Config) { c.Adapters = []LoRA{{Path: adapter, Scale: 1}} })
+	ctx := context.Background()
+	got := make([][]engine.Token, 2)
+	for step := range 7 {
+		for s, adapterOf := range []int{1, 0} { // seq 0 under the adapter, seq 1 under none
+			b := engine.Batch{Adapter: adapterOf}
+			if step == 0 {
+				for i, tk := range prompts[s] {
+					b.Add(tk, engine.Pos(i), engine.SeqID(s), i == len(prompts[s])-1)
+				}
+			} else {
+				b.Add(got[s][step-1], engine.Pos(len(prompts[s])+step-1), engine.SeqID(s), true)
+			}
+			if err := e.Decode(ctx, &b); err != nil {
+				t.Fatal(err)
+			}
+			var l []float32
+			if err := e.Logits(b.Len()-1, func(x []float32) { l = slices.Clone(x) }); err != nil {
+				t.Fatal(err)
+			}
+			got[s] = append(got[s], engine.Token(argmax(l)))
+		}
+	}
+	if !slices.Equal(got[0][:6], wantLoRA.tokens) || !slices.Equal(got[1][:6], wantBase.tokens) {
+		t.Errorf("interleaved: %v and %v; want %v (adapter) and %v (none)", got[0][:6], got[1][:6], wantLoRA.tokens, wantBase.tokens)
+	}
+	if slices.Equal(wantLoRA.tokens, plain[0].tokens) {
+		t.Errorf("the adapter changes nothing on this prompt: the test shows nothing")
+	}
+	bad := engine.Batch{Adapter: 2}
+	bad.Add(prompts[0][0], 0, 5, true)
+	if err := e.Decode(ctx, &bad); !errors.Is(err, engine.ErrInvalidInput) {
+		t.Errorf("adapter 2 of 1: %v", err)
+	}
+}

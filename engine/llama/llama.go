@@ -62,9 +62,11 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/cgo"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -145,6 +147,9 @@ type Config struct {
 	// LoRA adapters are applied to every sequence, each at its scale, as
 	// llama-server's --lora and Ollama's ADAPTER apply them.
 	LoRA []LoRA
+	// Adapters are LoRA adapters a batch selects (engine.Batch.Adapter i
+	// applies Adapters[i-1], besides LoRA's).
+	Adapters []LoRA
 
 	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
 	Progress func(float32)
@@ -196,7 +201,7 @@ func (c Config) Validate() error {
 	case c.KVMemory != c.KVMemory || c.KVMemory > 1 && c.KVMemory < 1<<20:
 		return fmt.Errorf("KV memory %v: want a fraction in (0,1] or at least 1 MiB of bytes", c.KVMemory)
 	}
-	for _, l := range c.LoRA {
+	for _, l := range append(slices.Clip(c.LoRA), c.Adapters...) {
 		if l.Path == "" || math.IsNaN(float64(l.Scale)) || math.IsInf(float64(l.Scale), 0) {
 			return fmt.Errorf("LoRA adapter %q at scale %v: want a file and a finite scale", l.Path, l.Scale)
 		}
@@ -276,8 +281,11 @@ type Engine struct {
 	abort *C.int32_t // C memory polled by ggml
 	vocab *Vocab
 	// lora are the loaded adapters, applied to the context at cfg.LoRA's
-	// scales; the model frees them.
-	lora []*C.struct_llama_adapter_lora
+	// scales; adapters are cfg.Adapters, which batches select, and active
+	// the one applied now (1-based, 0: none). The model frees them.
+	lora, adapters []*C.struct_llama_adapter_lora
+	scales         []float32 // cfg.Adapters' scales
+	active         int
 
 	info   engine.ModelInfo
 	cap    engine.Capacity
@@ -341,20 +349,17 @@ func Open(cfg Config) (*Engine, error) {
 	}
 
 	e := &Engine{model: model}
-	for _, l := range cfg.LoRA {
-		if err := checkGGUF(l.Path); err != nil {
+	for i, l := range append(slices.Clip(cfg.LoRA), cfg.Adapters...) {
+		a, err := loadLoRA(model, l.Path)
+		if err != nil {
 			C.llama_model_free(model)
-			return nil, fmt.Errorf("open engine: LoRA adapter: %w", err)
+			return nil, fmt.Errorf("open engine: %w", err)
 		}
-		cp := C.CString(l.Path)
-		a := C.llama_adapter_lora_init(model, cp)
-		C.free(unsafe.Pointer(cp))
-		if a == nil {
-			C.llama_model_free(model)
-			return nil, fmt.Errorf("open engine: LoRA adapter %s: %s", l.Path,
-				cmp.Or(lastLlamaError(), "llama.cpp could not load it (a LoRA GGUF for this model's architecture and shapes expected)"))
+		if i < len(cfg.LoRA) {
+			e.lora = append(e.lora, a)
+		} else {
+			e.adapters, e.scales = append(e.adapters, a), append(e.scales, l.Scale)
 		}
-		e.lora = append(e.lora, a)
 	}
 	offloaded := offloadedLayers(cfg, int(C.llama_model_n_layer(model)), devs)
 	cells, err := e.kvCells(cfg, offloaded > 0)
@@ -391,6 +396,41 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("open engine: this model keeps no KV cache (an encoder): serve it as an embedding model (--embeddings): %w", engine.ErrUnsupported)
 	}
 	return e, nil
+}
+
+// loadLoRA loads the LoRA adapter at path for model.
+func loadLoRA(model *C.struct_llama_model, path string) (*C.struct_llama_adapter_lora, error) {
+	if err := checkGGUF(path); err != nil {
+		return nil, fmt.Errorf("LoRA adapter: %w", err)
+	}
+	cp := C.CString(path)
+	defer C.free(unsafe.Pointer(cp))
+	lastLlamaError()
+	a := C.llama_adapter_lora_init(model, cp)
+	if a == nil {
+		return nil, fmt.Errorf("LoRA adapter %s: %s", path,
+			cmp.Or(lastLlamaError(), "llama.cpp could not load it (a LoRA GGUF for this model's architecture and shapes expected)"))
+	}
+	return a, nil
+}
+
+// useAdapter applies selectable adapter i (1-based; 0: none) in place of the
+// one applied now.
+func (e *Engine) useAdapter(i int) error {
+	if i == e.active {
+		return nil
+	}
+	if e.active > 0 {
+		C.llama_rm_adapter_lora(e.ctx, e.adapters[e.active-1])
+		e.active = 0
+	}
+	if i > 0 {
+		if C.llama_set_adapter_lora(e.ctx, e.adapters[i-1], C.float(e.scales[i-1])) != 0 {
+			return fmt.Errorf("apply adapter %d: llama.cpp refused it", i)
+		}
+		e.active = i
+	}
+	return nil
 }
 
 // autoSplit reports whether AutoUnified splits a pool on a GPU: when it is sized from
@@ -433,6 +473,23 @@ func (e *Engine) newContext(cfg Config) error {
 
 	e.abort = (*C.int32_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.int32_t(0)))))
 	lastLlamaError()
+	if len(cfg.Adapters) > 0 {
+		// llama.cpp reuses a step's graph for the next of the same shape,
+		// comparing the adapters applied by the address of their set, which
+		// does not change when another is applied: the second adapter's batch
+		// would run the first's graph. A context whose batches select
+		// adapters builds every step's graph (the variable is read once, by
+		// the context's constructor).
+		prev, had := os.LookupEnv("LLAMA_GRAPH_REUSE_DISABLE")
+		os.Setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
+		defer func() {
+			if had {
+				os.Setenv("LLAMA_GRAPH_REUSE_DISABLE", prev)
+			} else {
+				os.Unsetenv("LLAMA_GRAPH_REUSE_DISABLE")
+			}
+		}()
+	}
 	ctx := C.llama_init_from_model(e.model, cp)
 	if ctx == nil {
 		C.free(unsafe.Pointer(e.abort))
@@ -571,6 +628,9 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("decode: %w", err)
 	}
+	if err := e.useAdapter(b.Adapter); err != nil {
+		return fmt.Errorf("decode: %w", err)
+	}
 	n := b.Len()
 	for i := range n {
 		out := C.int8_t(0)
@@ -636,6 +696,8 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 		return fmt.Errorf("batch of %d tokens exceeds n_batch %d: %w", n, e.cap.BatchTokens, engine.ErrInvalidInput)
 	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
 		return fmt.Errorf("batch columns differ in length: %w", engine.ErrInvalidInput)
+	case b.Adapter < 0 || b.Adapter > len(e.adapters):
+		return fmt.Errorf("adapter %d: this engine has %d: %w", b.Adapter, len(e.adapters), engine.ErrInvalidInput)
 	}
 	nv := engine.Token(e.vocab.Size())
 	for i := range n {
