@@ -376,16 +376,22 @@ func (s *Server) grammarFor(v engine.Vocab, f *SamplingFields) (param, gbnf stri
 			return "", "", invalid(c.param, "%s is empty", c.param)
 		}
 		if gbnf, err = engine.RegexGrammar(*c.regex); err != nil {
-			err = invalid(c.param, "%s: %v", c.param, err)
+			err = invalid(c.param, "%s: %s", c.param, refusal(err, "regex "))
 		}
 	case c.schema == nil:
 		if gbnf, err = engine.ParseGBNF(c.grammar, v); err != nil {
-			err = invalid(c.param, "%s: %v", c.param, err)
+			err = invalid(c.param, "%s: %s", c.param, refusal(err, "grammar: "))
 		}
 	default:
 		gbnf, err = s.schemaGrammar(c.param, c.schema)
 	}
 	return c.param, gbnf, err
+}
+
+// refusal is the reason engine gives for refusing a client's input, without
+// the prefix naming what it read (the field names it) and the sentinel's text.
+func refusal(err error, prefix string) string {
+	return strings.TrimPrefix(strings.TrimSuffix(err.Error(), ": "+engine.ErrInvalidInput.Error()), prefix)
 }
 
 // answerSchema is the schema of a tool protocol answer's "response" under the

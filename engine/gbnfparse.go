@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -18,6 +19,8 @@ const (
 	maxGrammarElements = 1 << 20   // elements llama.cpp expands the grammar into (8 bytes each)
 	maxGrammarRepeat   = 2000      // llama.cpp's own bound on {m,n}
 	maxGrammarChain    = 1000      // rules one begins with, one into another (llama.cpp recurses along them)
+	maxGrammarRun      = 16        // parts in a row that may each be left out
+	maxStackedRepeats  = 4         // repetition operators in a row ("a"+?)
 )
 
 // ParseGBNF reads a client's GBNF grammar as llama.cpp's parser reads it and
@@ -151,11 +154,14 @@ func (p *gbnfParser) parse() error {
 	}
 	nullable := p.nullable()
 	for _, it := range p.reps {
-		if it.base(nullable) {
+		if nullable.base(it) {
 			return p.errorf(it.at, "a repetition of something that can match nothing (repeat what matches at least one character, and make the repetition optional: (x+)? for (x?)+)")
 		}
 	}
-	return p.leftRecursion(nullable)
+	if err := p.leftRecursion(nullable); err != nil {
+		return err
+	}
+	return p.costs(nullable)
 }
 
 // rule reads "name ::= alternatives" up to its line's end.
@@ -200,6 +206,11 @@ func (p *gbnfParser) alternates(nested bool) (gbnfRule, error) {
 		if err != nil {
 			return nil, err
 		}
+		if len(s) == 0 {
+			// Written as "", so that nothing after the rule's ::= or | (a
+			// grammar joined after this one) is read as part of it.
+			p.out.WriteString(` ""`)
+		}
 		r = append(r, s)
 		if p.peek(0) != '|' {
 			return r, nil
@@ -214,6 +225,7 @@ func (p *gbnfParser) alternates(nested bool) (gbnfRule, error) {
 func (p *gbnfParser) sequence(nested bool) (gbnfSeq, error) {
 	var s gbnfSeq
 	var last *gbnfItem
+	stacked := 0 // repetition operators applied to last beyond its first
 	add := func(it *gbnfItem, text string, elems int) {
 		it.elems = elems
 		s = append(s, it)
@@ -319,8 +331,13 @@ func (p *gbnfParser) sequence(nested bool) (gbnfSeq, error) {
 				return nil, p.errorf(at, "%s with nothing before it to repeat", text)
 			}
 			if last.repeated { // llama.cpp repeats the repetition's rule
+				if stacked++; stacked >= maxStackedRepeats {
+					return nil, p.errorf(at, "more than %d repetition operators in a row", maxStackedRepeats)
+				}
 				last = &gbnfItem{group: gbnfRule{{last}}, elems: last.chunk, min: 1, max: 1, at: last.at}
 				s[len(s)-1] = last
+			} else {
+				stacked = 0
 			}
 			last.min, last.max, last.repeated = lo, hi, true
 			if hi != 1 {
@@ -504,6 +521,8 @@ func (p *gbnfParser) token() (string, error) {
 // gbnfChar writes r as a literal's (class false) or a class's character.
 func gbnfChar(r rune, class bool) string {
 	switch {
+	case r < 0 || !utf8.ValidRune(r):
+		return fmt.Sprintf(`\U%08X`, uint32(r))
 	case r == '"' || r == '\\':
 		return `\` + string(r)
 	case r == '\n':
@@ -518,38 +537,45 @@ func gbnfChar(r rune, class bool) string {
 		return `\` + string(r)
 	case class && (r == '-' || r == '^'):
 		return fmt.Sprintf(`\x%02X`, r)
-	case !utf8.ValidRune(r):
-		return fmt.Sprintf(`\U%08X`, uint32(r))
 	}
 	return string(r)
 }
 
-// nullable is, per rule, whether it can match nothing.
-func (p *gbnfParser) nullable() map[string]bool {
-	null := map[string]bool{}
+// emptiness answers which rules, groups and items can match nothing; groups
+// are remembered, so that groups nested deep are walked once.
+type emptiness struct {
+	rules  map[string]bool
+	groups map[*gbnfItem]bool
+}
+
+// nullable is, per rule, whether it can match nothing (a least fixpoint,
+// rules taken last defined first, as grammars written top down refer on).
+func (p *gbnfParser) nullable() *emptiness {
+	e := &emptiness{rules: map[string]bool{}}
 	for changed := true; changed; {
 		changed = false
-		for name, r := range p.rules {
-			if !null[name] && r.matchesEmpty(null) {
-				null[name], changed = true, true
+		e.groups = map[*gbnfItem]bool{} // what a group's answer rests on may have changed
+		for _, name := range slices.Backward(p.order) {
+			if !e.rules[name] && e.rule(*p.rules[name]) {
+				e.rules[name], changed = true, true
 			}
 		}
 	}
-	return null
+	return e
 }
 
-func (r gbnfRule) matchesEmpty(null map[string]bool) bool {
+func (e *emptiness) rule(r gbnfRule) bool {
 	for _, s := range r {
-		if s.matchesEmpty(null) {
+		if e.seq(s) {
 			return true
 		}
 	}
 	return false
 }
 
-func (s gbnfSeq) matchesEmpty(null map[string]bool) bool {
+func (e *emptiness) seq(s gbnfSeq) bool {
 	for _, it := range s {
-		if it.min > 0 && !it.base(null) {
+		if it.min > 0 && !e.base(it) {
 			return false
 		}
 	}
@@ -557,12 +583,17 @@ func (s gbnfSeq) matchesEmpty(null map[string]bool) bool {
 }
 
 // base reports whether the item, without its repetition, can match nothing.
-func (it *gbnfItem) base(null map[string]bool) bool {
+func (e *emptiness) base(it *gbnfItem) bool {
 	switch {
 	case it.ref != "":
-		return null[it.ref]
+		return e.rules[it.ref]
 	case it.group != nil:
-		return it.group.matchesEmpty(null)
+		v, ok := e.groups[it]
+		if !ok {
+			v = e.rule(it.group)
+			e.groups[it] = v
+		}
+		return v
 	}
 	return it.chars == 0
 }
@@ -571,7 +602,7 @@ func (it *gbnfItem) base(null map[string]bool) bool {
 // a character: llama.cpp refuses such a grammar (it would recurse without
 // end). It also refuses a chain of more than maxGrammarChain rules each
 // beginning with the next, along which llama.cpp recurses in C++.
-func (p *gbnfParser) leftRecursion(null map[string]bool) error {
+func (p *gbnfParser) leftRecursion(null *emptiness) error {
 	first := map[string][]string{} // rules each rule may begin with
 	var starts func(r gbnfRule, into *[]string)
 	starts = func(r gbnfRule, into *[]string) {
@@ -583,7 +614,7 @@ func (p *gbnfParser) leftRecursion(null map[string]bool) error {
 				case it.group != nil:
 					starts(it.group, into)
 				}
-				if it.min > 0 && !it.base(null) {
+				if it.min > 0 && !null.base(it) {
 					break
 				}
 			}
@@ -636,4 +667,91 @@ func (p *gbnfParser) leftRecursion(null map[string]bool) error {
 		}
 	}
 	return nil
+}
+
+// gbnfCost is what llama.cpp's grammar pays at a position: how deep it
+// recurses (llama_grammar_advance_stack, once per rule it enters there,
+// groups and repetitions being rules, and once per part it leaves out), and
+// the longest run of parts that may each be left out, nested ones counted.
+type gbnfCost struct{ depth, run int }
+
+// costs refuses a grammar whose recursion at some position passes
+// maxGrammarChain (a stack overflow in C++ kills the process) or that has a
+// run of more than maxGrammarRun parts that may each be left out: to match a
+// token's characters, llama.cpp follows every way of placing them among such
+// parts, which for n parts and a token of k characters is C(n, k) ways, for
+// every token of the vocabulary and step (a hundred "x"? in a row stalled a
+// node for seconds per token, a thousand for minutes). Run after
+// leftRecursion: the rules begun at a position form no cycle.
+func (p *gbnfParser) costs(null *emptiness) error {
+	atPos := map[*gbnfItem]gbnfCost{} // a sequence's position, by the item there
+	ofRule := map[string]gbnfCost{}
+	var seqAt func(s gbnfSeq, i int) gbnfCost
+	var rule func(r gbnfRule) gbnfCost
+	rule = func(r gbnfRule) gbnfCost {
+		var c gbnfCost
+		for _, s := range r {
+			x := seqAt(s, 0)
+			c.depth, c.run = max(c.depth, x.depth), max(c.run, x.run)
+		}
+		return c
+	}
+	var bad error
+	seqAt = func(s gbnfSeq, i int) gbnfCost {
+		if i == len(s) || bad != nil {
+			return gbnfCost{}
+		}
+		it := s[i]
+		if c, ok := atPos[it]; ok {
+			return c
+		}
+		var c gbnfCost
+		switch {
+		case it.ref != "":
+			r, ok := ofRule[it.ref]
+			if !ok {
+				r = rule(*p.rules[it.ref])
+				ofRule[it.ref] = r
+			}
+			c = gbnfCost{r.depth + 1, r.run}
+		case it.group != nil:
+			g := rule(it.group)
+			c = gbnfCost{g.depth + 1, g.run}
+		}
+		if it.min == 0 {
+			c.depth++ // the repetition's own rule
+		}
+		if it.min == 0 || null.base(it) {
+			next := seqAt(s, i+1)
+			c.depth = max(c.depth, next.depth+1)
+			c.run = max(c.run, 1) + next.run
+		}
+		switch {
+		case bad != nil:
+		case c.depth > maxGrammarChain:
+			bad = p.errorf(it.at, "llama.cpp would recurse more than %d rules deep here (groups, repetitions and parts left out each count): its stack could run out", maxGrammarChain)
+		case c.run > maxGrammarRun:
+			bad = p.errorf(it.at, "%d parts in a row from here may each be left out, more than %d: llama.cpp would follow every way of placing a token's characters among them, for every token at every step (write the run as a repetition, or make fewer parts optional)", c.run, maxGrammarRun)
+		}
+		atPos[it] = c
+		return c
+	}
+	var walk func(r gbnfRule)
+	walk = func(r gbnfRule) {
+		for _, s := range r {
+			for i, it := range s {
+				seqAt(s, i)
+				if it.group != nil {
+					walk(it.group)
+				}
+			}
+		}
+	}
+	for _, name := range p.order {
+		walk(*p.rules[name])
+		if bad != nil {
+			return bad
+		}
+	}
+	return bad
 }

@@ -18,6 +18,9 @@ func TestParseGBNF(t *testing.T) {
 		{"root ::= \"\" | \"a\" root", "root ::= \"\" | \"a\" root\n"},
 		{"root ::= (\"a\"?)?", "root ::= ( \"a\"? )?\n"},
 		{"root ::= \"a\"*?", "root ::= \"a\"*?\n"}, // ? of what can match nothing is fine
+		{"root ::= \"\\UFFFFFFFF\\U0010FFFF\\uD800\"", "root ::= \"\\UFFFFFFFF\U0010FFFF\\U0000D800\"\n"},
+		{"root ::= x\nx ::=", "root ::= x\nx ::= \"\"\n"},
+		{"root ::= \"a\" |", "root ::= \"a\" | \"\"\n"}, // an empty alternative is written "", so that a rule joined after it is not read into it
 	} {
 		got, err := ParseGBNF(c.in, nil)
 		if err != nil || got != c.want {
@@ -66,6 +69,28 @@ func TestParseGBNF(t *testing.T) {
 		if err == nil || !errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), want) {
 			t.Errorf("%q: %v, want an invalid-input error with %q", in, err, want)
 		}
+	}
+	// What would crash or stall llama.cpp: a chain of repetitions or groups
+	// deeper than its stack, a long run of parts that may each be left out.
+	groups := strings.Builder{}
+	groups.WriteString("root ::= r0\n")
+	for i := range 990 {
+		groups.WriteString("r" + strconv.Itoa(i) + " ::= " + strings.Repeat("(", 99) + "r" + strconv.Itoa(i+1) + strings.Repeat(")", 99) + " | \"a\"\n")
+	}
+	groups.WriteString("r990 ::= \"b\"\n")
+	for in, want := range map[string]string{
+		"root ::= \"a\"" + strings.Repeat("?", 80000): "more than 4 repetition operators in a row",
+		groups.String(): "recurse more than 1000",
+		"root ::= " + strings.Repeat("x? ", 17) + "\"y\"\nx ::= \"a\"":                         "17 parts in a row",
+		"root ::= (x? x? x? x? x? x?)? (x? x? x? x? x? x?)? (x? x? x? x? x? x?)?\nx ::= \"a\"": "18 parts in a row",
+	} {
+		_, err := ParseGBNF(in, nil)
+		if err == nil || !errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%.60q: %v, want an invalid-input error with %q", in, err, want)
+		}
+	}
+	if _, err := ParseGBNF("root ::= "+strings.Repeat("x? ", 16)+"\"y\" ws obj\nx ::= \"a\"\nws ::= [ \\t\\n]*\nobj ::= \"{\" ws (\"a\" ws (\",\" ws \"a\" ws)*)? \"}\"", nil); err != nil {
+		t.Errorf("16 optional parts in a row: %v", err)
 	}
 	var chain strings.Builder
 	chain.WriteString("root ::= r0\n")

@@ -25,7 +25,7 @@ func RegexGrammar(re string) (string, error) {
 	if len(re) > MaxRegexBytes {
 		return "", fmt.Errorf("regex: %d bytes, more than %d: %w", len(re), MaxRegexBytes, ErrInvalidInput)
 	}
-	r, err := syntax.Parse(re, syntax.Perl)
+	r, err := syntax.Parse(pythonRepeats(re), syntax.Perl)
 	if err != nil {
 		return "", fmt.Errorf("regex: %w: %w", err, ErrInvalidInput)
 	}
@@ -33,14 +33,43 @@ func RegexGrammar(re string) (string, error) {
 	var b strings.Builder
 	b.WriteString("root ::= ")
 	if err := writeRegex(&b, r, false); err != nil {
-		return "", fmt.Errorf("regex %q: %w: %w", re, err, ErrInvalidInput)
+		return "", fmt.Errorf("regex %.80q: %w: %w", re, err, ErrInvalidInput)
 	}
 	b.WriteByte('\n')
 	g, err := ParseGBNF(b.String(), nil)
 	if err != nil {
-		return "", fmt.Errorf("regex %q: %w", re, err)
+		return "", fmt.Errorf("regex %.80q: %w", re, err)
 	}
 	return g, nil
+}
+
+// pythonRepeats writes Python's {,n} (no lower bound) as {0,n}: Go's regexp
+// reads it as the literal text "{,n}", Python's re as a repetition.
+func pythonRepeats(re string) string {
+	var b strings.Builder
+	class := false
+	for i := 0; i < len(re); i++ {
+		c := re[i]
+		b.WriteByte(c)
+		switch {
+		case c == '\\' && i+1 < len(re):
+			i++
+			b.WriteByte(re[i])
+		case c == '[':
+			class = true
+		case c == ']':
+			class = false
+		case c == '{' && !class && i+1 < len(re) && re[i+1] == ',':
+			j := i + 2
+			for j < len(re) && re[j] >= '0' && re[j] <= '9' {
+				j++
+			}
+			if j > i+2 && j < len(re) && re[j] == '}' {
+				b.WriteByte('0')
+			}
+		}
+	}
+	return b.String()
 }
 
 // trimAnchors leaves out the ^ (start) and $ (end) that open and close r: the
@@ -92,6 +121,9 @@ func trimAnchors(r *syntax.Regexp, start, end bool) *syntax.Regexp {
 // writeRegex writes r as a GBNF expression; atom asks for one that a
 // repetition can follow (grouped unless it is one already).
 func writeRegex(b *strings.Builder, r *syntax.Regexp, atom bool) error {
+	if b.Len() > MaxGrammarBytes {
+		return fmt.Errorf("its grammar would pass %d bytes", MaxGrammarBytes)
+	}
 	group := func(f func() error) error {
 		if !atom {
 			return f()
@@ -181,7 +213,7 @@ func writeRepeat(b *strings.Builder, r *syntax.Regexp) error {
 		// refuses or stalls on a repetition of what can match nothing).
 		ne, ok := nonEmpty(sub)
 		if !ok {
-			return fmt.Errorf("a repetition of an anchor or \\b")
+			return fmt.Errorf("a repetition of what can match nothing that cannot be rewritten as one of what cannot (an anchor, \\b, or more than %d optional parts in a row)", maxGrammarRun)
 		}
 		if ne == nil {
 			hi = 0
@@ -287,7 +319,8 @@ func nullable(r *syntax.Regexp) bool {
 
 // nonEmpty is what r matches but the empty string, nil when r matches only
 // that; ok is false when it cannot be written (an anchor or \b that r matches
-// nothing but).
+// nothing but) or is not worth writing (a run of more optional parts than
+// ParseGBNF takes).
 func nonEmpty(r *syntax.Regexp) (ne *syntax.Regexp, ok bool) {
 	if !nullable(r) {
 		return r, true
@@ -338,6 +371,9 @@ func nonEmpty(r *syntax.Regexp) (ne *syntax.Regexp, ok bool) {
 		// the rest's match is not empty.
 		if len(r.Sub) == 0 {
 			return nil, true
+		}
+		if len(r.Sub) > maxGrammarRun+1 {
+			return nil, false // ParseGBNF would refuse the run; rewriting it copies it once per part
 		}
 		head, ok := nonEmpty(r.Sub[0])
 		if !ok {

@@ -24,6 +24,7 @@ func TestRegexGrammar(t *testing.T) {
 		`"[^"]*"`:        `"\"" [^\"]* "\""`,
 		`a|`:             `( "a" | "" )`,
 		`(?m)^a$`:        `"a"`,
+		`\d{,3}[{,2}]`:   `[0-9]{0,3} [,2{}]`, // Python's {,n}, outside a class
 	} {
 		g, err := RegexGrammar(re)
 		if err != nil || g != "root ::= "+want+"\n" {
@@ -38,6 +39,8 @@ func TestRegexGrammar(t *testing.T) {
 		`[`:                                  "missing closing ]",
 		`\pL{1000}\pL{1000}\pL{1000}`:        "",
 		strings.Repeat("a", MaxRegexBytes+1): "more than",
+		strings.Repeat("a?", 300) + "y":      "parts in a row",
+		"(?:" + strings.Repeat("a?", 8000) + ")*": "optional parts in a row", // refused before a rewrite that copies the run once per part
 	} {
 		_, err := RegexGrammar(re)
 		if err == nil || !errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), want) {

@@ -3,6 +3,7 @@ package llama
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -247,4 +249,33 @@ func FuzzGBNF(f *testing.F) {
 			t.Fatalf("%q: ParseGBNF takes it, llama.cpp does not: %v\n%s", s, err, g)
 		}
 	})
+}
+
+// TestGrammarAtTheLimits: grammars just within ParseGBNF's bounds (rules and
+// groups entered one inside another near 1000 deep, 16 optional parts in a
+// row) run on llama.cpp's sampler without crashing or stalling.
+func TestGrammarAtTheLimits(t *testing.T) {
+	e := openTest(t, models.Tiny(), nil)
+	var deep strings.Builder
+	deep.WriteString("root ::= r0\n")
+	for i := range 85 {
+		fmt.Fprintf(&deep, "r%d ::= %sr%d%s | \"a\"\n", i, strings.Repeat("(", 10), i+1, strings.Repeat(")", 10))
+	}
+	deep.WriteString("r85 ::= \"b\"\n")
+	for _, c := range []struct{ g, take string }{
+		{deep.String(), "b"},
+		{"root ::= " + strings.Repeat("x? ", 16) + "\"y\"\nx ::= \"a\"", "aaaaaaaay"},
+	} {
+		g, err := engine.ParseGBNF(c.g, e.vocab)
+		if err != nil {
+			t.Fatalf("%.60q: %v", c.g, err)
+		}
+		start := time.Now()
+		if !grammarTakes(t, e, g, c.take) {
+			t.Errorf("%.60q does not take %q", c.g, c.take)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("%.60q: %v to take %q", c.g, d, c.take)
+		}
+	}
 }
