@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora run lint fmt clean gpu-check-inputs
 
 all: build
 
@@ -78,6 +78,10 @@ bench-score: build
 # Speculative decoding by n-gram lookup, off and on, side by side (docs/benchmarks.md).
 bench-spec: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkSchedulerSpeculative' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-spec.txt
+
+# LoRA adapters: what a selectable adapter costs a decode step (docs/benchmarks.md).
+bench-lora: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkAdapters' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-lora.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build
