@@ -407,7 +407,7 @@ func (s *Server) unknownModel(id string) *Error {
 		ids = append(ids, strconv.Quote(m.ID))
 	}
 	where := "this server serves"
-	if len(ids) > 1 {
+	if s.node() != nil {
 		where = "the cluster serves"
 	}
 	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",

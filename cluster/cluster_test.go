@@ -1195,3 +1195,28 @@ func TestRouteUncached(t *testing.T) {
 		t.Fatalf("uncached: the idle node, nothing counted as cached: %+v %v", ts, err)
 	}
 }
+
+// TestMetaFitsWhenLeaving: a node whose metadata (its model and LoRA adapter
+// ids) would pass memberlist's limit once it drains and leaves is refused at
+// start, not found out when peers lose it.
+func TestMetaFitsWhenLeaving(t *testing.T) {
+	models := []string{"Meta-Llama-3.1-8B-Instruct"}
+	for i := 0; ; i++ {
+		m := Meta{HTTP: "10.0.0.1:8080", Models: models, Capacity: 64}
+		b, _ := encodeMeta(m)
+		m.Draining, m.Leaving = true, true
+		if _, err := encodeMeta(m); err != nil {
+			if len(b) > maxMetaLen {
+				t.Fatalf("no metadata fits between the two checks: %d bytes", len(b))
+			}
+			cfg := DefaultConfig()
+			cfg.Name, cfg.Bind, cfg.Secret = "n", "127.0.0.1:1", []byte("s")
+			cfg.Meta = Meta{HTTP: "10.0.0.1:8080", Models: models, Capacity: 64}
+			if _, err := New(cfg, &fakeLocal{}, quiet()); err == nil || !strings.Contains(err.Error(), "LoRA adapters") {
+				t.Fatalf("%d bytes now, over the limit when leaving: New gave %v", len(b), err)
+			}
+			return
+		}
+		models = append(models, fmt.Sprintf("customer-%02d-support-lora", i))
+	}
+}

@@ -206,7 +206,10 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	if len(cfg.Name) > 200 {
 		return nil, errors.New("cluster: node name longer than 200 bytes")
 	}
-	if _, err := encodeMeta(cfg.Meta); err != nil {
+	// As it will be at its largest: a draining node about to leave.
+	last := cfg.Meta
+	last.Draining, last.Leaving = true, true
+	if _, err := encodeMeta(last); err != nil {
 		return nil, err
 	}
 	n := &Node{cfg: cfg, local: local, log: logger, meta: cfg.Meta, peers: map[string]*peer{},

@@ -51,7 +51,7 @@ func encodeMeta(m Meta) ([]byte, error) {
 	}
 	b = append([]byte{wireVersion}, b...)
 	if len(b) > maxMetaLen {
-		return nil, fmt.Errorf("cluster: node metadata of %d bytes exceeds %d (too many or too long model names)", len(b), maxMetaLen)
+		return nil, fmt.Errorf("cluster: node metadata of %d bytes exceeds %d (too many or too long model ids: the model's and its LoRA adapters' ids are gossiped in it)", len(b), maxMetaLen)
 	}
 	return b, nil
 }

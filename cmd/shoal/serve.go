@@ -44,6 +44,13 @@ func (l *listFlag) Set(v string) error {
 	return nil
 }
 
+// pathFlag is a repeatable flag whose values are not split at commas (file
+// paths may hold them).
+type pathFlag []string
+
+func (l *pathFlag) String() string     { return strings.Join(*l, " ") }
+func (l *pathFlag) Set(v string) error { *l = append(*l, v); return nil }
+
 // optional is a number or bool flag that stays nil unless given.
 type optional[T int | float64 | bool] struct{ p **T }
 
@@ -107,7 +114,7 @@ func loraList(l []string) ([]llama.LoRA, error) {
 			}
 		}
 		if math.IsNaN(float64(a.Scale)) || math.IsInf(float64(a.Scale), 0) {
-			return nil, fmt.Errorf("--lora %q: the scale must be a finite number", v)
+			return nil, fmt.Errorf("%q: the scale must be a finite number", v)
 		}
 		out = append(out, a)
 	}
@@ -159,7 +166,8 @@ type serveFlags struct {
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
-	apiKeys, allowedOrigins, lora, loraModules                              listFlag
+	apiKeys, allowedOrigins                                                 listFlag
+	lora, loraModules                                                       pathFlag
 	sampling                                                                engine.SamplingDefaults
 	cluster                                                                 *clusterFlags
 }
@@ -316,7 +324,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
 	lc.Embeddings, lc.Pooling, lc.ChatTemplate = f.embeddings, f.pooling, f.chatTemplate
 	if lc.LoRA, err = loraList(f.lora); err != nil {
-		return err
+		return fmt.Errorf("--lora %w", err)
+	}
+	if f.sim != "" && len(f.lora)+len(f.loraModules) > 0 {
+		return fmt.Errorf("--lora and --lora-modules need a model: a simulated engine (--sim) computes nothing an adapter could change")
 	}
 	var adapterIDs []string
 	for _, m := range f.loraModules {

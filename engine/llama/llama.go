@@ -282,7 +282,8 @@ type Engine struct {
 	vocab *Vocab
 	// lora are the loaded adapters, applied to the context at cfg.LoRA's
 	// scales; adapters are cfg.Adapters, which batches select, and active
-	// the one applied now (1-based, 0: none). The model frees them.
+	// the one applied now (1-based, 0: none). Close frees them (the pinned
+	// llama.cpp's model does not).
 	lora, adapters []*C.struct_llama_adapter_lora
 	scales         []float32 // cfg.Adapters' scales
 	active         int
@@ -352,6 +353,7 @@ func Open(cfg Config) (*Engine, error) {
 	for i, l := range append(slices.Clip(cfg.LoRA), cfg.Adapters...) {
 		a, err := loadLoRA(model, l.Path)
 		if err != nil {
+			e.freeLoRA()
 			C.llama_model_free(model)
 			return nil, fmt.Errorf("open engine: %w", err)
 		}
@@ -375,6 +377,7 @@ func Open(cfg Config) (*Engine, error) {
 		err = e.newContext(cfg)
 	}
 	if err != nil {
+		e.freeLoRA()
 		C.llama_model_free(model)
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
@@ -397,6 +400,18 @@ func Open(cfg Config) (*Engine, error) {
 	}
 	return e, nil
 }
+
+// freeLoRA frees the loaded adapters, once no context applies them.
+func (e *Engine) freeLoRA() {
+	for _, a := range append(e.lora, e.adapters...) {
+		C.llama_adapter_lora_free(a)
+	}
+	e.lora, e.adapters, e.active = nil, nil, 0
+}
+
+// reuseEnv serialises setting LLAMA_GRAPH_REUSE_DISABLE around a context's
+// constructor, which reads it, against another engine opening at once.
+var reuseEnv sync.Mutex
 
 // loadLoRA loads the LoRA adapter at path for model.
 func loadLoRA(model *C.struct_llama_model, path string) (*C.struct_llama_adapter_lora, error) {
@@ -480,6 +495,7 @@ func (e *Engine) newContext(cfg Config) error {
 		// would run the first's graph. A context whose batches select
 		// adapters builds every step's graph (the variable is read once, by
 		// the context's constructor).
+		reuseEnv.Lock()
 		prev, had := os.LookupEnv("LLAMA_GRAPH_REUSE_DISABLE")
 		os.Setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")
 		defer func() {
@@ -488,6 +504,7 @@ func (e *Engine) newContext(cfg Config) error {
 			} else {
 				os.Unsetenv("LLAMA_GRAPH_REUSE_DISABLE")
 			}
+			reuseEnv.Unlock()
 		}()
 	}
 	ctx := C.llama_init_from_model(e.model, cp)
@@ -777,6 +794,7 @@ func (e *Engine) Close() error {
 		C.llama_free(e.ctx)
 		e.ctx = nil
 	}
+	e.freeLoRA()
 	if e.abort != nil {
 		C.free(unsafe.Pointer(e.abort))
 		e.abort = nil
