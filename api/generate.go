@@ -276,16 +276,6 @@ func samplingParams(d engine.SamplingDefaults) sample.Params {
 	return sp
 }
 
-// jsonGrammar is GBNF for any JSON object (response_format json_object).
-const jsonGrammar = `root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws     ::= | " " | "\n" [ \t]{0,20}
-`
-
 // constraint is an output constraint a request names: a JSON schema (raw, as
 // given), a choice among strings, a regular expression the output matches
 // whole, or a GBNF grammar (grammar set, or regex nil and the others empty).

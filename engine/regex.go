@@ -287,6 +287,17 @@ func foldRanges(c rune) []rune {
 	return out
 }
 
+// alternate is one of subs, nil for none.
+func alternate(subs []*syntax.Regexp) *syntax.Regexp {
+	switch len(subs) {
+	case 0:
+		return nil
+	case 1:
+		return subs[0]
+	}
+	return &syntax.Regexp{Op: syntax.OpAlternate, Sub: subs}
+}
+
 // nullable reports whether r can match the empty string.
 func nullable(r *syntax.Regexp) bool {
 	switch r.Op {
@@ -358,13 +369,7 @@ func nonEmpty(r *syntax.Regexp) (ne *syntax.Regexp, ok bool) {
 				subs = append(subs, n)
 			}
 		}
-		switch len(subs) {
-		case 0:
-			return nil, true
-		case 1:
-			return subs[0], true
-		}
-		return &syntax.Regexp{Op: syntax.OpAlternate, Sub: subs}, true
+		return alternate(subs), true
 	case syntax.OpConcat:
 		// Every part can match nothing: a non-empty match begins with
 		// the first's non-empty match, or the first matches nothing and
@@ -393,13 +398,7 @@ func nonEmpty(r *syntax.Regexp) (ne *syntax.Regexp, ok bool) {
 		if tail != nil {
 			subs = append(subs, tail)
 		}
-		switch len(subs) {
-		case 0:
-			return nil, true
-		case 1:
-			return subs[0], true
-		}
-		return &syntax.Regexp{Op: syntax.OpAlternate, Sub: subs}, true
+		return alternate(subs), true
 	}
 	return nil, false
 }

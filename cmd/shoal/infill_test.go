@@ -104,19 +104,11 @@ func TestLoRA(t *testing.T) {
 	const body = `{"prompt":"Once upon a time","max_tokens":12,"temperature":0}`
 	answer := func(args ...string) string {
 		n := startNode(t, append([]string{"--model", smallModel(t)}, args...)...)
-		resp, b := post(t, n.url+"/v1/completions", body)
-		var r struct {
-			Choices []struct {
-				Text string `json:"text"`
-			} `json:"choices"`
-		}
-		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
-			t.Fatalf("%v: %d %s", args, resp.StatusCode, b)
-		}
+		text := completionText(t, n.url, body)
 		if len(args) > 0 && !strings.Contains(n.log(), "LoRA adapter applied") {
 			t.Errorf("%v: the log does not name the adapter", args)
 		}
-		return r.Choices[0].Text
+		return text
 	}
 	plain, on, off := answer(), answer("--lora", adapter), answer("--lora", adapter+":0")
 	if on == plain {

@@ -449,16 +449,7 @@ func TestStructuredOutputAndLogprobs(t *testing.T) {
 	// send them (extra_body); those shoal cannot honour are refused, not ignored.
 	complete := func(body string) string {
 		t.Helper()
-		resp, b := post(t, n.url+"/v1/completions", body)
-		var r struct {
-			Choices []struct {
-				Text string `json:"text"`
-			} `json:"choices"`
-		}
-		if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
-			t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
-		}
-		return r.Choices[0].Text
+		return completionText(t, n.url, body)
 	}
 	text = complete(`{"prompt":"Pick one:","max_tokens":20,"seed":5,"guided_choice":["yes \"sure\"","no\\way","maybe"]}`)
 	if !slices.Contains([]string{`yes "sure"`, `no\way`, "maybe"}, text) {
@@ -919,4 +910,20 @@ func TestServeQuantizedModel(t *testing.T) {
 	if code := run([]string{"serve", "--model", q, "--chat-template", "llama-9"}, &out, &errb); code != 1 || !strings.Contains(errb.String(), "llama3") {
 		t.Fatalf("unknown chat format: exit %d: %s", code, errb.String())
 	}
+}
+
+// completionText posts a completions request of one choice to the node at
+// url and returns its text; any other answer fails the test.
+func completionText(t *testing.T, url, body string) string {
+	t.Helper()
+	resp, b := post(t, url+"/v1/completions", body)
+	var r struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(b), &r) != nil || len(r.Choices) != 1 {
+		t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
+	}
+	return r.Choices[0].Text
 }
