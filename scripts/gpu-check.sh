@@ -6,7 +6,8 @@
 #   1. builds ggml's CUDA backend there for this GPU's architecture only,
 #   2. runs the engine tests that matter on the GPU (batched == sequential greedy,
 #      shared prefix == recomputed, both again on q8_0 and q4_k_m weights, the same
-#      through the scheduler, stories260K),
+#      through the scheduler, stories260K, LoRA adapters switched per batch, regex
+#      grammars on the sampler),
 #   3. measures the raw decode ceiling at batch 1/8/32/64/128 (generated 100M model),
 #   4. serves that model with serve's defaults and runs shoal bench at concurrency
 #      1/8/32/64 (greedy) and 64 (temperature 1, top-p 0.95), then at 64 with one
@@ -66,7 +67,7 @@ stop_serve() {
 	serve=
 }
 build_s=- serve= serve_name= gpu=unknown watchdog=
-tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestQuantizedModels|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory'
+tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestQuantizedModels|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory|TestSelectedAdapters|TestRegexGrammarMatches'
 
 # layout NAME: the KV pool serve NAME reported (cells, cells per sequence, unified).
 layout() { grep -o 'context=[0-9]*\|per_seq=[0-9]*\|unified=[a-z]*' "$work/serve-$1.log" 2>/dev/null | head -3 | paste -sd' '; }
