@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -464,5 +465,45 @@ func TestKeylessNodeForwards(t *testing.T) {
 	})
 	if resp, _ := post(t, a.url+"/v1/completions", body); resp.StatusCode != 401 {
 		t.Errorf("a without a key: %d", resp.StatusCode)
+	}
+}
+
+// TestAdapterRoutedToItsNode: a LoRA adapter served by one node of a cluster
+// (--lora-modules) is listed by the others, and a request for it sent to
+// another node is answered by the node that has it, as it answers itself.
+func TestAdapterRoutedToItsNode(t *testing.T) {
+	var out, errb bytes.Buffer
+	adapter := filepath.Join(t.TempDir(), "lora.gguf")
+	if code := run([]string{"gen-model", "--preset", "small", "--lora", "8", "--out", adapter}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --lora: %d %s", code, errb.String())
+	}
+	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	a := startNode(t, "--model", smallModel(t), "--model-name", "base", "--node-name", "a", "--gossip-addr", g1, "--gossip-key", gk, "--lora-modules", "tuned="+adapter)
+	b := startNode(t, "--model", smallModel(t), "--model-name", "base", "--node-name", "b", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
+	waitFor(t, "b lists a's adapter", func() bool {
+		resp, err := http.Get(b.url + "/v1/models")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		out, _ := io.ReadAll(resp.Body)
+		return strings.Contains(string(out), `"id":"tuned"`)
+	})
+	body := `{"model":"tuned","prompt":"Once upon a time","max_tokens":12,"temperature":0}`
+	want := completionText(t, a.url, body)
+	for range 3 {
+		resp, got := post(t, b.url+"/v1/completions", body)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "a" || !strings.Contains(got, `"model":"tuned"`) {
+			t.Fatalf("b, for a's adapter: %d served by %q: %s", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), got)
+		}
+		var r struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if json.Unmarshal([]byte(got), &r) != nil || len(r.Choices) != 1 || r.Choices[0].Text != want {
+			t.Fatalf("b, for a's adapter: %s, want %q", got, want)
+		}
 	}
 }
