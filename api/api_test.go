@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/enginetest"
 	"github.com/shoal-ai/shoal/models"
 	"github.com/shoal-ai/shoal/scheduler"
@@ -874,5 +875,34 @@ func TestPrefixRules(t *testing.T) {
 	want := "p-root ::= p-x <think> <[12]> \"x\" [x] # x\np-x ::= \"a\" p-12\np-12 ::= !<x>\n"
 	if got := prefixRules(g, "p-"); got != want {
 		t.Errorf("got  %q\nwant %q", got, want)
+	}
+}
+
+// TestClientGrammarsWrapForThoughts: a client's grammar or regex, in its
+// canonical form, joined after a reasoning model's thoughts (thinkPlan.wrap)
+// is still one grammar that reads as intended, whatever rule names it uses.
+func TestClientGrammarsWrapForThoughts(t *testing.T) {
+	for _, g := range []string{
+		"root ::= x |\n  \"b\" # comment\nx ::= \"a\" root?",
+		"root ::= shoal-thought\nshoal-thought ::= [0-9]+",
+		"root ::= \"a\" |",
+	} {
+		c, err := engine.ParseGBNF(g, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, open := range []bool{false, true} {
+			w := (&thinkPlan{open: open, tags: xmlThink}).wrap(c)
+			if _, err := engine.ParseGBNF(w, nil); err != nil {
+				t.Errorf("%q wrapped (open %v): %v\n%s", g, open, err, w)
+			}
+		}
+	}
+	re, err := engine.RegexGrammar(`^$|\d+`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := engine.ParseGBNF((&thinkPlan{tags: xmlThink}).wrap(re), nil); err != nil {
+		t.Errorf("a regex's grammar wrapped: %v", err)
 	}
 }
