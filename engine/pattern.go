@@ -527,7 +527,7 @@ var nameMaps = []string{"properties", "patternProperties", "$defs", "definitions
 
 // editPatterns rewrites every pattern (drop false) or renames those
 // GrammarPattern refuses (drop true); schema is returned as it is when it is
-// not JSON or (drop true) a refused key cannot be renamed.
+// not JSON.
 func editPatterns(schema []byte, drop bool) ([]byte, error) {
 	type frame struct {
 		object, skip bool
@@ -543,8 +543,9 @@ func editPatterns(schema []byte, drop bool) ([]byte, error) {
 	var stack []frame
 	d := json.NewDecoder(bytes.NewReader(schema))
 	d.UseNumber()
-	keyEnd := 0
+	keyStart, keyEnd := 0, 0
 	for {
+		before := int(d.InputOffset())
 		tok, err := d.Token()
 		if err != nil {
 			break // the end, or JSON the converter refuses itself
@@ -556,6 +557,7 @@ func editPatterns(schema []byte, drop bool) ([]byte, error) {
 		if top != nil && top.wantKey {
 			if k, ok := tok.(string); ok { // a key
 				top.key, top.wantKey, keyEnd = k, false, int(d.InputOffset())
+				keyStart = before + bytes.IndexByte(schema[before:keyEnd], '"') // after a comma and blanks
 				continue
 			}
 		}
@@ -584,8 +586,9 @@ func editPatterns(schema []byte, drop bool) ([]byte, error) {
 					q, _ := json.Marshal(fixed)
 					edits = append(edits, edit{from, to, string(q)})
 				case err == nil:
-				case drop && keyEnd >= len(`"pattern"`) && string(schema[keyEnd-len(`"pattern"`):keyEnd]) == `"pattern"`:
-					edits = append(edits, edit{keyEnd - len(`"pattern"`), keyEnd, `"x-unsupported-pattern"`})
+				case drop:
+					// The key as written, escapes and all ("patt\u0065rn").
+					edits = append(edits, edit{keyStart, keyEnd, `"x-unsupported-pattern"`})
 				case !drop:
 					return nil, err
 				}
