@@ -15,6 +15,9 @@ version=$(git describe --tags --always --dirty 2>/dev/null || echo dev)
 eval "$(PORTABLE=1 bash scripts/cgo-env.sh)"
 rm -rf "$out"
 mkdir -p "$out"
+# A module of its own, so that the Go sources a CPU rehearsal unpacks under
+# $out/work are not packages of shoal's (go list ./..., TestImportDirections).
+printf 'module gpucheck\n' >"$out/go.mod"
 echo "gpu-check-prepare: building for $CGO_CFLAGS (the first time compiles llama.cpp: 10-15 minutes on 2 cores)" >&2
 go build -ldflags "-X main.version=$version" -o "$out/shoal" ./cmd/shoal
 go test -c -o "$out/llama.test" ./engine/llama
