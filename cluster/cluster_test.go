@@ -1220,3 +1220,29 @@ func TestMetaFitsWhenLeaving(t *testing.T) {
 		models = append(models, fmt.Sprintf("customer-%02d-support-lora", i))
 	}
 }
+
+// TestSuspectPeerAsLastResort: when the only members serving a model are
+// suspect (a load report late), a request for it is routed to them, after
+// every member that is not; a dead member is never a candidate.
+func TestSuspectPeerAsLastResort(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := &peer{name: "b", loadAt: time.Now()}
+		c := &peer{name: "c", loadAt: time.Now(), meta: Meta{HTTP: "c:1", Models: []string{"x"}, Capacity: 8}}
+		n := routerWith(t, PrefixAware, &peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"x"}, Capacity: 8}}, b, c)
+		time.Sleep(n.loadOverdue() + time.Millisecond)
+		c.loadAt = time.Now()
+		if m, _ := member(n, "b"); m.State != "suspect" {
+			t.Fatalf("b is %s", m.State)
+		}
+		if ts, err := n.Route("m", nil, 0); err != nil || len(ts) != 1 || ts[0].Name != "b" {
+			t.Fatalf("only a suspect member serves m: %+v %v", ts, err)
+		}
+		if ts, err := n.Route("x", nil, 0); err != nil || len(ts) != 2 {
+			t.Fatalf("x, served by members that are not suspect: %+v %v", ts, err)
+		}
+		b.state = "dead"
+		if _, err := n.Route("m", nil, 0); err != ErrNoNode {
+			t.Fatalf("only a dead member serves m: %v", err)
+		}
+	})
+}

@@ -89,69 +89,77 @@ func (n *Node) route(model string, tokens []int32, priority int, reuse bool) ([]
 	rate := n.clusterPrefillRate(model)
 	others := n.othersPerOwn()
 	now, overdue := time.Now(), n.loadOverdue()
-	for _, p := range n.peers {
-		self := p.name == n.cfg.Name
-		if !p.metaOK || !slices.Contains(p.meta.Models, model) {
-			continue
-		}
-		if !self && n.status(p, now, overdue) != "alive" {
-			continue
-		}
-		if p.meta.Draining {
-			continue
-		}
-		anyServes = true
-		reqs, reqTokens := p.unreflected()
-		if n.saturated(p, reqs) && priority >= 0 {
-			continue
-		}
-		c := candidate{p: p}
-		// What this router sent that the node's load does not show yet, and as much
-		// again from each router like it: the others send there too, unseen here.
-		reqs, reqTokens = int(float64(reqs)*others+0.5), int(float64(reqTokens)*others+0.5)
-		capacity := max(p.meta.Capacity, 1)
-		c.active = p.load.Running + p.load.Waiting + reqs
-		c.load = float64(c.active) / float64(capacity)
-		// Blocks its summary shows, then blocks this router just sent there with
-		// another request: those count as cached for the choice (the next request
-		// of a burst should follow the first), but not for the work this request
-		// adds there (arriving before they are computed, it computes them too).
-		held, matched := 0, 0
-		for _, h := range hashes {
-			ok := p.summary.has(h)
-			if !ok && !p.sending(h, now) {
-				break
+	// Members that serve the model but are suspect (a load report late, a
+	// recent failed hop) are candidates only when no other serves it: one whose
+	// load is late because its machine is busy still answers, and a request
+	// tried there gets its answer or a 502, not a 404 saying nobody serves it.
+	suspects := false
+	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
+		for _, p := range n.peers {
+			self := p.name == n.cfg.Name
+			if !p.metaOK || !slices.Contains(p.meta.Models, model) {
+				continue
 			}
-			if ok && held == matched {
-				held++
+			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) || !self && p.state != "alive" {
+				suspects = suspects || suspect && p.state == "alive"
+				continue
 			}
-			matched++
+			if p.meta.Draining {
+				continue
+			}
+			anyServes = true
+			reqs, reqTokens := p.unreflected()
+			if n.saturated(p, reqs) && priority >= 0 {
+				continue
+			}
+			c := candidate{p: p}
+			// What this router sent that the node's load does not show yet, and as much
+			// again from each router like it: the others send there too, unseen here.
+			reqs, reqTokens = int(float64(reqs)*others+0.5), int(float64(reqTokens)*others+0.5)
+			capacity := max(p.meta.Capacity, 1)
+			c.active = p.load.Running + p.load.Waiting + reqs
+			c.load = float64(c.active) / float64(capacity)
+			// Blocks its summary shows, then blocks this router just sent there with
+			// another request: those count as cached for the choice (the next request
+			// of a burst should follow the first), but not for the work this request
+			// adds there (arriving before they are computed, it computes them too).
+			held, matched := 0, 0
+			for _, h := range hashes {
+				ok := p.summary.has(h)
+				if !ok && !p.sending(h, now) {
+					break
+				}
+				if ok && held == matched {
+					held++
+				}
+				matched++
+			}
+			c.cached = matched * n.cfg.BlockTokens
+			c.compute = max(len(tokens)-held*n.cfg.BlockTokens, 0)
+			c.uncached = max(len(tokens)-c.cached, 0)
+			// Time to first token there: the wait before it starts — the prefill work
+			// ahead of it (what the node still has to prefill, and what this router sent
+			// it that its load does not show yet) or, when its running slots are all
+			// taken, the finishes that must free one, whichever is longer — then this
+			// request's own uncached tokens, at the cluster's prefill rate (nodes of one
+			// model are alike; one node's own smoothed rate is too noisy to compare
+			// nodes by); plus one step of its running batch, which the request's prefill
+			// shares; plus the hop. Without the slot term a node that holds a hot prefix
+			// looks cheap however long its queue: its queued requests are cache hits.
+			c.est = float64(p.load.PendingTokens+reqTokens) / rate * 1000
+			if need := c.active + 1 - capacity; need > 0 && p.load.FinishPS > 0 {
+				c.est = max(c.est, float64(need)/p.load.FinishPS*1000)
+			}
+			c.idle = c.est == 0 && c.active < capacity
+			c.est += float64(c.uncached) / rate * 1000
+			if p.load.DecodeTPS > 0 {
+				c.est += float64(p.load.Running+reqs) / p.load.DecodeTPS * 1000
+			}
+			if !self {
+				c.est += float64(n.cfg.HopCost.Milliseconds())
+			}
+			cands = append(cands, c)
 		}
-		c.cached = matched * n.cfg.BlockTokens
-		c.compute = max(len(tokens)-held*n.cfg.BlockTokens, 0)
-		c.uncached = max(len(tokens)-c.cached, 0)
-		// Time to first token there: the wait before it starts — the prefill work
-		// ahead of it (what the node still has to prefill, and what this router sent
-		// it that its load does not show yet) or, when its running slots are all
-		// taken, the finishes that must free one, whichever is longer — then this
-		// request's own uncached tokens, at the cluster's prefill rate (nodes of one
-		// model are alike; one node's own smoothed rate is too noisy to compare
-		// nodes by); plus one step of its running batch, which the request's prefill
-		// shares; plus the hop. Without the slot term a node that holds a hot prefix
-		// looks cheap however long its queue: its queued requests are cache hits.
-		c.est = float64(p.load.PendingTokens+reqTokens) / rate * 1000
-		if need := c.active + 1 - capacity; need > 0 && p.load.FinishPS > 0 {
-			c.est = max(c.est, float64(need)/p.load.FinishPS*1000)
-		}
-		c.idle = c.est == 0 && c.active < capacity
-		c.est += float64(c.uncached) / rate * 1000
-		if p.load.DecodeTPS > 0 {
-			c.est += float64(p.load.Running+reqs) / p.load.DecodeTPS * 1000
-		}
-		if !self {
-			c.est += float64(n.cfg.HopCost.Milliseconds())
-		}
-		cands = append(cands, c)
 	}
 	if len(cands) == 0 {
 		if anyServes {
