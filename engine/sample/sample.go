@@ -198,9 +198,12 @@ func (s *Sampler) Sample(logits []float32) (engine.Sampled, error) {
 	}
 	var tok engine.Token
 	var err error
-	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 && !s.holdingEnd() {
-		tok = argmax(logits)
-		if s.grammar != nil && !s.allowed(tok, logits[tok]) {
+	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 {
+		// Greedy reads the logits once: the best token, or while min_tokens
+		// holds the end tokens back, the best other (vocabulary-wide
+		// candidates cost a copy of the row).
+		var ok bool
+		if tok, ok = s.bestAllowed(logits); !ok || s.grammar != nil && !s.allowed(tok, logits[tok]) {
 			tok, err = s.sampleAll(logits)
 		}
 	} else {
@@ -582,6 +585,26 @@ func siftDown(h []engine.TokenLogit, i int) {
 		h[i], h[m] = h[m], h[i]
 		i = m
 	}
+}
+
+// bestAllowed is greedy's choice without the pipeline: the first highest
+// logit, leaving out the end tokens while they are held back. ok is false when
+// that leaves nothing finite (only an end may follow: the pipeline decides).
+func (s *Sampler) bestAllowed(logits []float32) (engine.Token, bool) {
+	tok := argmax(logits)
+	if !s.holdingEnd() || !slices.Contains(s.p.EndTokens, tok) {
+		return tok, true
+	}
+	best := -1
+	for i, x := range logits {
+		if (best < 0 || x > logits[best]) && !slices.Contains(s.p.EndTokens, engine.Token(i)) {
+			best = i
+		}
+	}
+	if best < 0 || math.IsInf(float64(logits[best]), -1) || math.IsNaN(float64(logits[best])) {
+		return 0, false
+	}
+	return engine.Token(best), true
 }
 
 func argmax(l []float32) engine.Token {

@@ -502,3 +502,36 @@ func BenchmarkScore(b *testing.B) {
 		})
 	}
 }
+
+// TestGreedyMinTokensFastPath: greedy decoding while min_tokens holds the end
+// tokens back picks what the full pipeline picks: the first highest logit
+// among the others, and the end token when nothing else is finite.
+func TestGreedyMinTokensFastPath(t *testing.T) {
+	ends := []engine.Token{0, 5, 7}
+	for i := range 200 {
+		l := randomLogits(uint64(i), 50)
+		switch i % 4 {
+		case 1:
+			l[5] = 100 // an end token is best
+		case 2:
+			l[5], l[9], l[11] = 100, 50, 50 // and a tie after it: the first
+		case 3:
+			for j := range l {
+				if !slices.Contains(ends, engine.Token(j)) {
+					l[j] = float32(math.Inf(-1))
+				}
+			}
+		}
+		want, err := mustNew(t, Params{MinTokens: 3, EndTokens: ends, Temperature: 0}, nil).sampleAll(l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := mustNew(t, Params{MinTokens: 3, EndTokens: ends}, nil).Sample(l)
+		if err != nil || got.Token != want {
+			t.Fatalf("case %d: %v %v, want %v", i, got.Token, err, want)
+		}
+		if i%4 == 1 && slices.Contains(ends, got.Token) {
+			t.Fatalf("case %d: an end token %d while held back", i, got.Token)
+		}
+	}
+}
