@@ -906,3 +906,21 @@ func TestClientGrammarsWrapForThoughts(t *testing.T) {
 		t.Errorf("a regex's grammar wrapped: %v", err)
 	}
 }
+
+// TestAdapterMetrics: a node serving LoRA adapters reports vLLM's
+// vllm:lora_requests_info, and requests name the adapter they ran under.
+func TestAdapterMetrics(t *testing.T) {
+	s := newTestServer(t, func(c *Config, sc *scheduler.Config) {
+		c.Adapters, sc.Adapters = []string{"tuned", "other"}, []string{"tuned", "other"}
+	})
+	s.fake.Adapters = 2
+	base := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4}`)
+	tuned := s.do(t, "POST", "/v1/completions", `{"model":"tuned","prompt":"abc","max_tokens":4}`)
+	if base.Code != 200 || tuned.Code != 200 || !strings.Contains(tuned.Body.String(), `"model":"tuned"`) || base.Body.String() == strings.ReplaceAll(tuned.Body.String(), `"tuned"`, `"fake"`) {
+		t.Fatalf("base %d %s\ntuned %d %s", base.Code, base.Body, tuned.Code, tuned.Body)
+	}
+	w := s.do(t, "GET", "/metrics", "")
+	if !strings.Contains(w.Body.String(), `vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}`) {
+		t.Errorf("metrics lack vllm:lora_requests_info:\n%s", w.Body)
+	}
+}

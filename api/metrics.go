@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -150,6 +152,11 @@ var (
 	deviceMemDesc = prometheus.NewDesc("shoal_device_memory_bytes", "Device memory when the model was loaded: total and free.",
 		[]string{"device", "state"}, nil)
 	gpuLayersDesc = prometheus.NewDesc("shoal_gpu_layers", "Model layers offloaded to GPUs.", []string{"model_name"}, nil)
+	// loraInfoDesc is vLLM's: the adapters with requests running and waiting,
+	// comma-separated, and how many adapters a step runs (one, here); its value
+	// is the time it was read, as vLLM's.
+	loraInfoDesc = prometheus.NewDesc("vllm:lora_requests_info", "Running stats on LoRA requests.",
+		[]string{"running_lora_adapters", "waiting_lora_adapters", "max_lora"}, nil)
 )
 
 func (infoCollector) Describe(chan<- *prometheus.Desc) {}
@@ -167,4 +174,17 @@ func (c infoCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(deviceMemDesc, prometheus.GaugeValue, float64(d.MemoryFree), d.Name, "free")
 	}
 	ch <- prometheus.MustNewConstMetric(gpuLayersDesc, prometheus.GaugeValue, float64(b.Info.GPULayers), c.s.cfg.ModelName)
+	if ids := c.s.cfg.Adapters; len(ids) > 0 {
+		with := func(counts []int) string {
+			var names []string
+			for i, n := range counts {
+				if n > 0 && i < len(ids) {
+					names = append(names, ids[i])
+				}
+			}
+			return strings.Join(names, ",")
+		}
+		ch <- prometheus.MustNewConstMetric(loraInfoDesc, prometheus.GaugeValue, float64(time.Now().Unix()),
+			with(l.AdapterRunning), with(l.AdapterWaiting), "1")
+	}
 }

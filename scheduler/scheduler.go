@@ -54,6 +54,10 @@ type Load struct {
 	Preemptions                uint64
 	CacheGeneration            uint64
 	UpdatedAt                  time.Time
+	// AdapterRunning and AdapterWaiting count the sequences running and
+	// waiting under each LoRA adapter (index i: Config.Adapters[i]); nil
+	// without adapters.
+	AdapterRunning, AdapterWaiting []int
 }
 
 // Scheduler runs continuous batching over one engine. Submit and Load may be called
@@ -1520,6 +1524,19 @@ func (s *Scheduler) publish() {
 	// generations, is the longest wait, not none.)
 	if need := l.Waiting + 1 - (s.maxRunning() - l.Running); need > 0 && s.endedAny {
 		l.QueueWait = max(l.QueueWait, waitFor(float64(need), l.FinishPS))
+	}
+	if n := len(s.cfg.Adapters); n > 0 {
+		l.AdapterRunning, l.AdapterWaiting = make([]int, n), make([]int, n)
+		for _, q := range s.running {
+			if a := q.g.req.Adapter; a > 0 {
+				l.AdapterRunning[a-1]++
+			}
+		}
+		for _, q := range s.queue {
+			if a := q.g.req.Adapter; a > 0 {
+				l.AdapterWaiting[a-1]++
+			}
+		}
 	}
 	l.UpdatedAt = time.Now()
 	s.load.Store(&l)
