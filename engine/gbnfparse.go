@@ -11,14 +11,15 @@ import (
 // Limits on a client's grammar (llama-server's "grammar", vLLM's
 // guided_grammar, and the grammar a guided_regex is turned into). llama.cpp's
 // parser recurses in C++ once per nested group, where running out of stack
-// kills the process, and expands every repetition into copies and rules; a
-// grammar within these limits parses in well under a millisecond.
+// kills the process, and expands every repetition into copies and rules.
+// Reading one in Go costs at most about a microsecond per byte
+// (docs/benchmarks.md).
 const (
 	MaxGrammarBytes    = 256 << 10 // bytes of a client's grammar
 	maxGrammarDepth    = 100       // nested groups
 	maxGrammarElements = 1 << 20   // elements llama.cpp expands the grammar into (8 bytes each)
 	maxGrammarRepeat   = 2000      // llama.cpp's own bound on {m,n}
-	maxGrammarChain    = 1000      // rules one begins with, one into another (llama.cpp recurses along them)
+	maxGrammarChain    = 1000      // rules entered one inside another at one place, groups and repetitions included (llama.cpp recurses along them)
 	maxGrammarRun      = 16        // parts in a row that may each be left out
 	maxStackedRepeats  = 4         // repetition operators in a row ("a"+?)
 )
@@ -38,10 +39,12 @@ const (
 // minimum passes its maximum (llama.cpp allocates without end), left recursion
 // (llama.cpp refuses it, with a message only in its log), an empty class ([]
 // or [^], which llama.cpp reads as matching nothing at all, not even a
-// character), and a repetition other than ? of something that can match
-// nothing: unbounded, llama.cpp refuses it as left recursion; bounded, the
+// character), a repetition other than ? of something that can match
+// nothing (unbounded, llama.cpp refuses it as left recursion; bounded, the
 // ways of matching nothing multiply and each token's step slows down until
-// the node stalls.
+// the node stalls), more than maxStackedRepeats repetition operators in a
+// row, and what costs checks: recursion deeper than maxGrammarChain, and runs
+// of more than maxGrammarRun parts that may each be left out.
 func ParseGBNF(src string, vocab Vocab) (string, error) {
 	switch {
 	case len(src) > MaxGrammarBytes:
