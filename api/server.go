@@ -449,7 +449,7 @@ func (s *Server) modelList() ModelList {
 	if node := s.node(); node != nil {
 		for _, m := range node.Models() {
 			if _, here := s.adapterOf(m.ID); !here {
-				list.Data = append(list.Data, Model{ID: m.ID, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: m.MaxModelLen})
+				list.Data = append(list.Data, Model{ID: m.ID, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: m.MaxModelLen, Parent: m.Parent})
 			}
 		}
 	}

@@ -1246,3 +1246,19 @@ func TestSuspectPeerAsLastResort(t *testing.T) {
 		}
 	})
 }
+
+// TestServedModelsAndParents: the models every alive member serves, each with
+// the smallest max_model_len any gives, and a LoRA adapter with its base
+// model, the first of its member's models.
+func TestServedModelsAndParents(t *testing.T) {
+	n := routerWith(t, RoundRobin,
+		&peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"base", "tuned"}, Capacity: 8, MaxModelLen: 4096}},
+		&peer{name: "b", meta: Meta{HTTP: "b:1", Models: []string{"base"}, Capacity: 8, MaxModelLen: 2048}},
+		&peer{name: "c", meta: Meta{HTTP: "c:1", Models: []string{"other"}, Capacity: 8}})
+	n.peers["c"].state = "dead"
+	got := n.Models()
+	want := []ServedModel{{ID: "base", MaxModelLen: 2048}, {ID: "tuned", MaxModelLen: 4096, Parent: "base"}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("models %+v, want %+v", got, want)
+	}
+}

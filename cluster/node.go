@@ -902,16 +902,22 @@ type ServedModel struct {
 	// MaxModelLen is the smallest that a member serving it gives (0: none says),
 	// so that a request within it fits wherever it is routed.
 	MaxModelLen int
+	// Parent is a LoRA adapter's base model: the first of the models of a
+	// member that lists it after it (Meta.Models).
+	Parent string
 }
 
 // Models lists every model served by an alive member, sorted by id.
 func (n *Node) Models() []ServedModel {
-	lens := map[string]int{}
+	lens, parents := map[string]int{}, map[string]string{}
 	for _, m := range n.Members() {
 		if m.State != "alive" {
 			continue
 		}
-		for _, id := range m.Models {
+		for i, id := range m.Models {
+			if i > 0 {
+				parents[id] = m.Models[0]
+			}
 			l, ok := lens[id]
 			switch {
 			case !ok || l == 0:
@@ -923,7 +929,7 @@ func (n *Node) Models() []ServedModel {
 	}
 	out := make([]ServedModel, 0, len(lens))
 	for id, l := range lens {
-		out = append(out, ServedModel{ID: id, MaxModelLen: l})
+		out = append(out, ServedModel{ID: id, MaxModelLen: l, Parent: parents[id]})
 	}
 	slices.SortFunc(out, func(a, b ServedModel) int { return strings.Compare(a.ID, b.ID) })
 	return out

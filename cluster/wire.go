@@ -25,7 +25,7 @@ const (
 // Meta is what a node advertises in memberlist's node metadata (≤ 512 bytes).
 type Meta struct {
 	HTTP     string   `json:"h"`           // host:port of the node's API
-	Models   []string `json:"m"`           // served model ids
+	Models   []string `json:"m"`           // served model ids: the model's, then its LoRA adapters'
 	Capacity int      `json:"c"`           // max running sequences
 	Draining bool     `json:"d,omitempty"` // refuses new work
 	TLS      bool     `json:"t,omitempty"` // API served over TLS

@@ -488,7 +488,7 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 		}
 		defer resp.Body.Close()
 		out, _ := io.ReadAll(resp.Body)
-		return strings.Contains(string(out), `"id":"tuned"`)
+		return strings.Contains(string(out), `"id":"tuned"`) && strings.Contains(string(out), `"parent":"base"`)
 	})
 	body := `{"model":"tuned","prompt":"Once upon a time","max_tokens":12,"temperature":0}`
 	want := completionText(t, a.url, body)
