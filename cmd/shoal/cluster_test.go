@@ -436,15 +436,7 @@ func TestKeylessNodeForwards(t *testing.T) {
 	g1 := freeAddr(t)
 	a := startNode(t, "--model", smallModel(t), "--model-name", "a", "--gossip-addr", g1, "--gossip-key", gk, "--api-key", "k1")
 	b := startNode(t, "--model", smallModel(t), "--model-name", "b", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
-	waitFor(t, "b lists a's model", func() bool {
-		resp, err := http.Get(b.url + "/v1/models")
-		if err != nil {
-			return false
-		}
-		defer resp.Body.Close()
-		out, _ := io.ReadAll(resp.Body)
-		return strings.Contains(string(out), `"id":"a"`)
-	})
+	waitFor(t, "b lists a's model", func() bool { return strings.Contains(modelList(b), `"id":"a"`) })
 	body := `{"model":"a","prompt":"hi","max_tokens":2}`
 	for _, hdr := range [][]string{{"Authorization", "Bearer k1"}, {"X-Api-Key", "k1"}} {
 		if resp, out := post(t, b.url+"/v1/completions", body, hdr...); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") == "" {
@@ -482,13 +474,8 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 	a := startNode(t, "--model", smallModel(t), "--model-name", "base", "--node-name", "a", "--gossip-addr", g1, "--gossip-key", gk, "--lora-modules", "tuned="+adapter)
 	b := startNode(t, "--model", smallModel(t), "--model-name", "base", "--node-name", "b", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
 	waitFor(t, "b lists a's adapter", func() bool {
-		resp, err := http.Get(b.url + "/v1/models")
-		if err != nil {
-			return false
-		}
-		defer resp.Body.Close()
-		out, _ := io.ReadAll(resp.Body)
-		return strings.Contains(string(out), `"id":"tuned"`) && strings.Contains(string(out), `"parent":"base"`)
+		out := modelList(b)
+		return strings.Contains(out, `"id":"tuned"`) && strings.Contains(out, `"parent":"base"`)
 	})
 	body := `{"model":"tuned","prompt":"Once upon a time","max_tokens":12,"temperature":0}`
 	want := completionText(t, a.url, body)
@@ -506,4 +493,15 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 			t.Fatalf("b, for a's adapter: %s, want %q", got, want)
 		}
 	}
+}
+
+// modelList is n's GET /v1/models body, "" when it does not answer.
+func modelList(n *node) string {
+	resp, err := http.Get(n.url + "/v1/models")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	out, _ := io.ReadAll(resp.Body)
+	return string(out)
 }

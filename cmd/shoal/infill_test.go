@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"io"
-	"net/http"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -148,13 +146,7 @@ func TestLoRA(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	resp, err := http.Get(n.url + "/v1/models")
-	if err != nil {
-		t.Fatal(err)
-	}
-	models, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if !strings.Contains(string(models), `"id":"tuned"`) || !strings.Contains(string(models), `"parent":"base"`) {
+	if models := modelList(n); !strings.Contains(models, `"id":"tuned"`) || !strings.Contains(models, `"parent":"base"`) {
 		t.Errorf("/v1/models: %s", models)
 	}
 	if resp, b := post(t, n.url+"/v1/completions", `{"model":"other",`+body[1:]); resp.StatusCode != 404 {
