@@ -314,19 +314,10 @@ func (s Spec) Params() int64 {
 }
 
 // Generate writes the model described by spec to path.
-func Generate(path string, spec Spec) (err error) {
+func Generate(path string, spec Spec) error {
 	if err := spec.Validate(); err != nil {
 		return fmt.Errorf("generate %s: %w", path, err)
 	}
-	f, err := os.Create(path)
-	if err != nil {
-		return fmt.Errorf("generate model: %w", err)
-	}
-	defer func() {
-		if cerr := f.Close(); err == nil && cerr != nil {
-			err = fmt.Errorf("generate %s: %w", path, cerr)
-		}
-	}()
 	tokens, scores, types := vocabulary(spec.Vocab)
 	for i, t := range spec.ControlTokens {
 		k := len(tokens) - len(spec.ControlTokens) + i
@@ -378,8 +369,7 @@ func Generate(path string, spec Spec) (err error) {
 		if matrix && spec.F16 {
 			kind = kindF16
 		}
-		ts = append(ts, &ggml.Tensor{Name: name, Kind: kind, Shape: shape,
-			WriterTo: &randomTensor{seed: tensorSeed(spec.Seed, name), n: product(shape), scale: scale, kind: kind}})
+		ts = append(ts, randomWeights(spec.Seed, name, kind, scale, shape...))
 	}
 	norm := func(name string) { add(name, 0, false, e) }
 	std := func(fanIn uint64) float32 { return float32(1 / math.Sqrt(float64(fanIn))) }
@@ -401,8 +391,32 @@ func Generate(path string, spec Spec) (err error) {
 		add(p+"ffn_up.weight", std(e), true, e, ff)
 		add(p+"ffn_down.weight", std(ff), true, ff, e)
 	}
+	if err := writeGGUF(path, kv, ts); err != nil {
+		return fmt.Errorf("generate %s: %w", path, err)
+	}
+	return nil
+}
+
+// randomWeights is tensor name of shape, seeded random numbers times scale
+// (ones where scale is 0), drawn from seed and the name as it is written.
+func randomWeights(seed uint64, name string, kind uint32, scale float32, shape ...uint64) *ggml.Tensor {
+	return &ggml.Tensor{Name: name, Kind: kind, Shape: shape,
+		WriterTo: &randomTensor{seed: tensorSeed(seed, name), n: product(shape), scale: scale, kind: kind}}
+}
+
+// writeGGUF writes a GGUF of kv and ts to path.
+func writeGGUF(path string, kv ggml.KV, ts []*ggml.Tensor) (err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil && cerr != nil {
+			err = cerr
+		}
+	}()
 	if err := ggml.WriteGGUF(f, kv, ts); err != nil {
-		return fmt.Errorf("generate %s: write gguf: %w", path, err)
+		return fmt.Errorf("write gguf: %w", err)
 	}
 	return nil
 }
@@ -514,7 +528,7 @@ func (t *randomTensor) WriteTo(w io.Writer) (int64, error) {
 // the GGUF layout llama.cpp's converter writes (lora_a of shape [in, r],
 // lora_b of [r, out]). seed 0 takes the spec's. The updates are large enough
 // to change the model's greedy choices.
-func GenerateLoRA(path string, spec Spec, r int, seed uint64) (err error) {
+func GenerateLoRA(path string, spec Spec, r int, seed uint64) error {
 	if err := spec.Validate(); err != nil {
 		return fmt.Errorf("generate LoRA %s: %w", path, err)
 	}
@@ -522,15 +536,6 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) (err error) {
 		return fmt.Errorf("generate LoRA %s: rank %d: want 1..%d", path, r, spec.Embd)
 	}
 	seed = cmp.Or(seed, spec.Seed) ^ 0x4c6f5241 // "LoRA": not the base weights' draws
-	f, err := os.Create(path)
-	if err != nil {
-		return fmt.Errorf("generate LoRA: %w", err)
-	}
-	defer func() {
-		if cerr := f.Close(); err == nil && cerr != nil {
-			err = fmt.Errorf("generate LoRA %s: %w", path, cerr)
-		}
-	}()
 	kv := ggml.KV{
 		"general.architecture":      "llama",
 		"general.type":              "adapter",
@@ -545,8 +550,7 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) (err error) {
 	ekv := uint64(spec.Embd / spec.Heads * spec.HeadsKV)
 	var ts []*ggml.Tensor
 	add := func(name string, scale float32, shape ...uint64) {
-		ts = append(ts, &ggml.Tensor{Name: name, Kind: kindF32, Shape: shape,
-			WriterTo: &randomTensor{seed: tensorSeed(seed, name), n: product(shape), scale: scale, kind: kindF32}})
+		ts = append(ts, randomWeights(seed, name, kindF32, scale, shape...))
 	}
 	for i := range spec.Layers {
 		for _, w := range []struct {
@@ -558,8 +562,8 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) (err error) {
 			add(p+".lora_b", float32(1/math.Sqrt(float64(rank))), rank, w.out)
 		}
 	}
-	if err := ggml.WriteGGUF(f, kv, ts); err != nil {
-		return fmt.Errorf("generate LoRA %s: write gguf: %w", path, err)
+	if err := writeGGUF(path, kv, ts); err != nil {
+		return fmt.Errorf("generate LoRA %s: %w", path, err)
 	}
 	return nil
 }
