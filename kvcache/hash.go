@@ -18,6 +18,16 @@ type Hasher struct {
 // NewHasher returns a Hasher for one model.
 func NewHasher(seed uint64, model string) Hasher { return Hasher{seed: seed, model: model} }
 
+// For is the hasher of another model's blocks, under the same seed: "" is
+// h's own; another id names a LoRA adapter, whose blocks hold other KV and
+// hash apart, as a cluster's router hashes requests for it.
+func (h Hasher) For(model string) Hasher {
+	if model == "" {
+		return h
+	}
+	return NewHasher(h.seed, model)
+}
+
 // Block returns the hash of a block of tokens whose predecessor hashed to parent
 // (0 for the first block).
 func (h Hasher) Block(parent Hash, tokens []int32) Hash {

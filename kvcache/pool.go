@@ -292,23 +292,13 @@ func (p *Pool) match(h Hasher, tokens []int32) []*block {
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
 // a query.
 func (p *Pool) CachedPrefix(model string, prompt []int32) int {
-	return len(p.match(p.hasherFor(model), prompt)) * p.cfg.BlockTokens
-}
-
-// hasherFor is the hasher of a model's blocks: "" is the pool's own
-// (Config.Model); another id names a LoRA adapter, whose blocks hold other
-// KV and hash apart, as a cluster's router hashes requests for it.
-func (p *Pool) hasherFor(model string) Hasher {
-	if model == "" {
-		return p.hasher
-	}
-	return NewHasher(p.cfg.Seed, model)
+	return len(p.match(p.hasher.For(model), prompt)) * p.cfg.BlockTokens
 }
 
 // Fits reports whether a sequence with this prompt and up to maxNew generated tokens
 // fits into free and evictable blocks, counting its cached prefix as already resident.
 func (p *Pool) Fits(model string, prompt []int32, maxNew int) bool {
-	m := p.match(p.hasherFor(model), prompt)
+	m := p.match(p.hasher.For(model), prompt)
 	reusable := 0
 	for _, b := range m {
 		if b.ref == 0 {
@@ -340,7 +330,7 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	if err != nil {
 		return nil, nil, err
 	}
-	s := &Seq{ID: id, hasher: p.hasherFor(model)}
+	s := &Seq{ID: id, hasher: p.hasher.For(model)}
 	m := p.match(s.hasher, prompt)
 	for i, b := range m {
 		if b.lru != nil && !b.reused && !resume {
@@ -723,7 +713,7 @@ func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
 // prefix another suspended sequence shares goes back too: it is cached, only no
 // longer kept past the budget.
 func (p *Pool) Abandon(model string, tokens []int32) []Op {
-	m := p.match(p.hasherFor(model), tokens)
+	m := p.match(p.hasher.For(model), tokens)
 	for i := len(m) - 1; i >= 0; i-- {
 		if b := m[i]; b.suspended && b.lru != nil {
 			p.suspended.Remove(b.lru)

@@ -87,17 +87,9 @@ func (p *SplitPool) match(h Hasher, prompt []int32) (int, map[SeqID]struct{}) {
 	return n, holders
 }
 
-// hasherFor is the hasher of a model's blocks (Pool.hasherFor).
-func (p *SplitPool) hasherFor(model string) Hasher {
-	if model == "" {
-		return p.hasher
-	}
-	return NewHasher(p.cfg.Seed, model)
-}
-
 // CachedPrefix is how many leading tokens of prompt are cached.
 func (p *SplitPool) CachedPrefix(model string, prompt []int32) int {
-	n, _ := p.match(p.hasherFor(model), prompt)
+	n, _ := p.match(p.hasher.For(model), prompt)
 	return n * p.cfg.BlockTokens
 }
 
@@ -128,7 +120,7 @@ func (p *SplitPool) Start(model string, prompt []int32) (*Seq, []Op, error) {
 
 // Resume is Start for a preempted sequence, not counted as a cache lookup.
 func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
-	h := p.hasherFor(model)
+	h := p.hasher.For(model)
 	n, holders := p.match(h, prompt)
 	B := int32(p.cfg.BlockTokens)
 	var ops []Op
