@@ -367,15 +367,7 @@ func GBNFLiteral(s string) string {
 	var b strings.Builder
 	b.WriteByte('"')
 	for _, r := range s {
-		switch {
-		case r == '"' || r == '\\':
-			b.WriteByte('\\')
-			b.WriteRune(r)
-		case r < 0x20 || r == 0x7f:
-			fmt.Fprintf(&b, `\x%02X`, r)
-		default:
-			b.WriteRune(r)
-		}
+		b.WriteString(gbnfChar(r, false))
 	}
 	b.WriteByte('"')
 	return b.String()

@@ -521,19 +521,14 @@ func (p *gbnfParser) token() (string, error) {
 	return p.src[at:p.pos], nil
 }
 
-// gbnfChar writes r as a literal's (class false) or a class's character.
+// gbnfChar writes r as a literal's (class false) or a class's character:
+// quotes, backslashes and control characters escaped (GBNFLiteral's too).
 func gbnfChar(r rune, class bool) string {
 	switch {
 	case r < 0 || !utf8.ValidRune(r):
 		return fmt.Sprintf(`\U%08X`, uint32(r))
 	case r == '"' || r == '\\':
 		return `\` + string(r)
-	case r == '\n':
-		return `\n`
-	case r == '\r':
-		return `\r`
-	case r == '\t':
-		return `\t`
 	case r < 0x20 || r == 0x7f:
 		return fmt.Sprintf(`\x%02X`, r)
 	case class && (r == ']' || r == '['):

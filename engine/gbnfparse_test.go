@@ -11,7 +11,7 @@ func TestParseGBNF(t *testing.T) {
 	for _, c := range []struct{ in, want string }{
 		{"root ::= \"yes\" | \"no\"", "root ::= \"yes\" | \"no\"\n"},
 		{"# answers\nroot ::= answer   # the one rule\nanswer ::= (\n  \"a\" |\n  [b-d]+ # more\n) \"!\"?\n", "root ::= answer\nanswer ::= ( \"a\" | [b-d]+ ) \"!\"?\n"},
-		{"root ::= \"line\nbreak\\t\" [\\]\\[\"^-] [^\\n]", "root ::= \"line\\nbreak\\t\" [\\]\\[\\\"\\x5E\\x2D] [^\\n]\n"},
+		{"root ::= \"line\nbreak\\t\" [\\]\\[\"^-] [^\\n]", "root ::= \"line\\x0Abreak\\x09\" [\\]\\[\\\"\\x5E\\x2D] [^\\x0A]\n"},
 		{"root ::= x{ 2 , 5 } x{3} x{1,}\nx ::= \"\\u00e9\\x41\"", "root ::= x{2,5} x{3} x{1,}\nx ::= \"éA\"\n"},
 		{"root ::= \"a\" |\n  \"b\"\r\n", "root ::= \"a\" | \"b\"\n"},
 		{"root ::= <[3]> !<[4]> .", "root ::= <[3]> !<[4]> .\n"},
