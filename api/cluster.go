@@ -74,7 +74,7 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 
 // streamFailure ends c's stream, relayed from a peer that failed mid-way, in
 // the format of c's API: Anthropic's and the Responses API's clients act on
-// named events only.
+// named events only, Ollama's read lines of JSON.
 func streamFailure(c *gin.Context) func(peer string) string {
 	event := func(name string, v any) string {
 		b, _ := json.Marshal(v)
@@ -88,6 +88,11 @@ func streamFailure(c *gin.Context) func(peer string) string {
 	case strings.HasSuffix(c.Request.URL.Path, "/responses"):
 		return func(peer string) string {
 			return event("error", gin.H{"type": "error", "code": "peer_failed", "message": "peer " + peer + " failed mid-stream", "param": nil})
+		}
+	case c.GetBool(ollamaKey): // a line of newline-delimited JSON
+		return func(peer string) string {
+			b, _ := json.Marshal(ollamaError(&Error{Message: "peer " + peer + " failed mid-stream"}))
+			return string(b) + "\n"
 		}
 	case c.Request.URL.Path == "/infill": // llama-server's streams end without [DONE]
 		return func(peer string) string {

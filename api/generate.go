@@ -89,6 +89,7 @@ type plan struct {
 	params    map[string]string
 	responses *ResponsesRequest // answered as OpenAI's Responses API
 	infill    *infillPlan       // answered as llama-server's /infill
+	ollama    *ollamaPlan       // answered as Ollama's /api/chat or /api/generate
 	tools     *toolPlan         // chat answers follow the tool protocol
 	think     *thinkPlan        // chat answers' thoughts are passed on apart
 	// grammarParam is the request field req.Grammar comes from.
@@ -646,31 +647,37 @@ func (s *Server) completions(c *gin.Context) {
 	if !ok {
 		return
 	}
+	p, err := s.completionPlan(b, &req)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	s.routeOrRun(c, b, p, forwarded)
+}
+
+// completionPlan validates a completions request into a plan with its prompts.
+func (s *Server) completionPlan(b *Backend, req *CompletionRequest) (*plan, error) {
 	warm := req.MaxTokens != nil && *req.MaxTokens == 0
 	if warm {
 		if !req.Echo {
-			abort(c, invalid("max_tokens", "max_tokens must be at least 1, got 0 (0 is only for echo: the prompt alone)"))
-			return
+			return nil, invalid("max_tokens", "max_tokens must be at least 1, got 0 (0 is only for echo: the prompt alone)")
 		}
 		one := 1
 		req.MaxTokens = &one
 	}
 	p, err := s.samplingPlan(b, &req.SamplingFields, "max_tokens", req.MaxTokens)
 	if err != nil {
-		abort(c, err)
-		return
+		return nil, err
 	}
 	p.warm = warm
 	if req.MaxTokens == nil {
 		p.req.MaxTokens = CompletionsMaxTokens
 		if p.req.MinTokens > p.req.MaxTokens {
-			abort(c, invalid("min_tokens", "min_tokens %d exceeds max_tokens, %d by default on /v1/completions", p.req.MinTokens, p.req.MaxTokens))
-			return
+			return nil, invalid("min_tokens", "min_tokens %d exceeds max_tokens, %d by default on /v1/completions", p.req.MinTokens, p.req.MaxTokens)
 		}
 	}
 	if req.Prompt == nil || (len(req.Prompt.Texts) == 0 && len(req.Prompt.Tokens) == 0) {
-		abort(c, invalid("prompt", "prompt is required"))
-		return
+		return nil, invalid("prompt", "prompt is required")
 	}
 	// A suffix asks for the text between the prompt and it: a code model's
 	// fill-in-the-middle, laid out as /infill lays out a prefix and a suffix.
@@ -678,25 +685,20 @@ func (s *Server) completions(c *gin.Context) {
 	fill := req.Suffix != nil && *req.Suffix != ""
 	switch {
 	case fill && !b.Vocab.FIM().Infill():
-		abort(c, invalid("suffix", "suffix needs a code model with fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID); this model has none"))
-		return
+		return nil, invalid("suffix", "suffix needs a code model with fill-in-the-middle tokens (FIM_PRE, FIM_SUF, FIM_MID); this model has none")
 	case fill && len(req.Prompt.Tokens) > 0:
-		abort(c, invalid("suffix", "suffix needs the prompt as text: token ids are laid out as given"))
-		return
+		return nil, invalid("suffix", "suffix needs the prompt as text: token ids are laid out as given")
 	case fill && req.Echo:
-		abort(c, invalid("echo", "echo is not supported with suffix"))
-		return
+		return nil, invalid("echo", "echo is not supported with suffix")
 	}
 	if req.Logprobs != nil {
 		if *req.Logprobs < 0 || *req.Logprobs > sample.MaxTopLogprobs {
-			abort(c, invalid("logprobs", "logprobs must be between 0 and %d", sample.MaxTopLogprobs))
-			return
+			return nil, invalid("logprobs", "logprobs must be between 0 and %d", sample.MaxTopLogprobs)
 		}
 		p.logprobs, p.top, p.completes = true, *req.Logprobs, true
 	}
 	if n := len(req.Prompt.Texts) + len(req.Prompt.Tokens); n*p.n > scheduler.MaxChoices*4 {
-		abort(c, invalid("prompt", "%d prompts × n=%d choices is too many for one request", n, p.n))
-		return
+		return nil, invalid("prompt", "%d prompts × n=%d choices is too many for one request", n, p.n)
 	}
 	for i, t := range req.Prompt.Texts {
 		toks, err := b.Vocab.Tokenize(t, true, true)
@@ -707,12 +709,10 @@ func (s *Server) completions(c *gin.Context) {
 			}
 		}
 		if err != nil {
-			abort(c, err)
-			return
+			return nil, err
 		}
 		if len(toks) == 0 {
-			abort(c, invalid("prompt", "prompt %d is empty", i))
-			return
+			return nil, invalid("prompt", "prompt %d is empty", i)
 		}
 		p.prompts = append(p.prompts, toks)
 		p.echo = append(p.echo, t)
@@ -720,13 +720,11 @@ func (s *Server) completions(c *gin.Context) {
 	for i, ids := range req.Prompt.Tokens {
 		toks, err := tokenIDs(ids, b.Vocab.Size(), "prompt", i)
 		if err != nil {
-			abort(c, err)
-			return
+			return nil, err
 		}
 		text, err := b.Vocab.Detokenize(toks, false, false)
 		if err != nil {
-			abort(c, err)
-			return
+			return nil, err
 		}
 		p.prompts = append(p.prompts, toks)
 		p.echo = append(p.echo, text)
@@ -739,7 +737,7 @@ func (s *Server) completions(c *gin.Context) {
 		p.echoScores, p.req.PromptLogprobs = true, true
 		p.req.PromptTopLogprobs = max(p.req.PromptTopLogprobs, p.top)
 	}
-	s.routeOrRun(c, b, &p, forwarded)
+	return &p, nil
 }
 
 // begin decodes a request into req (whose model and priority, if any, are read from
@@ -871,6 +869,8 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	switch {
 	case p.infill != nil:
 		s.infillAnswer(c, b, p, subs[0])
+	case p.ollama != nil:
+		s.ollamaAnswer(c, b, p, subs[0])
 	case p.anthropic && p.stream:
 		s.messageStream(c, b, p, subs)
 	case p.anthropic:

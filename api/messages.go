@@ -587,10 +587,14 @@ func (s *Server) messageWhole(c *gin.Context, b *Backend, p *plan, subs []submit
 
 // followOne reads p's one choice to its end, passing its thoughts and text to
 // emit as they come, and returns its answer once whole (the text held back
-// until the end, the calls) and the usage.
-func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitted, emit func(reasoning, text string), calls func([]ToolCallDelta)) (chatAnswer, Usage, error) {
+// until the end, the calls) and the scheduler's usage. seen, when set, sees
+// each token and finish event first.
+func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitted, seen func(scheduler.Event), emit func(reasoning, text string), calls func([]ToolCallDelta)) (chatAnswer, scheduler.Usage, error) {
 	var ch choiceState
 	u, err := s.drain(ctx, b, p, sub, func(ev scheduler.Event) {
+		if seen != nil {
+			seen(ev)
+		}
 		if !ch.started {
 			ch.output, ch.started = p.newOutput(), true
 		}
@@ -610,17 +614,15 @@ func (s *Server) followOne(ctx context.Context, b *Backend, p *plan, sub submitt
 		}
 	})
 	if err != nil {
-		return chatAnswer{}, Usage{}, err
+		return chatAnswer{}, u, err
 	}
-	var usage Usage
-	addUsage(&usage, u)
 	a := s.answer(&ch) // ch holds no text (it was passed on): a.text is what was held
 	if calls != nil && ch.output != nil {
 		if d := ch.output.callRest(a.calls); len(d) > 0 {
 			calls(d)
 		}
 	}
-	return a, usage, nil
+	return a, u, nil
 }
 
 // messageStream answers a message request with Anthropic's events:
@@ -683,7 +685,7 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 			}
 		}
 	}
-	a, usage, err := s.followOne(ctx, b, p, sub, func(reasoning, text string) {
+	a, u, err := s.followOne(ctx, b, p, sub, nil, func(reasoning, text string) {
 		emit("thinking", reasoning)
 		emitText(text)
 	}, toolUse)
@@ -694,6 +696,8 @@ func (s *Server) messageStream(c *gin.Context, b *Backend, p *plan, subs []submi
 		}
 		return
 	}
+	var usage Usage
+	addUsage(&usage, u)
 	if p.warm {
 		a, usage.CompletionTokens = chatAnswer{finish: "length"}, 0
 	}

@@ -618,7 +618,7 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 			}
 		}
 	}
-	a, usage, err := s.followOne(ctx, b, p, subs[0], func(reasoning, text string) {
+	a, u, err := s.followOne(ctx, b, p, subs[0], nil, func(reasoning, text string) {
 		emit("reasoning", reasoning)
 		emit("message", text)
 	}, toolCalls)
@@ -634,6 +634,8 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 		return
 	}
+	var usage Usage
+	addUsage(&usage, u)
 	endCall(a.itemStatus())
 	emit("message", a.text)
 	if open != "message" && len(a.calls) == 0 && !slices.ContainsFunc(items, func(it any) bool { _, ok := it.(messageItem); return ok }) {

@@ -191,23 +191,47 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
+	ollama := r.Group("/api", ollamaErrors, s.counted, s.auth)
+	ollama.POST("/chat", s.ollamaChat)
+	ollama.POST("/generate", s.ollamaGenerate)
+	ollama.POST("/embed", s.ollamaEmbed(false))
+	ollama.POST("/embeddings", s.ollamaEmbed(true))
+	ollama.GET("/tags", s.ollamaTags)
+	ollama.GET("/ps", s.ollamaPS)
+	ollama.POST("/show", s.ollamaShow)
+	ollama.GET("/version", s.ollamaVersion)
+	ollama.HEAD("/version", s.ollamaVersion)
+	for _, path := range []string{"/pull", "/push", "/create", "/copy", "/delete"} {
+		ollama.Handle(http.MethodPost, path, ollamaManage)
+	}
+	ollama.DELETE("/delete", ollamaManage)
+	// Ollama's clients check that a server is up with GET or HEAD /.
+	r.GET("/", func(c *gin.Context) { c.String(http.StatusOK, "shoal is running") })
+	r.HEAD("/", func(c *gin.Context) { c.Status(http.StatusOK) })
 	r.NoRoute(func(c *gin.Context) {
-		if strings.HasPrefix(c.Request.URL.Path, "/v1/messages") {
-			c.Set(anthropicKey, true)
-		}
+		markAPI(c)
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
 			Message: fmt.Sprintf("no route %s %s", c.Request.Method, c.Request.URL.Path)})
 	})
 	r.HandleMethodNotAllowed = true
 	r.NoMethod(func(c *gin.Context) {
-		if strings.HasPrefix(c.Request.URL.Path, "/v1/messages") {
-			c.Set(anthropicKey, true)
-		}
+		markAPI(c)
 		abort(c, &Error{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error",
 			Message: fmt.Sprintf("method %s not allowed on %s", c.Request.Method, c.Request.URL.Path)})
 	})
 	s.engine = r
 	return s, nil
+}
+
+// markAPI marks a request gin found no handler for with the API its path
+// belongs to, so that its error is written in that API's format.
+func markAPI(c *gin.Context) {
+	switch path := c.Request.URL.Path; {
+	case strings.HasPrefix(path, "/v1/messages"):
+		c.Set(anthropicKey, true)
+	case strings.HasPrefix(path, "/api/"):
+		c.Set(ollamaKey, true)
+	}
 }
 
 // recovery answers a handler's panic with 500, except errCloseConnection, which it
@@ -365,18 +389,21 @@ func (s *Server) admittedByMember(c *gin.Context) (bool, error) {
 	return fwd && err == nil, nil
 }
 
-// abort writes err in OpenAI's format (Anthropic's on the Messages API) and
-// stops the handler chain.
+// abort writes err in OpenAI's format (Anthropic's on the Messages API,
+// Ollama's on its API) and stops the handler chain.
 func abort(c *gin.Context, err error) {
 	e := toAPIError(err)
 	if e.RetryAfter > 0 {
 		c.Header("Retry-After", fmt.Sprint(e.RetryAfter))
 	}
-	if c.GetBool(anthropicKey) {
+	switch {
+	case c.GetBool(anthropicKey):
 		c.AbortWithStatusJSON(e.Status, anthropicError(e))
-		return
+	case c.GetBool(ollamaKey):
+		c.AbortWithStatusJSON(e.Status, ollamaError(e))
+	default:
+		c.AbortWithStatusJSON(e.Status, e.body())
 	}
-	c.AbortWithStatusJSON(e.Status, e.body())
 }
 
 // adapterOf reports whether model is served here, and under which adapter
@@ -502,6 +529,28 @@ func (s *Server) embeddings(c *gin.Context) {
 		return
 	}
 	adapter, _ := s.adapterOf(req.Model)
+	vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input")
+	if !ok {
+		return
+	}
+	resp := EmbeddingResponse{Object: "list", Model: cmp.Or(req.Model, s.cfg.ModelName)}
+	for i, vec := range vecs {
+		d := EmbeddingData{Object: "embedding", Index: i}
+		if req.EncodingFormat == "base64" {
+			d.Embedding = base64Floats(vec)
+		} else {
+			d.Embedding = vec
+		}
+		resp.Data = append(resp.Data, d)
+	}
+	resp.Usage.PromptTokens, resp.Usage.TotalTokens = tokens, tokens
+	c.JSON(http.StatusOK, resp)
+}
+
+// embed computes each input's unit-length embedding under adapter and counts
+// their tokens; ok is false when it answered c with an error (param names
+// the inputs' field).
+func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adapter int, param string) (vecs [][]float32, tokens int, ok bool) {
 	ctx := c.Request.Context()
 	// Inputs are submitted as a window that moves on as results come back: all at
 	// once, 2,048 inputs would overflow a queue of --max-waiting 1,024 on an idle
@@ -516,8 +565,8 @@ func (s *Server) embeddings(c *gin.Context) {
 		if err != nil {
 			s.metrics.rejected(err)
 			if errors.Is(err, scheduler.ErrPromptTooLong) {
-				err = &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "input",
-					Message: fmt.Sprintf("input %d: %v", i, err)}
+				err = &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
+					Message: fmt.Sprintf("%s %d: %v", param, i, err)}
 			}
 			abort(c, err)
 			return false
@@ -527,43 +576,35 @@ func (s *Server) embeddings(c *gin.Context) {
 	}
 	for i := range min(window, len(inputs)) {
 		if !submit(i) {
-			return
+			return nil, 0, false
 		}
 	}
-	resp := EmbeddingResponse{Object: "list", Model: cmp.Or(req.Model, s.cfg.ModelName)}
 	for i, st := range streams {
 		var vec []float32
 		for {
 			ev, ok := st.Next(ctx)
 			if !ok {
 				abort(c, errors.New("embedding stream ended without a result"))
-				return
+				return nil, 0, false
 			}
 			if ev.Kind == scheduler.EventEmbedding {
 				vec = normalize(ev.Vector)
 			}
 			if ev.Kind == scheduler.EventError {
 				abort(c, ev.Err)
-				return
+				return nil, 0, false
 			}
 			if ev.Kind == scheduler.EventDone {
-				resp.Usage.PromptTokens += ev.Usage.PromptTokens
+				tokens += ev.Usage.PromptTokens
 				break
 			}
 		}
 		if j := i + window; j < len(inputs) && !submit(j) { // input i is done: the next may wait
-			return
+			return nil, 0, false
 		}
-		d := EmbeddingData{Object: "embedding", Index: i}
-		if req.EncodingFormat == "base64" {
-			d.Embedding = base64Floats(vec)
-		} else {
-			d.Embedding = vec
-		}
-		resp.Data = append(resp.Data, d)
+		vecs = append(vecs, vec)
 	}
-	resp.Usage.TotalTokens = resp.Usage.PromptTokens
-	c.JSON(http.StatusOK, resp)
+	return vecs, tokens, true
 }
 
 // embedWindow is how many inputs of one embeddings request wait in the scheduler at

@@ -86,13 +86,17 @@ func (w *sseWriter) keepAlive(every time.Duration, alive func()) (stop func()) {
 
 // write writes one event: head, then b as its data.
 func (w *sseWriter) write(head string, b []byte) {
+	buf := make([]byte, 0, len(head)+len(b)+8)
+	w.send(append(append(append(append(buf, head...), "data: "...), b...), "\n\n"...))
+}
+
+// send writes buf and flushes it, unless a write failed before.
+func (w *sseWriter) send(buf []byte) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.failed {
 		return
 	}
-	buf := make([]byte, 0, len(head)+len(b)+8)
-	buf = append(append(append(append(buf, head...), "data: "...), b...), "\n\n"...)
 	if _, err := w.c.Writer.Write(buf); err != nil {
 		w.failed = true
 		return

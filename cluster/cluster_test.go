@@ -472,6 +472,24 @@ func TestForwardRetryAndMidStreamFailure(t *testing.T) {
 	if err == nil || !strings.Contains(w.Body.String(), "peer_failed") || !strings.HasSuffix(w.Body.String(), "data: [DONE]\n\n") {
 		t.Fatalf("mid-stream death: %v %q", err, w.Body.String())
 	}
+	// Newline-delimited JSON (Ollama's) passes on whole lines: a line the peer
+	// left half written is dropped, and the failure's line ends the stream.
+	dyingLines := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		io.WriteString(w, `{"a":1}`+"\n"+`{"b":`)
+		w.(http.Flusher).Flush()
+		io.WriteString(w, `2}`+"\n"+`{"c":`)
+		w.(http.Flusher).Flush()
+		conn, _, _ := w.(http.Hijacker).Hijack()
+		conn.Close()
+	}))
+	defer dyingLines.Close()
+	w = httptest.NewRecorder()
+	err = f.ForwardStream(ctx, Target{Name: "d", HTTP: host(dyingLines)}, "POST", "/api/chat", http.Header{}, body, w,
+		func(peer string) string { return `{"error":"peer ` + peer + ` failed"}` + "\n" })
+	if want := `{"a":1}` + "\n" + `{"b":2}` + "\n" + `{"error":"peer d failed"}` + "\n"; err == nil || w.Body.String() != want {
+		t.Fatalf("ndjson mid-stream death: %v %q, want %q", err, w.Body.String(), want)
+	}
 }
 
 // TestForwardRefusalsAndCuts: a peer's 429 (its queue full; it ran nothing) may be

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"crypto/hmac"
 	"crypto/sha256"
@@ -164,35 +165,54 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 	w.WriteHeader(resp.StatusCode)
 	flusher, _ := w.(http.Flusher)
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	// Newline-delimited JSON (Ollama's streams) passes on whole lines only, so
+	// that a peer failing mid-line leaves no half object before the failure's.
+	ndjson := strings.HasPrefix(resp.Header.Get("Content-Type"), "application/x-ndjson")
+	var partial []byte // ndjson: the line begun, not yet passed on
 	buf := make([]byte, 32<<10)
 	for {
 		n, rerr := resp.Body.Read(buf)
-		if n > 0 {
-			if _, werr := w.Write(buf[:n]); werr != nil {
+		out := buf[:n]
+		if ndjson {
+			partial = append(partial, out...)
+			i := bytes.LastIndexByte(partial, '\n')
+			out = partial[:i+1]
+			partial = partial[i+1:]
+		}
+		if len(out) > 0 {
+			if _, werr := w.Write(out); werr != nil {
 				return nil // the client left; ctx cancels upstream
 			}
 			if flusher != nil {
 				flusher.Flush()
 			}
 		}
+		if ndjson {
+			partial = bytes.Clone(partial) // out, written, may share its array
+		}
 		if rerr == io.EOF {
+			if len(partial) > 0 { // a last line without its newline
+				_, _ = w.Write(partial)
+			}
 			return nil
 		}
 		if rerr != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
-			if sse {
+			switch {
+			case sse:
 				// A blank line first ends whatever event the cut left half written.
 				_, _ = io.WriteString(w, "\n\n"+failure(t.Name))
-				if flusher != nil {
-					flusher.Flush()
-				}
-			}
-			if !sse {
+			case ndjson:
+				_, _ = io.WriteString(w, failure(t.Name))
+			default:
 				// A body cut short must not end like a whole one: the caller
 				// aborts the connection.
 				return &TruncatedError{Err: fmt.Errorf("forward to %s: mid-body: %w", t.Name, rerr)}
+			}
+			if flusher != nil {
+				flusher.Flush()
 			}
 			return fmt.Errorf("forward to %s: mid-stream: %w", t.Name, rerr)
 		}

@@ -493,6 +493,33 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 			t.Fatalf("b, for a's adapter: %s, want %q", got, want)
 		}
 	}
+	// Ollama's API too: b lists the adapter with its parent, and forwards a
+	// streamed request for it (by Ollama's name for it) to a, line by line.
+	tagsResp, err := http.Get(b.url + "/api/tags")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tagsBody, _ := io.ReadAll(tagsResp.Body)
+	tagsResp.Body.Close()
+	if tags := string(tagsBody); !strings.Contains(tags, `"name":"tuned"`) || !strings.Contains(tags, `"parent_model":"base"`) {
+		t.Fatalf("b's /api/tags: %s", tags)
+	}
+	resp, got := post(t, b.url+"/api/generate", `{"model":"tuned:latest","prompt":"Once upon a time","raw":true,"options":{"num_predict":12,"temperature":0}}`)
+	var text strings.Builder
+	lines := strings.Split(strings.TrimSpace(got), "\n")
+	for _, l := range lines {
+		var r struct {
+			Response string `json:"response"`
+			Done     bool   `json:"done"`
+		}
+		if err := json.Unmarshal([]byte(l), &r); err != nil {
+			t.Fatalf("line %q: %v", l, err)
+		}
+		text.WriteString(r.Response)
+	}
+	if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "a" || len(lines) < 3 || text.String() != want {
+		t.Fatalf("b, /api/generate for a's adapter: %d served by %q: %q, want %q", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), text.String(), want)
+	}
 }
 
 // modelList is n's GET /v1/models body, "" when it does not answer.
