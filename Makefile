@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora run lint fmt clean gpu-check-inputs
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora run lint fmt clean gpu-check-inputs ollama-cli-check
 
 all: build
 
@@ -86,6 +86,10 @@ bench-lora: build
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkScheduler(CacheFill|Conversations)' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 60m ./engine/llama | tee bench-cache.txt
+
+# Ollama's own CLI (built from the pinned ollama module) against a node: README, "Ollama's API".
+ollama-cli-check: build
+	bash scripts/ollama-cli-check.sh
 
 run: build
 	@if [ -z "$(MODEL)" ]; then \

@@ -926,7 +926,9 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 }
 
 // ollamaManage refuses Ollama's model management: a node serves the model it
-// was started with.
-func ollamaManage(c *gin.Context) {
-	abort(c, &Error{Status: http.StatusNotImplemented, Message: fmt.Sprintf("%s is not supported: a shoal node serves the model it was started with (serve --model FILE)", c.Request.URL.Path)})
+// was started with. Ollama's CLI pulls a model /api/show does not know, so the
+// refusal names those that are served.
+func (s *Server) ollamaManage(c *gin.Context) {
+	abort(c, &Error{Status: http.StatusNotImplemented, Message: fmt.Sprintf("%s is not supported: a shoal node serves the model it was started with (serve --model FILE); %s",
+		c.Request.URL.Path, s.served())})
 }

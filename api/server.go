@@ -202,9 +202,9 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	ollama.GET("/version", s.ollamaVersion)
 	ollama.HEAD("/version", s.ollamaVersion)
 	for _, path := range []string{"/pull", "/push", "/create", "/copy", "/delete"} {
-		ollama.Handle(http.MethodPost, path, ollamaManage)
+		ollama.Handle(http.MethodPost, path, s.ollamaManage)
 	}
-	ollama.DELETE("/delete", ollamaManage)
+	ollama.DELETE("/delete", s.ollamaManage)
 	// Ollama's clients check that a server is up with GET or HEAD /.
 	r.GET("/", func(c *gin.Context) { c.String(http.StatusOK, "shoal is running") })
 	r.HEAD("/", func(c *gin.Context) { c.Status(http.StatusOK) })
@@ -429,6 +429,12 @@ func (s *Server) checkModel(model string) error {
 }
 
 func (s *Server) unknownModel(id string) *Error {
+	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
+		Message: fmt.Sprintf("the model %q does not exist; %s", id, s.served())}
+}
+
+// served says which models requests may name: "this server serves "a", "b"".
+func (s *Server) served() string {
 	var ids []string
 	for _, m := range s.modelList().Data {
 		ids = append(ids, strconv.Quote(m.ID))
@@ -437,8 +443,7 @@ func (s *Server) unknownModel(id string) *Error {
 	if s.node() != nil {
 		where = "the cluster serves"
 	}
-	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
-		Message: fmt.Sprintf("the model %q does not exist; %s %s", id, where, strings.Join(ids, ", "))}
+	return where + " " + strings.Join(ids, ", ")
 }
 
 func (s *Server) models(c *gin.Context) { c.JSON(http.StatusOK, s.modelList()) }
