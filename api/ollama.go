@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -41,23 +42,50 @@ func ollamaErrors(c *gin.Context) {
 }
 
 // ollamaError is e's body in Ollama's format.
-func ollamaError(e *Error) gin.H { return gin.H{"error": e.Message} }
+func ollamaError(e *Error) gin.H {
+	if e.Code == "model_not_found" {
+		return gin.H{"error": "model not found: " + e.Message} // Ollama's clients look for "not found"
+	}
+	return gin.H{"error": e.Message}
+}
 
 // OllamaOptions are the options of Ollama's requests that shoal takes: the
 // sampling ones. The others (num_ctx, num_gpu, num_thread, num_batch, ...)
 // set up the runner, which a node's flags set here, and are ignored, as
 // Ollama ignores options it does not know.
 type OllamaOptions struct {
-	NumPredict       *int         `json:"num_predict"`
+	NumPredict       *ollamaInt   `json:"num_predict"`
 	Temperature      *float64     `json:"temperature"`
 	TopP             *float64     `json:"top_p"`
-	TopK             *int         `json:"top_k"`
+	TopK             *ollamaInt   `json:"top_k"`
 	MinP             *float64     `json:"min_p"`
-	Seed             *int64       `json:"seed"`
+	Seed             *ollamaInt   `json:"seed"`
 	Stop             StringOrList `json:"stop"`
 	RepeatPenalty    *float64     `json:"repeat_penalty"`
 	PresencePenalty  *float64     `json:"presence_penalty"`
 	FrequencyPenalty *float64     `json:"frequency_penalty"`
+}
+
+// ollamaInt is an integer option, which Ollama takes as any JSON number
+// (3.0, as computed settings are sent), cut to an integer.
+type ollamaInt int64
+
+func (n *ollamaInt) UnmarshalJSON(b []byte) error {
+	var f float64
+	if err := json.Unmarshal(b, &f); err != nil || f != f || f > 1<<53 || f < -(1<<53) {
+		return &json.UnmarshalTypeError{Value: jsonKind(bytes.TrimSpace(b)), Type: reflect.TypeFor[int]()}
+	}
+	*n = ollamaInt(f)
+	return nil
+}
+
+// intOf is n as an int; nil stays nil.
+func intOf(n *ollamaInt) *int {
+	if n == nil {
+		return nil
+	}
+	v := int(*n)
+	return &v
 }
 
 // OllamaMessage is a message of Ollama's /api/chat.
@@ -85,8 +113,8 @@ type OllamaToolCall struct {
 	} `json:"function"`
 }
 
-// ollamaCommon are the fields /api/chat and /api/generate share.
-type ollamaCommon struct {
+// OllamaCommon are the fields /api/chat and /api/generate share.
+type OllamaCommon struct {
 	Model   string          `json:"model"`
 	Format  json.RawMessage `json:"format"` // "json" or a JSON schema
 	Options *OllamaOptions  `json:"options"`
@@ -102,7 +130,7 @@ type ollamaCommon struct {
 
 // OllamaChatRequest is the body of POST /api/chat.
 type OllamaChatRequest struct {
-	ollamaCommon
+	OllamaCommon
 	Messages []OllamaMessage `json:"messages"`
 	Tools    json.RawMessage `json:"tools"` // OpenAI's shape
 	// ToolChoice is shoal's extension, OpenAI's and vLLM's tool_choice
@@ -113,7 +141,7 @@ type OllamaChatRequest struct {
 
 // OllamaGenerateRequest is the body of POST /api/generate.
 type OllamaGenerateRequest struct {
-	ollamaCommon
+	OllamaCommon
 	Prompt string `json:"prompt"`
 	Suffix string `json:"suffix"`
 	System string `json:"system"`
@@ -160,21 +188,24 @@ type ollamaPlan struct {
 }
 
 // sampling sets f from the options and the fields Ollama's requests share.
-func (o *ollamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *Backend) error {
+func (o *OllamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *Backend) error {
 	f.Model = o.Model
 	f.Stream = o.Stream == nil || *o.Stream
 	if opt := o.Options; opt != nil {
-		switch n := opt.NumPredict; {
-		case n == nil || *n == -1 || *n == -2: // until the end (-2: Ollama's "fill the context")
+		switch n := intOf(opt.NumPredict); {
+		case n == nil || *n == 0 || *n == -1 || *n == -2:
+			// Until the end, as Ollama's runner takes 0 and -1 (-2: "fill the
+			// context").
 		case *n < -2:
 			return invalid("options.num_predict", "options.num_predict must be -1 (no limit), -2 (fill the context) or at least 0, got %d", *n)
 		default:
 			f.MaxTokens = n
 		}
-		f.Temperature, f.TopP, f.TopK, f.MinP = opt.Temperature, opt.TopP, opt.TopK, opt.MinP
+		f.Temperature, f.TopP, f.TopK, f.MinP = opt.Temperature, opt.TopP, intOf(opt.TopK), opt.MinP
 		f.RepetitionPenalty, f.PresencePenalty, f.FrequencyPenalty = opt.RepeatPenalty, opt.PresencePenalty, opt.FrequencyPenalty
 		if opt.Seed != nil && *opt.Seed >= 0 { // Ollama's -1: a random seed
-			f.Seed = opt.Seed
+			seed := int64(*opt.Seed)
+			f.Seed = &seed
 		}
 		f.Stop = opt.Stop
 	}
@@ -198,16 +229,16 @@ func (o *ollamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *B
 	case "", "null":
 	case "false":
 		vars["enable_thinking"] = false
-	case "true", `"low"`, `"medium"`, `"high"`:
+	case "true", `"low"`, `"medium"`, `"high"`, `"max"`:
 		if b.think == nil {
 			return invalid("think", "the model %q does not think (its chat template writes no thoughts): leave think out or false", cmpOr(o.Model, "served"))
 		}
 		vars["enable_thinking"] = true
-		if think[0] == '"' {
-			vars["reasoning_effort"] = strings.Trim(string(think), `"`) // gpt-oss's templates read it
+		if think[0] == '"' { // gpt-oss's templates read it; "max" is its "high", as Ollama maps it
+			vars["reasoning_effort"] = strings.Replace(strings.Trim(string(think), `"`), "max", "high", 1)
 		}
 	default:
-		return invalid("think", `think must be true, false, "low", "medium" or "high"`)
+		return invalid("think", `think must be true, false, "low", "medium", "high" or "max"`)
 	}
 	if len(vars) > 0 {
 		*kwargs, _ = json.Marshal(vars)
@@ -215,9 +246,10 @@ func (o *ollamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *B
 	return nil
 }
 
-// logprobsTop is top_logprobs for a chat request: nil without logprobs.
-func (o *ollamaCommon) logprobsTop() *int {
-	if !o.Logprobs && o.TopLogprobs == 0 {
+// logprobsTop is top_logprobs for a chat request: nil without logprobs
+// (Ollama then ignores top_logprobs).
+func (o *OllamaCommon) logprobsTop() *int {
+	if !o.Logprobs {
 		return nil
 	}
 	return &o.TopLogprobs
@@ -242,8 +274,9 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 		if len(m.Images) > 0 {
 			return nil, invalid("messages", "message %d: images are not supported: this node serves a text model", i)
 		}
-		out := Message{Role: m.Role, Content: Content(m.Content)}
-		switch m.Role {
+		role := strings.ToLower(m.Role) // as Ollama reads it
+		out := Message{Role: role, Content: Content(m.Content)}
+		switch role {
 		case "system", "user":
 		case "assistant":
 			if len(m.ToolCalls) > 0 {
@@ -300,29 +333,11 @@ func (s *Server) ollamaChat(c *gin.Context) {
 		s.ollamaLoaded(c, req.Model, false, req.KeepAlive)
 		return
 	}
-	p, ok := s.ollamaPlan(c, b, func() (*ChatRequest, error) { return req.chatRequest(b) }, req.Options, ollamaParams)
+	p, ok := s.translatedPlan(c, b, func() (*ChatRequest, error) { return req.chatRequest(b) }, ollamaParams)
 	if ok {
 		p.ollama = &ollamaPlan{start: start}
 		s.routeOrRun(c, b, p, forwarded)
 	}
-}
-
-// ollamaPlan is translatedPlan for Ollama's requests: num_predict 0 computes the
-// prompt and answers nothing.
-func (s *Server) ollamaPlan(c *gin.Context, b *Backend, translate func() (*ChatRequest, error), opt *OllamaOptions, params map[string]string) (*plan, bool) {
-	warm := opt != nil && opt.NumPredict != nil && *opt.NumPredict == 0
-	p, ok := s.translatedPlan(c, b, func() (*ChatRequest, error) {
-		chat, err := translate()
-		if err == nil && warm {
-			one := 1
-			chat.MaxTokens = &one
-		}
-		return chat, err
-	}, params)
-	if ok {
-		p.warm = warm
-	}
-	return p, ok
 }
 
 // ollamaGenerate serves POST /api/generate.
@@ -340,6 +355,9 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 	case len(req.Images) > 0:
 		abort(c, invalid("images", "images are not supported: this node serves a text model"))
 		return
+	case req.Raw && (req.System != "" || len(req.Context) > 0):
+		abort(c, invalid("raw", "raw mode does not support system or context (the prompt is given as it is)"))
+		return
 	case req.Prompt == "" && req.Suffix == "" && len(req.Context) == 0:
 		s.ollamaLoaded(c, req.Model, true, req.KeepAlive) // Ollama's clients load a model so
 		return
@@ -347,24 +365,14 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 	var p *plan
 	if req.Raw || req.Suffix != "" {
 		// As it is (a suffix: laid out for fill-in-the-middle, as
-		// /v1/completions lays out its suffix).
+		// /v1/completions lays out its suffix, without a system prompt, which
+		// Ollama also leaves out then; think has nothing to switch).
 		var f SamplingFields
-		var kwargs json.RawMessage
-		err := req.sampling(&f, &kwargs, b)
-		if err == nil && (req.System != "" || len(kwargs) > 0) {
-			err = invalid("raw", "system and think need the chat template: not with raw or suffix")
-		}
-		warm := req.Options != nil && req.Options.NumPredict != nil && *req.Options.NumPredict == 0
+		var ignored json.RawMessage
+		err := req.sampling(&f, &ignored, b)
 		if err == nil {
-			if warm {
-				one := 1
-				f.MaxTokens = &one
-			}
 			cr := &CompletionRequest{SamplingFields: f, Prompt: &Prompt{Texts: []string{req.Prompt}}}
-			switch {
-			case req.TopLogprobs != 0 && !req.Logprobs:
-				err = invalid("top_logprobs", "top_logprobs requires logprobs: true")
-			case req.Logprobs:
+			if req.Logprobs {
 				cr.Logprobs = &req.TopLogprobs
 			}
 			if req.Suffix != "" {
@@ -375,15 +383,12 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 				one := 1 // not /v1/completions' default of 16: replaced below
 				cr.MaxTokens = &one
 			}
-			if err == nil {
-				p, err = s.completionPlan(b, cr)
-			}
-			if err == nil {
+			if p, err = s.completionPlan(b, cr); err == nil {
 				if unbounded {
 					p.req.MaxTokens = 0 // until the end or a full context, as Ollama's -1
 				}
 				// A bound the context caps, as translated requests' (translatedPlan).
-				p.maxTokensAsked, p.warm, p.params = false, warm, ollamaGenerateParams
+				p.maxTokensAsked, p.params = false, ollamaGenerateParams
 			}
 		}
 		if err != nil {
@@ -391,8 +396,7 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 			return
 		}
 	} else {
-		var ok bool
-		p, ok = s.ollamaPlan(c, b, func() (*ChatRequest, error) {
+		p, ok = s.translatedPlan(c, b, func() (*ChatRequest, error) {
 			chat := &ChatRequest{}
 			if err := req.sampling(&chat.SamplingFields, &chat.ChatTemplateKwargs, b); err != nil {
 				return nil, err
@@ -403,7 +407,7 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 			chat.Messages = append(chat.Messages, Message{Role: "user", Content: Content(req.Prompt)})
 			chat.Logprobs, chat.TopLogprobs = req.Logprobs, req.logprobsTop()
 			return chat, nil
-		}, req.Options, ollamaGenerateParams)
+		}, ollamaGenerateParams)
 		if !ok {
 			return
 		}
@@ -429,8 +433,12 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 // Ollama's clients load a model (or, keep_alive 0, unload it): the model is
 // loaded while the node serves.
 func (s *Server) ollamaLoaded(c *gin.Context, model string, generate bool, keepAlive json.RawMessage) {
+	if err := s.checkModel(model); err != nil {
+		abort(c, err)
+		return
+	}
 	reason := "load"
-	if k := strings.Trim(string(bytes.TrimSpace(keepAlive)), `"`); k == "0" || k == "0s" {
+	if keptFor(keepAlive) == 0 {
 		reason = "unload" // said, not done: the node serves it until it stops
 	}
 	out := gin.H{"model": cmpOr(model, s.cfg.ModelName), "created_at": s.now().UTC().Format(time.RFC3339Nano), "done": true, "done_reason": reason}
@@ -440,6 +448,27 @@ func (s *Server) ollamaLoaded(c *gin.Context, model string, generate bool, keepA
 		out["message"] = gin.H{"role": "assistant", "content": ""}
 	}
 	c.JSON(http.StatusOK, out)
+}
+
+// keptFor reads keep_alive as Ollama does: seconds, or a duration ("5m",
+// "0s"); unset or unreadable, 5 minutes; negative, forever (-1).
+func keptFor(raw json.RawMessage) time.Duration {
+	var v any
+	if json.Unmarshal(raw, &v) != nil {
+		return 5 * time.Minute
+	}
+	switch t := v.(type) {
+	case float64:
+		if t < 0 {
+			return -1
+		}
+		return time.Duration(t * float64(time.Second))
+	case string:
+		if d, err := time.ParseDuration(t); err == nil {
+			return max(d, -1)
+		}
+	}
+	return 5 * time.Minute
 }
 
 // ollamaStats are the counts and durations (nanoseconds) of an answer's last
@@ -670,8 +699,12 @@ func (s *Server) ollamaModels(running bool) []OllamaModel {
 		if running {
 			om.ExpiresAt = time.Date(2318, 1, 1, 0, 0, 0, 0, time.UTC).Format(time.RFC3339) // never, as Ollama writes keep_alive -1
 			om.ContextLength = m.MaxModelLen
-			if b != nil && b.Info.GPULayers > 0 {
-				om.SizeVRAM = om.Size * uint64(b.Info.GPULayers) / uint64(max(1, b.Info.Layers+1))
+			switch {
+			case b == nil || b.Info.GPULayers <= 0:
+			case b.Info.GPULayers >= b.Info.Layers: // every layer offloaded
+				om.SizeVRAM = om.Size
+			default:
+				om.SizeVRAM = om.Size * uint64(b.Info.GPULayers) / uint64(b.Info.Layers+1)
 			}
 		}
 		out = append(out, om)
@@ -739,33 +772,38 @@ func (s *Server) ollamaVersion(c *gin.Context) {
 	c.JSON(http.StatusOK, gin.H{"version": OllamaAPIVersion})
 }
 
+// OllamaShowRequest is the body of POST /api/show.
+type OllamaShowRequest struct {
+	Model string `json:"model"`
+	Name  string `json:"name"` // Ollama's older field
+}
+
+func (r *OllamaShowRequest) UnmarshalJSON(b []byte) error {
+	type plain OllamaShowRequest
+	if err := json.Unmarshal(b, (*plain)(r)); err != nil {
+		return err
+	}
+	r.Model = cmpOr(r.Model, r.Name)
+	return nil
+}
+
 // ollamaShow serves POST /api/show: a model's details, template, parameters,
 // model_info (whose "<architecture>.context_length" clients read) and
 // capabilities.
 func (s *Server) ollamaShow(c *gin.Context) {
-	var req struct {
-		Model string `json:"model"`
-		Name  string `json:"name"` // Ollama's older field
-	}
+	var req OllamaShowRequest
 	b, ok := s.readyBackend(c)
 	if !ok {
 		return
 	}
-	if err := decodeBody(c, &ollamaBody{&req, &req.Model}); err != nil {
-		abort(c, err)
+	// A model served elsewhere in the cluster is shown by a node serving it.
+	if _, ok := s.begin(c, &ollamaBody{&req, &req.Model}, &req.Model, nil); !ok {
 		return
 	}
-	id := cmpOr(req.Model, ollamaModel(req.Name))
+	id := req.Model
 	adapter, here := s.adapterOf(id)
 	if !here || id == "" {
-		for _, m := range s.ollamaModels(false) {
-			if m.Name == id {
-				c.JSON(http.StatusOK, gin.H{"details": m.Details, "model_info": gin.H{}, "capabilities": []string{"completion"},
-					"modified_at": m.ModifiedAt, "modelfile": "# served by another node of the cluster\nFROM " + id + "\n"})
-				return
-			}
-		}
-		abort(c, &Error{Status: http.StatusNotFound, Message: fmt.Sprintf("model %q not found", id)})
+		abort(c, &Error{Status: http.StatusNotFound, Message: fmt.Sprintf("model %q not found; %s", id, s.served())})
 		return
 	}
 	info := b.Info
@@ -856,8 +894,8 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			abort(c, invalid("model", "this model does not produce embeddings: start an embedding node with --embeddings"))
 			return
 		}
-		if req.Dimensions != nil && *req.Dimensions != b.Info.EmbeddingSize {
-			abort(c, invalid("dimensions", "dimensions is not supported: this model returns %d dimensions", b.Info.EmbeddingSize))
+		if req.Dimensions != nil && *req.Dimensions < 0 {
+			abort(c, invalid("dimensions", "dimensions must not be negative, got %d", *req.Dimensions))
 			return
 		}
 		var texts []string
@@ -869,7 +907,8 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			texts, ids = req.Input.Texts, req.Input.Tokens
 		}
 		if len(texts)+len(ids) == 0 && !legacy {
-			abort(c, invalid("input", "input is required"))
+			// As Ollama answers no input (its clients load a model so).
+			c.JSON(http.StatusOK, gin.H{"model": cmpOr(req.Model, s.cfg.ModelName), "embeddings": [][]float32{}})
 			return
 		}
 		if len(texts)+len(ids) > 2048 {
@@ -912,13 +951,19 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			return
 		}
 		adapter, _ := s.adapterOf(req.Model)
-		vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input")
+		// The older endpoint answers the model's vector as it is, as Ollama's does.
+		vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input", !legacy)
 		if !ok {
 			return
 		}
 		if legacy {
 			c.JSON(http.StatusOK, gin.H{"embedding": vecs[0]})
 			return
+		}
+		if d := req.Dimensions; d != nil && *d > 0 && *d < b.Info.EmbeddingSize {
+			for i, v := range vecs { // the first d, at unit length again, as Ollama cuts them
+				vecs[i] = normalize(v[:*d])
+			}
 		}
 		c.JSON(http.StatusOK, gin.H{"model": cmpOr(req.Model, s.cfg.ModelName), "embeddings": vecs,
 			"total_duration": int64(time.Since(start)), "load_duration": 0, "prompt_eval_count": tokens})

@@ -63,10 +63,16 @@ func TestOllamaShapes(t *testing.T) {
 	if w.Header().Get("Content-Type") != "application/x-ndjson" || len(lines) != 4 || text.Len() == 0 {
 		t.Fatalf("generate stream: %s", w.Body)
 	}
-	// num_predict 0 computes the prompt and answers nothing.
-	w = s.do(t, "POST", "/api/generate", `{"model": "fake", "prompt": "hi", "stream": false, "options": {"num_predict": 0}}`)
-	if !strings.Contains(w.Body.String(), `"response":""`) || !strings.Contains(w.Body.String(), `"eval_count":0`) {
-		t.Fatalf("num_predict 0: %s", w.Body)
+	// Integer options as JSON floats, roles in capitals, as Ollama reads them.
+	w = s.do(t, "POST", "/api/chat", `{"messages": [{"role": "User", "content": "hi"}], "stream": false, "options": {"num_predict": 2.0, "top_k": 40.0, "seed": 7.0}}`)
+	if w.Code != 200 || !strings.Contains(w.Body.String(), `"eval_count":2`) {
+		t.Fatalf("float options: %d %s", w.Code, w.Body)
+	}
+	// Loading and unloading, as Ollama's clients ask for them.
+	for body, reason := range map[string]string{`{"model": "fake"}`: "load", `{"keep_alive": "0m"}`: "unload", `{"keep_alive": 0}`: "unload", `{"keep_alive": -1}`: "load"} {
+		if w := s.do(t, "POST", "/api/chat", body); w.Code != 200 || !strings.Contains(w.Body.String(), `"done_reason":"`+reason+`"`) {
+			t.Errorf("%s: %d %s, want %s", body, w.Code, w.Body, reason)
+		}
 	}
 	for _, tc := range []struct {
 		method, path, body string
@@ -78,12 +84,16 @@ func TestOllamaShapes(t *testing.T) {
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"top_k": "x"}}`, 400, "options.top_k"},
 		{"POST", "/api/chat", `{"messages": [{"role": "robot", "content": "hi"}]}`, 400, `role "robot"`},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "format": "yaml"}`, 400, "format"},
-		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "think": "max"}`, 400, "think"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "think": "maximal"}`, 400, "think"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "think": "max"}`, 400, "does not think"},
+		{"POST", "/api/chat", `{"model": "nope", "messages": []}`, 404, "not found"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 1.5e300}}`, 400, "options.num_predict"},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"temperature": -1}}`, 400, "temperature"},
 		{"POST", "/api/generate", `{"prompt": "hi", "template": "{{ .Prompt }}"}`, 400, "template"},
 		{"POST", "/api/generate", `{"prompt": "hi", "raw": true, "system": "s"}`, 400, "raw"},
+		{"POST", "/api/generate", `{"prompt": "hi", "raw": true, "context": [1]}`, 400, "raw"},
 		{"POST", "/api/generate", `{"prompt": "hi", "context": [1, 99999999]}`, 400, "context"},
-		{"POST", "/api/generate", `{"prompt": "hi", "top_logprobs": 3}`, 400, "logprobs"},
+		{"POST", "/api/generate", `{"prompt": "hi", "logprobs": true, "top_logprobs": 30}`, 400, "top_logprobs"},
 		{"POST", "/api/embed", `{"input": "hi"}`, 400, "embeddings"},
 		{"POST", "/api/create", `{"model": "x"}`, 501, "serves the model it was started with"},
 		{"POST", "/api/show", `{"model": "nope"}`, 404, "not found"},

@@ -534,7 +534,7 @@ func (s *Server) embeddings(c *gin.Context) {
 		return
 	}
 	adapter, _ := s.adapterOf(req.Model)
-	vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input")
+	vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input", true)
 	if !ok {
 		return
 	}
@@ -552,10 +552,10 @@ func (s *Server) embeddings(c *gin.Context) {
 	c.JSON(http.StatusOK, resp)
 }
 
-// embed computes each input's unit-length embedding under adapter and counts
-// their tokens; ok is false when it answered c with an error (param names
-// the inputs' field).
-func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adapter int, param string) (vecs [][]float32, tokens int, ok bool) {
+// embed computes each input's embedding under adapter (at unit length when
+// unit) and counts their tokens; ok is false when it answered c with an error
+// (param names the inputs' field).
+func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adapter int, param string, unit bool) (vecs [][]float32, tokens int, ok bool) {
 	ctx := c.Request.Context()
 	// Inputs are submitted as a window that moves on as results come back: all at
 	// once, 2,048 inputs would overflow a queue of --max-waiting 1,024 on an idle
@@ -593,7 +593,10 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 				return nil, 0, false
 			}
 			if ev.Kind == scheduler.EventEmbedding {
-				vec = normalize(ev.Vector)
+				vec = ev.Vector
+				if unit {
+					vec = normalize(vec)
+				}
 			}
 			if ev.Kind == scheduler.EventError {
 				abort(c, ev.Err)

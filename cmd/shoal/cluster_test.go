@@ -504,6 +504,10 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 	if tags := string(tagsBody); !strings.Contains(tags, `"name":"tuned"`) || !strings.Contains(tags, `"parent_model":"base"`) {
 		t.Fatalf("b's /api/tags: %s", tags)
 	}
+	if resp, show := post(t, b.url+"/api/show", `{"model":"tuned"}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "a" ||
+		!strings.Contains(show, `"parent_model":"base"`) || !strings.Contains(show, `"llama.context_length"`) {
+		t.Fatalf("b's /api/show of a's adapter: %d %s", resp.StatusCode, show)
+	}
 	resp, got := post(t, b.url+"/api/generate", `{"model":"tuned:latest","prompt":"Once upon a time","raw":true,"options":{"num_predict":12,"temperature":0}}`)
 	var text strings.Builder
 	lines := strings.Split(strings.TrimSpace(got), "\n")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
 	"net/http"
 	"net/url"
 	"slices"
@@ -213,9 +214,9 @@ func TestOllamaAPI(t *testing.T) {
 	if err != nil || raw.Response != cc.Choices[0].Text || raw.EvalCount != 8 {
 		t.Fatalf("raw %+v; /v1/completions %+v (%v)", raw, cc, err)
 	}
-	more := gen(ollama.GenerateRequest{Model: "tools", Raw: true, Prompt: " and then", Context: raw.Context, Options: map[string]any{"temperature": 0, "num_predict": 4}})
-	if more.PromptEvalCount <= len(raw.Context) || !slices.Equal(more.Context[:len(raw.Context)], raw.Context) {
-		t.Fatalf("context: %d prompt tokens from %d of context; %v", more.PromptEvalCount, len(raw.Context), more.Context)
+	more := gen(ollama.GenerateRequest{Model: "tools", Prompt: "And then?", Context: g.Context, Options: map[string]any{"temperature": 0, "num_predict": 4}})
+	if more.PromptEvalCount <= len(g.Context) || !slices.Equal(more.Context[:len(g.Context)], g.Context) {
+		t.Fatalf("context: %d prompt tokens from %d of context; %v", more.PromptEvalCount, len(g.Context), more.Context)
 	}
 
 	// Loading: a request without messages or a prompt.
@@ -292,11 +293,31 @@ func TestOllamaThinkingAndEmbeddings(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// /api/embed's vectors are /v1/embeddings' (unit length); the older
+	// /api/embeddings answers the model's own, as Ollama's does: the same
+	// direction.
+	var norm float64
+	for _, x := range old.Embedding {
+		norm += x * x
+	}
+	norm = math.Sqrt(norm)
 	for i, d := range v1.Data {
 		for j, x := range d.Embedding {
-			if diff := x - float64(emb.Embeddings[i][j]); diff > 1e-5 || diff < -1e-5 || (i == 0 && float64(old.Embedding[j])-x > 1e-5) {
-				t.Fatalf("input %d, value %d: /v1/embeddings %v, /api/embed %v, /api/embeddings %v", i, j, x, emb.Embeddings[i][j], old.Embedding[j])
+			if math.Abs(x-float64(emb.Embeddings[i][j])) > 1e-5 || (i == 0 && math.Abs(old.Embedding[j]/norm-x) > 1e-5) {
+				t.Fatalf("input %d, value %d: /v1/embeddings %v, /api/embed %v, /api/embeddings %v (of %v)", i, j, x, emb.Embeddings[i][j], old.Embedding[j], norm)
 			}
 		}
+	}
+	// dimensions cuts the vectors, at unit length again; no input, no vectors.
+	cut, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: "hello there", Dimensions: 16})
+	var sum float64
+	for _, x := range cut.Embeddings[0] {
+		sum += float64(x) * float64(x)
+	}
+	if err != nil || len(cut.Embeddings[0]) != 16 || math.Abs(sum-1) > 1e-4 {
+		t.Fatalf("dimensions 16: %v (%v), squares sum to %v", cut.Embeddings, err, sum)
+	}
+	if none, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: []string{}}); err != nil || len(none.Embeddings) != 0 {
+		t.Fatalf("no input: %+v %v", none, err)
 	}
 }
