@@ -850,6 +850,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 			return
 		}
 	}
+	statsOf(ctx).serves(p.model)
 	var subs []submitted
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // a failed submit or a gone client cancels everything submitted
@@ -1138,6 +1139,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			if p.warm {
 				ev.Usage.CompletionTokens = 0 // the token drawn is not the answer's
 			}
+			statsOf(ctx).count(ev.Usage)
 			return ev.Usage, nil
 		case scheduler.EventError:
 			return scheduler.Usage{}, ev.Err

@@ -70,6 +70,8 @@ type Config struct {
 	// ReasoningFormat is "auto" (a reasoning model's thoughts come back as
 	// reasoning_content, apart from content) or "none" (left in content).
 	ReasoningFormat string
+	// LogRequests logs a line per API request as it ends (requestLog).
+	LogRequests bool
 	// Adapters are the ids of the LoRA adapters served besides ModelName, as
 	// model ids of their own (vLLM's --lora-modules): a request naming
 	// Adapters[i] runs under scheduler adapter i+1.
@@ -78,7 +80,7 @@ type Config struct {
 
 // DefaultConfig returns the defaults with no API keys.
 func DefaultConfig() Config {
-	return Config{MaxBodyBytes: DefaultMaxBodyBytes, MaxTokensCap: DefaultMaxTokensCap, ReasoningFormat: "auto"}
+	return Config{MaxBodyBytes: DefaultMaxBodyBytes, MaxTokensCap: DefaultMaxTokensCap, ReasoningFormat: "auto", LogRequests: true}
 }
 
 // Validate rejects unusable settings.
@@ -171,6 +173,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	s.metrics = m
 	r := gin.New()
 	r.Use(recovery(s.log))
+	r.Use(s.requestLog)
 	r.Use(s.cors)
 	r.Use(s.limitBody)
 	r.GET("/health", func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) })
@@ -406,6 +409,14 @@ func abort(c *gin.Context, err error) {
 	}
 }
 
+// adapterName is the id of scheduler adapter a ("" for the model itself).
+func (s *Server) adapterName(a int) string {
+	if a < 1 || a > len(s.cfg.Adapters) {
+		return ""
+	}
+	return s.cfg.Adapters[a-1]
+}
+
 // adapterOf reports whether model is served here, and under which adapter
 // (0: the model itself).
 func (s *Server) adapterOf(model string) (adapter int, here bool) {
@@ -557,6 +568,7 @@ func (s *Server) embeddings(c *gin.Context) {
 // (param names the inputs' field).
 func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adapter int, param string, unit bool) (vecs [][]float32, tokens int, ok bool) {
 	ctx := c.Request.Context()
+	statsOf(ctx).serves(cmp.Or(s.adapterName(adapter), s.cfg.ModelName))
 	// Inputs are submitted as a window that moves on as results come back: all at
 	// once, 2,048 inputs would overflow a queue of --max-waiting 1,024 on an idle
 	// node and earn a 429 that no retry could ever get past.
@@ -603,6 +615,7 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 				return nil, 0, false
 			}
 			if ev.Kind == scheduler.EventDone {
+				statsOf(ctx).count(ev.Usage)
 				tokens += ev.Usage.PromptTokens
 				break
 			}

@@ -24,6 +24,9 @@ const (
 	HeaderFrom = "X-Shoal-From"
 	HeaderTime = "X-Shoal-Time"
 	HeaderAuth = "X-Shoal-Auth"
+	// HeaderRequestID names a request in every node's log; a forward carries
+	// the client's (or the first node's) on.
+	HeaderRequestID = "X-Request-Id"
 	// maxSkew bounds the clock difference a credential tolerates (replay window).
 	maxSkew = 2 * time.Minute
 )
@@ -127,7 +130,7 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 	if err != nil {
 		return err
 	}
-	for _, h := range []string{"Content-Type", "Accept", "Authorization", "X-Api-Key"} {
+	for _, h := range []string{"Content-Type", "Accept", "Authorization", "X-Api-Key", HeaderRequestID} {
 		if v := header.Get(h); v != "" {
 			req.Header.Set(h, v)
 		}

@@ -153,7 +153,7 @@ type serveFlags struct {
 	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
 	kvMemory, schedulingPolicy, reasoningFormat                             string
 	simSpeed, cacheFloor                                                    float64
-	embeddings, jinja                                                       bool
+	embeddings, jinja, logRequests                                          bool
 	pooling, chatTemplate, chatTemplateFile                                 string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port                                                                    int
@@ -186,6 +186,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.port, "port", 0, "the PORT of --addr (llama-server's and vLLM's flag)")
 	fs.StringVar(&f.modelName, "model-name", "", "model id clients send as \"model\" (default: the file's base name without .gguf)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.BoolVar(&f.logRequests, "log-requests", ac.LogRequests, "log a line per API request as it ends: its id (X-Request-Id, carried across a forward), route, status, time, model, tokens, and the node it was forwarded to or from (not /health, /ready, /metrics)")
 	fs.IntVar(&f.ctx, "ctx-size", lc.ContextCells, "KV cells (tokens) in the pool; with --kv-unified=false, split evenly among --parallel streams")
 	fs.IntVar(&f.seqs, "parallel", lc.MaxSeqs, "engine sequence ids (running sequences plus cached-prefix holders), up to 256")
 	fs.IntVar(&f.batch, "batch-size", lc.BatchTokens, "largest forward pass in tokens (llama.cpp n_batch)")
@@ -386,6 +387,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ac.PriorityScheduling = f.schedulingPolicy == "priority"
 	ac.ReasoningFormat = f.reasoningFormat
 	ac.Adapters = adapterIDs
+	ac.LogRequests = f.logRequests
 	if f.sim == "" {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}

@@ -1,0 +1,110 @@
+package api
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/hex"
+	"sync/atomic"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/cluster"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// requestIDKey holds a request's id in its gin context.
+const requestIDKey = "shoal.request_id"
+
+// requestStats gathers what a request's log line reports from the handlers
+// that serve it (they run on the request's goroutine; atomics keep the
+// keep-alive goroutines of streams out of the question).
+type requestStats struct {
+	prompt, cached, completion atomic.Int64
+	model                      atomic.Pointer[string]
+}
+
+type requestStatsKey struct{}
+
+// statsOf is ctx's request's stats; nil outside a request.
+func statsOf(ctx context.Context) *requestStats {
+	st, _ := ctx.Value(requestStatsKey{}).(*requestStats)
+	return st
+}
+
+// count adds a finished sequence's usage.
+func (st *requestStats) count(u scheduler.Usage) {
+	if st == nil {
+		return
+	}
+	st.prompt.Add(int64(u.PromptTokens))
+	st.cached.Add(int64(u.CachedTokens))
+	st.completion.Add(int64(u.CompletionTokens))
+}
+
+// serves records the model the request ran on here.
+func (st *requestStats) serves(model string) {
+	if st != nil {
+		st.model.Store(&model)
+	}
+}
+
+// requestLog gives every request an id: the client's X-Request-Id when it is
+// one (1 to 128 letters, digits and ._:-), as a node forwarding a request sends
+// its own, else a new one; the answer carries it back. With
+// Config.LogRequests, a line per request records how it ended: the route,
+// status, time, the client (or the peer that forwarded it), the model and
+// tokens run here, and the node it was forwarded to. Probes and scrapes
+// (/health, /ready, /metrics) are not logged.
+func (s *Server) requestLog(c *gin.Context) {
+	id := c.GetHeader(cluster.HeaderRequestID)
+	if !requestID(id) {
+		var b [12]byte
+		_, _ = crand.Read(b[:])
+		id = hex.EncodeToString(b[:])
+	}
+	c.Header(cluster.HeaderRequestID, id)
+	c.Set(requestIDKey, id)
+	st := &requestStats{}
+	c.Request = c.Request.WithContext(context.WithValue(c.Request.Context(), requestStatsKey{}, st))
+	start := time.Now()
+	c.Next()
+	switch c.Request.URL.Path {
+	case "/health", "/ready", "/metrics":
+		return
+	}
+	if !s.cfg.LogRequests {
+		return
+	}
+	attrs := []any{"id", id, "method", c.Request.Method, "path", c.Request.URL.Path, "status", c.Writer.Status(),
+		"ms", time.Since(start).Milliseconds(), "client", c.ClientIP()}
+	if from := c.GetHeader(cluster.HeaderFrom); from != "" && c.GetHeader(cluster.HeaderHop) != "" {
+		attrs = append(attrs, "forwarded_by", from)
+	}
+	if m := st.model.Load(); m != nil {
+		attrs = append(attrs, "model", *m, "prompt_tokens", st.prompt.Load(), "cached_tokens", st.cached.Load(), "completion_tokens", st.completion.Load())
+	}
+	if peer := c.Writer.Header().Get("X-Shoal-Served-By"); peer != "" {
+		attrs = append(attrs, "served_by", peer)
+	}
+	if c.Request.Context().Err() != nil && c.Writer.Status() < 400 {
+		attrs = append(attrs, "client_gone", true)
+	}
+	s.log.Info("request", attrs...)
+}
+
+// requestID reports whether id may name a request in logs: short, and of
+// characters that need no quoting (nothing a client could forge a log line with).
+func requestID(id string) bool {
+	if id == "" || len(id) > 128 {
+		return false
+	}
+	for _, r := range id {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '.', r == '_', r == ':', r == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,71 @@
+package api
+
+import (
+	"bytes"
+	"log/slog"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// syncBuffer is a log sink the handlers' goroutines may write while a test reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *syncBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *syncBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// TestRequestLog: a request's id comes from X-Request-Id when it is one, else
+// is made; the answer carries it; a line per request names it with the route,
+// status, model and tokens; probes are not logged, and nothing is without
+// LogRequests.
+func TestRequestLog(t *testing.T) {
+	s := newTestServer(t, nil)
+	var logs syncBuffer
+	s.log = slog.New(slog.NewTextHandler(&logs, nil))
+	w := s.do(t, "POST", "/v1/completions", `{"prompt": "hello", "max_tokens": 2}`, "X-Request-Id", "trace-1.a:b_c")
+	if w.Code != 200 || w.Header().Get("X-Request-Id") != "trace-1.a:b_c" {
+		t.Fatalf("%d, id %q: %s", w.Code, w.Header().Get("X-Request-Id"), w.Body)
+	}
+	line := logs.String()
+	for _, want := range []string{"msg=request", "id=trace-1.a:b_c", "method=POST", "path=/v1/completions", "status=200", "model=fake", "prompt_tokens=", "completion_tokens=2"} {
+		if !strings.Contains(line, want) {
+			t.Fatalf("the log line lacks %q: %s", want, line)
+		}
+	}
+	for _, bad := range []string{"two words", "a\nmsg=forged", strings.Repeat("x", 129), "é"} {
+		w := s.do(t, "POST", "/v1/completions", `{"prompt": "hello", "max_tokens": 1}`, "X-Request-Id", bad)
+		if id := w.Header().Get("X-Request-Id"); !regexp.MustCompile(`^[0-9a-f]{24}$`).MatchString(id) || strings.Contains(logs.String(), "forged") {
+			t.Fatalf("id %q for the client's %q", id, bad)
+		}
+	}
+	before := logs.String()
+	s.do(t, "GET", "/health", "")
+	s.do(t, "GET", "/metrics", "")
+	if w := s.do(t, "POST", "/v1/chat/completions", `{"model": "nope", "messages": []}`); w.Code != 404 || !strings.Contains(logs.String()[len(before):], "status=404") {
+		t.Fatalf("a refused request's line: %d %s", w.Code, logs.String()[len(before):])
+	}
+	if n := strings.Count(logs.String()[len(before):], "msg=request"); n != 1 {
+		t.Fatalf("%d lines for a probe, a scrape and a request:\n%s", n, logs.String()[len(before):])
+	}
+	quiet := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.LogRequests = false })
+	var none syncBuffer
+	quiet.log = slog.New(slog.NewTextHandler(&none, nil))
+	if w := quiet.do(t, "POST", "/v1/completions", `{"prompt": "hello", "max_tokens": 1}`); w.Code != 200 || none.String() != "" || w.Header().Get("X-Request-Id") == "" {
+		t.Fatalf("LogRequests false: %d, logged %q", w.Code, none.String())
+	}
+}
