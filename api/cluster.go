@@ -69,6 +69,9 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 	if err != nil {
 		return fwd, &Error{Status: http.StatusUnauthorized, Type: "authentication_error", Code: "invalid_cluster_credential", Message: err.Error()}
 	}
+	if fwd {
+		c.Set(forwardedByKey, c.GetHeader(cluster.HeaderFrom)) // verified: the log may name it
+	}
 	return fwd, nil
 }
 

@@ -72,7 +72,7 @@ type ollamaInt int64
 
 func (n *ollamaInt) UnmarshalJSON(b []byte) error {
 	var f float64
-	if err := json.Unmarshal(b, &f); err != nil || f != f || f > 1<<53 || f < -(1<<53) {
+	if err := json.Unmarshal(b, &f); err != nil || f >= 1<<63 || f < -(1<<63) {
 		return &json.UnmarshalTypeError{Value: jsonKind(bytes.TrimSpace(b)), Type: reflect.TypeFor[int]()}
 	}
 	*n = ollamaInt(f)
@@ -792,12 +792,17 @@ func (r *OllamaShowRequest) UnmarshalJSON(b []byte) error {
 // capabilities.
 func (s *Server) ollamaShow(c *gin.Context) {
 	var req OllamaShowRequest
-	b, ok := s.readyBackend(c)
-	if !ok {
+	if err := decodeBody(c, &ollamaBody{&req, &req.Model}); err != nil {
+		abort(c, err)
 		return
 	}
-	// A model served elsewhere in the cluster is shown by a node serving it.
-	if _, ok := s.begin(c, &ollamaBody{&req, &req.Model}, &req.Model, nil); !ok {
+	// A model served elsewhere in the cluster is shown by a node serving it,
+	// busy or not: the priority of a request admitted past saturation.
+	if forwarded, ok := s.checkHop(c); !ok || !s.routeElsewhere(c, forwarded, req.Model, -1) {
+		return
+	}
+	b, ok := s.readyBackend(c)
+	if !ok {
 		return
 	}
 	id := req.Model

@@ -13,8 +13,12 @@ import (
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
-// requestIDKey holds a request's id in its gin context.
-const requestIDKey = "shoal.request_id"
+// requestIDKey holds a request's id in its gin context; forwardedByKey, the
+// peer that forwarded it, once its credential checked out.
+const (
+	requestIDKey   = "shoal.request_id"
+	forwardedByKey = "shoal.forwarded_by"
+)
 
 // requestStats gathers what a request's log line reports from the handlers
 // that serve it (they run on the request's goroutine; atomics keep the
@@ -62,13 +66,27 @@ func (s *Server) requestLog(c *gin.Context) {
 		var b [12]byte
 		_, _ = crand.Read(b[:])
 		id = hex.EncodeToString(b[:])
+		c.Request.Header.Set(cluster.HeaderRequestID, id) // a forward carries it on
 	}
 	c.Header(cluster.HeaderRequestID, id)
 	c.Set(requestIDKey, id)
 	st := &requestStats{}
 	c.Request = c.Request.WithContext(context.WithValue(c.Request.Context(), requestStatsKey{}, st))
 	start := time.Now()
+	defer func() {
+		// A panic (a forward cut short closes the connection so) is logged on
+		// its way to recovery.
+		if p := recover(); p != nil {
+			s.logRequest(c, id, st, start, p)
+			panic(p)
+		}
+	}()
 	c.Next()
+	s.logRequest(c, id, st, start, nil)
+}
+
+// logRequest writes c's line (requestLog); panicked is the panic it ends with.
+func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start time.Time, panicked any) {
 	switch c.Request.URL.Path {
 	case "/health", "/ready", "/metrics":
 		return
@@ -76,9 +94,18 @@ func (s *Server) requestLog(c *gin.Context) {
 	if !s.cfg.LogRequests {
 		return
 	}
-	attrs := []any{"id", id, "method", c.Request.Method, "path", c.Request.URL.Path, "status", c.Writer.Status(),
-		"ms", time.Since(start).Milliseconds(), "client", c.ClientIP()}
-	if from := c.GetHeader(cluster.HeaderFrom); from != "" && c.GetHeader(cluster.HeaderHop) != "" {
+	path := c.Request.URL.Path
+	if len(path) > 256 {
+		path = path[:256] + "..."
+	}
+	status := c.Writer.Status()
+	if panicked != nil && !c.Writer.Written() {
+		status = 500 // what recovery answers
+	}
+	// The peer's address, not X-Forwarded-For: no proxy is trusted to name clients.
+	attrs := []any{"id", id, "method", c.Request.Method, "path", path, "status", status,
+		"ms", time.Since(start).Milliseconds(), "client", c.RemoteIP()}
+	if from := c.GetString(forwardedByKey); from != "" {
 		attrs = append(attrs, "forwarded_by", from)
 	}
 	if m := st.model.Load(); m != nil {
@@ -87,8 +114,13 @@ func (s *Server) requestLog(c *gin.Context) {
 	if peer := c.Writer.Header().Get("X-Shoal-Served-By"); peer != "" {
 		attrs = append(attrs, "served_by", peer)
 	}
-	if c.Request.Context().Err() != nil && c.Writer.Status() < 400 {
-		attrs = append(attrs, "client_gone", true)
+	switch {
+	case panicked == errCloseConnection:
+		attrs = append(attrs, "cut", true) // a forwarded answer cut short: the connection was closed
+	case panicked != nil:
+		attrs = append(attrs, "panic", true)
+	case c.Request.Context().Err() != nil:
+		attrs = append(attrs, "client_gone", true) // its tokens are those of sequences that ended
 	}
 	s.log.Info("request", attrs...)
 }

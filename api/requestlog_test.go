@@ -8,6 +8,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/gin-gonic/gin"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -61,6 +62,16 @@ func TestRequestLog(t *testing.T) {
 	}
 	if n := strings.Count(logs.String()[len(before):], "msg=request"); n != 1 {
 		t.Fatalf("%d lines for a probe, a scrape and a request:\n%s", n, logs.String()[len(before):])
+	}
+	// A panic is logged on its way to recovery, and a forged hop is not named.
+	s.engine.GET("/v1/panics", func(*gin.Context) { panic("boom") })
+	before = logs.String()
+	if w := s.do(t, "GET", "/v1/panics", "", "X-Shoal-Hop", "1", "X-Shoal-From", "mallory", "X-Forwarded-For", "6.6.6.6"); w.Code != 500 {
+		t.Fatalf("panic: %d", w.Code)
+	}
+	if l := logs.String()[len(before):]; !strings.Contains(l, "msg=request") || !strings.Contains(l, "status=500") || !strings.Contains(l, "panic=true") ||
+		strings.Contains(l, "mallory") || strings.Contains(l, "6.6.6.6") {
+		t.Fatalf("the panicked request's lines: %s", l)
 	}
 	quiet := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.LogRequests = false })
 	var none syncBuffer

@@ -217,6 +217,9 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 			Message: fmt.Sprintf("no route %s %s", c.Request.Method, c.Request.URL.Path)})
 	})
 	r.HandleMethodNotAllowed = true
+	// A path with a trailing slash is a 404 (through the middleware, with an id
+	// and a log line), not gin's redirect, which clients do not follow with a body.
+	r.RedirectTrailingSlash = false
 	r.NoMethod(func(c *gin.Context) {
 		markAPI(c)
 		abort(c, &Error{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error",
@@ -246,7 +249,7 @@ func recovery(log *slog.Logger) gin.HandlerFunc {
 		if rec == errCloseConnection {
 			panic(http.ErrAbortHandler)
 		}
-		log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path)
+		log.Error("handler panic", "panic", rec, "path", c.Request.URL.Path, "id", c.GetString(requestIDKey))
 		abort(c, &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "internal error"})
 	})
 }
@@ -266,7 +269,7 @@ func (s *Server) cors(c *gin.Context) {
 		return
 	}
 	h.Set("Access-Control-Allow-Origin", origin)
-	h.Set("Access-Control-Expose-Headers", "Retry-After, X-Shoal-Served-By")
+	h.Set("Access-Control-Expose-Headers", "Retry-After, X-Shoal-Served-By, X-Request-Id")
 	if c.Request.Method == http.MethodOptions && c.GetHeader("Access-Control-Request-Method") != "" {
 		h.Set("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
 		// Whatever the page asks to send: SDKs add their own (OpenAI's JS SDK sends
