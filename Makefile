@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora run lint fmt clean gpu-check-inputs ollama-cli-check
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora bench-tokenize run lint fmt clean gpu-check-inputs ollama-cli-check
 
 all: build
 
@@ -82,6 +82,10 @@ bench-spec: build
 # LoRA adapters: what a selectable adapter costs a decode step (docs/benchmarks.md).
 bench-lora: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkAdapters' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-lora.txt
+
+# Tokenizing a chat of many turns in one llama.cpp call and cut where its partition allows (docs/benchmarks.md).
+bench-tokenize: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkTokenizeChat' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-tokenize.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

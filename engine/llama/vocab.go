@@ -9,6 +9,8 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"unsafe"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -26,6 +28,10 @@ type Vocab struct {
 	named string
 	// unsupported: the model's own template is one llama.cpp does not recognise.
 	unsupported bool
+	// cut holds the special tokens long texts are cut at (Tokenize), without
+	// and with parsing special tokens, built on first use.
+	cut     [2]*specials
+	cutOnce [2]sync.Once
 }
 
 var _ engine.Vocab = (*Vocab)(nil)
@@ -122,8 +128,42 @@ func (v *Vocab) FIM() engine.FIMTokens {
 
 func (v *Vocab) valid(t engine.Token) bool { return t >= 0 && int(t) < v.n }
 
-// Tokenize splits text into tokens.
+// Tokenize splits text into tokens. A long text is tokenized in pieces, cut
+// where llama.cpp's own partition of it at special tokens has a boundary
+// (cuts): the same tokens, without the cost that grows with the square of the
+// special tokens in one call.
 func (v *Vocab) Tokenize(text string, addSpecial, parseSpecial bool) ([]engine.Token, error) {
+	if len(text) < cutMinBytes {
+		return v.tokenize(text, addSpecial, parseSpecial)
+	}
+	sp := v.cutter(parseSpecial)
+	var cuts []int
+	if sp != nil && (sp.wrapOK || !addSpecial) {
+		cuts = sp.cuts(text)
+	}
+	if len(cuts) == 0 {
+		return v.tokenize(text, addSpecial, parseSpecial)
+	}
+	var out []engine.Token
+	if addSpecial {
+		out = append(out, sp.pre...)
+	}
+	from := 0
+	for _, to := range append(cuts, len(text)) {
+		toks, err := v.tokenize(text[from:to], false, parseSpecial)
+		if err != nil {
+			return nil, err
+		}
+		out, from = append(out, toks...), to
+	}
+	if addSpecial {
+		out = append(out, sp.post...)
+	}
+	return out, nil
+}
+
+// tokenize is one call of llama.cpp's tokenizer.
+func (v *Vocab) tokenize(text string, addSpecial, parseSpecial bool) ([]engine.Token, error) {
 	ctext := C.CString(text)
 	defer C.free(unsafe.Pointer(ctext))
 	// One token per byte plus BOS/EOS is an upper bound for every llama.cpp tokenizer.
@@ -235,4 +275,182 @@ func (v *Vocab) ApplyChatTemplate(msgs []engine.ChatMessage, addAssistant bool) 
 		size = int(r)
 	}
 	return "", errors.New("apply chat template: output size changed between calls")
+}
+
+// llama.cpp's tokenizer finds special tokens in a text (tokenizer_st_partition)
+// at a cost that grows with the square of how many it finds: a walk from the
+// start of its list of fragments per match. A chat of 20,000 short turns (700
+// KB, 40,000 <|im_start|> and <|im_end|>) took 3.8 s to tokenize, 60,000 turns
+// 45 s, within one request body. Tokenize therefore cuts a long text where
+// llama.cpp's partition of it has a boundary anyway, after every few hundred
+// special tokens, and tokenizes the pieces apart: the same tokens, at a cost
+// that grows with the text.
+
+// Cutting thresholds (variables for the tests): texts shorter than cutMinBytes
+// are tokenized whole; longer ones are cut after every cutEvery special
+// tokens found, where a cut is safe.
+var (
+	cutMinBytes = 16 << 10
+	cutEvery    = 256
+)
+
+// specials are the texts llama.cpp's partition looks for: those of control,
+// user-defined and unknown tokens (only user-defined ones when special tokens
+// are not parsed), in a trie.
+type specials struct {
+	root   [256]int32 // first byte → node, 0: none
+	nodes  []specialNode
+	maxLen int
+	wrapOK bool // addSpecial's tokens around a text are known (pre, post)
+	pre    []engine.Token
+	post   []engine.Token
+}
+
+type specialNode struct {
+	next map[byte]int32
+	tok  int32 // the special token whose text ends here, -1: none
+	// rstrip: that token strips the whitespace after it.
+	rstrip bool
+}
+
+// cutter returns the specials for parseSpecial, built on first use.
+func (v *Vocab) cutter(parseSpecial bool) *specials {
+	i := 0
+	if parseSpecial {
+		i = 1
+	}
+	v.cutOnce[i].Do(func() { v.cut[i] = v.buildSpecials(parseSpecial) })
+	return v.cut[i]
+}
+
+// buildSpecials reads the vocabulary's special tokens; nil when cutting cannot
+// be proven safe for it (a special token with no text, or addSpecial's tokens
+// not found around a probe).
+func (v *Vocab) buildSpecials(parseSpecial bool) *specials {
+	want := C.enum_llama_token_attr(C.LLAMA_TOKEN_ATTR_USER_DEFINED)
+	if parseSpecial {
+		want |= C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN
+	}
+	sp := &specials{nodes: []specialNode{{tok: -1}}}
+	for id := 0; id < v.n; id++ {
+		attr := C.llama_vocab_get_attr(v.v, C.llama_token(id))
+		if attr&want == 0 {
+			continue
+		}
+		text := C.GoString(C.llama_vocab_get_text(v.v, C.llama_token(id)))
+		if text == "" {
+			return nil
+		}
+		sp.maxLen = max(sp.maxLen, len(text))
+		n := int32(0)
+		for i := 0; i < len(text); i++ {
+			var next int32
+			if n == 0 {
+				next = sp.root[text[i]]
+			} else {
+				next = sp.nodes[n].next[text[i]]
+			}
+			if next == 0 {
+				next = int32(len(sp.nodes))
+				sp.nodes = append(sp.nodes, specialNode{tok: -1})
+				if n == 0 {
+					sp.root[text[i]] = next
+				} else {
+					if sp.nodes[n].next == nil {
+						sp.nodes[n].next = map[byte]int32{}
+					}
+					sp.nodes[n].next[text[i]] = next
+				}
+			}
+			n = next
+		}
+		sp.nodes[n].tok = int32(id)
+		sp.nodes[n].rstrip = sp.nodes[n].rstrip || attr&C.LLAMA_TOKEN_ATTR_RSTRIP != 0
+	}
+	// What addSpecial puts around a text (BOS; EOS, SEP where the model adds
+	// them): the tokens of a probe with it, around those without.
+	with, err1 := v.tokenize("a", true, false)
+	without, err2 := v.tokenize("a", false, false)
+	if err1 != nil || err2 != nil || len(without) == 0 {
+		return sp
+	}
+	for i := 0; i+len(without) <= len(with); i++ {
+		if slices.Equal(with[i:i+len(without)], without) {
+			sp.pre, sp.post, sp.wrapOK = with[:i], with[i+len(without):], true
+			break
+		}
+	}
+	return sp
+}
+
+// match calls fn for each special token whose text begins text[i:], shortest
+// first, with the length of its text; fn returns false to stop.
+func (sp *specials) match(text string, i int, fn func(n int, rstrip bool) bool) {
+	n := sp.root[text[i]]
+	for j := i; n != 0; {
+		if node := &sp.nodes[n]; node.tok >= 0 && !fn(j+1-i, node.rstrip) {
+			return
+		}
+		if j++; j == len(text) {
+			return
+		}
+		n = sp.nodes[n].next[text[j]]
+	}
+}
+
+// cuts are the offsets at which text may be tokenized in pieces with the
+// tokens of the whole: each just after a special token T at [p, q) that
+// llama.cpp's partition takes as it stands, so that no fragment crosses q.
+// The partition takes special tokens longest first, each at its leftmost
+// occurrences in what is still text. T at p is taken when no occurrence of a
+// token at least as long overlaps [p, q) but its own (a shorter one comes
+// later, when [p, q) is taken: it matches on neither side of q, whole or
+// cut), and when its first and last bytes are not spaces, so that a
+// neighbour's stripping of whitespace (the LSTRIP and RSTRIP attributes) stops
+// at it; T itself must not strip the whitespace after it. A cut follows every
+// cutEvery special tokens found.
+func (sp *specials) cuts(text string) []int {
+	var out []int
+	found := 0
+	for i := 0; i < len(text); i++ {
+		if sp.root[text[i]] == 0 {
+			continue
+		}
+		longest, rstrip := 0, false
+		sp.match(text, i, func(n int, r bool) bool { longest, rstrip = n, r; return true })
+		if longest == 0 {
+			continue
+		}
+		if found++; found < cutEvery {
+			continue
+		}
+		q := i + longest
+		if rstrip || isSpace(text[i]) || isSpace(text[q-1]) || !sp.alone(text, i, q) {
+			continue
+		}
+		out = append(out, q)
+		found = 0
+		i = q - 1
+	}
+	return out
+}
+
+// alone reports whether no special token at least as long as the one at
+// [p, q) overlaps [p, q), but that one.
+func (sp *specials) alone(text string, p, q int) bool {
+	ok := true
+	for s := max(0, p-sp.maxLen+1); s < q && ok; s++ {
+		sp.match(text, s, func(n int, _ bool) bool {
+			if n >= q-p && s+n > p && !(s == p && n == q-p) {
+				ok = false
+			}
+			return ok
+		})
+	}
+	return ok
+}
+
+// isSpace is C's isspace, which llama.cpp's stripping uses.
+func isSpace(b byte) bool {
+	return b == ' ' || b == '\t' || b == '\n' || b == '\v' || b == '\f' || b == '\r'
 }
