@@ -323,6 +323,13 @@ func Generate(path string, spec Spec) error {
 		k := len(tokens) - len(spec.ControlTokens) + i
 		tokens[k], scores[k], types[k] = t, 0, tokenControl
 	}
+	seen := make(map[string]int, len(tokens))
+	for i, t := range tokens {
+		if j, dup := seen[t]; dup {
+			return fmt.Errorf("generate %s: control token %q is token %d of the vocabulary already", path, t, j)
+		}
+		seen[t] = i
+	}
 	fileType := uint32(0)
 	if spec.F16 {
 		fileType = 1

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -57,6 +58,13 @@ func TestSpecValidate(t *testing.T) {
 		if err := Generate(filepath.Join(t.TempDir(), "x.gguf"), s); err == nil {
 			t.Errorf("case %d: Generate accepted an invalid spec", i)
 		}
+	}
+	// A control token whose text the vocabulary has already (two tokens of one
+	// text make llama.cpp abort at load).
+	dup := Tiny()
+	dup.ControlTokens = []string{"ee"}
+	if err := Generate(filepath.Join(t.TempDir(), "dup.gguf"), dup); err == nil || !strings.Contains(err.Error(), `"ee"`) {
+		t.Errorf("a control token repeating a vocabulary text: %v", err)
 	}
 	if p := Bench100M().Params(); p < 90e6 || p > 130e6 {
 		t.Errorf("100m preset has %d parameters", p)

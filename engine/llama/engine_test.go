@@ -1,6 +1,7 @@
 package llama
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -473,13 +474,27 @@ func TestBadModelFiles(t *testing.T) {
 	for i := 8; i < 24; i++ { // tensor and KV counts
 		corrupt[i] = 0xFF
 	}
+	// A vocabulary in which two tokens have one text ("ee", the vocabulary's
+	// first pair of letters, in place of a control token "@@"): llama.cpp asserts.
+	dupSpec := models.Tiny()
+	dupSpec.Name, dupSpec.ControlTokens = "shoal-dup", []string{"@@"}
+	dupData, err := os.ReadFile(genModel(t, dupSpec))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lenPrefixed := func(s string) []byte { return append([]byte{byte(len(s)), 0, 0, 0, 0, 0, 0, 0}, s...) }
+	if bytes.Count(dupData, lenPrefixed("@@")) != 1 || !bytes.Contains(dupData, lenPrefixed("ee")) {
+		t.Fatal("the generated vocabulary changed: pick other texts")
+	}
+	dup := write("dup.gguf", bytes.Replace(dupData, lenPrefixed("@@"), lenPrefixed("ee"), 1))
 	cases := map[string]string{
-		"missing":   filepath.Join(dir, "nope.gguf"),
-		"directory": dir,
-		"truncated": write("trunc.gguf", data[:len(data)/2]),
-		"corrupt":   write("corrupt.gguf", corrupt),
-		"not gguf":  write("text.gguf", []byte("hello, this is not a model")),
-		"empty":     write("empty.gguf", nil),
+		"duplicate token": dup,
+		"missing":         filepath.Join(dir, "nope.gguf"),
+		"directory":       dir,
+		"truncated":       write("trunc.gguf", data[:len(data)/2]),
+		"corrupt":         write("corrupt.gguf", corrupt),
+		"not gguf":        write("text.gguf", []byte("hello, this is not a model")),
+		"empty":           write("empty.gguf", nil),
 	}
 	e := openTest(t, models.Tiny(), nil)
 	for name, p := range cases {

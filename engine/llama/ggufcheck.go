@@ -98,6 +98,12 @@ func checkGGUFReader(r io.Reader, size int64) error {
 		kinds[key] = ggufKind{typ: typ, array: array, n: n}
 
 		if typ == ggufString {
+			// llama.cpp maps token texts to ids and asserts that none repeats
+			// (an empty one is named "[EMPTY_<id>]").
+			var seen map[string]uint64
+			if array && key == "tokenizer.ggml.tokens" {
+				seen = map[string]uint64{}
+			}
 			for j := uint64(0); j < n; j++ {
 				v, err := cr.str()
 				if err != nil {
@@ -105,6 +111,15 @@ func checkGGUFReader(r io.Reader, size int64) error {
 				}
 				if !array {
 					strs[key] = v
+				}
+				if seen != nil {
+					if v == "" {
+						v = fmt.Sprintf("[EMPTY_%d]", j)
+					}
+					if k, dup := seen[v]; dup {
+						return fmt.Errorf("token %d's text %q is token %d's too (llama.cpp aborts on it)", j, v, k)
+					}
+					seen[v] = j
 				}
 			}
 			continue
