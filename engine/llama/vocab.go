@@ -309,8 +309,8 @@ type specials struct {
 type specialNode struct {
 	next map[byte]int32
 	tok  int32 // the special token whose text ends here, -1: none
-	// rstrip: that token strips the whitespace after it.
-	rstrip bool
+	// rstrip, lstrip: that token strips the whitespace after, before it.
+	rstrip, lstrip bool
 }
 
 // cutter returns the specials for parseSpecial, built on first use.
@@ -366,6 +366,7 @@ func (v *Vocab) buildSpecials(parseSpecial bool) *specials {
 		}
 		sp.nodes[n].tok = int32(id)
 		sp.nodes[n].rstrip = sp.nodes[n].rstrip || attr&C.LLAMA_TOKEN_ATTR_RSTRIP != 0
+		sp.nodes[n].lstrip = sp.nodes[n].lstrip || attr&C.LLAMA_TOKEN_ATTR_LSTRIP != 0
 	}
 	// What addSpecial puts around a text (BOS; EOS, SEP where the model adds
 	// them): the tokens of a probe with it, around those without.
@@ -384,11 +385,11 @@ func (v *Vocab) buildSpecials(parseSpecial bool) *specials {
 }
 
 // match calls fn for each special token whose text begins text[i:], shortest
-// first, with the length of its text; fn returns false to stop.
-func (sp *specials) match(text string, i int, fn func(n int, rstrip bool) bool) {
+// first, with the length of its text and its node; fn returns false to stop.
+func (sp *specials) match(text string, i int, fn func(n int, node *specialNode) bool) {
 	n := sp.root[text[i]]
 	for j := i; n != 0; {
-		if node := &sp.nodes[n]; node.tok >= 0 && !fn(j+1-i, node.rstrip) {
+		if node := &sp.nodes[n]; node.tok >= 0 && !fn(j+1-i, node) {
 			return
 		}
 		if j++; j == len(text) {
@@ -407,8 +408,9 @@ func (sp *specials) match(text string, i int, fn func(n int, rstrip bool) bool) 
 // later, when [p, q) is taken: it matches on neither side of q, whole or
 // cut), and when its first and last bytes are not spaces, so that a
 // neighbour's stripping of whitespace (the LSTRIP and RSTRIP attributes) stops
-// at it; T itself must not strip the whitespace after it. A cut follows every
-// cutEvery special tokens found.
+// at it. A T that strips the whitespace after it (Phi-3's do) is cut before
+// instead, the piece after beginning with it, unless it strips the whitespace
+// before it too. A cut follows every cutEvery special tokens found.
 func (sp *specials) cuts(text string) []int {
 	var out []int
 	found := 0
@@ -416,8 +418,8 @@ func (sp *specials) cuts(text string) []int {
 		if sp.root[text[i]] == 0 {
 			continue
 		}
-		longest, rstrip := 0, false
-		sp.match(text, i, func(n int, r bool) bool { longest, rstrip = n, r; return true })
+		longest, strip := 0, (*specialNode)(nil)
+		sp.match(text, i, func(n int, node *specialNode) bool { longest, strip = n, node; return true })
 		if longest == 0 {
 			continue
 		}
@@ -425,10 +427,17 @@ func (sp *specials) cuts(text string) []int {
 			continue
 		}
 		q := i + longest
-		if rstrip || isSpace(text[i]) || isSpace(text[q-1]) || !sp.alone(text, i, q) {
+		if isSpace(text[i]) || isSpace(text[q-1]) || !sp.alone(text, i, q) {
 			continue
 		}
-		out = append(out, q)
+		cut := q
+		if strip.rstrip {
+			if strip.lstrip || i == 0 || len(out) > 0 && out[len(out)-1] >= i {
+				continue
+			}
+			cut = i
+		}
+		out = append(out, cut)
 		found = 0
 		i = q - 1
 	}
@@ -440,7 +449,7 @@ func (sp *specials) cuts(text string) []int {
 func (sp *specials) alone(text string, p, q int) bool {
 	ok := true
 	for s := max(0, p-sp.maxLen+1); s < q && ok; s++ {
-		sp.match(text, s, func(n int, _ bool) bool {
+		sp.match(text, s, func(n int, _ *specialNode) bool {
 			if n >= q-p && s+n > p && !(s == p && n == q-p) {
 				ok = false
 			}

@@ -82,6 +82,40 @@ func TestTokenizeInPieces(t *testing.T) {
 	}
 }
 
+// TestTokenizeInPiecesStripping: the same where llama.cpp's special tokens
+// strip whitespace: <mask> before it (the attribute llama.cpp gives it under
+// Jina's tokenizer), beside tokens that end or begin with a space; and every
+// control token after it, as llama.cpp marks Phi-3's, which are cut before.
+func TestTokenizeInPiecesStripping(t *testing.T) {
+	cutEverywhere(t)
+	for _, c := range []struct {
+		name    string
+		meta    map[string]any
+		control []string
+		texts   []string
+	}{
+		{"shoal-strip", map[string]any{"tokenizer.ggml.pre": "jina-v2-de"}, []string{"<mask>", "x ", " y", "<|a|>"}, []string{"ax <mask>b", "ax   <mask>b", "a y", "<|a|> <mask>"}},
+		{"phi3-shoal", nil, []string{"<|user|>", "<|end|>", "<|assistant|>", "<|endoftext|>"}, []string{"<|user|>\n hi<|end|>\n<|assistant|>"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			spec := models.Tiny()
+			spec.Name, spec.Meta, spec.ControlTokens = c.name, c.meta, c.control
+			v := openTest(t, spec, nil).Vocab().(*Vocab)
+			for _, text := range c.texts {
+				got, _ := v.Tokenize(text, false, true)
+				want, _ := v.tokenize(text, false, true)
+				if !slices.Equal(got, want) {
+					t.Fatalf("%q cut at %v: %v, whole %v", text, v.cutter(true).cuts(text), got, want)
+				}
+			}
+			pieces := append(slices.Clone(c.control), "<|im_start|>", "<|im_end|>", " ", "  ", "\n", "\t", "a", "x", "y", "hello")
+			if cuts := tokenizeInPieces(t, v, pieces, 1000, 3); cuts < 300 {
+				t.Fatalf("only %d cuts in 1000 texts", cuts)
+			}
+		})
+	}
+}
+
 // TestTokenizeInPiecesStories: the same on stories260K's SentencePiece
 // vocabulary (<s>, </s>, <unk>).
 func TestTokenizeInPiecesStories(t *testing.T) {
