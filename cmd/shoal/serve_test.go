@@ -132,7 +132,9 @@ func startNode(t testing.TB, args ...string) *node {
 		resp, err := probe.Get(n.url + "/ready")
 		if err == nil {
 			resp.Body.Close()
-			if resp.StatusCode == 200 {
+			// Ready, and its "ready" line read: what it logged while loading
+			// (read from its stderr apart) is in n.log() for the tests to check.
+			if resp.StatusCode == 200 && strings.Contains(n.log(), "msg=ready ") {
 				return n
 			}
 		}
