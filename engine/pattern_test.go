@@ -150,6 +150,38 @@ func TestCheckSchema(t *testing.T) {
 	}
 }
 
+// TestCheckSchemaOptional: objects with more optional properties than the
+// converter lays out quickly (its time grows with the cube of their number)
+// are refused; required ones do not count.
+func TestCheckSchemaOptional(t *testing.T) {
+	object := func(n, required int, extra string) string {
+		var props, req []string
+		for i := range n {
+			props = append(props, fmt.Sprintf(`"p%d":{"type":"string"}`, i))
+			if i < required {
+				req = append(req, fmt.Sprintf(`"p%d"`, i))
+			}
+		}
+		return `{"type":"object","properties":{` + strings.Join(props, ",") + `},"required":[` + strings.Join(req, ",") + `]` + extra + `}`
+	}
+	for name, c := range map[string]struct {
+		schema string
+		bad    bool
+	}{
+		"at the limit":             {object(maxOptional, 0, ""), false},
+		"one more":                 {object(maxOptional+1, 0, ""), true},
+		"required do not count":    {object(maxOptional+100, 100, ""), false},
+		"additionalProperties one": {object(maxOptional, 0, `,"additionalProperties":true`), true},
+		"through allOf":            {`{"allOf":[` + object(200, 0, "") + `,{"$ref":"#/$defs/b"}],"$defs":{"b":` + object(100, 0, "") + `}}`, true},
+		"in all":                   {`{"type":"array","prefixItems":[` + object(maxOptional, 0, "") + "," + object(maxOptional, 0, "") + "," + object(maxOptional, 0, "") + `]}`, true},
+		"two at the limit":         {`{"type":"array","prefixItems":[` + object(maxOptional, 0, "") + "," + object(maxOptional, 0, "") + `]}`, false},
+	} {
+		if err := CheckSchema([]byte(c.schema)); (err != nil) != c.bad || err != nil && !errors.Is(err, ErrInvalidInput) {
+			t.Errorf("%s: %v, want refused %v", name, err, c.bad)
+		}
+	}
+}
+
 func TestCheckSchemaBounds(t *testing.T) {
 	for schema, bad := range map[string]bool{
 		`{"type":"string","minLength":3,"maxLength":1}`:                              true,
