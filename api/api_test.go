@@ -650,6 +650,29 @@ func TestGrammarCheckedBeforeAnswer(t *testing.T) {
 	}
 }
 
+// TestGrammarCompileBound: a grammar whose compiling, once per choice, would
+// hold up the scheduler past maxGrammarCompile is refused, naming what it
+// took; a quick one is not.
+func TestGrammarCompileBound(t *testing.T) {
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) {
+		c.SchemaToGrammar = func([]byte) (string, error) { return "root ::= \"{}\"", nil }
+	})
+	for _, c := range []struct {
+		check  time.Duration
+		n      int
+		refuse bool
+	}{{maxGrammarCompile + 10*time.Millisecond, 1, true}, {maxGrammarCompile / 10, 16, true}, {0, 16, false}} {
+		b := *s.backend.Load()
+		b.CheckGrammar = func(string) error { time.Sleep(c.check); return nil }
+		s.SetBackend(&b)
+		w := s.do(t, "POST", "/v1/chat/completions", fmt.Sprintf(`{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"n":%d,`+
+			`"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object"}}}}`, c.n))
+		if refused := w.Code == 400 && strings.Contains(w.Body.String(), "to compile"); refused != c.refuse {
+			t.Errorf("check %v, n %d: %d %s", c.check, c.n, w.Code, w.Body)
+		}
+	}
+}
+
 // TestTokenStrs: /tokenize returns each token's text with return_token_strs,
 // as vLLM's.
 func TestTokenStrs(t *testing.T) {

@@ -22,6 +22,11 @@ const (
 	maxGrammarChain    = 1000      // rules entered one inside another at one place, groups and repetitions included (llama.cpp recurses along them)
 	maxGrammarRun      = 16        // parts in a row that may each be left out
 	maxStackedRepeats  = 4         // repetition operators in a row ("a"+?)
+	// MaxAlternatives bounds the alternatives a grammar is written with:
+	// llama.cpp sets out with one stack per alternative that may begin the
+	// output and compares each with the others, so that 20,000 at the start
+	// took a second to compile (and took again at every choice).
+	MaxAlternatives = 16384
 )
 
 // ParseGBNF reads a client's GBNF grammar as llama.cpp's parser reads it and
@@ -44,7 +49,8 @@ const (
 // ways of matching nothing multiply and each token's step slows down until
 // the node stalls), more than maxStackedRepeats repetition operators in a
 // row, and what costs checks: recursion deeper than maxGrammarChain, and runs
-// of more than maxGrammarRun parts that may each be left out.
+// of more than maxGrammarRun parts that may each be left out, and more than
+// MaxAlternatives alternatives.
 func ParseGBNF(src string, vocab Vocab) (string, error) {
 	switch {
 	case len(src) > MaxGrammarBytes:
@@ -95,6 +101,7 @@ type gbnfParser struct {
 	refs  map[string]int       // referenced names, where first referenced
 	reps  []*gbnfItem          // items repeated more than ?
 	elems int                  // elements llama.cpp expands the grammar into
+	alts  int                  // alternatives of alternations written
 	depth int
 }
 
@@ -216,7 +223,13 @@ func (p *gbnfParser) alternates(nested bool) (gbnfRule, error) {
 		}
 		r = append(r, s)
 		if p.peek(0) != '|' {
+			if len(r) > 1 {
+				p.alts += len(r) // of alternations: a lone sequence is none
+			}
 			return r, nil
+		}
+		if p.alts+len(r) >= MaxAlternatives {
+			return nil, p.errorf(p.pos, "more than %d alternatives", MaxAlternatives)
 		}
 		p.pos++
 		p.out.WriteString(" |")

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
@@ -152,4 +153,29 @@ ws     ::= | " " | "\n" [ \t]{0,20}
 			}
 		}
 	})
+}
+
+// TestGrammarAlternatives: more than MaxAlternatives alternatives are
+// refused, in a grammar and in a schema's enum values and branches.
+func TestGrammarAlternatives(t *testing.T) {
+	alts := func(n int) string {
+		parts := make([]string, n)
+		for i := range parts {
+			parts[i] = fmt.Sprintf(`"v%d"`, i)
+		}
+		return strings.Join(parts, " | ")
+	}
+	if _, err := ParseGBNF("root ::= "+alts(MaxAlternatives+1), nil); err == nil || !strings.Contains(err.Error(), "alternatives") {
+		t.Errorf("%d alternatives: %v", MaxAlternatives+2, err)
+	}
+	if _, err := ParseGBNF("root ::= x | y\nx ::= "+alts(MaxAlternatives/2)+"\ny ::= "+alts(MaxAlternatives/2-2), nil); err != nil {
+		t.Errorf("%d alternatives in all: %v", MaxAlternatives, err)
+	}
+	enum := func(n int) string { return `{"enum":[` + strings.ReplaceAll(alts(n), " | ", ",") + `]}` }
+	if err := CheckSchema([]byte(enum(MaxAlternatives))); err != nil {
+		t.Errorf("%d enum values: %v", MaxAlternatives, err)
+	}
+	if err := CheckSchema([]byte(`{"anyOf":[` + enum(MaxAlternatives-1) + `,{"type":"null"}]}`)); err == nil {
+		t.Errorf("%d enum values and 2 branches were taken", MaxAlternatives-1)
+	}
 }

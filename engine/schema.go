@@ -24,6 +24,10 @@ const (
 	optionalBudget = 2 * maxOptional * maxOptional * maxOptional
 )
 
+// maxSchemaAlternatives bounds the enum values and anyOf and oneOf branches of
+// a schema, in all: each is an alternative of the grammar (MaxAlternatives).
+const maxSchemaAlternatives = MaxAlternatives
+
 // CheckSchema refuses a JSON schema llama.cpp's converter would crash on: a
 // name longer than maxSchemaName, a $ref cycle through allOf or aliases, a
 // chain of them deeper than maxRefChain. Recursion through properties or
@@ -32,7 +36,8 @@ const (
 // value matches it, and the grammar llama.cpp makes of minLength above
 // maxLength never stops growing. And it refuses objects with more optional
 // properties than the converter lays out in a fraction of a second
-// (maxOptional, optionalBudget).
+// (maxOptional, optionalBudget), and more than maxSchemaAlternatives enum
+// values and branches.
 func CheckSchema(schema []byte) error {
 	var root any
 	if err := json.Unmarshal(schema, &root); err != nil {
@@ -115,11 +120,17 @@ func CheckSchema(schema []byte) error {
 		}
 		return n
 	}
-	cubes := 0
+	cubes, alternatives := 0, 0
 	var walk func(v any) error
 	walk = func(v any) error {
 		switch v := v.(type) {
 		case map[string]any:
+			for _, k := range []string{"enum", "anyOf", "oneOf"} {
+				list, _ := v[k].([]any)
+				if alternatives += len(list); alternatives > maxSchemaAlternatives {
+					return bad("more than %d enum values and anyOf and oneOf branches in all", maxSchemaAlternatives)
+				}
+			}
 			if n := optional(v); n > maxOptional {
 				return bad("an object with %d optional properties (at most %d): mark more of them required, or nest them", n, maxOptional)
 			} else if cubes += n * n * n; cubes > optionalBudget {
