@@ -663,7 +663,7 @@ func TestGrammarCompileBound(t *testing.T) {
 		refuse bool
 	}{{maxGrammarCompile + 10*time.Millisecond, 1, true}, {maxGrammarCompile / 10, 16, true}, {0, 16, false}} {
 		b := *s.backend.Load()
-		b.CheckGrammar = func(string) error { time.Sleep(c.check); return nil }
+		b.CheckGrammar = func(string) error { burn(c.check); return nil }
 		s.SetBackend(&b)
 		w := s.do(t, "POST", "/v1/chat/completions", fmt.Sprintf(`{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"n":%d,`+
 			`"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object"}}}}`, c.n))

@@ -623,21 +623,22 @@ func given(raw json.RawMessage) bool {
 
 // maxGrammarCompile bounds what compiling a request's grammars, once per
 // choice, may cost the scheduler's goroutine (measured on the check, which
-// compiles it once).
+// compiles it once: its thread's CPU time, so that a busy machine does not
+// make it look dearer).
 const maxGrammarCompile = 100 * time.Millisecond
 
 // routeOrRun serves the request here unless routing sends it elsewhere (by
 // its first prompt's tokens).
 func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool) {
 	if p.req.Grammar != "" && b.CheckGrammar != nil {
-		start := time.Now()
-		if err := b.CheckGrammar(p.req.Grammar); err != nil {
+		took, err := onThreadCPU(func() error { return b.CheckGrammar(p.req.Grammar) })
+		if err != nil {
 			abort(c, invalid(p.grammarParam, "%s: the grammar built from it does not parse: %v", p.grammarParam, err))
 			return
 		}
 		// The scheduler compiles the grammar again for every choice as it
 		// admits them, on the goroutine that runs every request's steps.
-		if took, n := time.Since(start), len(p.prompts)*p.n; took*time.Duration(n) > maxGrammarCompile {
+		if n := len(p.prompts) * p.n; took*time.Duration(n) > maxGrammarCompile {
 			each := ""
 			if n > 1 {
 				each = fmt.Sprintf(", for each of %d choices", n)

@@ -27,6 +27,16 @@ const (
 	// output and compares each with the others, so that 20,000 at the start
 	// took a second to compile (and took again at every choice).
 	MaxAlternatives = 16384
+	// maxGrammarStacks bounds the ways llama.cpp follows from one position at
+	// once (a stack each, compared with the others): alternatives that each
+	// begin with further alternatives multiply them, and 16 levels of two
+	// took 10.8 s to compile.
+	maxGrammarStacks = MaxAlternatives
+	// maxClassItems bounds a character class's characters and ranges, which
+	// llama.cpp scans one by one for every character it matches: a class of
+	// 20,000 characters under 100 alternatives took seconds per step (\p{L}
+	// is 1,181).
+	maxClassItems = 2048
 )
 
 // ParseGBNF reads a client's GBNF grammar as llama.cpp's parser reads it and
@@ -49,8 +59,9 @@ const (
 // ways of matching nothing multiply and each token's step slows down until
 // the node stalls), more than maxStackedRepeats repetition operators in a
 // row, and what costs checks: recursion deeper than maxGrammarChain, and runs
-// of more than maxGrammarRun parts that may each be left out, and more than
-// MaxAlternatives alternatives.
+// of more than maxGrammarRun parts that may each be left out, more than
+// MaxAlternatives alternatives, more than maxGrammarStacks ways followed from
+// one position, and classes of more than maxClassItems characters and ranges.
 func ParseGBNF(src string, vocab Vocab) (string, error) {
 	switch {
 	case len(src) > MaxGrammarBytes:
@@ -302,6 +313,9 @@ func (p *gbnfParser) sequence(nested bool) (gbnfSeq, error) {
 			p.pos++
 			if n == 0 {
 				return nil, p.errorf(at, "an empty character class (llama.cpp would read it as matching nothing, not one character)")
+			}
+			if n > maxClassItems {
+				return nil, p.errorf(at, "a character class of %d characters and ranges, more than %d (llama.cpp reads them one by one for every character: write ranges)", n, maxClassItems)
 			}
 			b.WriteByte(']')
 			add(&gbnfItem{chars: 1, min: 1, max: 1, at: at}, b.String(), n)
@@ -684,7 +698,14 @@ func (p *gbnfParser) leftRecursion(null *emptiness) error {
 // recurses (llama_grammar_advance_stack, once per rule it enters there,
 // groups and repetitions being rules, and once per part it leaves out), and
 // the longest run of parts that may each be left out, nested ones counted.
-type gbnfCost struct{ depth, run int }
+//
+// stacks counts the ways llama.cpp follows from a position at once: one per
+// character, class or token that may come first, through every rule and group
+// begun there and every part that may be left out.
+type gbnfCost struct{ depth, run, stacks int }
+
+// addStacks adds stack counts, saturating (they can grow exponentially).
+func addStacks(a, b int) int { return min(a+b, 1<<40) }
 
 // costs refuses a grammar whose recursion at some position passes
 // maxGrammarChain (a stack overflow in C++ kills the process) or that has a
@@ -703,7 +724,7 @@ func (p *gbnfParser) costs(null *emptiness) error {
 		var c gbnfCost
 		for _, s := range r {
 			x := seqAt(s, 0)
-			c.depth, c.run = max(c.depth, x.depth), max(c.run, x.run)
+			c.depth, c.run, c.stacks = max(c.depth, x.depth), max(c.run, x.run), addStacks(c.stacks, x.stacks)
 		}
 		return c
 	}
@@ -724,10 +745,12 @@ func (p *gbnfParser) costs(null *emptiness) error {
 				r = rule(*p.rules[it.ref])
 				ofRule[it.ref] = r
 			}
-			c = gbnfCost{r.depth + 1, r.run}
+			c = gbnfCost{r.depth + 1, r.run, r.stacks}
 		case it.group != nil:
 			g := rule(it.group)
-			c = gbnfCost{g.depth + 1, g.run}
+			c = gbnfCost{g.depth + 1, g.run, g.stacks}
+		case it.chars > 0:
+			c.stacks = 1
 		}
 		if it.min == 0 {
 			c.depth++ // the repetition's own rule
@@ -736,6 +759,7 @@ func (p *gbnfParser) costs(null *emptiness) error {
 			next := seqAt(s, i+1)
 			c.depth = max(c.depth, next.depth+1)
 			c.run = max(c.run, 1) + next.run
+			c.stacks = addStacks(c.stacks, next.stacks)
 		}
 		switch {
 		case bad != nil:
@@ -743,6 +767,8 @@ func (p *gbnfParser) costs(null *emptiness) error {
 			bad = p.errorf(it.at, "llama.cpp would recurse more than %d rules deep here (groups, repetitions and parts left out each count): its stack could run out", maxGrammarChain)
 		case c.run > maxGrammarRun:
 			bad = p.errorf(it.at, "%d parts in a row from here may each be left out, more than %d: llama.cpp would follow every way of placing a token's characters among them, for every token at every step (write the run as a repetition, or make fewer parts optional)", c.run, maxGrammarRun)
+		case c.stacks > maxGrammarStacks:
+			bad = p.errorf(it.at, "llama.cpp would follow %d ways from here at once, more than %d (alternatives that begin with further alternatives multiply them)", c.stacks, maxGrammarStacks)
 		}
 		atPos[it] = c
 		return c

@@ -179,3 +179,33 @@ func TestGrammarAlternatives(t *testing.T) {
 		t.Errorf("%d enum values and 2 branches were taken", MaxAlternatives-1)
 	}
 }
+
+// TestGrammarStacksAndClasses: ways that multiply from one position (each
+// alternative beginning with further alternatives) and classes of more
+// characters than maxClassItems are refused; \p{L} is taken.
+func TestGrammarStacksAndClasses(t *testing.T) {
+	chain := func(levels int) string {
+		g := "r0 ::= \"x\" | \"y\"\n"
+		for i := 1; i <= levels; i++ {
+			g += fmt.Sprintf("r%d ::= r%d \"x\" | r%d \"y\"\n", i, i-1, i-1)
+		}
+		return g + fmt.Sprintf("root ::= r%d\n", levels)
+	}
+	if _, err := ParseGBNF(chain(12), nil); err != nil { // 8,192 ways
+		t.Errorf("12 levels: %v", err)
+	}
+	if _, err := ParseGBNF(chain(16), nil); err == nil || !strings.Contains(err.Error(), "ways") {
+		t.Errorf("16 levels (131,072 ways): %v", err)
+	}
+	class := "root ::= [" + strings.Repeat("ab", maxClassItems/2) + "c]"
+	if _, err := ParseGBNF(class, nil); err == nil || !strings.Contains(err.Error(), "character class") {
+		t.Errorf("a class of %d: %v", maxClassItems+1, err)
+	}
+	g, err := RegexGrammar(`\p{L}+`)
+	if err == nil {
+		_, err = ParseGBNF(g, nil)
+	}
+	if err != nil {
+		t.Errorf(`\p{L}: %v`, err)
+	}
+}

@@ -164,6 +164,15 @@ func TestCheckSchemaOptional(t *testing.T) {
 		}
 		return `{"type":"object","properties":{` + strings.Join(props, ",") + `},"required":[` + strings.Join(req, ",") + `]` + extra + `}`
 	}
+	// Names whose rule names come out alike: "x" and a character other than
+	// a letter, digit or -.
+	alike := func(n int) string {
+		var props []string
+		for i := range n {
+			props = append(props, fmt.Sprintf(`"x%c":{"type":"string"}`, rune(0x4e00+i)))
+		}
+		return strings.Join(props, ",")
+	}
 	for name, c := range map[string]struct {
 		schema string
 		bad    bool
@@ -172,7 +181,13 @@ func TestCheckSchemaOptional(t *testing.T) {
 		"one more":                 {object(maxOptional+1, 0, ""), true},
 		"required do not count":    {object(maxOptional+100, 100, ""), false},
 		"additionalProperties one": {object(maxOptional, 0, `,"additionalProperties":true`), true},
-		"through allOf":            {`{"allOf":[` + object(200, 0, "") + `,{"$ref":"#/$defs/b"}],"$defs":{"b":` + object(100, 0, "") + `}}`, true},
+		"allOf's anyOf branches":   {`{"allOf":[{"anyOf":[{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"}]}],"$defs":{"b":` + object(100, 0, "") + `}}`, true},
+		"allOf's own are required": {`{"allOf":[{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"}],"$defs":{"b":` + object(100, 0, "") + `}}`, false},
+		"a type list twice":        {`{"type":["object","object"],"properties":{"a":{"type":"string"}}}`, true},
+		"a nullable type list":     {`{"type":["object","null"],"properties":{"a":{"type":["string","null"]}}}`, false},
+		"too many properties":      {object(maxProperties+1, maxProperties+1, ""), true},
+		"names alike":              {`{"type":"object","properties":{` + alike(maxAlikeNames+2) + `}}`, true},
+		"a few names alike":        {`{"type":"object","properties":{` + alike(maxAlikeNames) + `}}`, false},
 		"in all":                   {`{"type":"array","prefixItems":[` + object(maxOptional, 0, "") + "," + object(maxOptional, 0, "") + "," + object(maxOptional, 0, "") + `]}`, true},
 		"two at the limit":         {`{"type":"array","prefixItems":[` + object(maxOptional, 0, "") + "," + object(maxOptional, 0, "") + `]}`, false},
 	} {

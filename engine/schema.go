@@ -3,6 +3,7 @@ package engine
 import (
 	"encoding/json"
 	"fmt"
+	"regexp"
 	"slices"
 	"strings"
 )
@@ -23,6 +24,17 @@ const (
 	maxOptional    = 256
 	optionalBudget = 2 * maxOptional * maxOptional * maxOptional
 )
+
+// maxProperties bounds an object's properties, maxAlikeNames those of them
+// whose rule names come out alike (the converter's time grows with their
+// square: 8,000 such took it 5.8 s).
+const (
+	maxProperties = 4096
+	maxAlikeNames = 256
+)
+
+// ruleNameRE is what the converter replaces in a name to make a rule's.
+var ruleNameRE = regexp.MustCompile(`[^a-zA-Z0-9-]+`)
 
 // maxSchemaAlternatives bounds the enum values and anyOf and oneOf branches of
 // a schema, in all: each is an alternative of the grammar (MaxAlternatives).
@@ -92,30 +104,47 @@ func CheckSchema(schema []byte) error {
 		return nil
 	}
 	// optional counts an object schema's optional properties as the converter
-	// sees them: its own (and "additionalProperties", one more) with those of
-	// its allOf's components, $refs followed.
+	// lays them out. A plain object: its properties not required (and
+	// "additionalProperties", one more). One with allOf: the converter merges
+	// the properties of its components ($refs followed), a component's as
+	// required, those of the branches of a component's anyOf as optional.
 	optional := func(m map[string]any) int {
-		n := 0
-		parts := []any{m}
-		if all, ok := m["allOf"].([]any); ok {
-			parts = append(parts, all...)
-		}
-		for _, p := range parts {
-			c, _ := p.(map[string]any)
-			if ref, ok := c["$ref"].(string); ok && len(parts) > 1 {
-				t, _ := resolve(ref)
-				c, _ = t.(map[string]any)
-			}
-			props, _ := c["properties"].(map[string]any)
-			req, _ := c["required"].([]any)
-			n += len(props)
+		all, ok := m["allOf"].([]any)
+		if !ok {
+			props, _ := m["properties"].(map[string]any)
+			req, _ := m["required"].([]any)
+			n := len(props)
 			for _, r := range req {
 				if name, ok := r.(string); ok && props[name] != nil {
 					n--
 				}
 			}
-			if _, obj := c["additionalProperties"].(map[string]any); obj || c["additionalProperties"] == true {
+			if _, obj := m["additionalProperties"].(map[string]any); obj || m["additionalProperties"] == true {
 				n++
+			}
+			return n
+		}
+		n := 0
+		var component func(c any, required bool, depth int)
+		component = func(c any, required bool, depth int) {
+			cm, _ := c.(map[string]any)
+			if ref, ok := cm["$ref"].(string); ok && depth < maxRefChain {
+				t, _ := resolve(ref)
+				component(t, required, depth+1)
+				return
+			}
+			if props, ok := cm["properties"].(map[string]any); ok && !required {
+				n += len(props)
+			}
+		}
+		for _, t := range all {
+			tm, _ := t.(map[string]any)
+			if branches, ok := tm["anyOf"].([]any); ok {
+				for _, b := range branches {
+					component(b, false, 0)
+				}
+			} else {
+				component(t, true, 0)
 			}
 		}
 		return n
@@ -129,6 +158,38 @@ func CheckSchema(schema []byte) error {
 				list, _ := v[k].([]any)
 				if alternatives += len(list); alternatives > maxSchemaAlternatives {
 					return bad("more than %d enum values and anyOf and oneOf branches in all", maxSchemaAlternatives)
+				}
+			}
+			// The converter lays a schema out once per entry of its type list:
+			// a repeated entry ("object", "object") doubles all below it, and
+			// nested, that multiplies.
+			if types, ok := v["type"].([]any); ok {
+				seen := map[any]bool{}
+				for _, t := range types {
+					if seen[t] {
+						return bad("a type list names %v twice", t)
+					}
+					seen[t] = true
+				}
+			}
+			if props, ok := v["properties"].(map[string]any); ok {
+				if len(props) > maxProperties {
+					return bad("an object with %d properties (at most %d)", len(props), maxProperties)
+				}
+				// The converter names a property's rules by its name with
+				// every run of other characters than letters, digits and -
+				// made one -, and looks through the names it has for each
+				// new one: names that come out alike cost it more each.
+				alike := map[string]int{}
+				same := 0
+				for name := range props {
+					r := ruleNameRE.ReplaceAllString(name, "-")
+					if alike[r]++; alike[r] > 1 {
+						same++
+					}
+				}
+				if same > maxAlikeNames {
+					return bad("an object with %d property names that differ only in characters other than letters, digits and - (at most %d)", same, maxAlikeNames)
 				}
 			}
 			if n := optional(v); n > maxOptional {
