@@ -470,7 +470,7 @@ func (s *Server) schemaToGrammar(param string, raw json.RawMessage) (string, err
 // toolGrammar is the GBNF of tp's answers. When the converter refuses it, the
 // error names the tool whose parameters it refuses alone.
 func (s *Server) toolGrammar(tp *toolPlan) (string, error) {
-	g, err := s.convertSchema("tools", tp.schema())
+	g, err := s.convert(tp, tp.schema())
 	if err != nil {
 		return "", s.refusedTool(tp, err)
 	}
@@ -484,11 +484,37 @@ func (s *Server) refusedTool(tp *toolPlan, err error) error {
 		return err
 	}
 	for i, f := range tp.tools {
-		if _, e := s.schemaToGrammar("tools", f.Parameters); e != nil {
+		if tp.converting > maxToolConverting {
+			return err // the whole grammar's refusal, without naming the tool
+		}
+		took, e := onThreadCPU(func() error { _, e := s.schemaToGrammar("tools", f.Parameters); return e })
+		if tp.converting += took; e != nil {
 			return invalid(fmt.Sprintf("tools[%d]", i), "tools[%d] (%s): parameters: %v", i, f.Name, e)
 		}
 	}
 	return err
+}
+
+// maxToolConverting bounds the CPU time converting one request's tool
+// schemas may take: each conversion is bounded (engine.CheckSchema), but
+// the call formats that convert each tool, or each parameter, apart could
+// take that for each of 512 tools.
+const maxToolConverting = time.Second
+
+// convert converts a tool schema of tp's, counting its time against
+// maxToolConverting.
+func (s *Server) convert(tp *toolPlan, raw json.RawMessage) (string, error) {
+	if tp.converting > maxToolConverting {
+		return "", invalid("tools", "tools: converting the tools' parameters to a grammar took llama.cpp more than %v: fewer tools, or simpler parameters", maxToolConverting)
+	}
+	var g string
+	took, err := onThreadCPU(func() error {
+		var err error
+		g, err = s.convertSchema("tools", raw)
+		return err
+	})
+	tp.converting += took
+	return g, err
 }
 
 // maxChoices bounds guided_choice.

@@ -128,7 +128,7 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 		}
 	}
 	schema, _ := json.Marshal(map[string]any{"anyOf": calls})
-	call, err := s.convertSchema("tools", schema)
+	call, err := s.convert(tp, schema)
 	if err != nil {
 		return "", nil, s.refusedTool(tp, err)
 	}
@@ -162,7 +162,7 @@ func (s *Server) namedCallGrammar(tp *toolPlan) (string, error) {
 	var b strings.Builder
 	var fns []string
 	for i, fn := range tp.callable() {
-		g, err := s.convertSchema("tools", fn.Parameters)
+		g, err := s.convert(tp, fn.Parameters)
 		if err != nil {
 			return "", s.refusedTool(tp, err)
 		}

@@ -11,6 +11,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 	"unicode/utf16"
 	"unicode/utf8"
 
@@ -94,6 +95,9 @@ type toolPlan struct {
 	// params are each callable tool's parameters, for the XML call format
 	// (set with its grammar).
 	params map[string][]toolParam
+	// converting is the CPU time converting the tools' schemas has taken
+	// (convert).
+	converting time.Duration
 }
 
 // toolFollower follows one choice's output under tools.

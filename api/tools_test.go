@@ -2,11 +2,14 @@ package api
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"unicode/utf8"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/models"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 func TestToolsOf(t *testing.T) {
@@ -303,5 +306,26 @@ func TestTokenizeToolsWithOutputConstraint(t *testing.T) {
 	plain := count("")
 	if constrained := count(`,"response_format":{"type":"json_object","schema":{"type":"object","properties":{"verdict":{"type":"boolean"}}}}`); constrained <= plain {
 		t.Errorf("with an answer schema %d tokens, without %d", constrained, plain)
+	}
+}
+
+// TestToolConvertingBound: call formats that convert each tool's (or each
+// parameter's) schema apart stop converting once one request's conversions
+// took maxToolConverting of CPU, with 400.
+func TestToolConvertingBound(t *testing.T) {
+	calls := 0
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) {
+		c.SchemaToGrammar = func([]byte) (string, error) { calls++; burn(maxToolConverting / 4); return "root ::= \"1\"\n", nil }
+	})
+	b := *s.backend.Load()
+	b.Template = models.MistralToolsTemplate // each tool's parameters converted alone
+	s.SetBackend(&b)
+	var tools []string
+	for i := range 20 {
+		tools = append(tools, fmt.Sprintf(`{"type":"function","function":{"name":"f%d","parameters":{"type":"object","properties":{"n":{"type":"integer"}}}}}`, i))
+	}
+	w := s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tool_choice":"required","tools":[`+strings.Join(tools, ",")+`]}`)
+	if w.Code != 400 || !strings.Contains(w.Body.String(), "converting the tools' parameters") || calls > 6 {
+		t.Fatalf("%d after %d conversions: %s", w.Code, calls, w.Body)
 	}
 }

@@ -225,7 +225,7 @@ func (s *Server) xmlCallGrammar(tp *toolPlan) (string, error) {
 			case p.text:
 				value, textRule = "shoal-text", true
 			default:
-				g, err := s.convertSchema("tools", mergeDefs(p.schema, defs))
+				g, err := s.convert(tp, mergeDefs(p.schema, defs))
 				if err != nil {
 					return "", s.refusedTool(tp, err)
 				}
