@@ -280,12 +280,22 @@ func emptyTurn(blocks AnthropicContent) bool {
 // (and templates that want roles to alternate need).
 func joinUserTurns(msgs []Message) []Message {
 	var out []Message
-	for _, m := range msgs {
-		if n := len(out); n > 0 && m.Role == "user" && out[n-1].Role == "user" {
-			out[n-1].Content += "\n\n" + m.Content
-			continue
+	for i := 0; i < len(msgs); {
+		m, j := msgs[i], i+1
+		if m.Role == "user" {
+			for j < len(msgs) && msgs[j].Role == "user" {
+				j++
+			}
+			if j > i+1 { // joined at once: one by one, the copies grow with the square of the turns
+				parts := make([]string, j-i)
+				for k, t := range msgs[i:j] {
+					parts[k] = string(t.Content)
+				}
+				m.Content = Content(strings.Join(parts, "\n\n"))
+			}
 		}
 		out = append(out, m)
+		i = j
 	}
 	return out
 }

@@ -288,6 +288,16 @@ func fold(turns []chatTurn, system, users bool) []chatTurn {
 		return turns
 	}
 	out := make([]chatTurn, 0, len(turns))
+	// parts holds the texts of the turn being joined (out's last): joined at
+	// once when it is whole, since one by one the copies grow with the square
+	// of the turns.
+	var parts []string
+	flush := func() {
+		if len(parts) > 1 {
+			out[len(out)-1].content = strings.Join(parts, "\n\n")
+		}
+		parts = nil
+	}
 	var pending []string // system text for the next user turn
 	for _, t := range turns {
 		switch {
@@ -299,19 +309,23 @@ func fold(turns []chatTurn, system, users bool) []chatTurn {
 			pending = nil
 		}
 		if n := len(out); users && t.role == "user" && n > 0 && out[n-1].role == "user" {
-			out[n-1].content += "\n\n" + t.content
+			parts = append(parts, t.content)
 			continue
 		}
+		flush()
 		out = append(out, t)
+		parts = []string{t.content}
 	}
 	if len(pending) > 0 { // system text with no user turn after it
 		text := strings.Join(pending, "\n\n")
 		if n := len(out); n > 0 && out[n-1].role == "user" {
-			out[n-1].content += "\n\n" + text
+			parts = append(parts, text)
 		} else {
+			flush()
 			out = append(out, chatTurn{role: "user", content: text})
 		}
 	}
+	flush()
 	return out
 }
 
