@@ -9,6 +9,7 @@ import (
 	"maps"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -137,6 +138,10 @@ type OllamaChatRequest struct {
 	// ("required", a function): Ollama's API has none, and the model calls
 	// a tool when it chooses to.
 	ToolChoice json.RawMessage `json:"tool_choice"`
+	// Truncate (default true) drops the oldest messages after the system ones
+	// when the chat does not fit the context (ollamaFit), as Ollama does;
+	// false: such a chat is refused.
+	Truncate *bool `json:"truncate"`
 }
 
 // OllamaGenerateRequest is the body of POST /api/generate.
@@ -333,11 +338,83 @@ func (s *Server) ollamaChat(c *gin.Context) {
 		s.ollamaLoaded(c, req.Model, false, req.KeepAlive)
 		return
 	}
+	if req.Truncate == nil || *req.Truncate {
+		req.Messages = s.ollamaFit(b, &req)
+	}
 	p, ok := s.translatedPlan(c, b, func() (*ChatRequest, error) { return req.chatRequest(b) }, ollamaParams)
 	if ok {
 		p.ollama = &ollamaPlan{start: start}
 		s.routeOrRun(c, b, p, forwarded)
 	}
+}
+
+// fitSearchMax bounds the chats ollamaFit shortens: at most this many times
+// the context.
+const fitSearchMax = 16
+
+// ollamaFit drops the oldest messages after the leading system ones, as few
+// as it must, so that the chat's prompt leaves room in the context for the
+// answer: num_predict's tokens, or an eighth of the context, and at most
+// half of it. The last message always stays; a chat that does not fit even
+// so, or is over fitSearchMax contexts long, is left whole (and refused). As
+// Ollama truncates a chat by default.
+func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest) []OllamaMessage {
+	msgs := req.Messages
+	maxCtx := b.Generator.MaxContext()
+	room := maxCtx / 8
+	if o := req.Options; o != nil && o.NumPredict != nil && *o.NumPredict > 0 {
+		room = int(*o.NumPredict)
+	}
+	limit := maxCtx - min(room, maxCtx/2)
+	keep := 0 // the leading system messages
+	for keep < len(msgs)-1 && strings.EqualFold(msgs[keep].Role, "system") {
+		keep++
+	}
+	// tokens is the prompt's length without the first drop messages after
+	// the system ones; -1 when it cannot be laid out.
+	tokens := func(drop int) int {
+		r := *req
+		r.Messages = append(slices.Clone(msgs[:keep]), msgs[keep+drop:]...)
+		chat, err := r.chatRequest(b)
+		if err != nil {
+			return -1
+		}
+		tp, err := toolsOf(&chat.ToolFields, &chat.SamplingFields)
+		if err != nil {
+			return -1
+		}
+		text, err := chatPromptEnding(b, chat.Messages, tp, chat.ChatTemplateKwargs, turnEnd{})
+		if err != nil {
+			return -1
+		}
+		toks, err := b.Vocab.Tokenize(text, true, true)
+		if err != nil {
+			return -1
+		}
+		return len(toks)
+	}
+	// A chat many times the context is refused rather than searched: each
+	// try lays it out and tokenizes it again.
+	if n := tokens(0); n < 0 || n <= limit || n > fitSearchMax*maxCtx {
+		return msgs
+	}
+	// The fewest drops that fit, by bisection: dropping more never lengthens it.
+	lo, hi := 1, len(msgs)-1-keep
+	if hi < lo {
+		return msgs
+	}
+	if n := tokens(hi); n < 0 || n > limit {
+		return msgs
+	}
+	for lo < hi {
+		mid := (lo + hi) / 2
+		if n := tokens(mid); n >= 0 && n <= limit {
+			hi = mid
+		} else {
+			lo = mid + 1
+		}
+	}
+	return append(slices.Clone(msgs[:keep]), msgs[keep+lo:]...)
 }
 
 // ollamaGenerate serves POST /api/generate.

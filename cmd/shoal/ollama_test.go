@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"net/http"
 	"net/url"
@@ -217,6 +218,24 @@ func TestOllamaAPI(t *testing.T) {
 	more := gen(ollama.GenerateRequest{Model: "tools", Prompt: "And then?", Context: g.Context, Options: map[string]any{"temperature": 0, "num_predict": 4}})
 	if more.PromptEvalCount <= len(g.Context) || !slices.Equal(more.Context[:len(g.Context)], g.Context) {
 		t.Fatalf("context: %d prompt tokens from %d of context; %v", more.PromptEvalCount, len(g.Context), more.Context)
+	}
+
+	// A chat longer than the context loses its oldest turns after the system
+	// message, as Ollama truncates it; with truncate false it is refused.
+	long := []ollama.Message{{Role: "system", Content: "You help."}}
+	for i := range 40 {
+		long = append(long, ollama.Message{Role: "user", Content: fmt.Sprintf("question %d: %s", i, strings.Repeat("tell me more ", 30))},
+			ollama.Message{Role: "assistant", Content: strings.Repeat("more words here ", 20)})
+	}
+	long = append(long, ollama.Message{Role: "user", Content: "And the last question?"})
+	tr := ollamaChat(t, c, ollama.ChatRequest{Model: "tools", Messages: long, Options: map[string]any{"temperature": 0, "num_predict": 8}})
+	if show.ModelInfo["llama.context_length"] == nil || tr.PromptEvalCount >= 4096-8 || tr.PromptEvalCount < 2048 || tr.EvalCount != 8 {
+		t.Fatalf("a long chat truncated: %d prompt tokens, %d generated", tr.PromptEvalCount, tr.EvalCount)
+	}
+	off := false
+	var se ollama.StatusError
+	if err := c.Chat(ctx, &ollama.ChatRequest{Model: "tools", Messages: long, Truncate: &off}, func(ollama.ChatResponse) error { return nil }); !errors.As(err, &se) || se.StatusCode != 400 {
+		t.Fatalf("truncate false: %v", err)
 	}
 
 	// Loading: a request without messages or a prompt.
