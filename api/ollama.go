@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"reflect"
 	"slices"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -338,43 +339,63 @@ func (s *Server) ollamaChat(c *gin.Context) {
 		s.ollamaLoaded(c, req.Model, false, req.KeepAlive)
 		return
 	}
-	if req.Truncate == nil || *req.Truncate {
-		req.Messages = s.ollamaFit(b, &req)
+	translate := func() (*ChatRequest, error) { return req.chatRequest(b) }
+	p, ok := s.translatedPlan(c, b, translate, ollamaParams)
+	if !ok {
+		return
 	}
-	p, ok := s.translatedPlan(c, b, func() (*ChatRequest, error) { return req.chatRequest(b) }, ollamaParams)
-	if ok {
-		p.ollama = &ollamaPlan{start: start}
-		s.routeOrRun(c, b, p, forwarded)
+	if limit := fitLimit(b, &req); (req.Truncate == nil || *req.Truncate) && len(p.prompts[0]) > limit {
+		if fitted := s.ollamaFit(b, &req, len(p.prompts[0]), limit); len(fitted) < len(req.Messages) {
+			req.Messages = fitted
+			if p, ok = s.translatedPlan(c, b, translate, ollamaParams); !ok {
+				return
+			}
+		}
 	}
+	p.ollama = &ollamaPlan{start: start}
+	s.routeOrRun(c, b, p, forwarded)
 }
 
 // fitSearchMax bounds the chats ollamaFit shortens: at most this many times
 // the context.
 const fitSearchMax = 16
 
-// ollamaFit drops the oldest messages after the leading system ones, as few
-// as it must, so that the chat's prompt leaves room in the context for the
-// answer: num_predict's tokens, or an eighth of the context, and at most
-// half of it. The last message always stays; a chat that does not fit even
-// so, or is over fitSearchMax contexts long, is left whole (and refused). As
-// Ollama truncates a chat by default.
-func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest) []OllamaMessage {
-	msgs := req.Messages
+// fitLimit is the longest prompt that leaves room in the context for the
+// answer: num_predict's tokens, or an eighth of the context, and at most half
+// of it.
+func fitLimit(b *Backend, req *OllamaChatRequest) int {
 	maxCtx := b.Generator.MaxContext()
 	room := maxCtx / 8
 	if o := req.Options; o != nil && o.NumPredict != nil && *o.NumPredict > 0 {
 		room = int(*o.NumPredict)
 	}
-	limit := maxCtx - min(room, maxCtx/2)
+	return maxCtx - min(room, maxCtx/2)
+}
+
+// ollamaFit shortens a chat whose prompt has n tokens, more than limit, as
+// Ollama truncates a chat by default: it drops the oldest messages after the
+// leading system ones, as few as it must, cutting only where the rest begins
+// with a user message (so that no answer or tool result is left without what
+// it answers, and templates that want turns to alternate take it), found by
+// bisection. Failing that, the last message alone is kept when it fits the
+// context. A chat that fits no way, or is over fitSearchMax contexts long, is
+// left whole (and refused).
+func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest, n, limit int) []OllamaMessage {
+	msgs := req.Messages
+	maxCtx := b.Generator.MaxContext()
+	if n > fitSearchMax*maxCtx {
+		return msgs
+	}
 	keep := 0 // the leading system messages
 	for keep < len(msgs)-1 && strings.EqualFold(msgs[keep].Role, "system") {
 		keep++
 	}
+	cut := func(drop int) []OllamaMessage { return append(slices.Clone(msgs[:keep]), msgs[keep+drop:]...) }
 	// tokens is the prompt's length without the first drop messages after
 	// the system ones; -1 when it cannot be laid out.
 	tokens := func(drop int) int {
 		r := *req
-		r.Messages = append(slices.Clone(msgs[:keep]), msgs[keep+drop:]...)
+		r.Messages = cut(drop)
 		chat, err := r.chatRequest(b)
 		if err != nil {
 			return -1
@@ -393,28 +414,23 @@ func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest) []OllamaMessage {
 		}
 		return len(toks)
 	}
-	// A chat many times the context is refused rather than searched: each
-	// try lays it out and tokenizes it again.
-	if n := tokens(0); n < 0 || n <= limit || n > fitSearchMax*maxCtx {
-		return msgs
-	}
-	// The fewest drops that fit, by bisection: dropping more never lengthens it.
-	lo, hi := 1, len(msgs)-1-keep
-	if hi < lo {
-		return msgs
-	}
-	if n := tokens(hi); n < 0 || n > limit {
-		return msgs
-	}
-	for lo < hi {
-		mid := (lo + hi) / 2
-		if n := tokens(mid); n >= 0 && n <= limit {
-			hi = mid
-		} else {
-			lo = mid + 1
+	var drops []int // where the rest begins with a user message
+	for d := 1; keep+d < len(msgs); d++ {
+		if strings.EqualFold(msgs[keep+d].Role, "user") {
+			drops = append(drops, d)
 		}
 	}
-	return append(slices.Clone(msgs[:keep]), msgs[keep+lo:]...)
+	fits := func(d int) bool { t := tokens(d); return t >= 0 && t <= limit }
+	// The fewest drops that fit: dropping more never lengthens the prompt.
+	if i := sort.Search(len(drops), func(i int) bool { return fits(drops[i]) }); i < len(drops) {
+		return cut(drops[i])
+	}
+	if last := len(msgs) - 1 - keep; last > 0 {
+		if t := tokens(last); t >= 0 && t < maxCtx {
+			return cut(last)
+		}
+	}
+	return msgs
 }
 
 // ollamaGenerate serves POST /api/generate.

@@ -232,6 +232,14 @@ func TestOllamaAPI(t *testing.T) {
 	if show.ModelInfo["llama.context_length"] == nil || tr.PromptEvalCount >= 4096-8 || tr.PromptEvalCount < 2048 || tr.EvalCount != 8 {
 		t.Fatalf("a long chat truncated: %d prompt tokens, %d generated", tr.PromptEvalCount, tr.EvalCount)
 	}
+	// An agent's chat that ends in a tool result is cut where a user turn
+	// begins, so that the call and its result stay together.
+	agent := append(slices.Clone(long[:len(long)-1]), ollama.Message{Role: "user", Content: "What is the weather in Oslo?"},
+		ollama.Message{Role: "assistant", ToolCalls: []ollama.ToolCall{*call}}, ollama.Message{Role: "tool", ToolName: "get_weather", Content: `{"temperature_c": 3}`})
+	ar := ollamaChat(t, c, ollama.ChatRequest{Model: "tools", Messages: agent, Tools: tools, Options: map[string]any{"temperature": 0, "num_predict": 8}})
+	if ar.PromptEvalCount >= 4096-8 || ar.PromptEvalCount < 1024 {
+		t.Fatalf("an agent's chat truncated: %d prompt tokens", ar.PromptEvalCount)
+	}
 	off := false
 	var se ollama.StatusError
 	if err := c.Chat(ctx, &ollama.ChatRequest{Model: "tools", Messages: long, Truncate: &off}, func(ollama.ChatResponse) error { return nil }); !errors.As(err, &se) || se.StatusCode != 400 {
