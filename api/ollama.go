@@ -379,7 +379,7 @@ func fitLimit(b *Backend, req *OllamaChatRequest) int {
 // it answers, and templates that want turns to alternate take it), found by
 // bisection. Failing that, the last message alone is kept when it fits the
 // context. A chat that fits no way, or is over fitSearchMax contexts long, is
-// left whole (and refused).
+// left whole: refused if it passes the context, else run with less room.
 func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest, n, limit int) []OllamaMessage {
 	msgs := req.Messages
 	maxCtx := b.Generator.MaxContext()
@@ -1044,7 +1044,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 				inputs[i] = toks[:limit]
 			}
 		}
-		if legacy && (len(inputs) == 0 || len(inputs[0]) == 0) {
+		if legacy && (req.Prompt == nil || *req.Prompt == "") {
 			c.JSON(http.StatusOK, gin.H{"embedding": []float32{}}) // as Ollama answers an empty prompt
 			return
 		}

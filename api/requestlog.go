@@ -57,8 +57,9 @@ func (st *requestStats) serves(model string) {
 // one (1 to 128 letters, digits and ._:-), as a node forwarding a request sends
 // its own, else a new one; the answer carries it back. With
 // Config.LogRequests, a line per request records how it ended: the route,
-// status, time, the client (or the peer that forwarded it), the model and
-// tokens run here, and the node it was forwarded to. Probes and scrapes
+// status, time, the client's address, the peer that forwarded it (its
+// credential checked), the model and tokens run here, and the node it was
+// forwarded to. Probes and scrapes
 // (/health, /ready, /metrics) are not logged.
 func (s *Server) requestLog(c *gin.Context) {
 	id := c.GetHeader(cluster.HeaderRequestID)

@@ -184,6 +184,8 @@ func TestCheckSchemaOptional(t *testing.T) {
 		"allOf's anyOf branches":   {`{"allOf":[{"anyOf":[{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"}]}],"$defs":{"b":` + object(100, 0, "") + `}}`, true},
 		"allOf's own are required": {`{"allOf":[{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"},{"$ref":"#/$defs/b"}],"$defs":{"b":` + object(100, 0, "") + `}}`, false},
 		"a type list twice":        {`{"type":["object","object"],"properties":{"a":{"type":"string"}}}`, true},
+		"a type list of objects":   {`{"type":[{},{}]}`, false},
+		"properties before allOf":  {`{"type":"object","allOf":[{}],"properties":{` + alike(0) + strings.TrimPrefix(strings.TrimSuffix(object(maxOptional+1, 0, ""), `},"required":[]}`), `{"type":"object","properties":{`) + `}}`, true},
 		"a nullable type list":     {`{"type":["object","null"],"properties":{"a":{"type":["string","null"]}}}`, false},
 		"too many properties":      {object(maxProperties+1, maxProperties+1, ""), true},
 		"names alike":              {`{"type":"object","properties":{` + alike(maxAlikeNames+2) + `}}`, true},

@@ -104,13 +104,17 @@ func CheckSchema(schema []byte) error {
 		return nil
 	}
 	// optional counts an object schema's optional properties as the converter
-	// lays them out. A plain object: its properties not required (and
-	// "additionalProperties", one more). One with allOf: the converter merges
-	// the properties of its components ($refs followed), a component's as
-	// required, those of the branches of a component's anyOf as optional.
+	// lays them out. An object with properties (or additionalProperties other
+	// than true), which the converter takes first, whatever allOf it has: its
+	// properties not required (and "additionalProperties", one more). Else one
+	// with allOf: the converter merges the properties of its components ($refs
+	// followed), a component's as required, those of the branches of a
+	// component's anyOf as optional.
 	optional := func(m map[string]any) int {
+		_, hasProps := m["properties"]
+		extra, hasExtra := m["additionalProperties"]
 		all, ok := m["allOf"].([]any)
-		if !ok {
+		if !ok || hasProps || hasExtra && extra != true {
 			props, _ := m["properties"].(map[string]any)
 			req, _ := m["required"].([]any)
 			n := len(props)
@@ -164,12 +168,14 @@ func CheckSchema(schema []byte) error {
 			// a repeated entry ("object", "object") doubles all below it, and
 			// nested, that multiplies.
 			if types, ok := v["type"].([]any); ok {
-				seen := map[any]bool{}
+				seen := map[string]bool{}
 				for _, t := range types {
-					if seen[t] {
-						return bad("a type list names %v twice", t)
+					if name, ok := t.(string); ok {
+						if seen[name] {
+							return bad("a type list names %s twice", name)
+						}
+						seen[name] = true
 					}
-					seen[t] = true
 				}
 			}
 			if props, ok := v["properties"].(map[string]any); ok {
