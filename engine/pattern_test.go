@@ -214,3 +214,21 @@ func TestCheckSchemaBounds(t *testing.T) {
 		}
 	}
 }
+
+// FuzzCheckSchema: any JSON is checked without a panic, and a refusal is an
+// invalid input.
+func FuzzCheckSchema(f *testing.F) {
+	for _, s := range []string{
+		`{"type":["object","null"],"properties":{"a":{"type":["string","null"]}},"required":["a"]}`,
+		`{"type":[{},{}]}`, `{"type":["a","a"]}`, `{"allOf":[{"anyOf":[{"$ref":"#/$defs/b"}]}],"$defs":{"b":{"properties":{"x":{}}}}}`,
+		`{"enum":[1,2,[3]],"anyOf":[true,false],"oneOf":null}`, `{"properties":{"x中":{},"x丁":{}},"additionalProperties":{}}`,
+		`{"$ref":"#/definitions/a","definitions":{"a":{"allOf":[{"$ref":"#"}]}}}`, `{"minLength":3,"maxLength":1}`, `[]`, `null`,
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if err := CheckSchema([]byte(s)); err != nil && !errors.Is(err, ErrInvalidInput) {
+			t.Fatalf("%q: %v", s, err)
+		}
+	})
+}
