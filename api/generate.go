@@ -1162,6 +1162,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
+			statsOf(ctx).token(ev.At)
 			if prev, ok := last[ev.Index]; !ok {
 				s.metrics.ttft.Observe(ev.At.Sub(sub.start).Seconds())
 			} else {

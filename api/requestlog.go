@@ -26,6 +26,9 @@ const (
 type requestStats struct {
 	prompt, cached, completion atomic.Int64
 	model                      atomic.Pointer[string]
+	// queued is the longest any of its sequences waited to be scheduled;
+	// first, when its first token came (Unix nanoseconds, 0: none yet).
+	queued, first atomic.Int64
 }
 
 type requestStatsKey struct{}
@@ -44,6 +47,19 @@ func (st *requestStats) count(u scheduler.Usage) {
 	st.prompt.Add(int64(u.PromptTokens))
 	st.cached.Add(int64(u.CachedTokens))
 	st.completion.Add(int64(u.CompletionTokens))
+	for q := int64(u.QueueTime); ; {
+		old := st.queued.Load()
+		if q <= old || st.queued.CompareAndSwap(old, q) {
+			break
+		}
+	}
+}
+
+// token notes a token produced at at: the first is the time to first token.
+func (st *requestStats) token(at time.Time) {
+	if st != nil && st.first.Load() == 0 {
+		st.first.CompareAndSwap(0, at.UnixNano())
+	}
 }
 
 // serves records the model the request ran on here.
@@ -57,7 +73,8 @@ func (st *requestStats) serves(model string) {
 // one (1 to 128 letters, digits and ._:-), as a node forwarding a request sends
 // its own, else a new one; the answer carries it back. With
 // Config.LogRequests, a line per request records how it ended: the route,
-// status, time, the client's address, the peer that forwarded it (its
+// status, time (and, for a request run here, its longest queue wait and time
+// to first token), the client's address, the peer that forwarded it (its
 // credential checked), the model and tokens run here, and the node it was
 // forwarded to. Probes and scrapes
 // (/health, /ready, /metrics) are not logged.
@@ -110,7 +127,11 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 		attrs = append(attrs, "forwarded_by", from)
 	}
 	if m := st.model.Load(); m != nil {
-		attrs = append(attrs, "model", *m, "prompt_tokens", st.prompt.Load(), "cached_tokens", st.cached.Load(), "completion_tokens", st.completion.Load())
+		attrs = append(attrs, "model", *m, "prompt_tokens", st.prompt.Load(), "cached_tokens", st.cached.Load(), "completion_tokens", st.completion.Load(),
+			"queue_ms", time.Duration(st.queued.Load()).Milliseconds())
+		if first := st.first.Load(); first != 0 {
+			attrs = append(attrs, "ttft_ms", time.Unix(0, first).Sub(start).Milliseconds())
+		}
 	}
 	if peer := c.Writer.Header().Get("X-Shoal-Served-By"); peer != "" {
 		attrs = append(attrs, "served_by", peer)

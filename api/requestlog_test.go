@@ -43,7 +43,7 @@ func TestRequestLog(t *testing.T) {
 		t.Fatalf("%d, id %q: %s", w.Code, w.Header().Get("X-Request-Id"), w.Body)
 	}
 	line := logs.String()
-	for _, want := range []string{"msg=request", "id=trace-1.a:b_c", "method=POST", "path=/v1/completions", "status=200", "model=fake", "prompt_tokens=", "completion_tokens=2"} {
+	for _, want := range []string{"msg=request", "id=trace-1.a:b_c", "method=POST", "path=/v1/completions", "status=200", "model=fake", "prompt_tokens=", "completion_tokens=2", "queue_ms=", "ttft_ms="} {
 		if !strings.Contains(line, want) {
 			t.Fatalf("the log line lacks %q: %s", want, line)
 		}
