@@ -726,16 +726,17 @@ func TestGrammarOnRealVocab(t *testing.T) {
 	}
 	// Integer ranges make grammars many times their schema's size: past the
 	// converter's first buffer, the grammar must come back whole.
-	var props []string
-	for i := range 60 {
+	var props, names []string
+	for i := range 2000 {
 		props = append(props, fmt.Sprintf(`"p%d":{"type":"integer","minimum":%d,"maximum":%d}`, i, 13+i, 987654+i*7919))
+		names = append(names, fmt.Sprintf(`"p%d"`, i))
 	}
-	big := []byte(`{"type":"object","properties":{` + strings.Join(props, ",") + `}}`)
+	big := []byte(`{"type":"object","properties":{` + strings.Join(props, ",") + `},"required":[` + strings.Join(names, ",") + `]}`)
 	long, err := SchemaToGrammar(big)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(long) < max(32<<10, 4*len(big)) {
+	if len(long) < max(1<<20, 4*len(big)) {
 		t.Fatalf("a %d-byte schema gave a %d-byte grammar: not past the first buffer", len(big), len(long))
 	}
 	if gr, err := e.NewGrammar(long, nil); err != nil {

@@ -304,7 +304,10 @@ const maxGrammarBytes = 64 << 20
 // SchemaToGrammar converts a JSON schema to GBNF with llama.cpp's converter. It
 // fails on invalid JSON or an unsupported schema. The converter's output is cut
 // at its buffer's size without telling, so a result that fills the buffer is
-// converted again into a larger one (ollama's own wrapper would return it cut).
+// converted again into the largest (ollama's own wrapper would return it cut):
+// at most twice. The first buffer is large enough for nearly every schema;
+// only what is written of it is touched, but a failed conversion clears it
+// all (the wrapper's strncpy pads), so it is not the largest at once.
 func SchemaToGrammar(schema []byte) (string, error) {
 	// The converter crashes the process on some patterns it does not take, and
 	// writes others' quotes raw into the JSON string: every pattern goes
@@ -318,7 +321,7 @@ func SchemaToGrammar(schema []byte) (string, error) {
 	}
 	cs := C.CString(string(schema))
 	defer C.free(unsafe.Pointer(cs))
-	for size := min(max(32<<10, 4*len(schema)), maxGrammarBytes); ; size = min(size*4, maxGrammarBytes) {
+	for size := min(max(1<<20, 4*len(schema)), maxGrammarBytes); ; size = maxGrammarBytes {
 		buf := C.malloc(C.size_t(size))
 		n := int(C.schema_to_grammar(cs, (*C.char)(buf), C.size_t(size)))
 		g := C.GoStringN((*C.char)(buf), C.int(n))
