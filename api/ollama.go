@@ -374,7 +374,7 @@ func fitLimit(b *Backend, req *OllamaChatRequest) int {
 
 // ollamaFit shortens a chat whose prompt has n tokens, more than limit, as
 // Ollama truncates a chat by default: it drops the oldest messages after the
-// leading system ones, as few as it must, cutting only where the rest begins
+// leading system ones (system messages among them are kept), as few as it must, cutting only where the rest begins
 // with a user message (so that no answer or tool result is left without what
 // it answers, and templates that want turns to alternate take it), found by
 // bisection. Failing that, the last message alone is kept when it fits the
@@ -390,7 +390,17 @@ func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest, n, limit int) []O
 	for keep < len(msgs)-1 && strings.EqualFold(msgs[keep].Role, "system") {
 		keep++
 	}
-	cut := func(drop int) []OllamaMessage { return append(slices.Clone(msgs[:keep]), msgs[keep+drop:]...) }
+	// cut drops the first drop messages after the leading system ones, but
+	// keeps the system messages among them, as Ollama does.
+	cut := func(drop int) []OllamaMessage {
+		out := slices.Clone(msgs[:keep])
+		for _, m := range msgs[keep : keep+drop] {
+			if strings.EqualFold(m.Role, "system") {
+				out = append(out, m)
+			}
+		}
+		return append(out, msgs[keep+drop:]...)
+	}
 	// tokens is the prompt's length without the first drop messages after
 	// the system ones; -1 when it cannot be laid out.
 	tokens := func(drop int) int {

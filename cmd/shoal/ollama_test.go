@@ -227,6 +227,7 @@ func TestOllamaAPI(t *testing.T) {
 		long = append(long, ollama.Message{Role: "user", Content: fmt.Sprintf("question %d: %s", i, strings.Repeat("tell me more ", 30))},
 			ollama.Message{Role: "assistant", Content: strings.Repeat("more words here ", 20)})
 	}
+	long = slices.Insert(long, 11, ollama.Message{Role: "system", Content: "Answer briefly."}) // kept, as Ollama keeps it
 	long = append(long, ollama.Message{Role: "user", Content: "And the last question?"})
 	tr := ollamaChat(t, c, ollama.ChatRequest{Model: "tools", Messages: long, Options: map[string]any{"temperature": 0, "num_predict": 8}})
 	if show.ModelInfo["llama.context_length"] == nil || tr.PromptEvalCount >= 4096-8 || tr.PromptEvalCount < 2048 || tr.EvalCount != 8 {
