@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -237,7 +238,7 @@ func (o *OllamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *B
 		vars["enable_thinking"] = false
 	case "true", `"low"`, `"medium"`, `"high"`, `"max"`:
 		if b.think == nil {
-			return invalid("think", "the model %q does not think (its chat template writes no thoughts): leave think out or false", cmpOr(o.Model, "served"))
+			return invalid("think", "the model %q does not think (its chat template writes no thoughts): leave think out or false", cmp.Or(o.Model, "served"))
 		}
 		vars["enable_thinking"] = true
 		if think[0] == '"' { // gpt-oss's templates read it; "max" is its "high", as Ollama maps it
@@ -259,13 +260,6 @@ func (o *OllamaCommon) logprobsTop() *int {
 		return nil
 	}
 	return &o.TopLogprobs
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
 
 // chatRequest translates an /api/chat request.
@@ -299,7 +293,7 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 					if len(args) == 0 || string(args) == "null" {
 						args = []byte("{}")
 					}
-					calls[j] = ToolCall{ID: cmpOr(tc.ID, fmt.Sprintf("call_%d_%d", i, j)), Type: "function", Function: FunctionCall{Name: tc.Function.Name, Arguments: string(args)}}
+					calls[j] = ToolCall{ID: cmp.Or(tc.ID, fmt.Sprintf("call_%d_%d", i, j)), Type: "function", Function: FunctionCall{Name: tc.Function.Name, Arguments: string(args)}}
 				}
 				out.ToolCalls, _ = json.Marshal(calls)
 			}
@@ -544,7 +538,7 @@ func (s *Server) ollamaLoaded(c *gin.Context, model string, generate bool, keepA
 	if keptFor(keepAlive) == 0 {
 		reason = "unload" // said, not done: the node serves it until it stops
 	}
-	out := gin.H{"model": cmpOr(model, s.cfg.ModelName), "created_at": s.now().UTC().Format(time.RFC3339Nano), "done": true, "done_reason": reason}
+	out := gin.H{"model": cmp.Or(model, s.cfg.ModelName), "created_at": s.now().UTC().Format(time.RFC3339Nano), "done": true, "done_reason": reason}
 	if generate {
 		out["response"] = ""
 	} else {
@@ -886,7 +880,7 @@ func (r *OllamaShowRequest) UnmarshalJSON(b []byte) error {
 	if err := json.Unmarshal(b, (*plain)(r)); err != nil {
 		return err
 	}
-	r.Model = cmpOr(r.Model, r.Name)
+	r.Model = cmp.Or(r.Model, r.Name)
 	return nil
 }
 
@@ -1016,7 +1010,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 		}
 		if len(texts)+len(ids) == 0 && !legacy {
 			// As Ollama answers no input (its clients load a model so).
-			c.JSON(http.StatusOK, gin.H{"model": cmpOr(req.Model, s.cfg.ModelName), "embeddings": [][]float32{}})
+			c.JSON(http.StatusOK, gin.H{"model": cmp.Or(req.Model, s.cfg.ModelName), "embeddings": [][]float32{}})
 			return
 		}
 		if len(texts)+len(ids) > 2048 {
@@ -1073,7 +1067,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 				vecs[i] = normalize(v[:*d])
 			}
 		}
-		c.JSON(http.StatusOK, gin.H{"model": cmpOr(req.Model, s.cfg.ModelName), "embeddings": vecs,
+		c.JSON(http.StatusOK, gin.H{"model": cmp.Or(req.Model, s.cfg.ModelName), "embeddings": vecs,
 			"total_duration": int64(time.Since(start)), "load_duration": 0, "prompt_eval_count": tokens})
 	}
 }
