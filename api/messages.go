@@ -501,23 +501,34 @@ func (s *Server) countTokens(c *gin.Context) {
 	if err == nil && len(chat.Messages) == 0 {
 		err = invalid("messages", "messages must not be empty")
 	}
-	var text string
+	n := 0
 	if err == nil {
-		var tp *toolPlan
-		if tp, err = toolsOf(&chat.ToolFields, &chat.SamplingFields); err == nil {
-			text, err = chatPromptEnding(b, chat.Messages, tp, chat.ChatTemplateKwargs, turnEnd{continueLast: chat.ContinueFinalMessage})
-		}
+		n, err = chatPromptTokens(b, chat)
 	}
 	if err != nil {
 		abort(c, err)
 		return
+	}
+	c.JSON(http.StatusOK, gin.H{"input_tokens": n})
+}
+
+// chatPromptTokens counts the tokens of the prompt chatPlan would lay out for
+// chat, without planning the rest of it (grammars, sampling).
+func chatPromptTokens(b *Backend, chat *ChatRequest) (int, error) {
+	tp, err := toolsOf(&chat.ToolFields, &chat.SamplingFields)
+	if err != nil {
+		return 0, err
+	}
+	end, err := turnEndOf(chat.AddGenerationPrompt, chat.ContinueFinalMessage)
+	if err != nil {
+		return 0, err
+	}
+	text, err := chatPromptEnding(b, chat.Messages, tp, chat.ChatTemplateKwargs, end)
+	if err != nil {
+		return 0, err
 	}
 	toks, err := b.Vocab.Tokenize(text, true, true)
-	if err != nil {
-		abort(c, err)
-		return
-	}
-	c.JSON(http.StatusOK, gin.H{"input_tokens": len(toks)})
+	return len(toks), err
 }
 
 // stopReason is Anthropic's stop_reason and stop_sequence of an answer.

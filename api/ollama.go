@@ -401,22 +401,14 @@ func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest, n, limit int) []O
 		r := *req
 		r.Messages = cut(drop)
 		chat, err := r.chatRequest(b)
+		n := 0
+		if err == nil {
+			n, err = chatPromptTokens(b, chat)
+		}
 		if err != nil {
 			return -1
 		}
-		tp, err := toolsOf(&chat.ToolFields, &chat.SamplingFields)
-		if err != nil {
-			return -1
-		}
-		text, err := chatPromptEnding(b, chat.Messages, tp, chat.ChatTemplateKwargs, turnEnd{})
-		if err != nil {
-			return -1
-		}
-		toks, err := b.Vocab.Tokenize(text, true, true)
-		if err != nil {
-			return -1
-		}
-		return len(toks)
+		return n
 	}
 	var drops []int // where the rest begins with a user message
 	for d := 1; keep+d < len(msgs); d++ {
