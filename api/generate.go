@@ -1146,6 +1146,33 @@ func addUsage(u *Usage, x scheduler.Usage) {
 	u.PromptTokensDetails.CachedTokens += x.CachedTokens
 }
 
+// tokenTimes are when a choice's first and last tokens came (the scheduler's
+// timestamps), for the timings llama-server's and Ollama's answers report.
+type tokenTimes struct{ first, last time.Time }
+
+// see notes ev's time when it is a token.
+func (t *tokenTimes) see(ev scheduler.Event) {
+	if ev.Kind != scheduler.EventToken {
+		return
+	}
+	if t.first.IsZero() {
+		t.first = ev.At
+	}
+	t.last = ev.At
+}
+
+// prompt is how long the prompt took: from sub's submission to the first
+// token, less the wait for a place in a batch (0 before any token).
+func (t *tokenTimes) prompt(sub submitted, u scheduler.Usage) time.Duration {
+	if t.first.IsZero() {
+		return 0
+	}
+	return max(0, t.first.Sub(sub.start)-u.QueueTime)
+}
+
+// generating is the time from the first token to the last.
+func (t *tokenTimes) generating() time.Duration { return t.last.Sub(t.first) }
+
 // drain reads a stream to its end, calling fn for token and finish events and
 // recording metrics. It returns the usage or the stream's error.
 func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, fn func(scheduler.Event)) (scheduler.Usage, error) {

@@ -299,21 +299,16 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		content.WriteString(text)
 	}
 	cut := infillCut{infillPlan: *p.infill}
-	var first, last time.Time
+	var times tokenTimes
 	var fin scheduler.Event
 	u, err := s.drain(c.Request.Context(), b, p, sub, func(ev scheduler.Event) {
-		if ev.Kind == scheduler.EventToken {
-			if first.IsZero() {
-				first = ev.At
-			}
-			last = ev.At
-		}
+		times.see(ev)
 		if p.warm {
 			return // max_tokens 0: the token drawn is not the answer's
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
-			text, how := cut.add(ev.Text, ev.At.Sub(first))
+			text, how := cut.add(ev.Text, ev.At.Sub(times.first))
 			switch how {
 			case cutIndent: // what the scheduler holds comes after the cut
 				sub.stream.Stop(ev.Index)
@@ -349,10 +344,7 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		r.StopType = "eos"
 	}
 	t := InfillTimings{PromptN: u.PromptTokens - u.CachedTokens, PredictedN: u.CompletionTokens}
-	if !first.IsZero() {
-		t.PromptMS = ms(first.Sub(sub.start) - u.QueueTime)
-		t.PredictedMS = ms(last.Sub(first))
-	}
+	t.PromptMS, t.PredictedMS = ms(times.prompt(sub, u)), ms(times.generating())
 	t.PromptPerSecond, t.PredictedPerSecond = perSecond(t.PromptN, t.PromptMS), perSecond(t.PredictedN, t.PredictedMS)
 	r.Timings, r.Truncated = &t, p.infill.truncated
 	if w != nil {

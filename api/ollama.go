@@ -641,17 +641,14 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		w = &ndjsonWriter{sseWriter{c: c}}
 		w.start()
 	}
-	var first, last time.Time
+	var times tokenTimes
 	var output []engine.Token
 	var logprobs []OllamaLogprob // not yet sent
 	seen := func(ev scheduler.Event) {
 		if ev.Kind != scheduler.EventToken {
 			return
 		}
-		if first.IsZero() {
-			first = ev.At
-		}
-		last = ev.At
+		times.see(ev)
 		output = append(output, ev.Token)
 		if p.logprobs && !p.warm {
 			logprobs = append(logprobs, ollamaLogprob(b.Vocab, p, ev))
@@ -703,11 +700,8 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		text.Reset()
 		calls = nil
 	}
-	stats := &ollamaStats{TotalDuration: int64(s.now().Sub(o.start)), PromptEvalCount: u.PromptTokens, EvalCount: u.CompletionTokens}
-	if !first.IsZero() {
-		stats.PromptEvalDuration = int64(max(0, first.Sub(sub.start)-u.QueueTime))
-		stats.EvalDuration = int64(last.Sub(first))
-	}
+	stats := &ollamaStats{TotalDuration: int64(s.now().Sub(o.start)), PromptEvalCount: u.PromptTokens, EvalCount: u.CompletionTokens,
+		PromptEvalDuration: int64(times.prompt(sub, u)), EvalDuration: int64(times.generating())}
 	reason := "stop"
 	if a.finish == "length" {
 		reason = "length"
