@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"io"
-	"net/http"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -37,13 +35,7 @@ func TestCalibrateAndServeSim(t *testing.T) {
 		t.Fatalf("sim completion: %+v %v", comp, err)
 	}
 	// It says loudly that it is simulated.
-	resp, err := http.Get(n.url + "/v1/models")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if !strings.Contains(string(b), `"simulated":true`) || !strings.Contains(n.log(), "SIMULATED ENGINE") {
+	if b := modelList(n); !strings.Contains(b, `"simulated":true`) || !strings.Contains(n.log(), "SIMULATED ENGINE") {
 		t.Fatalf("sim node does not say so: %s", b)
 	}
 }

@@ -496,13 +496,7 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 	}
 	// Ollama's API too: b lists the adapter with its parent, and forwards a
 	// streamed request for it (by Ollama's name for it) to a, line by line.
-	tagsResp, err := http.Get(b.url + "/api/tags")
-	if err != nil {
-		t.Fatal(err)
-	}
-	tagsBody, _ := io.ReadAll(tagsResp.Body)
-	tagsResp.Body.Close()
-	if tags := string(tagsBody); !strings.Contains(tags, `"name":"tuned"`) || !strings.Contains(tags, `"parent_model":"base"`) {
+	if tags := getBody(b.url + "/api/tags"); !strings.Contains(tags, `"name":"tuned"`) || !strings.Contains(tags, `"parent_model":"base"`) {
 		t.Fatalf("b's /api/tags: %s", tags)
 	}
 	if resp, show := post(t, b.url+"/api/show", `{"model":"tuned"}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "a" ||
@@ -543,8 +537,11 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 }
 
 // modelList is n's GET /v1/models body, "" when it does not answer.
-func modelList(n *node) string {
-	resp, err := http.Get(n.url + "/v1/models")
+func modelList(n *node) string { return getBody(n.url + "/v1/models") }
+
+// getBody is url's GET body, "" when it does not answer.
+func getBody(url string) string {
+	resp, err := http.Get(url)
 	if err != nil {
 		return ""
 	}
