@@ -55,6 +55,17 @@ func genModel(t testing.TB, spec models.Spec) string {
 	return p
 }
 
+// genLoRA writes a rank-rank LoRA adapter for spec's model into a temporary
+// directory and returns its path.
+func genLoRA(t testing.TB, spec models.Spec, rank int) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), fmt.Sprintf("lora-%s-%d.gguf", spec.Name, rank))
+	if err := models.GenerateLoRA(p, spec, rank, 0); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 func openTest(t testing.TB, spec models.Spec, mod func(*Config)) *Engine {
 	t.Helper()
 	return openFile(t, genModel(t, spec), mod)
@@ -1207,10 +1218,7 @@ t-4 ::= | "\x0A" t-1 | [^>\n] t-0
 // all, is an error at open.
 func TestLoRA(t *testing.T) {
 	spec := models.Small()
-	adapter := filepath.Join(t.TempDir(), "lora.gguf")
-	if err := models.GenerateLoRA(adapter, spec, 8, 0); err != nil {
-		t.Fatal(err)
-	}
+	adapter := genLoRA(t, spec, 8)
 	base := openTest(t, spec, nil)
 	prompts := [][]engine.Token{tokenize(t, base, testPrompts[0]), tokenize(t, base, testPrompts[1])}
 	want := decodeGreedy(t, base, prompts, 8, false)
@@ -1231,10 +1239,7 @@ func TestLoRA(t *testing.T) {
 		t.Errorf("the adapter changed no greedy choice: %v", on[0].tokens)
 	}
 
-	other := filepath.Join(t.TempDir(), "other.gguf")
-	if err := models.GenerateLoRA(other, models.Tiny(), 4, 0); err != nil {
-		t.Fatal(err)
-	}
+	other := genLoRA(t, models.Tiny(), 4)
 	junk := filepath.Join(t.TempDir(), "junk.gguf")
 	if err := os.WriteFile(junk, []byte("GGUF\x03\x00\x00\x00\xff\xff\xff\xff\xff\xff\xff\x7f"), 0o644); err != nil {
 		t.Fatal(err)
@@ -1257,10 +1262,7 @@ func TestLoRA(t *testing.T) {
 // applied, and one without, compute.
 func TestSelectedAdapters(t *testing.T) {
 	spec := models.Small()
-	adapter := filepath.Join(t.TempDir(), "lora.gguf")
-	if err := models.GenerateLoRA(adapter, spec, 8, 0); err != nil {
-		t.Fatal(err)
-	}
+	adapter := genLoRA(t, spec, 8)
 	base := openTest(t, spec, nil)
 	static := openTest(t, spec, func(c *Config) { c.LoRA = []LoRA{{Path: adapter, Scale: 1}} })
 	prompts := [][]engine.Token{tokenize(t, base, testPrompts[0]), tokenize(t, base, testPrompts[3])}

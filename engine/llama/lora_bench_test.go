@@ -3,7 +3,6 @@ package llama
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -20,10 +19,7 @@ import (
 func BenchmarkAdapters(b *testing.B) {
 	spec := models.Bench100M()
 	path := genModel(b, spec)
-	adapter := filepath.Join(b.TempDir(), "lora.gguf")
-	if err := models.GenerateLoRA(adapter, spec, 16, 0); err != nil {
-		b.Fatal(err)
-	}
+	adapter := genLoRA(b, spec, 16)
 	const n, prompt = 8, benchPrompt
 	open := func(adapters []LoRA) *Engine {
 		cfg := DefaultConfig(path)
