@@ -650,7 +650,7 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		}
 		times.see(ev)
 		output = append(output, ev.Token)
-		if p.logprobs && !p.warm {
+		if p.logprobs {
 			logprobs = append(logprobs, ollamaLogprob(b.Vocab, p, ev))
 		}
 	}
@@ -673,7 +673,7 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 	var text, thinking strings.Builder
 	emit := func(reasoning, t string) {
 		switch {
-		case p.warm || (reasoning == "" && t == ""):
+		case reasoning == "" && t == "":
 		case w != nil:
 			w.line(object(reasoning, t, nil, false, nil, ""))
 		default:
@@ -689,9 +689,6 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 			w.line(ollamaError(toAPIError(err))) // the status is sent: the error ends the stream
 		}
 		return
-	}
-	if p.warm {
-		a, u.CompletionTokens, output = chatAnswer{finish: "length"}, 0, nil
 	}
 	calls := ollamaCalls(a.calls)
 	text.WriteString(a.text) // what the answer held back to the end
