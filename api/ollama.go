@@ -711,14 +711,13 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 	c.JSON(http.StatusOK, out)
 }
 
-// ollamaLogprob is a token event's log-probabilities in Ollama's shape.
+// ollamaLogprob is a token event's log-probabilities in Ollama's shape: the
+// chat's (plan.tokenLogprob), finite.
 func ollamaLogprob(v engine.Vocab, p *plan, ev scheduler.Event) OllamaLogprob {
-	tok := func(t engine.Token, lp float32) OllamaTokenLogprob {
-		return OllamaTokenLogprob{Token: p.tokenName(v, t), Logprob: finite(lp), Bytes: pieceBytes(v, t)}
-	}
-	l := OllamaLogprob{OllamaTokenLogprob: tok(ev.Token, ev.Logprob)}
-	for _, a := range ev.Top[:min(p.top, len(ev.Top))] {
-		l.TopLogprobs = append(l.TopLogprobs, tok(a.Token, a.Logprob))
+	tl := p.tokenLogprob(v, ev)
+	l := OllamaLogprob{OllamaTokenLogprob: OllamaTokenLogprob{Token: tl.Token, Logprob: finite(tl.Logprob), Bytes: tl.Bytes}}
+	for _, a := range tl.TopLogprobs[:min(p.top, len(tl.TopLogprobs))] {
+		l.TopLogprobs = append(l.TopLogprobs, OllamaTokenLogprob{Token: a.Token, Logprob: finite(a.Logprob), Bytes: a.Bytes})
 	}
 	return l
 }
