@@ -1179,6 +1179,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 	// Per choice, from the scheduler's timestamps: choices of one prompt are read in
 	// turn, and prompts one after another.
 	last := map[int]time.Time{}
+	st := statsOf(ctx) // the request log's, looked up once rather than per token
 	for {
 		ev, ok := sub.stream.Next(ctx)
 		if !ok {
@@ -1189,7 +1190,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
-			statsOf(ctx).token(ev.At)
+			st.token(ev.At)
 			if prev, ok := last[ev.Index]; !ok {
 				s.metrics.ttft.Observe(ev.At.Sub(sub.start).Seconds())
 			} else {
@@ -1211,7 +1212,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			if p.warm {
 				ev.Usage.CompletionTokens = 0 // the token drawn is not the answer's
 			}
-			statsOf(ctx).count(ev.Usage)
+			st.count(ev.Usage)
 			return ev.Usage, nil
 		case scheduler.EventError:
 			return scheduler.Usage{}, ev.Err
