@@ -557,8 +557,12 @@ func (s *Server) beginGeneration(c *gin.Context, req any, model *string, priorit
 }
 
 func generates(c *gin.Context, b *Backend) bool {
-	if b.Info.Pooling {
+	switch {
+	case b.Info.Pooling:
 		abort(c, invalid("model", "this node serves an embedding model: use /v1/embeddings"))
+		return false
+	case b.Info.Rerank != nil:
+		abort(c, invalid("model", "this node serves a reranker: use /v1/rerank or /v1/score"))
 		return false
 	}
 	return true
@@ -936,13 +940,14 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	}
 }
 
-// randomID is a new id with prefix, spelled as OpenAI and Anthropic spell
-// theirs: chatcmpl-..., cmpl-...; call_..., msg_..., resp_... .
+// randomID is a new id with prefix, spelled as OpenAI, Anthropic and vLLM spell
+// theirs: chatcmpl-..., cmpl-..., rerank-..., score-...; call_..., msg_..., resp_... .
 func randomID(prefix string) string {
 	var buf [12]byte
 	_, _ = crand.Read(buf[:])
 	sep := "_"
-	if prefix == "chatcmpl" || prefix == "cmpl" {
+	switch prefix {
+	case "chatcmpl", "cmpl", "rerank", "score":
 		sep = "-"
 	}
 	return fmt.Sprintf("%s%s%x", prefix, sep, buf)

@@ -896,9 +896,12 @@ func (s *Server) ollamaShow(c *gin.Context) {
 		parent = s.cfg.ModelName
 	}
 	caps := []string{"completion", "tools"}
-	if info.Pooling {
+	switch {
+	case info.Pooling:
 		caps = []string{"embedding"}
-	} else {
+	case info.Rerank != nil:
+		caps = []string{} // Ollama names no capability for scoring pairs
+	default:
 		if b.think != nil {
 			caps = append(caps, "thinking")
 		}

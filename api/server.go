@@ -187,10 +187,17 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
 	v1.POST("/embeddings", s.embeddings)
+	v1.POST("/rerank", s.rerank)
+	v1.POST("/reranking", s.rerank) // llama-server's
+	v1.POST("/score", s.score)
 	v1.POST("/responses", s.responses)
 	r.POST("/v1/messages", anthropicErrors, s.counted, s.auth, s.messages)
 	r.POST("/v1/messages/count_tokens", anthropicErrors, s.counted, s.auth, s.countTokens)
 	r.POST("/infill", s.counted, s.auth, s.infill)
+	for _, path := range []string{"/rerank", "/reranking", "/v2/rerank"} { // TEI's, llama-server's, Cohere's v2
+		r.POST(path, s.counted, s.auth, s.rerank)
+	}
+	r.POST("/score", s.counted, s.auth, s.score) // vLLM's
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
@@ -508,7 +515,11 @@ func (s *Server) embeddings(c *gin.Context) {
 	if !ok {
 		return
 	}
-	if !b.Info.Pooling {
+	switch {
+	case b.Info.Rerank != nil:
+		abort(c, invalid("model", "this node serves a reranker, which scores pairs of texts: use /v1/rerank or /v1/score"))
+		return
+	case !b.Info.Pooling:
 		abort(c, invalid("model", "this model does not produce embeddings (no pooling): start an embedding node with --embeddings (and --pooling for models without their own)"))
 		return
 	}

@@ -59,6 +59,9 @@ type ModelInfo struct {
 	Template string
 	// Pooling is true for embedding models whose context pools one vector per sequence.
 	Pooling bool
+	// Rerank is how a reranker (a context with rank pooling) lays out a query and a
+	// document; nil for other models. Its Embeddings are the scores of its classes.
+	Rerank *RerankLayout
 	// Sampling is what the model's makers recommend (general.sampling.*, written
 	// from its generation_config.json when it was converted).
 	Sampling SamplingDefaults
@@ -66,6 +69,21 @@ type ModelInfo struct {
 	// output layer) are offloaded to the GPUs among them.
 	Devices   []Device
 	GPULayers int
+}
+
+// RerankLayout is how a reranker reads a query and a document as one sequence, as
+// llama-server lays them out: the model's rerank prompt (Template) when it has one,
+// else BOS query EOS SEP document EOS, each special token only where the
+// vocabulary adds it (NoToken where it does not).
+type RerankLayout struct {
+	// Template is the model's tokenizer.chat_template.rerank, whose {query} and
+	// {document} are replaced by the texts; it is tokenized with special tokens
+	// parsed and none added.
+	Template      string
+	BOS, EOS, SEP Token
+	// Scores is how many class scores the model gives per sequence; the first is
+	// the relevance.
+	Scores int
 }
 
 // SamplingDefaults are sampling parameters a request starts from before its own;
@@ -254,7 +272,7 @@ type Engine interface {
 	// copy what must outlive it.
 	Logits(i int, fn func(logits []float32)) error
 	// Embeddings returns the pooled embedding of a sequence after a Decode on a pooling
-	// model (ErrUnsupported otherwise).
+	// model, or a reranker's class scores (ModelInfo.Rerank); ErrUnsupported otherwise.
 	Embeddings(s SeqID) ([]float32, error)
 
 	// SeqRemove drops positions [p0, p1) of sequence s from memory; s < 0 means all.

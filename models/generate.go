@@ -38,7 +38,16 @@ type Spec struct {
 	// ControlTokens are added to the vocabulary as control tokens (in place of
 	// its last ones), for templates whose tags are such tokens (MistralTokens).
 	ControlTokens []string
+	// Reranker writes a reranker as Qwen3-Reranker's GGUF is laid out: Qwen 3's
+	// architecture, rank pooling, a head scoring "yes" and "no" (softmax: the
+	// first score is the relevance) and a rerank prompt (RerankTemplate).
+	Reranker bool
 }
+
+// RerankTemplate is the rerank prompt written into generated rerankers
+// (tokenizer.chat_template.rerank): a ChatML turn asking whether the document
+// answers the query, as Qwen3-Reranker's asks.
+const RerankTemplate = "<|im_start|>system\nJudge whether the document answers the query. Answer only yes or no.<|im_end|>\n<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
 
 // Tiny is a ~0.23M-parameter model for unit tests: it loads in milliseconds.
 func Tiny() Spec {
@@ -310,7 +319,11 @@ func (s Spec) Params() int64 {
 	e, v, f := int64(s.Embd), int64(s.Vocab), int64(s.FFN)
 	kv := e / int64(s.Heads) * int64(s.HeadsKV)
 	layer := 2*e + e*e*2 + 2*e*kv + 3*e*f
-	return 2*e*v + e + int64(s.Layers)*layer
+	n := 2*e*v + e + int64(s.Layers)*layer
+	if s.Reranker {
+		n += int64(s.Layers)*2*(e/int64(s.Heads)) + 2*e // q and k norms, the head
+	}
+	return n
 }
 
 // Generate writes the model described by spec to path.
@@ -335,26 +348,30 @@ func Generate(path string, spec Spec) error {
 		fileType = 1
 	}
 	headDim := spec.Embd / spec.Heads
+	arch := "llama"
+	if spec.Reranker {
+		arch = "qwen3"
+	}
 	kv := ggml.KV{
-		"general.architecture":                   "llama",
-		"general.name":                           spec.Name,
-		"general.file_type":                      fileType,
-		"general.alignment":                      uint32(32),
-		"llama.context_length":                   uint32(spec.ContextLen),
-		"llama.embedding_length":                 uint32(spec.Embd),
-		"llama.block_count":                      uint32(spec.Layers),
-		"llama.feed_forward_length":              uint32(spec.FFN),
-		"llama.attention.head_count":             uint32(spec.Heads),
-		"llama.attention.head_count_kv":          uint32(spec.HeadsKV),
-		"llama.rope.dimension_count":             uint32(headDim),
-		"llama.rope.freq_base":                   float32(10000),
-		"llama.attention.layer_norm_rms_epsilon": float32(1e-5),
-		"llama.vocab_size":                       uint32(spec.Vocab),
-		"tokenizer.ggml.model":                   "llama",
-		"tokenizer.ggml.tokens":                  tokens,
-		"tokenizer.ggml.scores":                  scores,
-		"tokenizer.ggml.token_type":              types,
-		"tokenizer.ggml.bos_token_id":            uint32(TokenBOS),
+		"general.architecture":                     arch,
+		"general.name":                             spec.Name,
+		"general.file_type":                        fileType,
+		"general.alignment":                        uint32(32),
+		arch + ".context_length":                   uint32(spec.ContextLen),
+		arch + ".embedding_length":                 uint32(spec.Embd),
+		arch + ".block_count":                      uint32(spec.Layers),
+		arch + ".feed_forward_length":              uint32(spec.FFN),
+		arch + ".attention.head_count":             uint32(spec.Heads),
+		arch + ".attention.head_count_kv":          uint32(spec.HeadsKV),
+		arch + ".rope.dimension_count":             uint32(headDim),
+		arch + ".rope.freq_base":                   float32(10000),
+		arch + ".attention.layer_norm_rms_epsilon": float32(1e-5),
+		arch + ".vocab_size":                       uint32(spec.Vocab),
+		"tokenizer.ggml.model":                     "llama",
+		"tokenizer.ggml.tokens":                    tokens,
+		"tokenizer.ggml.scores":                    scores,
+		"tokenizer.ggml.token_type":                types,
+		"tokenizer.ggml.bos_token_id":              uint32(TokenBOS),
 		// ChatML ends a turn with <|im_end|>: making it EOS makes it the model's one
 		// end-of-generation token, as llama.cpp expects.
 		"tokenizer.ggml.eos_token_id":     uint32(TokenIMEnd),
@@ -364,6 +381,11 @@ func Generate(path string, spec Spec) error {
 		"tokenizer.chat_template":         cmp.Or(spec.ChatTemplate, ChatTemplate),
 	}
 
+	if spec.Reranker {
+		kv[arch+".pooling_type"] = uint32(4) // LLAMA_POOLING_TYPE_RANK
+		kv[arch+".classifier.output_labels"] = []string{"yes", "no"}
+		kv["tokenizer.chat_template.rerank"] = RerankTemplate
+	}
 	for k, v := range spec.Meta {
 		kv[k] = v
 	}
@@ -393,10 +415,17 @@ func Generate(path string, spec Spec) error {
 		add(p+"attn_k.weight", std(e), true, e, ekv)
 		add(p+"attn_v.weight", std(e), true, e, ekv)
 		add(p+"attn_output.weight", std(e), true, e, e)
+		if spec.Reranker {
+			add(p+"attn_q_norm.weight", 0, false, uint64(headDim))
+			add(p+"attn_k_norm.weight", 0, false, uint64(headDim))
+		}
 		norm(p + "ffn_norm.weight")
 		add(p+"ffn_gate.weight", std(e), true, e, ff)
 		add(p+"ffn_up.weight", std(e), true, e, ff)
 		add(p+"ffn_down.weight", std(ff), true, ff, e)
+	}
+	if spec.Reranker {
+		add("cls.output.weight", std(e)/4, true, e, 2)
 	}
 	if err := writeGGUF(path, kv, ts); err != nil {
 		return fmt.Errorf("generate %s: %w", path, err)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shoal-ai/shoal/api"
 	"github.com/shoal-ai/shoal/cluster"
 )
 
@@ -548,4 +550,38 @@ func getBody(url string) string {
 	defer resp.Body.Close()
 	out, _ := io.ReadAll(resp.Body)
 	return string(out)
+}
+
+// TestRerankerInCluster: a reranker node in a cluster of generation nodes; a
+// rerank request for it sent to another node is answered by the reranker, with
+// the scores it gives itself.
+func TestRerankerInCluster(t *testing.T) {
+	model := filepath.Join(t.TempDir(), "rr.gguf")
+	var out, errb bytes.Buffer
+	if code := run([]string{"gen-model", "--preset", "tiny", "--reranker", "--out", model}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --reranker: exit %d: %s", code, errb.String())
+	}
+	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	rr := startNode(t, "--model", model, "--reranking", "--gossip-addr", g1, "--gossip-key", gk)
+	gen := startNode(t, "--model", smallModel(t), "--model-name", "gen", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
+	waitFor(t, "gen lists the reranker", func() bool { return strings.Contains(modelList(gen), `"id":"rr"`) })
+	body := `{"model":"rr","query":"what is it","documents":["a cat","a dog","a boat"]}`
+	resp, there := post(t, gen.url+"/v1/rerank", body)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") == "" {
+		t.Fatalf("rerank via gen: %d %s", resp.StatusCode, there)
+	}
+	_, here := post(t, rr.url+"/v1/rerank", body)
+	var a, b api.RerankResponse
+	if json.Unmarshal([]byte(there), &a) != nil || json.Unmarshal([]byte(here), &b) != nil || len(a.Results) != 3 {
+		t.Fatalf("answers: %s / %s", there, here)
+	}
+	for i := range a.Results {
+		if a.Results[i].Index != b.Results[i].Index || math.Abs(a.Results[i].RelevanceScore-b.Results[i].RelevanceScore) > 1e-5 {
+			t.Fatalf("forwarded %+v, direct %+v", a.Results, b.Results)
+		}
+	}
+	if resp, out := post(t, gen.url+"/v1/score", `{"model":"gen","text_1":"a","text_2":"b"}`); resp.StatusCode != 400 || !strings.Contains(out, "--reranking") {
+		t.Fatalf("score on the generation model: %d %s", resp.StatusCode, out)
+	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -24,6 +25,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	tools := fs.String("tools", "", "write a chat template that shows tools in a model's own call format: hermes (Hermes/Qwen <tool_call> tags), qwen3-coder (Qwen3-Coder/Qwen 3.5 XML calls), llama3 (Llama 3's bare JSON calls), glm (GLM 4.5-4.7's <arg_key>/<arg_value> calls), mistral ([TOOL_CALLS]name[ARGS]{...}) or mistral-list ([TOOL_CALLS][{...}]); default: plain ChatML")
 	fim := fs.Bool("fim", false, "add Qwen2.5-Coder's fill-in-the-middle control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>, ...): the model serves /infill and suffix")
 	lora := fs.Int("lora", 0, "write a LoRA adapter of this rank for the preset's model (with --seed, that model's seed) instead of a model: updates of every layer's attention query and value, for --lora on serve")
+	reranker := fs.Bool("reranker", false, "write a reranker laid out as Qwen3-Reranker's GGUF (Qwen 3's architecture, rank pooling, a yes/no head, a rerank prompt): serve it with --reranking")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -58,7 +60,11 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	if *fim {
 		spec.ControlTokens = append(slices.Clip(spec.ControlTokens), models.FIMTokens...)
 	}
+	spec.Reranker = *reranker
 	if *lora != 0 {
+		if *reranker {
+			return errors.New("--lora with --reranker: adapters are written for the llama-architecture models")
+		}
 		if err := models.GenerateLoRA(*out, spec, *lora, 0); err != nil {
 			return err
 		}

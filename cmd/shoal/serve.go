@@ -153,7 +153,7 @@ type serveFlags struct {
 	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
 	kvMemory, schedulingPolicy, reasoningFormat                             string
 	simSpeed, cacheFloor                                                    float64
-	embeddings, jinja, logRequests                                          bool
+	embeddings, reranking, jinja, logRequests                               bool
 	pooling, chatTemplate, chatTemplateFile                                 string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port                                                                    int
@@ -202,7 +202,8 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.StringVar(&f.kvMemory, "kv-memory", "auto", "KV pool size instead of --ctx-size: a fraction of the free memory once the weights are loaded (0.9), or bytes (8GiB, 512MiB); auto: 0.8 of the GPUs' free memory when layers are offloaded, else --ctx-size")
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
-	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls or last (default: the model's own)")
+	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls, last or rank (default: the model's own)")
+	fs.BoolVar(&f.reranking, "reranking", false, "serve /v1/rerank and /v1/score with a reranker (--embeddings --pooling rank, as llama-server's --reranking)")
 	fs.Var(&f.loraModules, "lora-modules", "a LoRA adapter served as a model of its own, as vLLM's --lora-modules: NAME=FILE or NAME=FILE:SCALE; a request whose \"model\" is NAME runs under it (repeatable)")
 	fs.Var(&f.lora, "lora", "a LoRA adapter (GGUF) applied to every request: FILE, or FILE:SCALE (default scale 1); repeatable, as llama-server's --lora and Ollama's ADAPTER")
 	fs.StringVar(&f.chatTemplate, "chat-template", "", "a llama.cpp built-in chat format instead of the model's own template: a name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, run as Jinja; ChatML when it has none)")
@@ -292,8 +293,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		if f.chatTemplate != "" || f.chatTemplateFile != "" {
 			return errors.New("--chat-template and --chat-template-file have no effect with --sim: simulated nodes render ChatML")
 		}
-		if f.embeddings {
-			return errors.New("--embeddings with --sim: simulated nodes generate; they have no pooled embeddings")
+		if f.embeddings || f.reranking {
+			return errors.New("--embeddings and --reranking with --sim: simulated nodes generate; they have no pooled embeddings")
 		}
 		var err error
 		if profile, err = sim.Load(f.sim); err != nil {
@@ -324,6 +325,12 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
 	lc.Embeddings, lc.Pooling, lc.ChatTemplate = f.embeddings, f.pooling, f.chatTemplate
+	if f.reranking {
+		if f.pooling != "" && f.pooling != "rank" {
+			return fmt.Errorf("--reranking with --pooling %s: a reranker's pooling is rank", f.pooling)
+		}
+		lc.Embeddings, lc.Pooling = true, "rank"
+	}
 	if lc.LoRA, err = loraList(f.lora); err != nil {
 		return fmt.Errorf("--lora %w", err)
 	}

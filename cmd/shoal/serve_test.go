@@ -26,6 +26,7 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
+	"github.com/shoal-ai/shoal/api"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/models"
 )
@@ -928,4 +929,95 @@ func completionText(t *testing.T, url, body string) string {
 		t.Fatalf("%s: %d %s", body, resp.StatusCode, b)
 	}
 	return r.Choices[0].Text
+}
+
+// TestRerankerNode: a reranker laid out as Qwen3-Reranker's GGUF, served with
+// --reranking, answers rerank requests in Jina's and Cohere's shape (best first,
+// top_n, documents as strings or objects), TEI's, and vLLM's score, with the same
+// score for a pair whichever way it is asked, and refuses what it cannot do.
+func TestRerankerNode(t *testing.T) {
+	model := filepath.Join(t.TempDir(), "reranker.gguf")
+	var out, errb strings.Builder
+	if code := run([]string{"gen-model", "--preset", "tiny", "--reranker", "--out", model}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --reranker: exit %d: %s", code, errb.String())
+	}
+	n := startNode(t, "--model", model, "--reranking", "--max-waiting", "8")
+	docs := make([]string, 40) // more than the queue holds: submitted as a window
+	for i := range docs {
+		docs[i] = fmt.Sprintf("document %d says %s", i, strings.Repeat("la ", i%7))
+	}
+	body, _ := json.Marshal(map[string]any{"model": "reranker", "query": "what do the documents say", "documents": docs, "top_n": 5})
+	resp, text := post(t, n.url+"/v1/rerank", string(body))
+	var rr api.RerankResponse
+	if err := json.Unmarshal([]byte(text), &rr); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("rerank: %d %s", resp.StatusCode, text)
+	}
+	if len(rr.Results) != 5 || rr.Usage.PromptTokens == 0 || rr.Model != "reranker" || !strings.HasPrefix(rr.ID, "rerank") {
+		t.Fatalf("rerank answer: %s", text)
+	}
+	for k, r := range rr.Results {
+		if r.Document == nil || r.Document.Text != docs[r.Index] || r.RelevanceScore <= 0 || r.RelevanceScore >= 1 ||
+			k > 0 && r.RelevanceScore > rr.Results[k-1].RelevanceScore {
+			t.Fatalf("result %d: %+v (want best first, each with its document)", k, r)
+		}
+	}
+
+	// vLLM's score gives the same numbers for the same pairs, in their order.
+	body, _ = json.Marshal(map[string]any{"text_1": "what do the documents say", "text_2": docs})
+	resp, text = post(t, n.url+"/v1/score", string(body))
+	var sc api.ScoreResponse
+	if err := json.Unmarshal([]byte(text), &sc); err != nil || resp.StatusCode != 200 || len(sc.Data) != len(docs) {
+		t.Fatalf("score: %d %s", resp.StatusCode, text)
+	}
+	for _, r := range rr.Results {
+		if d := sc.Data[r.Index]; d.Index != r.Index || math.Abs(d.Score-r.RelevanceScore) > 1e-4 {
+			t.Fatalf("pair %d: rerank %v, score %+v", r.Index, r.RelevanceScore, d)
+		}
+	}
+	distinct := map[float64]bool{}
+	for _, d := range sc.Data {
+		distinct[d.Score] = true
+	}
+	if len(distinct) < 5 {
+		t.Fatalf("%d distinct scores of %d documents", len(distinct), len(docs))
+	}
+
+	// Cohere's v2 without documents, objects as documents; TEI's texts.
+	resp, text = post(t, n.url+"/v2/rerank", `{"query":"q","documents":[{"text":"a"},"b"],"return_documents":false}`)
+	if resp.StatusCode != 200 || strings.Contains(text, `"document"`) || !strings.Contains(text, `"index":1`) {
+		t.Fatalf("v2 rerank without documents: %d %s", resp.StatusCode, text)
+	}
+	resp, text = post(t, n.url+"/rerank", `{"query":"q","texts":["a","b"],"return_text":true}`)
+	var tei []api.TEIRank
+	if err := json.Unmarshal([]byte(text), &tei); err != nil || resp.StatusCode != 200 || len(tei) != 2 || tei[0].Text == nil {
+		t.Fatalf("TEI rerank: %d %s", resp.StatusCode, text)
+	}
+
+	for _, c := range []struct{ path, body, param string }{
+		{"/v1/rerank", `{"documents":["a"]}`, "query"},
+		{"/v1/rerank", `{"query":"q","documents":[]}`, "documents"},
+		{"/v1/rerank", `{"query":"q","documents":["a"],"top_n":-1}`, "top_n"},
+		{"/v1/rerank", `{"query":"q","documents":["a"],"texts":["b"]}`, "texts"},
+		{"/v1/rerank", `{"query":"q","documents":[3]}`, ""},
+		{"/v1/score", `{"text_1":["a","b"],"text_2":["a","b","c"]}`, "text_1"},
+		{"/v1/score", `{"text_1":"a"}`, "text_2"},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}]}`, "model"},
+		{"/v1/embeddings", `{"input":"hi"}`, "model"},
+	} {
+		resp, text := post(t, n.url+c.path, c.body)
+		param := "null"
+		if c.param != "" {
+			param = strconv.Quote(c.param)
+		}
+		if resp.StatusCode != 400 || !strings.Contains(text, `"param":`+param) {
+			t.Errorf("%s %s: %d %s", c.path, c.body, resp.StatusCode, text)
+		}
+	}
+	// A pair over the step budget (--max-batch-tokens) is refused with its index.
+	long := strings.Repeat("word ", 700)
+	body, _ = json.Marshal(map[string]any{"query": "q", "documents": []string{"short", long}})
+	resp, text = post(t, n.url+"/v1/rerank", string(body))
+	if resp.StatusCode != 400 || !strings.Contains(text, "documents 1") {
+		t.Fatalf("a document over the step budget: %d %s", resp.StatusCode, text)
+	}
 }

@@ -34,10 +34,13 @@ type Fake struct {
 	// a cell computed under one holds other "KV", and a row's logits depend on
 	// the adapters its sequence's cells were computed under and its own.
 	Adapters int
-	mu       sync.Mutex
-	batches  []BatchStats
-	Failing  func(b *engine.Batch) error
-	aborted  bool // Abort: the next Decode returns ErrAborted
+	// Rerank, when set, makes the fake a reranker (ModelInfo.Rerank): Embeddings
+	// gives one score in (0, 1), a hash of the tokens the sequence holds.
+	Rerank  *engine.RerankLayout
+	mu      sync.Mutex
+	batches []BatchStats
+	Failing func(b *engine.Batch) error
+	aborted bool // Abort: the next Decode returns ErrAborted
 }
 
 type cell struct {
@@ -62,13 +65,28 @@ func New(cells, seqs, batch int) *Fake {
 }
 
 func (f *Fake) Info() engine.ModelInfo {
-	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n, Devices: []engine.Device{{Name: "CPU", Description: "fake", Kind: "cpu"}}}
+	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n, Rerank: f.Rerank,
+		Devices: []engine.Device{{Name: "CPU", Description: "fake", Kind: "cpu"}}}
 }
-func (f *Fake) Capacity() engine.Capacity                  { return f.cap }
-func (f *Fake) Vocab() engine.Vocab                        { return f.vocab }
-func (f *Fake) Abort()                                     { f.mu.Lock(); f.aborted = true; f.mu.Unlock() }
-func (f *Fake) Close() error                               { return nil }
-func (f *Fake) Embeddings(engine.SeqID) ([]float32, error) { return nil, engine.ErrUnsupported }
+func (f *Fake) Capacity() engine.Capacity { return f.cap }
+func (f *Fake) Vocab() engine.Vocab       { return f.vocab }
+func (f *Fake) Abort()                    { f.mu.Lock(); f.aborted = true; f.mu.Unlock() }
+func (f *Fake) Close() error              { return nil }
+
+// Embeddings is a reranker's score (Rerank); the fake pools no embedding.
+func (f *Fake) Embeddings(s engine.SeqID) ([]float32, error) {
+	if f.Rerank == nil {
+		return nil, engine.ErrUnsupported
+	}
+	h := fnv.New32a()
+	for _, c := range f.cells {
+		if c.seqs[s] {
+			fmt.Fprint(h, c.pos, ":", c.tok, ",")
+		}
+	}
+	return []float32{(float32(h.Sum32()%1000) + 0.5) / 1000}, nil
+}
+
 func (f *Fake) NewGrammar(string, []engine.Trigger) (engine.Grammar, error) {
 	return nil, engine.ErrUnsupported
 }

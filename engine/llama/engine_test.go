@@ -905,6 +905,76 @@ func TestPooledEmbeddings(t *testing.T) {
 	}
 }
 
+// TestReranker: a reranker laid out as Qwen3-Reranker's GGUF (rank pooling, a
+// yes/no head, a rerank prompt) reports its layout and gives a softmax of two
+// scores per sequence, the same whether a pair is computed alone or beside others;
+// served without embeddings it reports none (it is a causal model that generates).
+func TestReranker(t *testing.T) {
+	spec := models.Tiny()
+	spec.Name, spec.Reranker = "shoal-tiny-reranker", true // genModel caches by name
+	e := openTest(t, spec, func(c *Config) { c.Embeddings = true })
+	info := e.Info()
+	if info.Pooling || info.Rerank == nil {
+		t.Fatalf("pooling %v rerank %+v: want a reranker", info.Pooling, info.Rerank)
+	}
+	if l := info.Rerank; l.Template != models.RerankTemplate || l.Scores != 2 {
+		t.Fatalf("layout %+v", l)
+	}
+	prompts := [][]engine.Token{
+		tokenize(t, e, "<Query>: cats\n<Document>: a cat sat"),
+		tokenize(t, e, "<Query>: cats\n<Document>: paris is in france, far away"),
+		tokenize(t, e, "<Query>: dogs\n<Document>: a dog ran"),
+	}
+	score := func(which ...int) map[int][]float32 {
+		var b engine.Batch
+		for _, s := range which {
+			for i, tk := range prompts[s] {
+				b.Add(tk, engine.Pos(i), engine.SeqID(s), true)
+			}
+		}
+		if err := e.Decode(context.Background(), &b); err != nil {
+			t.Fatal(err)
+		}
+		out := map[int][]float32{}
+		for _, s := range which {
+			v, err := e.Embeddings(engine.SeqID(s))
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[s] = v
+			if err := e.SeqRemove(engine.SeqID(s), 0, -1); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return out
+	}
+	together := score(0, 1, 2)
+	for s := range prompts {
+		v := together[s]
+		if len(v) != 2 || math.Abs(float64(v[0]+v[1])-1) > 1e-4 || v[0] <= 0 || v[0] >= 1 {
+			t.Fatalf("pair %d: scores %v, want a softmax of two", s, v)
+		}
+		if alone := score(s)[s]; math.Abs(float64(alone[0]-v[0])) > 1e-4 {
+			t.Fatalf("pair %d: %v alone, %v beside others", s, alone[0], v[0])
+		}
+	}
+	if together[0][0] == together[1][0] {
+		t.Fatalf("different pairs scored alike: %v", together)
+	}
+
+	g := openTest(t, spec, nil)
+	if g.Info().Rerank != nil || g.Info().Pooling {
+		t.Fatalf("without embeddings: rerank %+v pooling %v", g.Info().Rerank, g.Info().Pooling)
+	}
+
+	// A model without a rerank prompt lays out BOS query EOS SEP document EOS as its
+	// vocabulary adds them: this one adds BOS only.
+	l := openTest(t, models.Tiny(), func(c *Config) { c.Embeddings, c.Pooling = true, "rank" }).Info().Rerank
+	if l == nil || l.Template != "" || l.BOS != models.TokenBOS || l.EOS != engine.NoToken || l.SEP != engine.NoToken || l.Scores != 1 {
+		t.Fatalf("layout without a rerank prompt: %+v", l)
+	}
+}
+
 // TestMaskCells: the largest pools whose worst-case attention mask (cells × the
 // reserved micro-batch, rounded up to a multiple of the sequences, × 4 bytes) stays
 // within INT_MAX; the first two are the shapes that aborted on an H200.

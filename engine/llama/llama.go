@@ -137,7 +137,8 @@ type Config struct {
 	FlashAttention string
 	KVType         string // f16, q8_0 or q4_0
 	// Embeddings creates a context that returns pooled embeddings instead of logits
-	// (an embedding node). Pooling is "" (the model's own), mean, cls or last.
+	// (an embedding node). Pooling is "" (the model's own), mean, cls, last or rank
+	// (a reranker's scores: ModelInfo.Rerank).
 	Embeddings bool
 	Pooling    string
 	// ChatTemplate overrides the model's chat template: a built-in format's name
@@ -236,8 +237,10 @@ func poolingType(s string) (C.enum_llama_pooling_type, error) {
 		return C.LLAMA_POOLING_TYPE_CLS, nil
 	case "last":
 		return C.LLAMA_POOLING_TYPE_LAST, nil
+	case "rank":
+		return C.LLAMA_POOLING_TYPE_RANK, nil
 	}
-	return 0, fmt.Errorf("pooling %q: want mean, cls or last (or empty for the model's)", s)
+	return 0, fmt.Errorf("pooling %q: want mean, cls, last or rank (or empty for the model's)", s)
 }
 
 func flashType(s string) (C.enum_llama_flash_attn_type, error) {
@@ -388,10 +391,15 @@ func Open(cfg Config) (*Engine, error) {
 	}
 	e.info = e.readInfo(cfg.ModelPath)
 	e.info.Devices, e.info.GPULayers = devs, offloaded
+	if !cfg.Embeddings {
+		// The context pools nothing: it computes logits (a decoder embedding model or
+		// reranker served without --embeddings generates, as it does in llama-server).
+		e.info.Pooling, e.info.Rerank = false, nil
+	}
 	switch {
-	case cfg.Embeddings && !e.info.Pooling:
+	case cfg.Embeddings && !e.info.Pooling && e.info.Rerank == nil:
 		e.Close()
-		return nil, fmt.Errorf("open engine: this model pools no embedding (a reranker's scores, or no pooling: give --pooling mean, cls or last): %w", engine.ErrUnsupported)
+		return nil, fmt.Errorf("open engine: this model pools no embedding (no pooling: give --pooling mean, cls or last, or rank for a reranker): %w", engine.ErrUnsupported)
 	case !cfg.Embeddings && e.mem == nil:
 		// An encoder (BERT and the like) keeps no KV cache and computes a
 		// sequence in one micro-batch; it embeds, it does not generate.
@@ -561,6 +569,7 @@ func (e *Engine) readInfo(path string) engine.ModelInfo {
 		ChatTemplate:    e.vocab.ChatTemplate(),
 		Template:        e.vocab.template(),
 		Pooling:         embeddingPooling(C.llama_pooling_type(e.ctx)),
+		Rerank:          e.rerankLayout(),
 		Sampling:        samplingDefaults(m),
 	}
 	var buf [256]C.char
@@ -581,6 +590,37 @@ func embeddingPooling(t C.enum_llama_pooling_type) bool {
 		return true
 	}
 	return false
+}
+
+// rerankLayout is how the model reads a query and a document, when its context
+// ranks them (rank pooling); nil otherwise.
+func (e *Engine) rerankLayout() *engine.RerankLayout {
+	if C.llama_pooling_type(e.ctx) != C.LLAMA_POOLING_TYPE_RANK {
+		return nil
+	}
+	name := C.CString("rerank")
+	defer C.free(unsafe.Pointer(name))
+	l := &engine.RerankLayout{BOS: engine.NoToken, EOS: engine.NoToken, SEP: engine.NoToken,
+		Scores: int(C.llama_model_n_cls_out(e.model))}
+	if t := C.llama_model_chat_template(e.model, name); t != nil {
+		l.Template = C.GoString(t)
+		return l
+	}
+	v := e.vocab.v
+	if C.llama_vocab_get_add_bos(v) {
+		l.BOS = engine.Token(C.llama_vocab_bos(v))
+	}
+	if C.llama_vocab_get_add_eos(v) {
+		// llama-server ends each text with SEP where the model has no EOS.
+		l.EOS = engine.Token(C.llama_vocab_eos(v))
+		if l.EOS == engine.NoToken {
+			l.EOS = engine.Token(C.llama_vocab_sep(v))
+		}
+	}
+	if C.llama_vocab_get_add_sep(v) {
+		l.SEP = engine.Token(C.llama_vocab_sep(v))
+	}
+	return l
 }
 
 // samplingDefaults reads the sampling parameters the model file recommends.
@@ -755,12 +795,16 @@ func (e *Engine) LogitsView(i int) ([]float32, error) {
 	return unsafe.Slice((*float32)(unsafe.Pointer(p)), e.vocab.Size()), nil
 }
 
-// Embeddings returns the pooled embedding of sequence s.
+// Embeddings returns the pooled embedding of sequence s, or a reranker's scores.
 func (e *Engine) Embeddings(s engine.SeqID) ([]float32, error) {
 	if e.closed.Load() {
 		return nil, engine.ErrClosed
 	}
-	if !e.info.Pooling {
+	n := e.info.EmbeddingSize
+	switch {
+	case e.info.Rerank != nil:
+		n = e.info.Rerank.Scores
+	case !e.info.Pooling:
 		return nil, fmt.Errorf("embeddings: model has no pooling: %w", engine.ErrUnsupported)
 	}
 	if err := e.checkSeq(s); err != nil {
@@ -770,7 +814,7 @@ func (e *Engine) Embeddings(s engine.SeqID) ([]float32, error) {
 	if p == nil {
 		return nil, fmt.Errorf("embeddings of sequence %d: none computed", s)
 	}
-	return append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(p)), e.info.EmbeddingSize)...), nil
+	return append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(p)), n)...), nil
 }
 
 // Abort makes a running (or the next) Decode return ErrAborted. Any goroutine.

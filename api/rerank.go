@@ -1,0 +1,322 @@
+package api
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// A reranker (a model served with rank pooling, --reranking) reads a query and a
+// document as one sequence and gives its relevance. Two shapes of request ask for
+// it: rerank (Jina's and Cohere's, which vLLM, llama-server and TEI serve too: one
+// query, many documents, answered best first) and vLLM's score (pairs of texts,
+// answered in order).
+
+// maxRerankDocuments bounds one request's documents (or score pairs), as
+// embeddings bounds its inputs.
+const maxRerankDocuments = 2048
+
+// RerankRequest is a rerank request. Documents are strings or objects with a
+// text (Jina's and Cohere's v1 shape); TEI's clients send texts instead.
+type RerankRequest struct {
+	Model     string           `json:"model"`
+	Query     *string          `json:"query"`
+	Documents []RerankDocument `json:"documents"`
+	Texts     []RerankDocument `json:"texts"`
+	// TopN keeps the best TopN results; 0 or absent keeps all.
+	TopN *int `json:"top_n"`
+	// ReturnDocuments puts each document's text in its result (default true,
+	// as Jina and vLLM answer; Cohere's clients send false to leave it out).
+	ReturnDocuments *bool `json:"return_documents"`
+	// ReturnText is TEI's ReturnDocuments (default false).
+	ReturnText bool `json:"return_text"`
+}
+
+// RerankDocument is a document to rank: a JSON string or {"text": "..."}.
+type RerankDocument struct {
+	Text string `json:"text"`
+}
+
+// UnmarshalJSON takes a string or an object with a text.
+func (d *RerankDocument) UnmarshalJSON(b []byte) error {
+	if t := bytes.TrimSpace(b); len(t) > 0 && t[0] == '"' {
+		return json.Unmarshal(t, &d.Text)
+	}
+	var o struct {
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(b, &o); err != nil || o.Text == nil {
+		return errors.New("a document must be a string or an object with a text")
+	}
+	d.Text = *o.Text
+	return nil
+}
+
+// RerankResult is one document's relevance.
+type RerankResult struct {
+	Index          int             `json:"index"`
+	RelevanceScore float64         `json:"relevance_score"`
+	Document       *RerankDocument `json:"document,omitempty"`
+}
+
+// RerankResponse is a rerank answer, its results best first.
+type RerankResponse struct {
+	ID      string         `json:"id"`
+	Object  string         `json:"object"`
+	Model   string         `json:"model"`
+	Results []RerankResult `json:"results"`
+	Usage   EmbeddingUsage `json:"usage"`
+}
+
+// TEIRank is one result of TEI's /rerank shape, which is a bare array.
+type TEIRank struct {
+	Index int     `json:"index"`
+	Score float64 `json:"score"`
+	Text  *string `json:"text,omitempty"`
+}
+
+// ScoreRequest is vLLM's score request: TextA against each of TextB (one text
+// against many), or pairwise when both hold as many texts.
+type ScoreRequest struct {
+	Model string     `json:"model"`
+	TextA *TextOrAll `json:"text_1"`
+	TextB *TextOrAll `json:"text_2"`
+}
+
+// TextOrAll is a JSON string or an array of strings.
+type TextOrAll []string
+
+// UnmarshalJSON takes a string or an array of strings.
+func (t *TextOrAll) UnmarshalJSON(b []byte) error {
+	if b := bytes.TrimSpace(b); len(b) > 0 && b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		*t = TextOrAll{s}
+		return nil
+	}
+	var all []string
+	if err := json.Unmarshal(b, &all); err != nil {
+		return errors.New("text_1 and text_2 must each be a string or an array of strings")
+	}
+	*t = all
+	return nil
+}
+
+// ScoreData is one pair's score.
+type ScoreData struct {
+	Index  int     `json:"index"`
+	Object string  `json:"object"`
+	Score  float64 `json:"score"`
+}
+
+// ScoreResponse is a score answer, in the order of the pairs.
+type ScoreResponse struct {
+	ID      string         `json:"id"`
+	Object  string         `json:"object"`
+	Created int64          `json:"created"`
+	Model   string         `json:"model"`
+	Data    []ScoreData    `json:"data"`
+	Usage   EmbeddingUsage `json:"usage"`
+}
+
+func (s *Server) rerank(c *gin.Context) {
+	var req RerankRequest
+	b, ok := s.decodeFor(c, &req, &req.Model)
+	if !ok || !reranks(c, b) {
+		return
+	}
+	tei := req.Texts != nil && req.Documents == nil
+	docs := req.Documents
+	if tei {
+		docs = req.Texts
+	}
+	switch {
+	case req.Query == nil:
+		abort(c, invalid("query", "query is required"))
+		return
+	case req.Documents != nil && req.Texts != nil:
+		abort(c, invalid("texts", "give documents or texts (TEI's name for them), not both"))
+		return
+	case len(docs) == 0:
+		abort(c, invalid("documents", "documents must be a non-empty array"))
+		return
+	case len(docs) > maxRerankDocuments:
+		abort(c, invalid("documents", "at most %d documents per request, got %d", maxRerankDocuments, len(docs)))
+		return
+	case req.TopN != nil && *req.TopN < 0:
+		abort(c, invalid("top_n", "top_n must not be negative, got %d", *req.TopN))
+		return
+	}
+	pairs := make([][2]string, len(docs))
+	for i, d := range docs {
+		pairs[i] = [2]string{*req.Query, d.Text}
+	}
+	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "documents")
+	if !ok {
+		return
+	}
+	order := make([]int, len(scores))
+	for i := range order {
+		order[i] = i
+	}
+	// Best first; equal scores keep the documents' order.
+	slices.SortStableFunc(order, func(i, j int) int { return cmp.Compare(scores[j], scores[i]) })
+	if req.TopN != nil && *req.TopN > 0 && *req.TopN < len(order) {
+		order = order[:*req.TopN]
+	}
+	if tei {
+		out := make([]TEIRank, len(order))
+		for k, i := range order {
+			out[k] = TEIRank{Index: i, Score: scores[i]}
+			if req.ReturnText {
+				out[k].Text = &docs[i].Text
+			}
+		}
+		c.JSON(http.StatusOK, out)
+		return
+	}
+	resp := RerankResponse{ID: s.newID("rerank"), Object: "list", Model: cmp.Or(req.Model, s.cfg.ModelName),
+		Results: make([]RerankResult, len(order))}
+	for k, i := range order {
+		resp.Results[k] = RerankResult{Index: i, RelevanceScore: scores[i]}
+		if req.ReturnDocuments == nil || *req.ReturnDocuments {
+			resp.Results[k].Document = &docs[i]
+		}
+	}
+	resp.Usage.PromptTokens, resp.Usage.TotalTokens = tokens, tokens
+	c.JSON(http.StatusOK, resp)
+}
+
+func (s *Server) score(c *gin.Context) {
+	var req ScoreRequest
+	b, ok := s.decodeFor(c, &req, &req.Model)
+	if !ok || !reranks(c, b) {
+		return
+	}
+	var pairs [][2]string
+	switch {
+	case req.TextA == nil || len(*req.TextA) == 0:
+		abort(c, invalid("text_1", "text_1 is required: a text, or texts as many as text_2's"))
+		return
+	case req.TextB == nil || len(*req.TextB) == 0:
+		abort(c, invalid("text_2", "text_2 is required: a text or texts"))
+		return
+	case len(*req.TextA) == 1:
+		for _, t := range *req.TextB {
+			pairs = append(pairs, [2]string{(*req.TextA)[0], t})
+		}
+	case len(*req.TextA) == len(*req.TextB):
+		for i, t := range *req.TextB {
+			pairs = append(pairs, [2]string{(*req.TextA)[i], t})
+		}
+	default:
+		abort(c, invalid("text_1", "text_1 holds %d texts and text_2 %d: give one text_1, or as many as text_2", len(*req.TextA), len(*req.TextB)))
+		return
+	}
+	if len(pairs) > maxRerankDocuments {
+		abort(c, invalid("text_2", "at most %d pairs per request, got %d", maxRerankDocuments, len(pairs)))
+		return
+	}
+	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "text_2")
+	if !ok {
+		return
+	}
+	resp := ScoreResponse{ID: s.newID("score"), Object: "list", Created: s.now().Unix(),
+		Model: cmp.Or(req.Model, s.cfg.ModelName), Data: make([]ScoreData, len(scores))}
+	for i, sc := range scores {
+		resp.Data[i] = ScoreData{Index: i, Object: "score", Score: sc}
+	}
+	resp.Usage.PromptTokens, resp.Usage.TotalTokens = tokens, tokens
+	c.JSON(http.StatusOK, resp)
+}
+
+// reranks reports whether b serves a reranker, else answers c with why not.
+func reranks(c *gin.Context, b *Backend) bool {
+	if b.Info.Rerank == nil {
+		what := "a generation model: use /v1/chat/completions or /v1/completions"
+		if b.Info.Pooling {
+			what = "an embedding model: use /v1/embeddings"
+		}
+		abort(c, invalid("model", "this node serves %s; rerank and score need a reranker served with --reranking", what))
+		return false
+	}
+	return true
+}
+
+// scorePairs computes the relevance of each (query, document) pair and counts
+// their tokens; ok is false when it answered c with an error (param names the
+// documents' field).
+func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, param string) (scores []float64, tokens int, ok bool) {
+	inputs := make([][]engine.Token, len(pairs))
+	for i, p := range pairs {
+		toks, err := rerankPrompt(b, p[0], p[1])
+		if err != nil {
+			abort(c, err)
+			return nil, 0, false
+		}
+		if len(toks) == 0 {
+			abort(c, invalid(param, "%s %d: the query and document are both empty", param, i))
+			return nil, 0, false
+		}
+		inputs[i] = toks
+	}
+	adapter, _ := s.adapterOf(model)
+	vecs, tokens, ok := s.embed(c, b, inputs, adapter, param, false)
+	if !ok {
+		return nil, 0, false
+	}
+	scores = make([]float64, len(vecs))
+	for i, v := range vecs {
+		if len(v) == 0 {
+			abort(c, fmt.Errorf("rerank: no score for %s %d", param, i))
+			return nil, 0, false
+		}
+		scores[i] = float64(v[0])
+	}
+	return scores, tokens, true
+}
+
+// rerankPrompt lays out a query and a document as the reranker reads them: in its
+// rerank prompt, with special tokens parsed as llama-server parses them, else
+// between the special tokens its vocabulary adds. Unlike llama-server's, the
+// placeholders are replaced in the prompt only, not in a query that holds
+// "{document}".
+func rerankPrompt(b *Backend, query, doc string) ([]engine.Token, error) {
+	l := b.Info.Rerank
+	if l.Template != "" {
+		text := strings.NewReplacer("{query}", query, "{document}", doc).Replace(l.Template)
+		return b.Vocab.Tokenize(text, false, true)
+	}
+	q, err := b.Vocab.Tokenize(query, false, false)
+	if err != nil {
+		return nil, err
+	}
+	d, err := b.Vocab.Tokenize(doc, false, false)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]engine.Token, 0, len(q)+len(d)+4)
+	add := func(t engine.Token) {
+		if t != engine.NoToken {
+			out = append(out, t)
+		}
+	}
+	add(l.BOS)
+	out = append(out, q...)
+	add(l.EOS)
+	add(l.SEP)
+	out = append(out, d...)
+	add(l.EOS)
+	return out, nil
+}

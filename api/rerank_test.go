@@ -1,0 +1,146 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"slices"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/enginetest"
+)
+
+// TestRerankPrompt: a query and a document are laid out in the model's rerank
+// prompt, whose placeholders alone are replaced (a query holding "{document}"
+// stays as written), or between the special tokens the vocabulary adds.
+func TestRerankPrompt(t *testing.T) {
+	v := enginetest.New(256, 4, 64).Vocab()
+	tok := func(s string) []engine.Token {
+		out, _ := v.Tokenize(s, false, false)
+		return out
+	}
+	b := &Backend{Vocab: v, Info: engine.ModelInfo{Rerank: &engine.RerankLayout{Template: "q:{query} d:{document}"}}}
+	got, err := rerankPrompt(b, "{document}", "xy")
+	if want := tok("q:{document} d:xy"); err != nil || !slices.Equal(got, want) {
+		t.Fatalf("in the rerank prompt: %v, want %v (%v)", got, want, err)
+	}
+	b.Info.Rerank = &engine.RerankLayout{BOS: 1, EOS: 2, SEP: engine.NoToken}
+	got, _ = rerankPrompt(b, "ab", "c")
+	if want := slices.Concat([]engine.Token{1}, tok("ab"), []engine.Token{2}, tok("c"), []engine.Token{2}); !slices.Equal(got, want) {
+		t.Fatalf("between special tokens: %v, want %v", got, want)
+	}
+	b.Info.Rerank = &engine.RerankLayout{BOS: engine.NoToken, EOS: engine.NoToken, SEP: engine.NoToken}
+	if got, _ = rerankPrompt(b, "", ""); len(got) != 0 {
+		t.Fatalf("two empty texts without special tokens: %v", got)
+	}
+}
+
+// TestRerankDecoding: documents are strings or objects with a text; score's texts
+// a string or strings.
+func TestRerankDecoding(t *testing.T) {
+	var r RerankRequest
+	if err := json.Unmarshal([]byte(`{"query":"q","documents":["a",{"text":"b","title":"t"}," c"]}`), &r); err != nil ||
+		len(r.Documents) != 3 || r.Documents[1].Text != "b" || r.Documents[2].Text != " c" {
+		t.Fatalf("documents: %+v %v", r.Documents, err)
+	}
+	for _, bad := range []string{`[3]`, `[{"title":"t"}]`, `[null]`, `[["a"]]`} {
+		if err := json.Unmarshal([]byte(`{"documents":`+bad+`}`), &r); err == nil {
+			t.Errorf("documents %s accepted", bad)
+		}
+	}
+	var s ScoreRequest
+	if err := json.Unmarshal([]byte(`{"text_1":"a","text_2":["b","c"]}`), &s); err != nil ||
+		!slices.Equal(*s.TextA, TextOrAll{"a"}) || !slices.Equal(*s.TextB, TextOrAll{"b", "c"}) {
+		t.Fatalf("score texts: %+v %v", s, err)
+	}
+	if err := json.Unmarshal([]byte(`{"text_1":3}`), &s); err == nil {
+		t.Error("a number as text_1 accepted")
+	}
+}
+
+// TestRerankShapes: rerank answers best first with top_n, the documents unless
+// asked not to, TEI's bare array for texts, and score in the pairs' order, with
+// the same scores; a node that is no reranker refuses both.
+func TestRerankShapes(t *testing.T) {
+	s := newRerankServer(t)
+	w := s.do(t, "POST", "/v1/rerank", `{"model":"fake","query":"q","documents":["a","bb",{"text":"ccc"},"dddd"],"top_n":3}`)
+	var rr RerankResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &rr); err != nil || w.Code != 200 || rr.ID != "rerank-test" || len(rr.Results) != 3 || rr.Usage.PromptTokens == 0 {
+		t.Fatalf("rerank: %d %s", w.Code, w.Body)
+	}
+	docs := []string{"a", "bb", "ccc", "dddd"}
+	for k, r := range rr.Results {
+		if r.Document == nil || r.Document.Text != docs[r.Index] || k > 0 && r.RelevanceScore > rr.Results[k-1].RelevanceScore {
+			t.Fatalf("result %d: %+v", k, r)
+		}
+	}
+	w = s.do(t, "POST", "/v1/score", `{"text_1":"q","text_2":["a","bb","ccc","dddd"]}`)
+	var sc ScoreResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &sc); err != nil || w.Code != 200 || len(sc.Data) != 4 {
+		t.Fatalf("score: %d %s", w.Code, w.Body)
+	}
+	for _, r := range rr.Results {
+		if sc.Data[r.Index].Score != r.RelevanceScore {
+			t.Fatalf("pair %d: rerank %v, score %v", r.Index, r.RelevanceScore, sc.Data[r.Index].Score)
+		}
+	}
+	w = s.do(t, "POST", "/v1/score", `{"text_1":["a","b"],"text_2":["c","d"]}`)
+	if err := json.Unmarshal(w.Body.Bytes(), &sc); err != nil || w.Code != 200 || len(sc.Data) != 2 || sc.Data[1].Index != 1 {
+		t.Fatalf("pairwise score: %d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/rerank", `{"query":"q","texts":["a","b"]}`)
+	var tei []TEIRank
+	if err := json.Unmarshal(w.Body.Bytes(), &tei); err != nil || w.Code != 200 || len(tei) != 2 || tei[0].Text != nil {
+		t.Fatalf("TEI: %d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/v2/rerank", `{"query":"q","documents":["a"],"return_documents":false}`)
+	if w.Code != 200 || bytes.Contains(w.Body.Bytes(), []byte(`"document"`)) {
+		t.Fatalf("return_documents false: %d %s", w.Code, w.Body)
+	}
+	g := newTestServer(t, nil)
+	for _, path := range []string{"/v1/rerank", "/v1/score"} {
+		if w := g.do(t, "POST", path, `{"query":"q","documents":["a"],"text_1":"q","text_2":"a"}`); w.Code != 400 || !bytes.Contains(w.Body.Bytes(), []byte("--reranking")) {
+			t.Errorf("%s on a generation node: %d %s", path, w.Code, w.Body)
+		}
+	}
+}
+
+// newRerankServer is a test server whose fake engine is a reranker.
+func newRerankServer(t testing.TB) *testServer {
+	s := newTestServer(t, nil)
+	s.fake.Rerank = &engine.RerankLayout{BOS: 1, EOS: 2, SEP: engine.NoToken, Scores: 1}
+	b := *s.backend.Load()
+	b.Info = s.fake.Info()
+	s.SetBackend(&b)
+	return s
+}
+
+// FuzzRerankRequests: no body makes rerank or score fail with a 5xx or an error
+// outside OpenAI's format.
+func FuzzRerankRequests(f *testing.F) {
+	s := newRerankServer(f)
+	for _, body := range []string{
+		`{"query":"q","documents":["a",{"text":"b"}],"top_n":1}`, `{"query":"","texts":["","x"],"return_text":true}`,
+		`{"text_1":["a","b"],"text_2":["c","d"]}`, `{"text_1":"a","text_2":"b"}`, `{"query":"q","documents":[3]}`,
+		`null`, `[]`, `{"documents":null,"query":null}`,
+	} {
+		f.Add(body, false)
+		f.Add(body, true)
+	}
+	f.Fuzz(func(t *testing.T, body string, score bool) {
+		path := "/v1/rerank"
+		if score {
+			path = "/v1/score"
+		}
+		w := s.do(t, "POST", path, body)
+		if w.Code >= 500 {
+			t.Fatalf("status %d for %q: %s", w.Code, body, w.Body)
+		}
+		if w.Code != 200 {
+			var e struct{ Error *Error }
+			if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || e.Error == nil || e.Error.Message == "" {
+				t.Fatalf("status %d without an error in OpenAI's format: %s", w.Code, w.Body)
+			}
+		}
+	})
+}
