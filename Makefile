@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora bench-tokenize run lint fmt clean gpu-check-inputs ollama-cli-check
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora bench-tokenize bench-rerank run lint fmt clean gpu-check-inputs ollama-cli-check
 
 all: build
 
@@ -86,6 +86,10 @@ bench-lora: build
 # Tokenizing a chat of many turns in one llama.cpp call and cut where its partition allows (docs/benchmarks.md).
 bench-tokenize: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkTokenizeChat' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-tokenize.txt
+
+# A rerank request's pairs with the query's prefix computed for each and once (docs/benchmarks.md).
+bench-rerank: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkSchedulerRerank' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-rerank.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

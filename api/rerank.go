@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -39,6 +40,9 @@ type RerankRequest struct {
 	ReturnDocuments *bool `json:"return_documents"`
 	// ReturnText is TEI's ReturnDocuments (default false).
 	ReturnText bool `json:"return_text"`
+	// RawScores is TEI's: false (its default) answers a model's one score through
+	// a sigmoid, as TEI does; a softmax's scores (Qwen3-Reranker's) are left.
+	RawScores bool `json:"raw_scores"`
 }
 
 // RerankDocument is a document to rank: a JSON string or {"text": "..."}.
@@ -176,9 +180,13 @@ func (s *Server) rerank(c *gin.Context) {
 		order = order[:*req.TopN]
 	}
 	if tei {
+		sigmoid := !req.RawScores && b.Info.Rerank.Scores == 1
 		out := make([]TEIRank, len(order))
 		for k, i := range order {
 			out[k] = TEIRank{Index: i, Score: scores[i]}
+			if sigmoid {
+				out[k].Score = 1 / (1 + math.Exp(-scores[i]))
+			}
 			if req.ReturnText {
 				out[k].Text = &docs[i].Text
 			}
@@ -258,8 +266,33 @@ func reranks(c *gin.Context, b *Backend) bool {
 // their tokens; ok is false when it answered c with an error (param names the
 // documents' field).
 func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, param string) (scores []float64, tokens int, ok bool) {
+	// A query is laid out with each document: one that alone cannot fit a pair is
+	// refused before it is tokenized thousands of times.
+	budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext()
+	for i, p := range pairs {
+		if i > 0 && p[0] == pairs[i-1][0] {
+			continue
+		}
+		q, err := b.Vocab.Tokenize(p[0], false, b.Info.Rerank.Template != "")
+		if err == nil {
+			err = fitsOnePass(len(q), budget, maxContext)
+		}
+		if err != nil {
+			field := "query"
+			if param == "text_2" {
+				field = "text_1"
+			}
+			abort(c, invalid(field, "%s: %v", field, err))
+			return nil, 0, false
+		}
+	}
+	ctx := c.Request.Context()
 	inputs := make([][]engine.Token, len(pairs))
 	for i, p := range pairs {
+		if ctx.Err() != nil {
+			abort(c, ctx.Err())
+			return nil, 0, false
+		}
 		toks, err := rerankPrompt(b, p[0], p[1])
 		if err != nil {
 			abort(c, err)

@@ -586,8 +586,18 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 	// Inputs are submitted as a window that moves on as results come back: all at
 	// once, 2,048 inputs would overflow a queue of --max-waiting 1,024 on an idle
 	// node and earn a 429 that no retry could ever get past.
+	load := b.Generator.Load()
+	// Every input is checked before any is computed: one too long among
+	// thousands would otherwise be found only when its turn came.
+	for i, in := range inputs {
+		if err := fitsOnePass(len(in), load.MaxBatchTokens, b.Generator.MaxContext()); err != nil {
+			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
+				Message: fmt.Sprintf("%s %d: %v", param, i, err)})
+			return nil, 0, false
+		}
+	}
 	window := embedWindow
-	if mw := b.Generator.Load().MaxWaiting; mw > 0 {
+	if mw := load.MaxWaiting; mw > 0 {
 		window = max(1, min(window, mw/2))
 	}
 	streams := make([]*scheduler.Stream, len(inputs))
@@ -640,6 +650,19 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 		vecs = append(vecs, vec)
 	}
 	return vecs, tokens, true
+}
+
+// fitsOnePass says why an embedding input of n tokens cannot be computed, as the
+// scheduler would refuse it: in one step of at most budget tokens (0: any), in a
+// context of maxContext.
+func fitsOnePass(n, budget, maxContext int) error {
+	switch {
+	case n >= maxContext:
+		return fmt.Errorf("%d tokens, the context holds %d", n, maxContext)
+	case budget > 0 && n > budget:
+		return fmt.Errorf("%d tokens exceed the step budget of %d (--max-batch-tokens), in which an input is computed", n, budget)
+	}
+	return nil
 }
 
 // embedWindow is how many inputs of one embeddings request wait in the scheduler at

@@ -154,6 +154,11 @@ type Capacity struct {
 	// sequences (PrefixReuse in a unified pool). Without it a prefix is reused by
 	// copying a whole stream.
 	PrefixSharing bool
+	// PoolsLast is true for an embedding context that pools each sequence's last
+	// token over causal attention (last pooling, Qwen 3's rank pooling) with
+	// PrefixReuse: what the last token computes does not change when the tokens
+	// before it come from a cached prefix, so a sequence computes only its tail.
+	PoolsLast bool
 	// CellBytes is the size of one cell's K and V over every layer (0: unknown).
 	CellBytes float64
 }

@@ -23,6 +23,7 @@ import (
 type Load struct {
 	Waiting        int
 	MaxWaiting     int // Config.MaxWaiting: beyond it Submit fails with ErrQueueFull
+	MaxBatchTokens int // Config.MaxBatchTokens: the longest embedding input Submit takes
 	Running        int
 	KVBlocksUsed   int
 	KVBlocksCached int
@@ -381,14 +382,15 @@ func (s *Scheduler) enqueue(q *seq) {
 
 // cachedPrompt is what q may take from the prefix cache: its prompt; nothing for
 // an embedding, which is pooled over its whole prompt in one pass (a cached
-// prefix would leave the pooling only the tail); for a prompt being scored, the
+// prefix would leave the pooling only the tail), unless the engine pools the last
+// token over causal attention (Capacity.PoolsLast); for a prompt being scored, the
 // tokens whose following token is scored already (a cached token has no
 // logits), and the next, which the pool always leaves to compute (its row
 // scores the one after it): cut one shorter, a resume would not take back its
 // last block computed, which would stay kept for it past the cache budget.
 func (s *Scheduler) cachedPrompt(q *seq) []int32 {
 	switch {
-	case q.g.req.Embed:
+	case q.g.req.Embed && !s.cap.PoolsLast:
 		return nil
 	case q.scoring():
 		return toInt32(q.tokens[:min(len(q.scores)+1, len(q.tokens))])
@@ -544,7 +546,7 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 	if !s.cfg.KV.Caching {
 		return false
 	}
-	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.Embed || q.scoring() {
+	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.Embed && !s.cap.PoolsLast || q.scoring() {
 		return false // it does not read the cache
 	}
 	B := s.pool.BlockTokens()
@@ -1491,7 +1493,7 @@ func (s *Scheduler) publish() {
 	s.pool.Publish()
 	st := s.pool.Stats()
 	l := s.stats
-	l.Waiting, l.MaxWaiting = int(s.waiting.Load()), s.cfg.MaxWaiting
+	l.Waiting, l.MaxWaiting, l.MaxBatchTokens = int(s.waiting.Load()), s.cfg.MaxWaiting, s.cfg.MaxBatchTokens
 	l.Running = len(s.running)
 	l.KVBlocksUsed, l.KVBlocksCached, l.KVBlocksTotal, l.KVBlockTokens = st.Used, st.Cached, st.Blocks, st.BlockTokens
 	l.KVCacheBudget = st.CacheBudget

@@ -367,6 +367,11 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if name == "" {
 		name = strings.TrimSuffix(filepath.Base(f.model), ".gguf")
 	}
+	if lc.Embeddings && !setFlags["max-batch-tokens"] && os.Getenv("SHOAL_MAX_BATCH_TOKENS") == "" {
+		// An embedding or reranker's input is computed in one step: let a step
+		// take what one batch holds.
+		f.maxBatchTokens = max(f.maxBatchTokens, f.batch)
+	}
 	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
 		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
 	}

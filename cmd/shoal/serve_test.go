@@ -865,11 +865,16 @@ func TestEmbeddingNode(t *testing.T) {
 	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
 		t.Fatalf("generation on an embedding node: %v", err)
 	}
-	// An input longer than one step (--max-batch-tokens 512) names the field.
-	long := strings.TrimSuffix(strings.Repeat("5,", 600), ",")
-	resp, body := post(t, n.url+"/v1/embeddings", `{"input":[[`+long+`]]}`)
-	if resp.StatusCode != 400 || !strings.Contains(body, `"param":"input"`) || !strings.Contains(body, "600 tokens") {
+	// An embedding node's step takes a whole batch (--batch-size 2048) unless
+	// --max-batch-tokens says otherwise; an input longer than one step is
+	// refused, naming the field and the input, before any input is computed.
+	ids := func(n int) string { return strings.TrimSuffix(strings.Repeat("5,", n), ",") }
+	if resp, body := post(t, n.url+"/v1/embeddings", `{"input":[[`+ids(600)+`]]}`); resp.StatusCode != 200 {
 		t.Fatalf("an input of 600 tokens: %d %s", resp.StatusCode, body)
+	}
+	resp, body := post(t, n.url+"/v1/embeddings", `{"input":[[5],[`+ids(2100)+`]]}`)
+	if resp.StatusCode != 400 || !strings.Contains(body, `"param":"input"`) || !strings.Contains(body, "input 1: 2100 tokens") {
+		t.Fatalf("an input of 2100 tokens: %d %s", resp.StatusCode, body)
 	}
 }
 
@@ -1014,10 +1019,15 @@ func TestRerankerNode(t *testing.T) {
 		}
 	}
 	// A pair over the step budget (--max-batch-tokens) is refused with its index.
-	long := strings.Repeat("word ", 700)
+	long := strings.Repeat("word ", 1000) // about 3,000 tokens: more than a step, less than the context
 	body, _ = json.Marshal(map[string]any{"query": "q", "documents": []string{"short", long}})
 	resp, text = post(t, n.url+"/v1/rerank", string(body))
-	if resp.StatusCode != 400 || !strings.Contains(text, "documents 1") {
+	if resp.StatusCode != 400 || !strings.Contains(text, "documents 1: ") || !strings.Contains(text, "step budget of 2048") {
 		t.Fatalf("a document over the step budget: %d %s", resp.StatusCode, text)
+	}
+	// So is a query that cannot fit a pair, before it is laid out with each document.
+	body, _ = json.Marshal(map[string]any{"query": long, "documents": []string{"a", "b"}})
+	if resp, text = post(t, n.url+"/v1/rerank", string(body)); resp.StatusCode != 400 || !strings.Contains(text, `"param":"query"`) {
+		t.Fatalf("a query over the step budget: %d %s", resp.StatusCode, text)
 	}
 }

@@ -967,11 +967,16 @@ func TestReranker(t *testing.T) {
 		t.Fatalf("without embeddings: rerank %+v pooling %v", g.Info().Rerank, g.Info().Pooling)
 	}
 
-	// A model without a rerank prompt lays out BOS query EOS SEP document EOS as its
-	// vocabulary adds them: this one adds BOS only.
-	l := openTest(t, models.Tiny(), func(c *Config) { c.Embeddings, c.Pooling = true, "rank" }).Info().Rerank
-	if l == nil || l.Template != "" || l.BOS != models.TokenBOS || l.EOS != engine.NoToken || l.SEP != engine.NoToken || l.Scores != 1 {
-		t.Fatalf("layout without a rerank prompt: %+v", l)
+	// Rank pooling of a model without a classification head would score its
+	// hidden state, and llama.cpp ranks a causal model other than Qwen 3's by its
+	// first token: both are refused.
+	cfg := DefaultConfig(genModel(t, models.Tiny()))
+	cfg.ContextCells, cfg.Embeddings, cfg.Pooling = 256, true, "rank"
+	if e, err := Open(cfg); !errors.Is(err, engine.ErrUnsupported) || !strings.Contains(err.Error(), "classification head") {
+		if err == nil {
+			e.Close()
+		}
+		t.Fatalf("rank pooling without a head: %v", err)
 	}
 }
 

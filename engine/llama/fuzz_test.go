@@ -56,7 +56,7 @@ func FuzzCheckGGUF(f *testing.F) {
 	f.Add(data[:4096])
 	f.Add([]byte("GGUF\x03\x00\x00\x00"))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		_ = checkGGUFReader(bytes.NewReader(b), int64(len(b)))
+		_, _ = checkGGUFReader(bytes.NewReader(b), int64(len(b)))
 	})
 }
 

@@ -13,23 +13,52 @@ import (
 // llama.cpp's reader rejects most malformed files with an error but aborts the
 // process on a few (an empty metadata key is an assertion), so those are refused here
 // first. It is plain Go and is fuzzed on its own and together with the real loader.
-func checkGGUF(path string) error {
+// It also returns what the engine needs to know of the file that llama.h does not say.
+func checkGGUF(path string) (ggufFacts, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return fmt.Errorf("model file: %w", err)
+		return ggufFacts{}, fmt.Errorf("model file: %w", err)
 	}
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {
-		return fmt.Errorf("model file: %w", err)
+		return ggufFacts{}, fmt.Errorf("model file: %w", err)
 	}
 	if st.IsDir() {
-		return fmt.Errorf("model file %s is a directory", path)
+		return ggufFacts{}, fmt.Errorf("model file %s is a directory", path)
 	}
-	if err := checkGGUFReader(bufio.NewReaderSize(f, 1<<16), st.Size()); err != nil {
-		return fmt.Errorf("model file %s: %w", path, err)
+	facts, err := checkGGUFReader(bufio.NewReaderSize(f, 1<<16), st.Size())
+	if err != nil {
+		return facts, fmt.Errorf("model file %s: %w", path, err)
 	}
-	return nil
+	return facts, nil
+}
+
+// ggufFacts is what the tensor list of a GGUF says.
+type ggufFacts struct {
+	// RankHead: the model has a classification head (cls.weight or
+	// cls.output.weight), which rank pooling turns into a reranker's scores.
+	RankHead bool
+}
+
+// ggmlMaxDims is GGML_MAX_DIMS: a tensor info holds at most this many sizes.
+const ggmlMaxDims = 4
+
+// scanTensors reads the tensor infos that follow the metadata, as far as they
+// are well formed (llama.cpp reports the rest).
+func scanTensors(cr *countingReader, n int64) ggufFacts {
+	var facts ggufFacts
+	for range n {
+		name, err := cr.str()
+		var dims uint32
+		if err != nil || cr.read(&dims) != nil || dims > ggmlMaxDims || cr.skip(int64(dims)*8+4+8) != nil {
+			break // sizes, then the type and the offset
+		}
+		if name == "cls.weight" || name == "cls.output.weight" {
+			facts.RankHead = true
+		}
+	}
+	return facts
 }
 
 // GGUF value types.
@@ -56,22 +85,23 @@ var ggufSize = map[uint32]int64{
 
 var errNotGGUF = errors.New("not a GGUF file (bad magic)")
 
-func checkGGUFReader(r io.Reader, size int64) error {
+func checkGGUFReader(r io.Reader, size int64) (ggufFacts, error) {
+	var none ggufFacts
 	cr := &countingReader{r: r, left: size}
 	var magic [4]byte
 	if _, err := io.ReadFull(cr, magic[:]); err != nil || string(magic[:]) != "GGUF" {
-		return errNotGGUF
+		return none, errNotGGUF
 	}
 	var version uint32
 	var nTensors, nKV int64
 	if err := cr.read(&version, &nTensors, &nKV); err != nil {
-		return fmt.Errorf("header: %w", err)
+		return none, fmt.Errorf("header: %w", err)
 	}
 	if version < 2 || version > 3 {
-		return fmt.Errorf("GGUF version %d (llama.cpp reads 2 and 3)", version)
+		return none, fmt.Errorf("GGUF version %d (llama.cpp reads 2 and 3)", version)
 	}
 	if nTensors < 0 || nKV < 0 || nKV > size || nTensors > size {
-		return fmt.Errorf("header claims %d tensors and %d metadata keys in %d bytes", nTensors, nKV, size)
+		return none, fmt.Errorf("header claims %d tensors and %d metadata keys in %d bytes", nTensors, nKV, size)
 	}
 	kinds := map[string]ggufKind{}
 	strs := map[string]string{}
@@ -79,20 +109,20 @@ func checkGGUFReader(r io.Reader, size int64) error {
 	for i := range nKV {
 		key, err := cr.str()
 		if err != nil {
-			return fmt.Errorf("metadata key %d: %w", i, err)
+			return none, fmt.Errorf("metadata key %d: %w", i, err)
 		}
 		if key == "" {
-			return fmt.Errorf("metadata key %d is empty", i)
+			return none, fmt.Errorf("metadata key %d is empty", i)
 		}
 		var typ uint32
 		if err := cr.read(&typ); err != nil {
-			return fmt.Errorf("metadata %q: %w", key, err)
+			return none, fmt.Errorf("metadata %q: %w", key, err)
 		}
 		n := uint64(1)
 		array := typ == ggufArray
 		if array {
 			if err := cr.read(&typ, &n); err != nil {
-				return fmt.Errorf("metadata %q: %w", key, err)
+				return none, fmt.Errorf("metadata %q: %w", key, err)
 			}
 		}
 		kinds[key] = ggufKind{typ: typ, array: array, n: n}
@@ -107,7 +137,7 @@ func checkGGUFReader(r io.Reader, size int64) error {
 			for j := uint64(0); j < n; j++ {
 				v, err := cr.str()
 				if err != nil {
-					return fmt.Errorf("metadata %q element %d: %w", key, j, err)
+					return none, fmt.Errorf("metadata %q element %d: %w", key, j, err)
 				}
 				if !array {
 					strs[key] = v
@@ -117,7 +147,7 @@ func checkGGUFReader(r io.Reader, size int64) error {
 						v = fmt.Sprintf("[EMPTY_%d]", j)
 					}
 					if k, dup := seen[v]; dup {
-						return fmt.Errorf("token %d's text %q is token %d's too (llama.cpp aborts on it)", j, v, k)
+						return none, fmt.Errorf("token %d's text %q is token %d's too (llama.cpp aborts on it)", j, v, k)
 					}
 					seen[v] = j
 				}
@@ -127,30 +157,33 @@ func checkGGUFReader(r io.Reader, size int64) error {
 		if typ == ggufUint32 && !array {
 			var v uint32
 			if err := cr.read(&v); err != nil {
-				return fmt.Errorf("metadata %q: %w", key, err)
+				return none, fmt.Errorf("metadata %q: %w", key, err)
 			}
 			u32[key] = v
 			continue
 		}
 		sz, ok := ggufSize[typ]
 		if !ok {
-			return fmt.Errorf("metadata %q has unknown type %d", key, typ)
+			return none, fmt.Errorf("metadata %q has unknown type %d", key, typ)
 		}
 		if n > uint64(cr.left)/uint64(sz) {
-			return fmt.Errorf("metadata %q: %d values do not fit the file", key, n)
+			return none, fmt.Errorf("metadata %q: %d values do not fit the file", key, n)
 		}
 		if err := cr.skip(int64(n) * sz); err != nil {
-			return fmt.Errorf("metadata %q: %w", key, err)
+			return none, fmt.Errorf("metadata %q: %w", key, err)
 		}
 	}
 	if err := checkKinds(kinds); err != nil {
-		return err
+		return none, err
 	}
 	// ggml's buffers need tensor data aligned to 32 bytes and assert it.
 	if a, ok := u32["general.alignment"]; ok && (a == 0 || a%32 != 0 || a&(a-1) != 0) {
-		return fmt.Errorf("alignment %d is not a power of two multiple of 32", a)
+		return none, fmt.Errorf("alignment %d is not a power of two multiple of 32", a)
 	}
-	return checkHeads(strs["general.architecture"], u32)
+	if err := checkHeads(strs["general.architecture"], u32); err != nil {
+		return none, err
+	}
+	return scanTensors(cr, nTensors), nil
 }
 
 // maxLayers is llama.cpp's LLAMA_MAX_LAYERS.

@@ -304,7 +304,8 @@ func Open(cfg Config) (*Engine, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
-	if err := checkGGUF(cfg.ModelPath); err != nil {
+	facts, err := checkGGUF(cfg.ModelPath)
+	if err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
 	devs := Devices()
@@ -397,6 +398,12 @@ func Open(cfg Config) (*Engine, error) {
 		e.info.Pooling, e.info.Rerank = false, nil
 	}
 	switch {
+	case e.info.Rerank != nil && !facts.RankHead:
+		e.Close()
+		return nil, fmt.Errorf("open engine: rank pooling (--reranking) needs a reranker, and this model has no classification head (cls.weight or cls.output.weight): its scores would mean nothing: %w", engine.ErrUnsupported)
+	case e.info.Rerank != nil && e.mem != nil && e.info.Architecture != "qwen3":
+		e.Close()
+		return nil, fmt.Errorf("open engine: llama.cpp ranks a causal model of architecture %s by its first token, which sees nothing of the query or document (it ranks Qwen 3's by the last): %w", e.info.Architecture, engine.ErrUnsupported)
 	case cfg.Embeddings && !e.info.Pooling && e.info.Rerank == nil:
 		e.Close()
 		return nil, fmt.Errorf("open engine: this model pools no embedding (no pooling: give --pooling mean, cls or last, or rank for a reranker): %w", engine.ErrUnsupported)
@@ -423,7 +430,7 @@ var reuseEnv sync.Mutex
 
 // loadLoRA loads the LoRA adapter at path for model.
 func loadLoRA(model *C.struct_llama_model, path string) (*C.struct_llama_adapter_lora, error) {
-	if err := checkGGUF(path); err != nil {
+	if _, err := checkGGUF(path); err != nil {
 		return nil, fmt.Errorf("LoRA adapter: %w", err)
 	}
 	cp := C.CString(path)
@@ -548,6 +555,7 @@ func (e *Engine) newContext(cfg Config) error {
 		PrefixReuse:   !recurrent && !swa && e.mem != nil,
 		PrefixSharing: cfg.Unified && !recurrent && !swa && e.mem != nil,
 	}
+	e.cap.PoolsLast = e.cap.PrefixReuse && cfg.Embeddings && e.poolsLast()
 	if per, err := e.kvBytesPerCell(cfg.KVType); err == nil {
 		e.cap.CellBytes = per
 	}
@@ -590,6 +598,25 @@ func embeddingPooling(t C.enum_llama_pooling_type) bool {
 		return true
 	}
 	return false
+}
+
+// poolsLast reports whether the context pools each sequence's last token over
+// causal attention: last pooling, or rank pooling on Qwen 3, which llama.cpp
+// reads from the last token (build_inp_cls), on a model whose attention is
+// causal (an embedding model converted from a decoder may attend both ways:
+// <arch>.attention.causal false).
+func (e *Engine) poolsLast() bool {
+	arch := metaString(e.model, "general.architecture")
+	switch C.llama_pooling_type(e.ctx) {
+	case C.LLAMA_POOLING_TYPE_LAST:
+	case C.LLAMA_POOLING_TYPE_RANK:
+		if arch != "qwen3" {
+			return false
+		}
+	default:
+		return false
+	}
+	return metaString(e.model, arch+".attention.causal") != "false"
 }
 
 // rerankLayout is how the model reads a query and a document, when its context

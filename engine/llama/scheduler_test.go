@@ -6,6 +6,7 @@ package llama
 import (
 	"context"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -291,5 +292,77 @@ func TestSchedulerSpeculativeEqualsSolo(t *testing.T) {
 			}
 			t.Logf("%d of %d proposals taken; %d ties", l.SpecAccepted, l.SpecProposed, ties)
 		})
+	}
+}
+
+// TestRerankFromCachedPrefix: a reranker that reads its last token over causal
+// attention (Qwen 3's rank pooling) scores pairs that share the query's prefix
+// from the cache, the prefix computed once, with the scores it gives each pair
+// computed whole; mean pooling never starts from a cached prefix.
+func TestRerankFromCachedPrefix(t *testing.T) {
+	spec := models.Tiny()
+	spec.Name, spec.Reranker = "shoal-tiny-reranker", true
+	for _, unified := range []bool{true, false} {
+		t.Run(fmt.Sprintf("unified=%v", unified), func(t *testing.T) {
+			e := openTest(t, spec, func(c *Config) { c.Embeddings, c.Unified = true, unified })
+			if !e.Capacity().PoolsLast {
+				t.Fatal("Qwen 3's rank pooling not reported as last-token pooling")
+			}
+			prefix := "<|im_start|>system\nJudge whether the document answers the query.<|im_end|>\n<|im_start|>user\n<Query>: which animals purr and sleep most of the day?\n<Document>: "
+			var prompts [][]engine.Token
+			for _, d := range []string{"a cat sat on the mat", "paris is in france", "the dog ran far away after the ball", "cats purr"} {
+				prompts = append(prompts, tokenize(t, e, prefix+d+"<|im_end|>\n<|im_start|>assistant\n"))
+			}
+			score := func(caching bool) ([]float32, int) {
+				e.ClearMemory()
+				s := startSched(t, e, func(c *scheduler.Config) { c.KV.Caching, c.MaxRunning = caching, 8 })
+				type res struct {
+					score  float32
+					cached int
+				}
+				out := make([]res, len(prompts))
+				var wg sync.WaitGroup
+				for i, p := range prompts { // at once: the others wait for the first's prefix
+					wg.Go(func() {
+						st, err := s.Submit(context.Background(), &scheduler.Request{Prompt: p, Embed: true})
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						for ev, ok := st.Next(context.Background()); ok; ev, ok = st.Next(context.Background()) {
+							switch ev.Kind {
+							case scheduler.EventEmbedding:
+								out[i].score = ev.Vector[0]
+							case scheduler.EventDone:
+								out[i].cached = ev.Usage.CachedTokens
+							case scheduler.EventError:
+								t.Error(ev.Err)
+							}
+						}
+					})
+				}
+				wg.Wait()
+				var scores []float32
+				cached := 0
+				for _, r := range out {
+					scores, cached = append(scores, r.score), cached+r.cached
+				}
+				return scores, cached
+			}
+			whole, none := score(false)
+			fromCache, cached := score(true)
+			if none != 0 || cached < len(prompts)-1 {
+				t.Fatalf("cached tokens: %d without caching, %d with", none, cached)
+			}
+			for i := range whole {
+				if math.Abs(float64(whole[i]-fromCache[i])) > 1e-4 {
+					t.Fatalf("pair %d: %v computed whole, %v from the cached prefix", i, whole[i], fromCache[i])
+				}
+			}
+			t.Logf("%d cached tokens of %d pairs", cached, len(prompts))
+		})
+	}
+	if e := openTest(t, models.Tiny(), func(c *Config) { c.Embeddings, c.Pooling = true, "mean" }); e.Capacity().PoolsLast {
+		t.Fatal("mean pooling reported as last-token pooling")
 	}
 }
