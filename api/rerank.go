@@ -43,6 +43,14 @@ type RerankRequest struct {
 	// RawScores is TEI's: false (its default) answers a model's one score through
 	// a sigmoid, as TEI does; a softmax's scores (Qwen3-Reranker's) are left.
 	RawScores bool `json:"raw_scores"`
+	// Truncation of long documents, each client's way: vLLM's
+	// truncate_prompt_tokens (a pair's tokens; -1: as many as a step takes),
+	// TEI's truncate (to what a step takes) and Cohere's max_tokens_per_doc (a
+	// document's own tokens, and the pair to what a step takes). Without them a
+	// pair longer than a step is refused.
+	TruncatePromptTokens *int  `json:"truncate_prompt_tokens"`
+	Truncate             *bool `json:"truncate"`
+	MaxTokensPerDoc      *int  `json:"max_tokens_per_doc"`
 }
 
 // RerankDocument is a document to rank: a JSON string or {"text": "..."}.
@@ -94,6 +102,9 @@ type ScoreRequest struct {
 	Model string     `json:"model"`
 	TextA *TextOrAll `json:"text_1"`
 	TextB *TextOrAll `json:"text_2"`
+	// TruncatePromptTokens cuts each pair's second text to fit this many tokens
+	// (-1: as many as a step takes), as RerankRequest's.
+	TruncatePromptTokens *int `json:"truncate_prompt_tokens"`
 }
 
 // TextOrAll is a JSON string or an array of strings.
@@ -162,11 +173,16 @@ func (s *Server) rerank(c *gin.Context) {
 		abort(c, invalid("top_n", "top_n must not be negative, got %d", *req.TopN))
 		return
 	}
+	cut, err := truncationOf(b, req.TruncatePromptTokens, req.Truncate, req.MaxTokensPerDoc)
+	if err != nil {
+		abort(c, err)
+		return
+	}
 	pairs := make([][2]string, len(docs))
 	for i, d := range docs {
 		pairs[i] = [2]string{*req.Query, d.Text}
 	}
-	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "documents")
+	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "documents", cut)
 	if !ok {
 		return
 	}
@@ -236,7 +252,12 @@ func (s *Server) score(c *gin.Context) {
 		abort(c, invalid("text_2", "at most %d pairs per request, got %d", maxRerankDocuments, len(pairs)))
 		return
 	}
-	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "text_2")
+	cut, err := truncationOf(b, req.TruncatePromptTokens, nil, nil)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "text_2", cut)
 	if !ok {
 		return
 	}
@@ -265,7 +286,7 @@ func reranks(c *gin.Context, b *Backend) bool {
 // scorePairs computes the relevance of each (query, document) pair and counts
 // their tokens; ok is false when it answered c with an error (param names the
 // documents' field).
-func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, param string) (scores []float64, tokens int, ok bool) {
+func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, param string, cut truncation) (scores []float64, tokens int, ok bool) {
 	// A query is laid out with each document: one that alone cannot fit a pair is
 	// refused before it is tokenized thousands of times.
 	budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext()
@@ -293,7 +314,7 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 			abort(c, ctx.Err())
 			return nil, 0, false
 		}
-		toks, err := rerankPrompt(b, p[0], p[1])
+		toks, err := fitPair(b, p[0], p[1], cut)
 		if err != nil {
 			abort(c, err)
 			return nil, 0, false
@@ -318,6 +339,113 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 		scores[i] = float64(v[0])
 	}
 	return scores, tokens, true
+}
+
+// truncation is how a request asks long documents to be cut: to at most docTokens
+// tokens of their own, and each pair to at most pairTokens; zero cuts nothing.
+type truncation struct{ pairTokens, docTokens int }
+
+// stepTokens is the longest pair b computes: what one step takes, shorter than
+// the context.
+func stepTokens(b *Backend) int {
+	n := b.Generator.MaxContext() - 1
+	if budget := b.Generator.Load().MaxBatchTokens; budget > 0 {
+		n = min(n, budget)
+	}
+	return n
+}
+
+// truncationOf reads the truncation fields of vLLM (pairTokens, -1: a step's
+// worth), TEI (truncate) and Cohere (docTokens, with pairs cut to a step's worth).
+// A pair is never cut past what one step computes.
+func truncationOf(b *Backend, pairTokens *int, truncate *bool, docTokens *int) (truncation, error) {
+	var t truncation
+	step := stepTokens(b)
+	if p := pairTokens; p != nil {
+		switch {
+		case *p == -1:
+			t.pairTokens = step
+		case *p < 1:
+			return t, invalid("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (as many as fit) or at least 1, got %d", *p)
+		default:
+			t.pairTokens = min(*p, step)
+		}
+	}
+	if truncate != nil && *truncate && t.pairTokens == 0 {
+		t.pairTokens = step
+	}
+	if d := docTokens; d != nil {
+		if *d < 1 {
+			return t, invalid("max_tokens_per_doc", "max_tokens_per_doc must be at least 1, got %d", *d)
+		}
+		t.docTokens = *d
+		if t.pairTokens == 0 {
+			t.pairTokens = step
+		}
+	}
+	return t, nil
+}
+
+// fitPair is rerankPrompt with the document cut as t asks: to its first
+// docTokens tokens, then to as many as leave the pair within pairTokens (found
+// by bisection; the pair is laid out again each time, so that the text is
+// tokenized as it would be whole). A query too long for any document is left
+// to the caller's check.
+func fitPair(b *Backend, query, doc string, t truncation) ([]engine.Token, error) {
+	toks, err := rerankPrompt(b, query, doc)
+	if err != nil || t == (truncation{}) {
+		return toks, err
+	}
+	over := t.pairTokens > 0 && len(toks) > t.pairTokens
+	if !over && t.docTokens == 0 {
+		return toks, nil
+	}
+	dt, err := b.Vocab.Tokenize(doc, false, false)
+	if err != nil {
+		return nil, err
+	}
+	if !over && len(dt) <= t.docTokens {
+		return toks, nil
+	}
+	at := func(k int) ([]engine.Token, error) {
+		text, err := b.Vocab.Detokenize(dt[:k], false, false)
+		if err != nil {
+			return nil, err
+		}
+		// A cut inside a character's bytes would tokenize as something else.
+		return rerankPrompt(b, query, strings.ToValidUTF8(text, ""))
+	}
+	k := len(dt)
+	if t.docTokens > 0 {
+		k = min(k, t.docTokens)
+	}
+	if toks, err = at(k); err != nil || t.pairTokens == 0 || len(toks) <= t.pairTokens {
+		return toks, err
+	}
+	empty, err := at(0)
+	if err != nil || len(empty) > t.pairTokens {
+		return empty, err
+	}
+	// The document's tokens alone hardly differ in number from what they add to
+	// the pair: search a few past the room the rest leaves, not the whole text.
+	lo, hi := 0, min(k, t.pairTokens-len(empty)+8) // the pair fits at lo, not at hi
+	if toks, err = at(hi); err != nil || len(toks) <= t.pairTokens {
+		return toks, err
+	}
+	toks = empty
+	for hi-lo > 1 {
+		mid := (lo + hi) / 2
+		m, err := at(mid)
+		if err != nil {
+			return nil, err
+		}
+		if len(m) <= t.pairTokens {
+			lo, toks = mid, m
+		} else {
+			hi = mid
+		}
+	}
+	return toks, nil
 }
 
 // rerankPrompt lays out a query and a document as the reranker reads them: in its

@@ -3,7 +3,9 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -143,4 +145,45 @@ func FuzzRerankRequests(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestRerankTruncation: each client's way of asking long documents to be cut
+// cuts them (the fake's tokens are one per letter), and only what a step takes.
+func TestRerankTruncation(t *testing.T) {
+	s := newRerankServer(t)
+	long := strings.Repeat("x", 3000) // over the fake's step budget of 512
+	usage := func(body string) (int, string) {
+		w := s.do(t, "POST", "/v1/rerank", body)
+		var rr RerankResponse
+		_ = json.Unmarshal(w.Body.Bytes(), &rr)
+		return rr.Usage.PromptTokens, fmt.Sprint(w.Code, " ", w.Body.String())
+	}
+	// [BOS] q [EOS] doc [EOS]: 4 tokens besides the document's.
+	for _, c := range []struct {
+		body string
+		want int
+	}{
+		{`{"query":"q","documents":["` + long + `"],"truncate_prompt_tokens":-1}`, 512},
+		{`{"query":"q","documents":["` + long + `"],"truncate_prompt_tokens":100}`, 100},
+		{`{"query":"q","documents":["` + long + `"],"truncate":true}`, 512},
+		{`{"query":"q","documents":["` + long + `","abc"],"max_tokens_per_doc":5}`, 9 + 7},
+		{`{"query":"q","documents":["abc"],"truncate_prompt_tokens":100}`, 7},
+	} {
+		if got, answer := usage(c.body); got != c.want {
+			t.Errorf("%.80s…: %d tokens, want %d (%.200s)", c.body, got, c.want, answer)
+		}
+	}
+	for _, bad := range []string{
+		`{"query":"q","documents":["` + long + `"]}`,
+		`{"query":"q","documents":["a"],"truncate_prompt_tokens":0}`,
+		`{"query":"q","documents":["a"],"max_tokens_per_doc":0}`,
+		`{"query":"` + long + `","documents":["a"],"truncate":true}`,
+	} {
+		if w := s.do(t, "POST", "/v1/rerank", bad); w.Code != 400 {
+			t.Errorf("%.80s…: %d %s", bad, w.Code, w.Body)
+		}
+	}
+	if w := s.do(t, "POST", "/v1/score", `{"text_1":"q","text_2":"`+long+`","truncate_prompt_tokens":-1}`); w.Code != 200 {
+		t.Errorf("score with truncation: %d %s", w.Code, w.Body)
+	}
 }

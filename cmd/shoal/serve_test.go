@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
 	"net/http"
@@ -1024,6 +1025,17 @@ func TestRerankerNode(t *testing.T) {
 	resp, text = post(t, n.url+"/v1/rerank", string(body))
 	if resp.StatusCode != 400 || !strings.Contains(text, "documents 1: ") || !strings.Contains(text, "step budget of 2048") {
 		t.Fatalf("a document over the step budget: %d %s", resp.StatusCode, text)
+	}
+	// Cut as vLLM's, TEI's and Cohere's clients ask, it is answered.
+	for _, cut := range []map[string]any{{"truncate_prompt_tokens": -1}, {"truncate": true}, {"max_tokens_per_doc": 50}} {
+		req := map[string]any{"query": "q", "documents": []string{"short", long}}
+		maps.Copy(req, cut)
+		body, _ = json.Marshal(req)
+		resp, text = post(t, n.url+"/v1/rerank", string(body))
+		var cr api.RerankResponse
+		if json.Unmarshal([]byte(text), &cr) != nil || resp.StatusCode != 200 || cr.Usage.PromptTokens > 2*2048 || cr.Usage.PromptTokens < 100 {
+			t.Fatalf("a long document with %v: %d %s", cut, resp.StatusCode, text)
+		}
 	}
 	// So is a query that cannot fit a pair, before it is laid out with each document.
 	body, _ = json.Marshal(map[string]any{"query": long, "documents": []string{"a", "b"}})
