@@ -287,22 +287,33 @@ func reranks(c *gin.Context, b *Backend) bool {
 // their tokens; ok is false when it answered c with an error (param names the
 // documents' field).
 func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, param string, cut truncation) (scores []float64, tokens int, ok bool) {
-	// A query is laid out with each document: one that alone cannot fit a pair is
-	// refused before it is tokenized thousands of times.
+	// A query is laid out with each document: one that cannot fit a pair even
+	// with an empty document is refused before it is laid out thousands of times.
+	field := "query"
+	if param == "text_2" {
+		field = "text_1"
+	}
 	budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext()
+	layouts := make([]*pairLayout, len(pairs))
 	for i, p := range pairs {
 		if i > 0 && p[0] == pairs[i-1][0] {
+			layouts[i] = layouts[i-1]
 			continue
 		}
-		q, err := b.Vocab.Tokenize(p[0], false, b.Info.Rerank.Template != "")
+		l, err := newPairLayout(b, p[0])
+		var empty []engine.Token
 		if err == nil {
-			err = fitsOnePass(len(q), budget, maxContext)
+			layouts[i] = l
+			empty, err = l.prompt("")
+		}
+		switch {
+		case err != nil:
+		case cut.pairTokens > 0 && len(empty) > cut.pairTokens:
+			err = fmt.Errorf("with an empty document the pair takes %d tokens, more than the %d it is cut to", len(empty), cut.pairTokens)
+		default:
+			err = fitsOnePass(len(empty), budget, maxContext)
 		}
 		if err != nil {
-			field := "query"
-			if param == "text_2" {
-				field = "text_1"
-			}
 			abort(c, invalid(field, "%s: %v", field, err))
 			return nil, 0, false
 		}
@@ -314,7 +325,7 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 			abort(c, ctx.Err())
 			return nil, 0, false
 		}
-		toks, err := fitPair(b, p[0], p[1], cut)
+		toks, err := fitPair(layouts[i], p[1], cut)
 		if err != nil {
 			abort(c, err)
 			return nil, 0, false
@@ -339,6 +350,48 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 		scores[i] = float64(v[0])
 	}
 	return scores, tokens, true
+}
+
+// plainText reports whether text tokenizes alike with and without control
+// tokens parsed: it holds no control token's text.
+func plainText(b *Backend, text string) (bool, error) {
+	parsed, err := b.Vocab.Tokenize(text, false, true)
+	if err != nil {
+		return false, err
+	}
+	raw, err := b.Vocab.Tokenize(text, false, false)
+	return slices.Equal(parsed, raw), err
+}
+
+// promptInPieces lays out the rerank prompt tmpl piece by piece: its own text with
+// control tokens parsed, the query and document as plain text.
+func promptInPieces(b *Backend, tmpl, query, doc string) ([]engine.Token, error) {
+	var out []engine.Token
+	add := func(text string, special bool) error {
+		if text == "" {
+			return nil
+		}
+		toks, err := b.Vocab.Tokenize(text, false, special)
+		out = append(out, toks...)
+		return err
+	}
+	for tmpl != "" {
+		i, q, d := len(tmpl), strings.Index(tmpl, "{query}"), strings.Index(tmpl, "{document}")
+		text, skip := "", 0
+		if q >= 0 && (d < 0 || q < d) {
+			i, text, skip = q, query, len("{query}")
+		} else if d >= 0 {
+			i, text, skip = d, doc, len("{document}")
+		}
+		if err := add(tmpl[:i], true); err != nil {
+			return nil, err
+		}
+		if err := add(text, false); err != nil {
+			return nil, err
+		}
+		tmpl = tmpl[min(len(tmpl), i+skip):]
+	}
+	return out, nil
 }
 
 // truncation is how a request asks long documents to be cut: to at most docTokens
@@ -386,13 +439,14 @@ func truncationOf(b *Backend, pairTokens *int, truncate *bool, docTokens *int) (
 	return t, nil
 }
 
-// fitPair is rerankPrompt with the document cut as t asks: to its first
+// fitPair is l's prompt with the document cut as t asks: to its first
 // docTokens tokens, then to as many as leave the pair within pairTokens (found
 // by bisection; the pair is laid out again each time, so that the text is
 // tokenized as it would be whole). A query too long for any document is left
 // to the caller's check.
-func fitPair(b *Backend, query, doc string, t truncation) ([]engine.Token, error) {
-	toks, err := rerankPrompt(b, query, doc)
+func fitPair(l *pairLayout, doc string, t truncation) ([]engine.Token, error) {
+	b := l.b
+	toks, err := l.prompt(doc)
 	if err != nil || t == (truncation{}) {
 		return toks, err
 	}
@@ -413,7 +467,7 @@ func fitPair(b *Backend, query, doc string, t truncation) ([]engine.Token, error
 			return nil, err
 		}
 		// A cut inside a character's bytes would tokenize as something else.
-		return rerankPrompt(b, query, strings.ToValidUTF8(text, ""))
+		return l.prompt(strings.ToValidUTF8(text, ""))
 	}
 	k := len(dt)
 	if t.docTokens > 0 {
@@ -448,36 +502,61 @@ func fitPair(b *Backend, query, doc string, t truncation) ([]engine.Token, error
 	return toks, nil
 }
 
-// rerankPrompt lays out a query and a document as the reranker reads them: in its
-// rerank prompt, with special tokens parsed as llama-server parses them, else
-// between the special tokens its vocabulary adds. Unlike llama-server's, the
-// placeholders are replaced in the prompt only, not in a query that holds
-// "{document}".
-func rerankPrompt(b *Backend, query, doc string) ([]engine.Token, error) {
-	l := b.Info.Rerank
-	if l.Template != "" {
-		text := strings.NewReplacer("{query}", query, "{document}", doc).Replace(l.Template)
-		return b.Vocab.Tokenize(text, false, true)
+// pairLayout lays out one query with documents as the reranker reads them: in its
+// rerank prompt, tokenized whole with special tokens parsed, as llama-server
+// tokenizes it, else between the special tokens its vocabulary adds. Unlike
+// llama-server's, the placeholders are replaced in the prompt only (not in a
+// query that holds "{document}"), and a text that holds a control token's text
+// (a document written to close the turn and answer "yes") is tokenized as plain
+// text, the prompt around it still parsed. What depends on the query alone is
+// done once.
+type pairLayout struct {
+	b     *Backend
+	query string
+	plain bool           // with a rerank prompt: the query holds no control token's text
+	toks  []engine.Token // without one: the query's tokens
+}
+
+func newPairLayout(b *Backend, query string) (*pairLayout, error) {
+	l := &pairLayout{b: b, query: query}
+	var err error
+	if b.Info.Rerank.Template != "" {
+		l.plain, err = plainText(b, query)
+	} else {
+		l.toks, err = b.Vocab.Tokenize(query, false, false)
 	}
-	q, err := b.Vocab.Tokenize(query, false, false)
-	if err != nil {
-		return nil, err
+	return l, err
+}
+
+// prompt is the pair of l's query and doc.
+func (l *pairLayout) prompt(doc string) ([]engine.Token, error) {
+	b, r := l.b, l.b.Info.Rerank
+	if r.Template != "" {
+		plain, err := plainText(b, doc)
+		if err != nil {
+			return nil, err
+		}
+		if l.plain && plain {
+			text := strings.NewReplacer("{query}", l.query, "{document}", doc).Replace(r.Template)
+			return b.Vocab.Tokenize(text, false, true)
+		}
+		return promptInPieces(b, r.Template, l.query, doc)
 	}
 	d, err := b.Vocab.Tokenize(doc, false, false)
 	if err != nil {
 		return nil, err
 	}
-	out := make([]engine.Token, 0, len(q)+len(d)+4)
+	out := make([]engine.Token, 0, len(l.toks)+len(d)+4)
 	add := func(t engine.Token) {
 		if t != engine.NoToken {
 			out = append(out, t)
 		}
 	}
-	add(l.BOS)
-	out = append(out, q...)
-	add(l.EOS)
-	add(l.SEP)
+	add(r.BOS)
+	out = append(out, l.toks...)
+	add(r.EOS)
+	add(r.SEP)
 	out = append(out, d...)
-	add(l.EOS)
+	add(r.EOS)
 	return out, nil
 }

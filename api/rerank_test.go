@@ -22,6 +22,13 @@ func TestRerankPrompt(t *testing.T) {
 		return out
 	}
 	b := &Backend{Vocab: v, Info: engine.ModelInfo{Rerank: &engine.RerankLayout{Template: "q:{query} d:{document}"}}}
+	rerankPrompt := func(b *Backend, query, doc string) ([]engine.Token, error) {
+		l, err := newPairLayout(b, query)
+		if err != nil {
+			return nil, err
+		}
+		return l.prompt(doc)
+	}
 	got, err := rerankPrompt(b, "{document}", "xy")
 	if want := tok("q:{document} d:xy"); err != nil || !slices.Equal(got, want) {
 		t.Fatalf("in the rerank prompt: %v, want %v (%v)", got, want, err)
@@ -180,6 +187,16 @@ func TestRerankTruncation(t *testing.T) {
 		`{"query":"` + long + `","documents":["a"],"truncate":true}`,
 	} {
 		if w := s.do(t, "POST", "/v1/rerank", bad); w.Code != 400 {
+			t.Errorf("%.80s…: %d %s", bad, w.Code, w.Body)
+		}
+	}
+	// A query that leaves no room for any document is the query's fault, not the
+	// documents': within the cut asked for, or within a step.
+	for _, bad := range []string{
+		`{"query":"` + strings.Repeat("q", 50) + `","documents":["abcdefgh","zz"],"truncate_prompt_tokens":20}`,
+		`{"query":"` + strings.Repeat("q", 510) + `","documents":["a"],"truncate":true}`,
+	} {
+		if w := s.do(t, "POST", "/v1/rerank", bad); w.Code != 400 || !bytes.Contains(w.Body.Bytes(), []byte(`"param":"query"`)) {
 			t.Errorf("%.80s…: %d %s", bad, w.Code, w.Body)
 		}
 	}

@@ -367,11 +367,6 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if name == "" {
 		name = strings.TrimSuffix(filepath.Base(f.model), ".gguf")
 	}
-	if lc.Embeddings && !setFlags["max-batch-tokens"] && os.Getenv("SHOAL_MAX_BATCH_TOKENS") == "" {
-		// An embedding or reranker's input is computed in one step: let a step
-		// take what one batch holds.
-		f.maxBatchTokens = max(f.maxBatchTokens, f.batch)
-	}
 	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
 		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
 	}
@@ -515,6 +510,11 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		if err := api.CheckTemplate(template, eng.Vocab()); err != nil {
 			return fmt.Errorf("--chat-template-file %s: %w", f.chatTemplateFile, err)
 		}
+	}
+	if lc.Embeddings && !setFlags["max-batch-tokens"] && os.Getenv("SHOAL_MAX_BATCH_TOKENS") == "" {
+		// An embedding or reranker's input is computed in one step: let a step
+		// take what one batch holds (n_batch, which llama.cpp caps at the context).
+		sc.MaxBatchTokens = capacity.BatchTokens
 	}
 	sched, err := scheduler.New(sc, eng, log)
 	if err != nil {

@@ -39,6 +39,9 @@ type ggufFacts struct {
 	// RankHead: the model has a classification head (cls.weight or
 	// cls.output.weight), which rank pooling turns into a reranker's scores.
 	RankHead bool
+	// Split: the file is the first of several (gguf-split's split.count), whose
+	// tensors it does not all list.
+	Split bool
 }
 
 // ggmlMaxDims is GGML_MAX_DIMS: a tensor info holds at most this many sizes.
@@ -183,7 +186,9 @@ func checkGGUFReader(r io.Reader, size int64) (ggufFacts, error) {
 	if err := checkHeads(strs["general.architecture"], u32); err != nil {
 		return none, err
 	}
-	return scanTensors(cr, nTensors), nil
+	facts := scanTensors(cr, nTensors)
+	_, facts.Split = kinds["split.count"]
+	return facts, nil
 }
 
 // maxLayers is llama.cpp's LLAMA_MAX_LAYERS.

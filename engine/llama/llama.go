@@ -398,7 +398,7 @@ func Open(cfg Config) (*Engine, error) {
 		e.info.Pooling, e.info.Rerank = false, nil
 	}
 	switch {
-	case e.info.Rerank != nil && !facts.RankHead:
+	case e.info.Rerank != nil && !facts.RankHead && !facts.Split:
 		e.Close()
 		return nil, fmt.Errorf("open engine: rank pooling (--reranking) needs a reranker, and this model has no classification head (cls.weight or cls.output.weight): its scores would mean nothing: %w", engine.ErrUnsupported)
 	case e.info.Rerank != nil && e.mem != nil && e.info.Architecture != "qwen3":
@@ -606,6 +606,9 @@ func embeddingPooling(t C.enum_llama_pooling_type) bool {
 // causal (an embedding model converted from a decoder may attend both ways:
 // <arch>.attention.causal false).
 func (e *Engine) poolsLast() bool {
+	if C.llama_model_has_encoder(e.model) {
+		return false // T5's encoder keeps a KV cache its attention does not read
+	}
 	arch := metaString(e.model, "general.architecture")
 	switch C.llama_pooling_type(e.ctx) {
 	case C.LLAMA_POOLING_TYPE_LAST:

@@ -351,8 +351,10 @@ func TestRerankFromCachedPrefix(t *testing.T) {
 			}
 			whole, none := score(false)
 			fromCache, cached := score(true)
-			if none != 0 || cached < len(prompts)-1 {
-				t.Fatalf("cached tokens: %d without caching, %d with", none, cached)
+			// Every pair but the first computed takes the head's whole blocks.
+			head := len(tokenize(t, e, prefix)) - 1 // its last token may merge with a document's
+			if want := (len(prompts) - 1) * (head / 16 * 16); none != 0 || cached < want {
+				t.Fatalf("cached tokens: %d without caching, %d with, want at least %d", none, cached, want)
 			}
 			for i := range whole {
 				if math.Abs(float64(whole[i]-fromCache[i])) > 1e-4 {
