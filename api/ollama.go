@@ -977,8 +977,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 		if !ok {
 			return
 		}
-		if !b.Info.Pooling {
-			abort(c, invalid("model", "this model does not produce embeddings: start an embedding node with --embeddings"))
+		if !embeds(c, b) {
 			return
 		}
 		if req.Dimensions != nil && *req.Dimensions < 0 {

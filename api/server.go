@@ -515,12 +515,7 @@ func (s *Server) embeddings(c *gin.Context) {
 	if !ok {
 		return
 	}
-	switch {
-	case b.Info.Rerank != nil:
-		abort(c, invalid("model", "this node serves a reranker, which scores pairs of texts: use /v1/rerank or /v1/score"))
-		return
-	case !b.Info.Pooling:
-		abort(c, invalid("model", "this model does not produce embeddings (no pooling): start an embedding node with --embeddings (and --pooling for models without their own)"))
+	if !embeds(c, b) {
 		return
 	}
 	switch req.EncodingFormat {
@@ -575,6 +570,19 @@ func (s *Server) embeddings(c *gin.Context) {
 	}
 	resp.Usage.PromptTokens, resp.Usage.TotalTokens = tokens, tokens
 	c.JSON(http.StatusOK, resp)
+}
+
+// embeds reports whether b pools embeddings, else answers c with why not.
+func embeds(c *gin.Context, b *Backend) bool {
+	switch {
+	case b.Info.Rerank != nil:
+		abort(c, invalid("model", "this node serves a reranker, which scores pairs of texts: use /v1/rerank or /v1/score"))
+		return false
+	case !b.Info.Pooling:
+		abort(c, invalid("model", "this model does not produce embeddings (no pooling): start an embedding node with --embeddings (and --pooling for models without their own)"))
+		return false
+	}
+	return true
 }
 
 // embed computes each input's embedding under adapter (at unit length when

@@ -1,11 +1,9 @@
 package llama
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
@@ -43,28 +41,10 @@ func BenchmarkSchedulerRerank(b *testing.B) {
 						c.MaxRunning, c.MaxBatchTokens, c.KV.Caching = window, 2048, caching
 					})
 					start := time.Now()
-					var wg sync.WaitGroup
-					var mu sync.Mutex
-					for _, p := range pairs {
-						wg.Go(func() {
-							st, err := s.Submit(context.Background(), &scheduler.Request{Prompt: p, Embed: true})
-							if err != nil {
-								b.Error(err)
-								return
-							}
-							for ev, ok := st.Next(context.Background()); ok; ev, ok = st.Next(context.Background()) {
-								switch ev.Kind {
-								case scheduler.EventDone:
-									mu.Lock()
-									cached, tokens = cached+ev.Usage.CachedTokens, tokens+ev.Usage.PromptTokens
-									mu.Unlock()
-								case scheduler.EventError:
-									b.Error(ev.Err)
-								}
-							}
-						})
+					_, usage := embedAll(b, s, pairs)
+					for _, u := range usage {
+						cached, tokens = cached+u.CachedTokens, tokens+u.PromptTokens
 					}
-					wg.Wait()
 					wall += time.Since(start)
 				}
 				n := float64(b.N)

@@ -316,36 +316,11 @@ func TestRerankFromCachedPrefix(t *testing.T) {
 			score := func(caching bool) ([]float32, int) {
 				e.ClearMemory()
 				s := startSched(t, e, func(c *scheduler.Config) { c.KV.Caching, c.MaxRunning = caching, 8 })
-				type res struct {
-					score  float32
-					cached int
-				}
-				out := make([]res, len(prompts))
-				var wg sync.WaitGroup
-				for i, p := range prompts { // at once: the others wait for the first's prefix
-					wg.Go(func() {
-						st, err := s.Submit(context.Background(), &scheduler.Request{Prompt: p, Embed: true})
-						if err != nil {
-							t.Error(err)
-							return
-						}
-						for ev, ok := st.Next(context.Background()); ok; ev, ok = st.Next(context.Background()) {
-							switch ev.Kind {
-							case scheduler.EventEmbedding:
-								out[i].score = ev.Vector[0]
-							case scheduler.EventDone:
-								out[i].cached = ev.Usage.CachedTokens
-							case scheduler.EventError:
-								t.Error(ev.Err)
-							}
-						}
-					})
-				}
-				wg.Wait()
+				vecs, usage := embedAll(t, s, prompts)
 				var scores []float32
 				cached := 0
-				for _, r := range out {
-					scores, cached = append(scores, r.score), cached+r.cached
+				for i := range vecs {
+					scores, cached = append(scores, vecs[i][0]), cached+usage[i].CachedTokens
 				}
 				return scores, cached
 			}
@@ -367,4 +342,33 @@ func TestRerankFromCachedPrefix(t *testing.T) {
 	if e := openTest(t, models.Tiny(), func(c *Config) { c.Embeddings, c.Pooling = true, "mean" }); e.Capacity().PoolsLast {
 		t.Fatal("mean pooling reported as last-token pooling")
 	}
+}
+
+// embedAll submits every prompt to s as an embedding request at once and
+// returns each one's vector and usage.
+func embedAll(tb testing.TB, s *scheduler.Scheduler, prompts [][]engine.Token) ([][]float32, []scheduler.Usage) {
+	vecs, usage := make([][]float32, len(prompts)), make([]scheduler.Usage, len(prompts))
+	var wg sync.WaitGroup
+	for i, p := range prompts {
+		wg.Go(func() {
+			ctx := context.Background()
+			st, err := s.Submit(ctx, &scheduler.Request{Prompt: p, Embed: true})
+			if err != nil {
+				tb.Error(err)
+				return
+			}
+			for ev, ok := st.Next(ctx); ok; ev, ok = st.Next(ctx) {
+				switch ev.Kind {
+				case scheduler.EventEmbedding:
+					vecs[i] = ev.Vector
+				case scheduler.EventDone:
+					usage[i] = ev.Usage
+				case scheduler.EventError:
+					tb.Error(ev.Err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return vecs, usage
 }
