@@ -203,6 +203,42 @@ type infillPlan struct {
 // half the context).
 const infillReserve = 256
 
+// llamaPlan is the sampling plan of a request to one of llama-server's own
+// endpoints, which name some fields their own way: n_predict (else max_tokens;
+// maxTokens is nil for -1, until the end, as llama-server's default; 0 computes
+// the prompt and answers nothing, warm: llama.vscode warms the cache with its
+// context so) and repeat_penalty (repetition_penalty). endpoint names it in errors.
+func (s *Server) llamaPlan(b *Backend, f *SamplingFields, nPredict *int, repeat *float64, endpoint string) (p plan, maxTokens *int, warm bool, err error) {
+	maxTokens, param := f.MaxTokens, "max_tokens"
+	if nPredict != nil {
+		maxTokens, param = nPredict, "n_predict"
+	}
+	if maxTokens != nil && *maxTokens <= 0 {
+		if *maxTokens < -1 {
+			return p, nil, false, invalid(param, "%s must be -1 (until the end), 0 (the prompt alone) or more, got %d", param, *maxTokens)
+		}
+		if *maxTokens == 0 {
+			one := 1
+			maxTokens, warm = &one, true
+		} else {
+			maxTokens = nil
+		}
+	}
+	if f.RepetitionPenalty == nil {
+		f.RepetitionPenalty = repeat
+	}
+	if f.N != nil && *f.N != 1 {
+		return p, nil, false, invalid("n", "%s answers one completion", endpoint)
+	}
+	if p, err = s.samplingPlan(b, f, param, maxTokens); err != nil {
+		return p, nil, false, err
+	}
+	if p.promptScores {
+		return p, nil, false, invalid("prompt_logprobs", "%s does not answer prompt_logprobs", endpoint)
+	}
+	return p, maxTokens, warm, nil
+}
+
 func (s *Server) infill(c *gin.Context) {
 	var req InfillRequest
 	b, forwarded, ok := s.beginGeneration(c, &req, &req.Model, &req.Priority)
@@ -214,9 +250,6 @@ func (s *Server) infill(c *gin.Context) {
 		return
 	}
 	switch {
-	case req.N != nil && *req.N != 1:
-		abort(c, invalid("n", "/infill answers one completion"))
-		return
 	case len(req.InputExtra) > MaxInfillChunks:
 		abort(c, invalid("input_extra", "at most %d input_extra chunks are allowed, got %d", MaxInfillChunks, len(req.InputExtra)))
 		return
@@ -227,36 +260,9 @@ func (s *Server) infill(c *gin.Context) {
 		abort(c, invalid("t_max_predict_ms", "t_max_predict_ms must not be negative, got %d", req.TMaxPredictMS))
 		return
 	}
-	// n_predict, else max_tokens: -1 generates until the end, as llama-server's
-	// default; 0 computes the prompt and answers nothing (llama.vscode warms the
-	// cache with its context so).
-	maxTokens, param := req.MaxTokens, "max_tokens"
-	if req.NPredict != nil {
-		maxTokens, param = req.NPredict, "n_predict"
-	}
-	warm := false
-	if maxTokens != nil && *maxTokens <= 0 {
-		if *maxTokens < -1 {
-			abort(c, invalid(param, "%s must be -1 (until the end), 0 (the prompt alone) or more, got %d", param, *maxTokens))
-			return
-		}
-		if *maxTokens == 0 {
-			one := 1
-			maxTokens, warm = &one, true
-		} else {
-			maxTokens = nil
-		}
-	}
-	if req.RepetitionPenalty == nil {
-		req.RepetitionPenalty = req.RepeatPenalty
-	}
-	p, err := s.samplingPlan(b, &req.SamplingFields, param, maxTokens)
+	p, maxTokens, warm, err := s.llamaPlan(b, &req.SamplingFields, req.NPredict, req.RepeatPenalty, "/infill")
 	if err != nil {
 		abort(c, err)
-		return
-	}
-	if p.promptScores {
-		abort(c, invalid("prompt_logprobs", "/infill does not answer prompt_logprobs"))
 		return
 	}
 	in, err := newInfill(b.Vocab, req.InputExtra, req.InputPrefix, req.InputSuffix, req.Prompt, true)

@@ -198,6 +198,12 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 		r.POST(path, s.counted, s.auth, s.rerank)
 	}
 	r.POST("/score", s.counted, s.auth, s.score) // vLLM's
+	// llama-server's own completion endpoint (OpenAI's is /v1/completions).
+	for _, path := range []string{"/completion", "/completions"} {
+		r.POST(path, s.counted, s.auth, s.llamaCompletion)
+	}
+	r.GET("/props", s.counted, s.auth, s.props)
+	r.POST("/apply-template", s.counted, s.auth, s.applyTemplate)
 	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster

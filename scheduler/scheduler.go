@@ -24,6 +24,7 @@ type Load struct {
 	Waiting        int
 	MaxWaiting     int // Config.MaxWaiting: beyond it Submit fails with ErrQueueFull
 	MaxBatchTokens int // Config.MaxBatchTokens: the longest embedding input Submit takes
+	MaxRunning     int // Config.MaxRunning: sequences decoding at once
 	Running        int
 	KVBlocksUsed   int
 	KVBlocksCached int
@@ -1493,7 +1494,7 @@ func (s *Scheduler) publish() {
 	s.pool.Publish()
 	st := s.pool.Stats()
 	l := s.stats
-	l.Waiting, l.MaxWaiting, l.MaxBatchTokens = int(s.waiting.Load()), s.cfg.MaxWaiting, s.cfg.MaxBatchTokens
+	l.Waiting, l.MaxWaiting, l.MaxBatchTokens, l.MaxRunning = int(s.waiting.Load()), s.cfg.MaxWaiting, s.cfg.MaxBatchTokens, s.cfg.MaxRunning
 	l.Running = len(s.running)
 	l.KVBlocksUsed, l.KVBlocksCached, l.KVBlocksTotal, l.KVBlockTokens = st.Used, st.Cached, st.Blocks, st.BlockTokens
 	l.KVCacheBudget = st.CacheBudget

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -160,5 +161,35 @@ func TestLoRA(t *testing.T) {
 	errb.Reset()
 	if code := run([]string{"serve", "--model", smallModel(t), "--addr", "127.0.0.1:0", "--lora", other}, &out, &errb); code == 0 || !strings.Contains(errb.String(), "incorrect shape") {
 		t.Errorf("an adapter for another model: exit %d, %s", code, errb.String())
+	}
+}
+
+// TestLlamaServerCompletion: llama-server's own /completion on the real engine
+// answers a prompt as /v1/completions does (the same greedy text, the same
+// prompt tokens), and /props gives the context /v1/models gives.
+func TestLlamaServerCompletion(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t))
+	resp, body := post(t, n.url+"/completion", `{"prompt":"The cat sat on the","n_predict":8,"temperature":0}`)
+	var native struct {
+		Content         string
+		TokensPredicted int `json:"tokens_predicted"`
+		TokensEvaluated int `json:"tokens_evaluated"`
+	}
+	if err := json.Unmarshal([]byte(body), &native); err != nil || resp.StatusCode != 200 || native.TokensPredicted != 8 {
+		t.Fatalf("/completion: %d %s", resp.StatusCode, body)
+	}
+	client := n.client("")
+	c, err := client.Completions.New(context.Background(), openai.CompletionNewParams{Model: "small",
+		Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("The cat sat on the")}, MaxTokens: openai.Int(8), Temperature: openai.Float(0)})
+	if err != nil || c.Choices[0].Text != native.Content || int(c.Usage.PromptTokens) != native.TokensEvaluated {
+		t.Fatalf("/v1/completions %+v (%v), /completion %+v", c, err, native)
+	}
+	var props struct {
+		Settings struct {
+			NCtx int `json:"n_ctx"`
+		} `json:"default_generation_settings"`
+	}
+	if err := json.Unmarshal([]byte(getBody(n.url+"/props")), &props); err != nil || !strings.Contains(modelList(n), fmt.Sprintf(`"max_model_len":%d`, props.Settings.NCtx)) {
+		t.Fatalf("/props n_ctx %d, /v1/models %s (%v)", props.Settings.NCtx, modelList(n), err)
 	}
 }

@@ -1,0 +1,119 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// TestLlamaCompletion: llama-server's /completion answers a prompt given as
+// text, token ids or both mixed (BOS before the first text only), whole or as
+// data events in /infill's shape, with n_predict's meanings, and refuses what it
+// does not do.
+func TestLlamaCompletion(t *testing.T) {
+	s := newTestServer(t, nil)
+	answer := func(body string) InfillResponse {
+		t.Helper()
+		w := s.do(t, "POST", "/completion", body)
+		var r InfillResponse
+		if err := json.Unmarshal(w.Body.Bytes(), &r); err != nil || w.Code != 200 || !r.Stop {
+			t.Fatalf("%s: %d %s", body, w.Code, w.Body)
+		}
+		return r
+	}
+	text := answer(`{"prompt":"abc","n_predict":4,"temperature":0}`)
+	if text.TokensPredicted != 4 || text.TokensEvaluated != 4 || text.StopType != "limit" || text.Timings == nil {
+		t.Fatalf("text prompt: %+v", text)
+	}
+	// The same prompt as ids, BOS included, and as text then an id.
+	ids, _ := s.fake.Vocab().Tokenize("abc", true, true)
+	if r := answer(fmt.Sprintf(`{"prompt":[%d,%d,%d,%d],"n_predict":4,"temperature":0}`, ids[0], ids[1], ids[2], ids[3])); r.Content != text.Content {
+		t.Fatalf("as token ids %v: %q, as text: %q", ids, r.Content, text.Content)
+	}
+	if mixed := answer(fmt.Sprintf(`{"prompt":["ab",%d],"n_predict":4,"temperature":0}`, ids[3])); mixed.Content != text.Content || mixed.TokensEvaluated != 4 {
+		t.Fatalf("mixed: %+v, as text: %q", mixed, text.Content)
+	}
+	if all := answer(`{"prompt":"abc","n_predict":-1,"max_tokens":2}`); all.TokensPredicted < 2 {
+		t.Fatalf("n_predict -1 (until the end): %+v", all)
+	}
+	if warm := answer(`{"prompt":"abc","n_predict":0}`); warm.Content != "" || warm.StopType != "limit" {
+		t.Fatalf("n_predict 0 (the prompt alone): %+v", warm)
+	}
+	w := s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":3,"stream":true,"temperature":0}`)
+	events := strings.Count(w.Body.String(), "data: ")
+	if w.Code != 200 || events != 4 || !strings.Contains(w.Body.String(), `"stop":true`) || strings.Contains(w.Body.String(), "[DONE]") {
+		t.Fatalf("stream: %d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":2,"response_fields":["content","timings/predicted_n"]}`)
+	if w.Code != 200 || !strings.Contains(w.Body.String(), `"timings/predicted_n":2`) || strings.Contains(w.Body.String(), "tokens_evaluated") {
+		t.Fatalf("response_fields: %s", w.Body)
+	}
+	for _, c := range []struct{ body, param string }{
+		{`{"n_predict":2}`, "prompt"},
+		{`{"prompt":[]}`, "prompt"},
+		{`{"prompt":[99999]}`, "prompt"},
+		{`{"prompt":"a","n_probs":2}`, "n_probs"},
+		{`{"prompt":"a","n":2}`, "n"},
+		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
+		{`{"prompt":[["a"],"b"]}`, ""},
+	} {
+		w := s.do(t, "POST", "/completion", c.body)
+		var e struct{ Error *Error }
+		if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || w.Code != 400 || e.Error == nil || e.Error.Param != c.param {
+			t.Errorf("%s: %d %s", c.body, w.Code, w.Body)
+		}
+	}
+}
+
+// TestLlamaProps: /props gives the context a request may use and the slots, and
+// /apply-template lays out a chat as chat completions would, without running it.
+func TestLlamaProps(t *testing.T) {
+	s := newTestServer(t, nil)
+	w := s.do(t, "GET", "/props", "")
+	var p LlamaProps
+	if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != 200 || p.DefaultGenerationSettings.NCtx == 0 || p.TotalSlots != 16 || p.ModelPath != "fake" {
+		t.Fatalf("props: %d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/apply-template", `{"messages":[{"role":"user","content":"hi"}]}`)
+	var a struct{ Prompt string }
+	if err := json.Unmarshal(w.Body.Bytes(), &a); err != nil || w.Code != 200 || !strings.Contains(a.Prompt, "hi") {
+		t.Fatalf("apply-template: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "POST", "/apply-template", `{"messages":[]}`); w.Code != 400 || !bytes.Contains(w.Body.Bytes(), []byte(`"param":"messages"`)) {
+		t.Fatalf("apply-template without messages: %d %s", w.Code, w.Body)
+	}
+}
+
+// FuzzLlamaServerRequests: no body makes /completion or /apply-template fail
+// with a 5xx or an error outside OpenAI's format.
+func FuzzLlamaServerRequests(f *testing.F) {
+	s := newTestServer(f, func(c *Config, sc *scheduler.Config) { c.MaxTokensCap, sc.DefaultMaxTokens = 8, 8 })
+	for _, body := range []string{
+		`{"prompt":"abc","n_predict":3,"stop":["x"],"stream":true}`, `{"prompt":["a",3,"b"],"n_predict":0}`,
+		`{"prompt":[1,2],"n_predict":-1,"repeat_penalty":1.1}`, `{"prompt":"a","grammar":"root ::= \"x\""}`,
+		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`,
+	} {
+		f.Add(body, false)
+		f.Add(body, true)
+	}
+	f.Fuzz(func(t *testing.T, body string, template bool) {
+		path := "/completion"
+		if template {
+			path = "/apply-template"
+		}
+		w := s.do(t, "POST", path, body)
+		if w.Code >= 500 {
+			t.Fatalf("status %d for %q: %s", w.Code, body, w.Body)
+		}
+		if w.Code != 200 {
+			var e ErrorBody
+			if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || e.Error.Message == "" {
+				t.Fatalf("status %d without an error body: %s", w.Code, w.Body)
+			}
+		}
+	})
+}
