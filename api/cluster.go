@@ -97,7 +97,7 @@ func streamFailure(c *gin.Context) func(peer string) string {
 			b, _ := json.Marshal(ollamaError(&Error{Message: "peer " + peer + " failed mid-stream"}))
 			return string(b) + "\n"
 		}
-	case c.Request.URL.Path == "/infill": // llama-server's streams end without [DONE]
+	case slices.Contains([]string{"/infill", "/completion", "/completions"}, c.Request.URL.Path): // llama-server's streams end without [DONE]
 		return func(peer string) string {
 			b, _ := json.Marshal((&Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peer_failed", Message: "peer " + peer + " failed mid-stream"}).body())
 			return "data: " + string(b) + "\n\n"

@@ -213,21 +213,13 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		_, _ = crand.Read(buf[:])
 		sp.Seed = binary.LittleEndian.Uint64(buf[:])
 	}
+	var err error
 	if len(f.LogitBias) > 0 {
-		sp.LogitBias = map[engine.Token]float32{}
-		for k, v := range f.LogitBias {
-			id, err := strconv.Atoi(k)
-			if err != nil || id < 0 || id >= b.Vocab.Size() {
-				return p, invalid("logit_bias", "logit_bias key %q is not a token id of this model (0..%d)", k, b.Vocab.Size()-1)
-			}
-			if math.IsNaN(v) || v < -100 || v > 100 {
-				return p, invalid("logit_bias", "logit_bias %q: %v must be between -100 and 100", k, v)
-			}
-			sp.LogitBias[engine.Token(id)] = float32(v)
+		if sp.LogitBias, err = f.LogitBias.tokens(b.Vocab); err != nil {
+			return p, err
 		}
 	}
 	r.Sampling = sp
-	var err error
 	if p.grammarParam, r.Grammar, err = s.grammarFor(b.Vocab, f); err != nil {
 		return p, err
 	}

@@ -2,6 +2,7 @@ package api
 
 import (
 	"encoding/json"
+	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -227,6 +228,19 @@ func (s *Server) llamaPlan(b *Backend, f *SamplingFields, nPredict *int, repeat 
 	if f.RepetitionPenalty == nil {
 		f.RepetitionPenalty = repeat
 	}
+	// Values llama-server gives meanings OpenAI's API refuses: a negative seed is
+	// a new one each time; a temperature below 0 or top_p 0 draws the likeliest
+	// token; an empty stop string stops nothing.
+	if f.Seed != nil && (*f.Seed < 0 || *f.Seed == math.MaxUint32) {
+		f.Seed = nil
+	}
+	if f.Temperature != nil && *f.Temperature < 0 {
+		f.Temperature = new(0.0)
+	}
+	if f.TopP != nil && *f.TopP <= 0 {
+		f.TopP, f.TopK = nil, new(1)
+	}
+	f.Stop = slices.DeleteFunc(slices.Clone(f.Stop), func(s string) bool { return s == "" })
 	if f.N != nil && *f.N != 1 {
 		return p, nil, false, invalid("n", "%s answers one completion", endpoint)
 	}

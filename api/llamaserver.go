@@ -51,6 +51,7 @@ func (p *LlamaPrompt) UnmarshalJSON(b []byte) error {
 		return errors.New("prompt must be a string, or an array of strings and token ids")
 	}
 	out := make(LlamaPrompt, 0, len(parts))
+	ids := false
 	for _, raw := range parts {
 		var s string
 		var id int64
@@ -58,10 +59,14 @@ func (p *LlamaPrompt) UnmarshalJSON(b []byte) error {
 		case json.Unmarshal(raw, &s) == nil:
 			out = append(out, s)
 		case json.Unmarshal(raw, &id) == nil:
-			out = append(out, id)
+			out, ids = append(out, id), true
 		default:
 			return errors.New("prompt must be one prompt: a string, or an array of strings and token ids (several prompts are answered by /v1/completions)")
 		}
+	}
+	if len(out) > 1 && !ids {
+		// llama-server reads strings alone as several prompts, each answered.
+		return errors.New("prompt must be one prompt: an array of strings is several prompts, which /v1/completions answers")
 	}
 	*p = out
 	return nil

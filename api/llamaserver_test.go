@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -43,6 +44,39 @@ func TestLlamaCompletion(t *testing.T) {
 	if warm := answer(`{"prompt":"abc","n_predict":0}`); warm.Content != "" || warm.StopType != "limit" {
 		t.Fatalf("n_predict 0 (the prompt alone): %+v", warm)
 	}
+	// logit_bias in llama-server's forms: SillyTavern sends [] always, and bans
+	// tokens with false; a text key biases the text's tokens.
+	var pairs, object []string
+	for id := range s.fake.Vocab().Size() {
+		if p, _ := s.fake.Vocab().Piece(engine.Token(id), false); string(p) == text.Content[:1] {
+			pairs, object = append(pairs, fmt.Sprintf("[%d,false]", id)), append(object, fmt.Sprintf(`"%d":-100`, id))
+		}
+	}
+	for _, c := range []struct {
+		bias    string
+		changes bool // the first token is banned
+	}{
+		{`[]`, false}, {"[" + strings.Join(pairs, ",") + "]", true}, {"{" + strings.Join(object, ",") + "}", true},
+		{`[["ab",false]]`, false}, {`{"ab":-3.5}`, false},
+	} {
+		r := answer(`{"prompt":"abc","n_predict":4,"temperature":0,"logit_bias":` + c.bias + `}`)
+		if c.changes == (r.Content[:1] == text.Content[:1]) {
+			t.Errorf("logit_bias %s: %q, without: %q", c.bias, r.Content, text.Content)
+		}
+	}
+	lb := LogitBias{{Text: "ab", IsText: true, Ban: true}, {ID: 7, Bias: 2}}
+	ab, _ := s.fake.Vocab().Tokenize("ab", false, false)
+	if m, err := lb.tokens(s.fake.Vocab()); err != nil || len(m) != 3 || m[ab[0]] != -100 || m[ab[1]] != -100 || m[7] != 2 {
+		t.Fatalf("a text's tokens and an id: %v %v", m, err)
+	}
+	// llama-server's meanings of values OpenAI's API refuses: top_p 0 and a
+	// negative temperature draw the likeliest token, a negative seed is a new one,
+	// an empty stop string stops nothing.
+	for _, f := range []string{`"top_p":0`, `"temperature":-1`, `"temperature":0,"seed":-1,"stop":["","zzz"]`} {
+		if r := answer(`{"prompt":"abc","n_predict":4,` + f + `}`); r.Content != text.Content {
+			t.Errorf("%s: %q, greedy: %q", f, r.Content, text.Content)
+		}
+	}
 	w := s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":3,"stream":true,"temperature":0}`)
 	events := strings.Count(w.Body.String(), "data: ")
 	if w.Code != 200 || events != 4 || !strings.Contains(w.Body.String(), `"stop":true`) || strings.Contains(w.Body.String(), "[DONE]") {
@@ -60,6 +94,7 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"prompt":"a","n":2}`, "n"},
 		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
 		{`{"prompt":[["a"],"b"]}`, ""},
+		{`{"prompt":["a","b"]}`, ""},
 	} {
 		w := s.do(t, "POST", "/completion", c.body)
 		var e struct{ Error *Error }

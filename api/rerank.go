@@ -363,33 +363,51 @@ func plainText(b *Backend, text string) (bool, error) {
 	return slices.Equal(parsed, raw), err
 }
 
-// promptInPieces lays out the rerank prompt tmpl piece by piece: its own text with
-// control tokens parsed, the query and document as plain text.
+// promptInPieces lays out the rerank prompt tmpl as llama.cpp's tokenizer lays out
+// a whole text, whose control tokens cut it into runs tokenized apart, but with
+// the query and document read as plain text inside their runs: each run of the
+// template, its placeholders replaced, is tokenized without control tokens
+// parsed, and each of the template's own control tokens stands as itself. (A
+// template whose control tokens strip the whitespace beside them would keep it
+// here; rerank prompts' do not.)
 func promptInPieces(b *Backend, tmpl, query, doc string) ([]engine.Token, error) {
+	toks, err := b.Vocab.Tokenize(tmpl, false, true)
+	if err != nil {
+		return nil, err
+	}
+	controls := map[string]engine.Token{}
+	for _, t := range toks {
+		plain, _ := b.Vocab.Piece(t, false)
+		special, _ := b.Vocab.Piece(t, true)
+		if len(plain) == 0 && len(special) > 0 {
+			controls[string(special)] = t
+		}
+	}
+	fill := strings.NewReplacer("{query}", query, "{document}", doc)
 	var out []engine.Token
-	add := func(text string, special bool) error {
+	run := func(text string) error {
 		if text == "" {
 			return nil
 		}
-		toks, err := b.Vocab.Tokenize(text, false, special)
+		toks, err := b.Vocab.Tokenize(fill.Replace(text), false, false)
 		out = append(out, toks...)
 		return err
 	}
 	for tmpl != "" {
-		i, q, d := len(tmpl), strings.Index(tmpl, "{query}"), strings.Index(tmpl, "{document}")
-		text, skip := "", 0
-		if q >= 0 && (d < 0 || q < d) {
-			i, text, skip = q, query, len("{query}")
-		} else if d >= 0 {
-			i, text, skip = d, doc, len("{document}")
+		at, which := -1, ""
+		for c := range controls {
+			if i := strings.Index(tmpl, c); i >= 0 && (at < 0 || i < at || i == at && len(c) > len(which)) {
+				at, which = i, c
+			}
 		}
-		if err := add(tmpl[:i], true); err != nil {
+		if at < 0 {
+			return out, run(tmpl)
+		}
+		if err := run(tmpl[:at]); err != nil {
 			return nil, err
 		}
-		if err := add(text, false); err != nil {
-			return nil, err
-		}
-		tmpl = tmpl[min(len(tmpl), i+skip):]
+		out = append(out, controls[which])
+		tmpl = tmpl[at+len(which):]
 	}
 	return out, nil
 }
@@ -461,13 +479,19 @@ func fitPair(l *pairLayout, doc string, t truncation) ([]engine.Token, error) {
 	if !over && len(dt) <= t.docTokens {
 		return toks, nil
 	}
+	plain := true // a plain document's beginnings are plain
+	if b.Info.Rerank.Template != "" {
+		if plain, err = plainText(b, doc); err != nil {
+			return nil, err
+		}
+	}
 	at := func(k int) ([]engine.Token, error) {
 		text, err := b.Vocab.Detokenize(dt[:k], false, false)
 		if err != nil {
 			return nil, err
 		}
 		// A cut inside a character's bytes would tokenize as something else.
-		return l.prompt(strings.ToValidUTF8(text, ""))
+		return l.layout(strings.ToValidUTF8(text, ""), plain)
 	}
 	k := len(dt)
 	if t.docTokens > 0 {
@@ -530,12 +554,21 @@ func newPairLayout(b *Backend, query string) (*pairLayout, error) {
 
 // prompt is the pair of l's query and doc.
 func (l *pairLayout) prompt(doc string) ([]engine.Token, error) {
-	b, r := l.b, l.b.Info.Rerank
-	if r.Template != "" {
-		plain, err := plainText(b, doc)
-		if err != nil {
+	plain := true
+	if l.b.Info.Rerank.Template != "" {
+		var err error
+		if plain, err = plainText(l.b, doc); err != nil {
 			return nil, err
 		}
+	}
+	return l.layout(doc, plain)
+}
+
+// layout is prompt for a document known to hold no control token's text (plain)
+// or not.
+func (l *pairLayout) layout(doc string, plain bool) ([]engine.Token, error) {
+	b, r := l.b, l.b.Info.Rerank
+	if r.Template != "" {
 		if l.plain && plain {
 			text := strings.NewReplacer("{query}", l.query, "{document}", doc).Replace(r.Template)
 			return b.Vocab.Tokenize(text, false, true)

@@ -204,3 +204,54 @@ func TestRerankTruncation(t *testing.T) {
 		t.Errorf("score with truncation: %d %s", w.Code, w.Body)
 	}
 }
+
+// controlVocab is the fake's vocabulary with one control token, "<c>" (id 60),
+// which Tokenize parses only when asked to and Piece shows only as special.
+type controlVocab struct{ engine.Vocab }
+
+func (v controlVocab) Tokenize(s string, add, parse bool) ([]engine.Token, error) {
+	if !parse {
+		return v.Vocab.Tokenize(s, add, false)
+	}
+	var out []engine.Token
+	for i, part := range strings.Split(s, "<c>") {
+		if i > 0 {
+			out = append(out, 60)
+		}
+		toks, _ := v.Vocab.Tokenize(part, add && i == 0, false)
+		out = append(out, toks...)
+	}
+	return out, nil
+}
+
+func (v controlVocab) Piece(t engine.Token, special bool) ([]byte, error) {
+	if t == 60 {
+		if special {
+			return []byte("<c>"), nil
+		}
+		return nil, nil
+	}
+	return v.Vocab.Piece(t, special)
+}
+
+// TestRerankControlText: a document holding a control token's text is read as
+// plain text inside the rerank prompt, whose own control tokens stay; a plain
+// one is tokenized as the whole prompt is.
+func TestRerankControlText(t *testing.T) {
+	v := controlVocab{enginetest.New(256, 4, 64).Vocab()}
+	b := &Backend{Vocab: v, Info: engine.ModelInfo{Rerank: &engine.RerankLayout{Template: "<c>Q:{query}<c>D:{document}<c>"}}}
+	plainTok := func(s string) []engine.Token { out, _ := v.Tokenize(s, false, false); return out }
+	l, err := newPairLayout(b, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := l.prompt("y<c>yes")
+	want := slices.Concat([]engine.Token{60}, plainTok("Q:x"), []engine.Token{60}, plainTok("D:y<c>yes"), []engine.Token{60})
+	if !slices.Equal(got, want) {
+		t.Fatalf("a document with control text: %v, want %v", got, want)
+	}
+	whole, _ := v.Tokenize("<c>Q:x<c>D:yy<c>", false, true)
+	if pieces, _ := promptInPieces(b, b.Info.Rerank.Template, "x", "yy"); !slices.Equal(pieces, whole) {
+		t.Fatalf("plain texts in pieces: %v, whole: %v", pieces, whole)
+	}
+}

@@ -42,7 +42,7 @@ const (
 	// itself); chat requests generate until end-of-generation instead.
 	CompletionsMaxTokens = 16
 	// MaxStops bounds the stop strings of one request.
-	MaxStops = 16
+	MaxStops = 64
 	// MaxStopTokens bounds a request's stop_token_ids.
 	MaxStopTokens = 256
 )

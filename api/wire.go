@@ -5,7 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"reflect"
+	"slices"
+	"strconv"
+
+	"github.com/shoal-ai/shoal/engine"
 )
 
 // OpenAI wire types. Field names and shapes follow the OpenAI API reference;
@@ -154,29 +160,29 @@ type ResponseFormat struct {
 
 // SamplingFields are the parameters both endpoints share.
 type SamplingFields struct {
-	Model             string             `json:"model"`
-	MaxTokens         *int               `json:"max_tokens"`
-	Temperature       *float64           `json:"temperature"`
-	TopP              *float64           `json:"top_p"`
-	N                 *int               `json:"n"`
-	Stream            bool               `json:"stream"`
-	StreamOptions     *StreamOptions     `json:"stream_options"`
-	Stop              StringOrList       `json:"stop"`
-	Seed              *int64             `json:"seed"`
-	PresencePenalty   *float64           `json:"presence_penalty"`
-	FrequencyPenalty  *float64           `json:"frequency_penalty"`
-	LogitBias         map[string]float64 `json:"logit_bias"`
-	User              string             `json:"user"`
-	ResponseFormat    *ResponseFormat    `json:"response_format"`
-	TopK              *int               `json:"top_k"`
-	MinP              *float64           `json:"min_p"`
-	RepetitionPenalty *float64           `json:"repetition_penalty"`
-	Priority          *int               `json:"priority"`
-	IgnoreEOS         bool               `json:"ignore_eos"`
-	SkipSpecialTokens *bool              `json:"skip_special_tokens"`
-	MinTokens         *int               `json:"min_tokens"`
-	StopTokenIDs      []int              `json:"stop_token_ids"`
-	IncludeStopStr    bool               `json:"include_stop_str_in_output"`
+	Model             string          `json:"model"`
+	MaxTokens         *int            `json:"max_tokens"`
+	Temperature       *float64        `json:"temperature"`
+	TopP              *float64        `json:"top_p"`
+	N                 *int            `json:"n"`
+	Stream            bool            `json:"stream"`
+	StreamOptions     *StreamOptions  `json:"stream_options"`
+	Stop              StringOrList    `json:"stop"`
+	Seed              *int64          `json:"seed"`
+	PresencePenalty   *float64        `json:"presence_penalty"`
+	FrequencyPenalty  *float64        `json:"frequency_penalty"`
+	LogitBias         LogitBias       `json:"logit_bias"`
+	User              string          `json:"user"`
+	ResponseFormat    *ResponseFormat `json:"response_format"`
+	TopK              *int            `json:"top_k"`
+	MinP              *float64        `json:"min_p"`
+	RepetitionPenalty *float64        `json:"repetition_penalty"`
+	Priority          *int            `json:"priority"`
+	IgnoreEOS         bool            `json:"ignore_eos"`
+	SkipSpecialTokens *bool           `json:"skip_special_tokens"`
+	MinTokens         *int            `json:"min_tokens"`
+	StopTokenIDs      []int           `json:"stop_token_ids"`
+	IncludeStopStr    bool            `json:"include_stop_str_in_output"`
 	// PromptLogprobs is vLLM's: score the prompt's tokens, with this many
 	// alternatives each (PromptLogprob).
 	PromptLogprobs *int `json:"prompt_logprobs"`
@@ -488,4 +494,115 @@ type EmbeddingResponse struct {
 	Data   []EmbeddingData `json:"data"`
 	Model  string          `json:"model"`
 	Usage  EmbeddingUsage  `json:"usage"`
+}
+
+// LogitBias is logit_bias in OpenAI's form ({"token id": bias}) or in
+// llama-server's, which SillyTavern and other llama.cpp clients send: an object
+// or an array of [key, value] pairs whose key is a token id or a text (each of
+// its tokens gets the bias) and whose value is a bias or false (the token is
+// banned). An empty array is none.
+type LogitBias []BiasEntry
+
+// BiasEntry is one logit_bias entry.
+type BiasEntry struct {
+	ID     int64
+	Text   string
+	IsText bool
+	Bias   float64
+	Ban    bool
+}
+
+// UnmarshalJSON takes an object or an array of pairs.
+func (l *LogitBias) UnmarshalJSON(b []byte) error {
+	errShape := errors.New(`logit_bias must be {"token id": bias} or [[token id or text, bias or false], ...]`)
+	var out LogitBias
+	entry := func(key json.RawMessage, value json.RawMessage) error {
+		var e BiasEntry
+		var s string
+		switch {
+		case json.Unmarshal(key, &e.ID) == nil:
+		case json.Unmarshal(key, &s) == nil:
+			if id, err := strconv.ParseInt(s, 10, 64); err == nil {
+				e.ID = id
+			} else {
+				e.Text, e.IsText = s, true
+			}
+		default:
+			return errShape
+		}
+		var ban bool
+		switch {
+		case json.Unmarshal(value, &e.Bias) == nil:
+		case json.Unmarshal(value, &ban) == nil && !ban:
+			e.Ban = true
+		default:
+			return errShape
+		}
+		out = append(out, e)
+		return nil
+	}
+	if t := bytes.TrimSpace(b); len(t) > 0 && t[0] == '[' {
+		var pairs []json.RawMessage
+		if err := json.Unmarshal(t, &pairs); err != nil {
+			return errShape
+		}
+		for _, p := range pairs {
+			var kv []json.RawMessage
+			if err := json.Unmarshal(p, &kv); err != nil || len(kv) != 2 {
+				return errShape
+			}
+			if err := entry(kv[0], kv[1]); err != nil {
+				return err
+			}
+		}
+		*l = out
+		return nil
+	}
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(b, &m); err != nil {
+		return errShape
+	}
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		key, _ := json.Marshal(k)
+		if err := entry(key, m[k]); err != nil {
+			return err
+		}
+	}
+	*l = out
+	return nil
+}
+
+// maxBiasTokens bounds the tokens one request's logit_bias may touch.
+const maxBiasTokens = 4096
+
+// tokens is the bias of each token under v: a text's tokens each get its bias;
+// a ban is the lowest bias (-100).
+func (l LogitBias) tokens(v engine.Vocab) (map[engine.Token]float32, error) {
+	out := map[engine.Token]float32{}
+	for _, e := range l {
+		bias := e.Bias
+		if e.Ban {
+			bias = -100
+		}
+		if math.IsNaN(bias) || bias < -100 || bias > 100 {
+			return nil, invalid("logit_bias", "logit_bias %v: must be between -100 and 100 (or false, banned)", bias)
+		}
+		ids := []engine.Token{engine.Token(e.ID)}
+		if e.IsText {
+			toks, err := v.Tokenize(e.Text, false, false)
+			if err != nil {
+				return nil, err
+			}
+			ids = toks
+		} else if e.ID < 0 || e.ID >= int64(v.Size()) {
+			return nil, invalid("logit_bias", "logit_bias key %d is not a token id of this model (0..%d)", e.ID, v.Size()-1)
+		}
+		for _, id := range ids {
+			out[id] = float32(bias)
+		}
+		if len(out) > maxBiasTokens {
+			return nil, invalid("logit_bias", "logit_bias touches more than %d tokens", maxBiasTokens)
+		}
+	}
+	return out, nil
 }

@@ -39,8 +39,8 @@ type ggufFacts struct {
 	// RankHead: the model has a classification head (cls.weight or
 	// cls.output.weight), which rank pooling turns into a reranker's scores.
 	RankHead bool
-	// Split: the file is the first of several (gguf-split's split.count), whose
-	// tensors it does not all list.
+	// Split: the file is the first of several (gguf-split's split.count above
+	// 1), whose tensors it does not all list.
 	Split bool
 }
 
@@ -157,6 +157,14 @@ func checkGGUFReader(r io.Reader, size int64) (ggufFacts, error) {
 			}
 			continue
 		}
+		if key == "split.count" && typ == ggufUint16 && !array { // gguf-split writes it so
+			var v uint16
+			if err := cr.read(&v); err != nil {
+				return none, fmt.Errorf("metadata %q: %w", key, err)
+			}
+			u32[key] = uint32(v)
+			continue
+		}
 		if typ == ggufUint32 && !array {
 			var v uint32
 			if err := cr.read(&v); err != nil {
@@ -187,7 +195,7 @@ func checkGGUFReader(r io.Reader, size int64) (ggufFacts, error) {
 		return none, err
 	}
 	facts := scanTensors(cr, nTensors)
-	_, facts.Split = kinds["split.count"]
+	facts.Split = u32["split.count"] > 1
 	return facts, nil
 }
 
