@@ -178,6 +178,35 @@ type InfillResponse struct {
 	TokensCached    int            `json:"tokens_cached,omitempty"` // prompt tokens served from the prefix cache
 	Truncated       bool           `json:"truncated"`
 	Timings         *InfillTimings `json:"timings,omitempty"`
+	// CompletionProbabilities are each token's log-probability and the likeliest
+	// alternatives, when /completion's n_probs asks for them (each event its own).
+	CompletionProbabilities []LlamaProb `json:"completion_probabilities,omitempty"`
+}
+
+// LlamaProb is a token of llama-server's completion_probabilities.
+type LlamaProb struct {
+	LlamaTopProb
+	TopLogprobs []LlamaTopProb `json:"top_logprobs"`
+}
+
+// LlamaTopProb is a token and its log-probability, as llama-server names them.
+type LlamaTopProb struct {
+	ID      int     `json:"id"`
+	Token   string  `json:"token"`
+	Bytes   []int   `json:"bytes"`
+	Logprob float32 `json:"logprob"`
+}
+
+// llamaProb is ev's token as completion_probabilities lists it.
+func llamaProb(v engine.Vocab, ev scheduler.Event) LlamaProb {
+	top := func(t engine.Token, lp float32) LlamaTopProb {
+		return LlamaTopProb{ID: int(t), Token: pieceString(v, t), Bytes: pieceBytes(v, t), Logprob: lp}
+	}
+	out := LlamaProb{LlamaTopProb: top(ev.Token, ev.Logprob), TopLogprobs: []LlamaTopProb{}}
+	for _, t := range ev.Top {
+		out.TopLogprobs = append(out.TopLogprobs, top(t.Token, t.Logprob))
+	}
+	return out
 }
 
 // InfillTimings are llama-server's timings of a request.
@@ -308,12 +337,14 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		w.start()
 	}
 	var content strings.Builder
+	var probs []LlamaProb // not yet sent
 	emit := func(text string) {
-		if text == "" {
+		if text == "" && len(probs) == 0 {
 			return
 		}
 		if w != nil {
-			w.data(InfillResponse{Content: text})
+			w.data(InfillResponse{Content: text, CompletionProbabilities: probs})
+			probs = nil
 			return
 		}
 		content.WriteString(text)
@@ -328,6 +359,9 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
+			if p.logprobs {
+				probs = append(probs, llamaProb(b.Vocab, ev))
+			}
 			text, how := cut.add(ev.Text, ev.At.Sub(times.first))
 			switch how {
 			case cutIndent: // what the scheduler holds comes after the cut
@@ -354,7 +388,7 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		return
 	}
 	r := InfillResponse{Content: content.String(), Stop: true, Model: p.model, TokensPredicted: u.CompletionTokens,
-		TokensEvaluated: u.PromptTokens, TokensCached: u.CachedTokens}
+		TokensEvaluated: u.PromptTokens, TokensCached: u.CachedTokens, CompletionProbabilities: probs}
 	switch {
 	case p.warm || cut.stopped || fin.Finish == scheduler.FinishLength:
 		r.StopType = "limit"

@@ -10,6 +10,7 @@ import (
 	"github.com/gin-gonic/gin"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/sample"
 )
 
 // llama-server's own endpoints beside /infill, for clients written against it
@@ -24,9 +25,16 @@ type LlamaCompletionRequest struct {
 	Prompt        *LlamaPrompt `json:"prompt"`
 	NPredict      *int         `json:"n_predict"`
 	RepeatPenalty *float64     `json:"repeat_penalty"`
-	// NProbs asks for the most likely tokens at each step; /v1/completions
-	// answers logprobs instead.
+	// NProbs asks for each token's log-probability and this many likeliest
+	// alternatives (completion_probabilities).
 	NProbs int `json:"n_probs"`
+	// Samplers shoal does not have, which llama-server's clients send turned off
+	// (SillyTavern always does): refused when turned on.
+	Mirostat       *int     `json:"mirostat"`
+	TypicalP       *float64 `json:"typical_p"`
+	TFSZ           *float64 `json:"tfs_z"`
+	DryMultiplier  *float64 `json:"dry_multiplier"`
+	XTCProbability *float64 `json:"xtc_probability"`
 	// ResponseFields answers only these fields, as /infill's.
 	ResponseFields []string `json:"response_fields"`
 }
@@ -72,6 +80,23 @@ func (p *LlamaPrompt) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
+// unsupported refuses samplers turned on that shoal does not have.
+func (r *LlamaCompletionRequest) unsupported() error {
+	switch {
+	case r.Mirostat != nil && *r.Mirostat != 0:
+		return invalid("mirostat", "mirostat sampling is not supported (0: off)")
+	case r.TypicalP != nil && *r.TypicalP != 1:
+		return invalid("typical_p", "typical_p sampling is not supported (1: off)")
+	case r.TFSZ != nil && *r.TFSZ != 1:
+		return invalid("tfs_z", "tail-free sampling is not supported (1: off)")
+	case r.DryMultiplier != nil && *r.DryMultiplier != 0:
+		return invalid("dry_multiplier", "DRY sampling is not supported (0: off)")
+	case r.XTCProbability != nil && *r.XTCProbability != 0:
+		return invalid("xtc_probability", "XTC sampling is not supported (0: off)")
+	}
+	return nil
+}
+
 // tokens lays out p as llama-server does.
 func (p LlamaPrompt) tokens(v engine.Vocab) ([]engine.Token, error) {
 	var out []engine.Token
@@ -101,14 +126,21 @@ func (s *Server) llamaCompletion(c *gin.Context) {
 	if !ok {
 		return
 	}
-	if req.NProbs != 0 {
-		abort(c, invalid("n_probs", "n_probs is not supported on /completion: /v1/completions answers logprobs"))
+	if req.NProbs < 0 || req.NProbs > sample.MaxTopLogprobs {
+		abort(c, invalid("n_probs", "n_probs must be between 0 and %d, got %d", sample.MaxTopLogprobs, req.NProbs))
+		return
+	}
+	if err := req.unsupported(); err != nil {
+		abort(c, err)
 		return
 	}
 	p, _, warm, err := s.llamaPlan(b, &req.SamplingFields, req.NPredict, req.RepeatPenalty, "/completion")
 	if err != nil {
 		abort(c, err)
 		return
+	}
+	if req.NProbs > 0 {
+		p.logprobs, p.top = true, req.NProbs
 	}
 	if req.Prompt == nil {
 		abort(c, invalid("prompt", "prompt is required"))

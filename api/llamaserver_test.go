@@ -82,6 +82,16 @@ func TestLlamaCompletion(t *testing.T) {
 	if w.Code != 200 || events != 4 || !strings.Contains(w.Body.String(), `"stop":true`) || strings.Contains(w.Body.String(), "[DONE]") {
 		t.Fatalf("stream: %d %s", w.Code, w.Body)
 	}
+	// n_probs: each token's log-probability and alternatives, as SillyTavern asks;
+	// samplers sent turned off, as it always sends them, are taken.
+	probs := answer(`{"prompt":"abc","n_predict":3,"n_probs":2,"mirostat":0,"typical_p":1,"tfs_z":1,"dry_multiplier":0,"xtc_probability":0}`)
+	if len(probs.CompletionProbabilities) != 3 || len(probs.CompletionProbabilities[0].TopLogprobs) != 2 || probs.CompletionProbabilities[0].Token == "" {
+		t.Fatalf("n_probs: %+v", probs.CompletionProbabilities)
+	}
+	w = s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":3,"n_probs":1,"stream":true}`)
+	if strings.Count(w.Body.String(), `"completion_probabilities"`) != 3 {
+		t.Fatalf("n_probs streamed: %s", w.Body)
+	}
 	w = s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":2,"response_fields":["content","timings/predicted_n"]}`)
 	if w.Code != 200 || !strings.Contains(w.Body.String(), `"timings/predicted_n":2`) || strings.Contains(w.Body.String(), "tokens_evaluated") {
 		t.Fatalf("response_fields: %s", w.Body)
@@ -90,7 +100,9 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"n_predict":2}`, "prompt"},
 		{`{"prompt":[]}`, "prompt"},
 		{`{"prompt":[99999]}`, "prompt"},
-		{`{"prompt":"a","n_probs":2}`, "n_probs"},
+		{`{"prompt":"a","n_probs":99}`, "n_probs"},
+		{`{"prompt":"a","mirostat":2}`, "mirostat"},
+		{`{"prompt":"a","dry_multiplier":0.8}`, "dry_multiplier"},
 		{`{"prompt":"a","n":2}`, "n"},
 		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
 		{`{"prompt":[["a"],"b"]}`, ""},

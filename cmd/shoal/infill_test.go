@@ -184,6 +184,26 @@ func TestLlamaServerCompletion(t *testing.T) {
 	if err != nil || c.Choices[0].Text != native.Content || int(c.Usage.PromptTokens) != native.TokensEvaluated {
 		t.Fatalf("/v1/completions %+v (%v), /completion %+v", c, err, native)
 	}
+	// n_probs on the real engine: greedy picks the likeliest of the alternatives.
+	resp, body = post(t, n.url+"/completion", `{"prompt":"The cat sat on the","n_predict":4,"temperature":0,"n_probs":3}`)
+	var withProbs struct {
+		Probs []struct {
+			ID      int
+			Logprob float64
+			Top     []struct {
+				ID      int
+				Logprob float64
+			} `json:"top_logprobs"`
+		} `json:"completion_probabilities"`
+	}
+	if err := json.Unmarshal([]byte(body), &withProbs); err != nil || resp.StatusCode != 200 || len(withProbs.Probs) != 4 {
+		t.Fatalf("n_probs: %d %s", resp.StatusCode, body)
+	}
+	for _, p := range withProbs.Probs {
+		if len(p.Top) != 3 || p.Top[0].ID != p.ID || p.Logprob > 0 || p.Top[1].Logprob > p.Top[0].Logprob {
+			t.Fatalf("n_probs token %+v", p)
+		}
+	}
 	var props struct {
 		Settings struct {
 			NCtx int `json:"n_ctx"`
