@@ -88,7 +88,7 @@ type plan struct {
 	// has under other names, for its errors.
 	params    map[string]string
 	responses *ResponsesRequest // answered as OpenAI's Responses API
-	infill    *infillPlan       // answered as llama-server's /infill
+	infill    *infillPlan       // answered as llama-server's /infill and /completion
 	ollama    *ollamaPlan       // answered as Ollama's /api/chat or /api/generate
 	tools     *toolPlan         // chat answers follow the tool protocol
 	think     *thinkPlan        // chat answers' thoughts are passed on apart

@@ -2,7 +2,6 @@ package api
 
 import (
 	"encoding/json"
-	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -151,22 +150,18 @@ func (in *infill) tokens() []engine.Token {
 // prefix cache is always on.
 type InfillRequest struct {
 	SamplingFields
+	LlamaFields
 	InputPrefix   string        `json:"input_prefix"`
 	InputSuffix   string        `json:"input_suffix"`
 	InputExtra    []InfillChunk `json:"input_extra"`
 	Prompt        string        `json:"prompt"` // the start of the middle, after FIM_MID
-	NPredict      *int          `json:"n_predict"`
-	RepeatPenalty *float64      `json:"repeat_penalty"`
 	NIndent       int           `json:"n_indent"`
 	TMaxPredictMS int           `json:"t_max_predict_ms"`
-	// ResponseFields answers only these fields, nested ones named by their path
-	// ("timings/prompt_n"), as llama-server's (llama.vim asks so).
-	ResponseFields []string `json:"response_fields"`
 }
 
-// InfillResponse is llama-server's answer to /infill, and each event of its
-// stream: Content is the new text and Stop false until the last event, which
-// carries the rest.
+// InfillResponse is llama-server's answer to /infill and /completion, and each
+// event of their streams: Content is the new text and Stop false until the last
+// event, which carries the rest.
 type InfillResponse struct {
 	Content         string         `json:"content"`
 	Stop            bool           `json:"stop"`
@@ -198,13 +193,12 @@ type LlamaTopProb struct {
 }
 
 // llamaProb is ev's token as completion_probabilities lists it.
-func llamaProb(v engine.Vocab, ev scheduler.Event) LlamaProb {
-	top := func(t engine.Token, lp float32) LlamaTopProb {
-		return LlamaTopProb{ID: int(t), Token: pieceString(v, t), Bytes: pieceBytes(v, t), Logprob: lp}
-	}
-	out := LlamaProb{LlamaTopProb: top(ev.Token, ev.Logprob), TopLogprobs: []LlamaTopProb{}}
-	for _, t := range ev.Top {
-		out.TopLogprobs = append(out.TopLogprobs, top(t.Token, t.Logprob))
+func llamaProb(p *plan, v engine.Vocab, ev scheduler.Event) LlamaProb {
+	tl := p.tokenLogprob(v, ev)
+	out := LlamaProb{LlamaTopProb: LlamaTopProb{ID: int(ev.Token), Token: tl.Token, Bytes: tl.Bytes, Logprob: tl.Logprob},
+		TopLogprobs: make([]LlamaTopProb, len(tl.TopLogprobs))}
+	for i, t := range tl.TopLogprobs {
+		out.TopLogprobs[i] = LlamaTopProb{ID: int(ev.Top[i].Token), Token: t.Token, Bytes: t.Bytes, Logprob: t.Logprob}
 	}
 	return out
 }
@@ -220,7 +214,7 @@ type InfillTimings struct {
 }
 
 // infillPlan holds an /infill request's two ways of ending a code completion
-// early (infillCut), and how to answer.
+// early (infillCut; /completion has neither), and how to answer.
 type infillPlan struct {
 	indent     int
 	maxPredict time.Duration
@@ -232,55 +226,6 @@ type infillPlan struct {
 // completion when n_predict gives none (and the most it leaves when it does:
 // half the context).
 const infillReserve = 256
-
-// llamaPlan is the sampling plan of a request to one of llama-server's own
-// endpoints, which name some fields their own way: n_predict (else max_tokens;
-// maxTokens is nil for -1, until the end, as llama-server's default; 0 computes
-// the prompt and answers nothing, warm: llama.vscode warms the cache with its
-// context so) and repeat_penalty (repetition_penalty). endpoint names it in errors.
-func (s *Server) llamaPlan(b *Backend, f *SamplingFields, nPredict *int, repeat *float64, endpoint string) (p plan, maxTokens *int, warm bool, err error) {
-	maxTokens, param := f.MaxTokens, "max_tokens"
-	if nPredict != nil {
-		maxTokens, param = nPredict, "n_predict"
-	}
-	if maxTokens != nil && *maxTokens <= 0 {
-		if *maxTokens < -1 {
-			return p, nil, false, invalid(param, "%s must be -1 (until the end), 0 (the prompt alone) or more, got %d", param, *maxTokens)
-		}
-		if *maxTokens == 0 {
-			one := 1
-			maxTokens, warm = &one, true
-		} else {
-			maxTokens = nil
-		}
-	}
-	if f.RepetitionPenalty == nil {
-		f.RepetitionPenalty = repeat
-	}
-	// Values llama-server gives meanings OpenAI's API refuses: a negative seed is
-	// a new one each time; a temperature below 0 or top_p 0 draws the likeliest
-	// token; an empty stop string stops nothing.
-	if f.Seed != nil && (*f.Seed < 0 || *f.Seed == math.MaxUint32) {
-		f.Seed = nil
-	}
-	if f.Temperature != nil && *f.Temperature < 0 {
-		f.Temperature = new(0.0)
-	}
-	if f.TopP != nil && *f.TopP <= 0 {
-		f.TopP, f.TopK = nil, new(1)
-	}
-	f.Stop = slices.DeleteFunc(slices.Clone(f.Stop), func(s string) bool { return s == "" })
-	if f.N != nil && *f.N != 1 {
-		return p, nil, false, invalid("n", "%s answers one completion", endpoint)
-	}
-	if p, err = s.samplingPlan(b, f, param, maxTokens); err != nil {
-		return p, nil, false, err
-	}
-	if p.promptScores {
-		return p, nil, false, invalid("prompt_logprobs", "%s does not answer prompt_logprobs", endpoint)
-	}
-	return p, maxTokens, warm, nil
-}
 
 func (s *Server) infill(c *gin.Context) {
 	var req InfillRequest
@@ -303,7 +248,7 @@ func (s *Server) infill(c *gin.Context) {
 		abort(c, invalid("t_max_predict_ms", "t_max_predict_ms must not be negative, got %d", req.TMaxPredictMS))
 		return
 	}
-	p, maxTokens, warm, err := s.llamaPlan(b, &req.SamplingFields, req.NPredict, req.RepeatPenalty, "/infill")
+	p, maxTokens, warm, err := s.llamaPlan(b, &req.SamplingFields, &req.LlamaFields, "/infill")
 	if err != nil {
 		abort(c, err)
 		return
@@ -328,8 +273,9 @@ func (s *Server) infill(c *gin.Context) {
 	s.routeOrRun(c, b, &p, forwarded)
 }
 
-// infillAnswer answers an /infill request in llama-server's format, whole or
-// streamed (data events without [DONE], as llama-server's own endpoints).
+// infillAnswer answers an /infill or /completion request in llama-server's
+// format, whole or streamed (data events without [DONE], as llama-server's own
+// endpoints).
 func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted) {
 	var w *sseWriter
 	if p.stream {
@@ -337,8 +283,10 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		w.start()
 	}
 	var content strings.Builder
-	var probs []LlamaProb // not yet sent
+	var probs []LlamaProb   // not yet sent
+	var emitted, pieces int // bytes of the answer's text, of its tokens'
 	emit := func(text string) {
+		emitted += len(text)
 		if text == "" && len(probs) == 0 {
 			return
 		}
@@ -360,7 +308,8 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		switch ev.Kind {
 		case scheduler.EventToken:
 			if p.logprobs {
-				probs = append(probs, llamaProb(b.Vocab, ev))
+				probs = append(probs, llamaProb(p, b.Vocab, ev))
+				pieces += len(probs[len(probs)-1].Bytes)
 			}
 			text, how := cut.add(ev.Text, ev.At.Sub(times.first))
 			switch how {
@@ -386,6 +335,11 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 			w.data(toAPIError(err).body())
 		}
 		return
+	}
+	// The tokens whose text a stop string (or a cut) took out of the answer are
+	// not listed, as llama-server does not list them: those not yet sent.
+	for excess := pieces - emitted; excess > 0 && len(probs) > 0; probs = probs[:len(probs)-1] {
+		excess -= len(probs[len(probs)-1].Bytes)
 	}
 	r := InfillResponse{Content: content.String(), Stop: true, Model: p.model, TokensPredicted: u.CompletionTokens,
 		TokensEvaluated: u.PromptTokens, TokensCached: u.CachedTokens, CompletionProbabilities: probs}

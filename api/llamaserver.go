@@ -5,7 +5,9 @@ import (
 	"cmp"
 	"encoding/json"
 	"errors"
+	"math"
 	"net/http"
+	"slices"
 
 	"github.com/gin-gonic/gin"
 
@@ -22,12 +24,21 @@ import (
 // answer in llama-server's shape (InfillResponse).
 type LlamaCompletionRequest struct {
 	SamplingFields
-	Prompt        *LlamaPrompt `json:"prompt"`
-	NPredict      *int         `json:"n_predict"`
-	RepeatPenalty *float64     `json:"repeat_penalty"`
+	LlamaFields
+	Prompt *LlamaPrompt `json:"prompt"`
+}
+
+// LlamaFields are what llama-server's own endpoints (/completion, /infill) take
+// beside OpenAI's fields, or name their own way.
+type LlamaFields struct {
+	NPredict      *int     `json:"n_predict"`      // max_tokens; -1: until the end, 0: the prompt alone
+	RepeatPenalty *float64 `json:"repeat_penalty"` // repetition_penalty
 	// NProbs asks for each token's log-probability and this many likeliest
 	// alternatives (completion_probabilities).
 	NProbs int `json:"n_probs"`
+	// ResponseFields answers only these fields, nested ones named by their path
+	// ("timings/prompt_n"), as llama-server's (llama.vim asks so).
+	ResponseFields []string `json:"response_fields"`
 	// Samplers shoal does not have, which llama-server's clients send turned off
 	// (SillyTavern always does): refused when turned on.
 	Mirostat       *int     `json:"mirostat"`
@@ -35,13 +46,12 @@ type LlamaCompletionRequest struct {
 	TFSZ           *float64 `json:"tfs_z"`
 	DryMultiplier  *float64 `json:"dry_multiplier"`
 	XTCProbability *float64 `json:"xtc_probability"`
-	// ResponseFields answers only these fields, as /infill's.
-	ResponseFields []string `json:"response_fields"`
 }
 
 // LlamaPrompt is llama-server's prompt: a string, token ids, or strings and token
-// ids mixed, each string tokenized with control tokens parsed and the first
-// with the model's BOS.
+// ids mixed, each string tokenized with control tokens parsed, and the model's
+// BOS added when the prompt begins with a string (as llama-server's
+// tokenize_mixed adds it).
 type LlamaPrompt []any // string or int64
 
 // UnmarshalJSON takes a string or an array of strings and token ids.
@@ -81,7 +91,7 @@ func (p *LlamaPrompt) UnmarshalJSON(b []byte) error {
 }
 
 // unsupported refuses samplers turned on that shoal does not have.
-func (r *LlamaCompletionRequest) unsupported() error {
+func (r *LlamaFields) unsupported() error {
 	switch {
 	case r.Mirostat != nil && *r.Mirostat != 0:
 		return invalid("mirostat", "mirostat sampling is not supported (0: off)")
@@ -118,6 +128,66 @@ func (p LlamaPrompt) tokens(v engine.Vocab) ([]engine.Token, error) {
 	return out, nil
 }
 
+// llamaPlan is the sampling plan of a request to one of llama-server's own
+// endpoints, with its fields (l) and llama-server's meanings: n_predict (else
+// max_tokens; maxTokens is nil for -1, until the end, as llama-server's
+// default; 0 computes the prompt and answers nothing, warm: llama.vscode warms
+// the cache with its context so), repeat_penalty (repetition_penalty) and
+// n_probs. endpoint names it in errors.
+func (s *Server) llamaPlan(b *Backend, f *SamplingFields, l *LlamaFields, endpoint string) (p plan, maxTokens *int, warm bool, err error) {
+	if l.NProbs < 0 || l.NProbs > sample.MaxTopLogprobs {
+		return p, nil, false, invalid("n_probs", "n_probs must be between 0 and %d, got %d", sample.MaxTopLogprobs, l.NProbs)
+	}
+	if err := l.unsupported(); err != nil {
+		return p, nil, false, err
+	}
+	maxTokens, param := f.MaxTokens, "max_tokens"
+	if l.NPredict != nil {
+		maxTokens, param = l.NPredict, "n_predict"
+	}
+	if maxTokens != nil && *maxTokens <= 0 {
+		if *maxTokens < -1 {
+			return p, nil, false, invalid(param, "%s must be -1 (until the end), 0 (the prompt alone) or more, got %d", param, *maxTokens)
+		}
+		if *maxTokens == 0 {
+			one := 1
+			maxTokens, warm = &one, true
+		} else {
+			maxTokens = nil
+		}
+	}
+	if f.RepetitionPenalty == nil {
+		f.RepetitionPenalty = l.RepeatPenalty
+	}
+	// Values llama-server gives meanings OpenAI's API refuses: a negative seed,
+	// or 4294967295 (its LLAMA_DEFAULT_SEED), is a new one each time; a
+	// temperature below 0 or top_p 0 draws the likeliest token; an empty stop
+	// string stops nothing.
+	if f.Seed != nil && (*f.Seed < 0 || *f.Seed == math.MaxUint32) {
+		f.Seed = nil
+	}
+	if f.Temperature != nil && *f.Temperature < 0 {
+		f.Temperature = new(0.0)
+	}
+	if f.TopP != nil && *f.TopP <= 0 {
+		f.TopP, f.TopK = nil, new(1)
+	}
+	f.Stop = slices.DeleteFunc(slices.Clone(f.Stop), func(s string) bool { return s == "" })
+	if f.N != nil && *f.N != 1 {
+		return p, nil, false, invalid("n", "%s answers one completion", endpoint)
+	}
+	if p, err = s.samplingPlan(b, f, param, maxTokens); err != nil {
+		return p, nil, false, err
+	}
+	if p.promptScores {
+		return p, nil, false, invalid("prompt_logprobs", "%s does not answer prompt_logprobs", endpoint)
+	}
+	if l.NProbs > 0 {
+		p.logprobs, p.top = true, l.NProbs
+	}
+	return p, maxTokens, warm, nil
+}
+
 // llamaCompletion serves llama-server's /completion: the prompt as given (no
 // chat template), answered as /infill answers, whole or as data events.
 func (s *Server) llamaCompletion(c *gin.Context) {
@@ -126,21 +196,10 @@ func (s *Server) llamaCompletion(c *gin.Context) {
 	if !ok {
 		return
 	}
-	if req.NProbs < 0 || req.NProbs > sample.MaxTopLogprobs {
-		abort(c, invalid("n_probs", "n_probs must be between 0 and %d, got %d", sample.MaxTopLogprobs, req.NProbs))
-		return
-	}
-	if err := req.unsupported(); err != nil {
-		abort(c, err)
-		return
-	}
-	p, _, warm, err := s.llamaPlan(b, &req.SamplingFields, req.NPredict, req.RepeatPenalty, "/completion")
+	p, _, warm, err := s.llamaPlan(b, &req.SamplingFields, &req.LlamaFields, "/completion")
 	if err != nil {
 		abort(c, err)
 		return
-	}
-	if req.NProbs > 0 {
-		p.logprobs, p.top = true, req.NProbs
 	}
 	if req.Prompt == nil {
 		abort(c, invalid("prompt", "prompt is required"))
@@ -194,14 +253,8 @@ func (s *Server) props(c *gin.Context) {
 // ApplyTemplateRequest is llama-server's /apply-template request: a chat laid
 // out as /v1/chat/completions would lay it out, without running it.
 type ApplyTemplateRequest struct {
-	Model    string    `json:"model"`
-	Messages []Message `json:"messages"`
-	ToolFields
-	ResponseFormat *ResponseFormat `json:"response_format"`
-	StructuredFields
-	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
-	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
-	ContinueFinalMessage bool            `json:"continue_final_message"`
+	Model string `json:"model"`
+	ChatFields
 }
 
 func (s *Server) applyTemplate(c *gin.Context) {
@@ -214,15 +267,7 @@ func (s *Server) applyTemplate(c *gin.Context) {
 		abort(c, invalid("messages", "messages must not be empty"))
 		return
 	}
-	tp, err := toolsOf(&req.ToolFields, &SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
-	var end turnEnd
-	if err == nil {
-		end, err = turnEndOf(req.AddGenerationPrompt, req.ContinueFinalMessage)
-	}
-	var text string
-	if err == nil {
-		text, err = chatPromptEnding(b, req.Messages, tp, req.ChatTemplateKwargs, end)
-	}
+	text, err := req.chatText(b)
 	if err != nil {
 		abort(c, err)
 		return

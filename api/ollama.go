@@ -997,8 +997,8 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			c.JSON(http.StatusOK, gin.H{"model": cmp.Or(req.Model, s.cfg.ModelName), "embeddings": [][]float32{}})
 			return
 		}
-		if len(texts)+len(ids) > 2048 {
-			abort(c, invalid("input", "at most 2048 inputs per request"))
+		if len(texts)+len(ids) > maxInputs {
+			abort(c, invalid("input", "at most %d inputs per request", maxInputs))
 			return
 		}
 		limit := b.Generator.MaxContext() - 1

@@ -22,10 +22,6 @@ import (
 // query, many documents, answered best first) and vLLM's score (pairs of texts,
 // answered in order).
 
-// maxRerankDocuments bounds one request's documents (or score pairs), as
-// embeddings bounds its inputs.
-const maxRerankDocuments = 2048
-
 // RerankRequest is a rerank request. Documents are strings or objects with a
 // text (Jina's and Cohere's v1 shape); TEI's clients send texts instead.
 type RerankRequest struct {
@@ -99,33 +95,12 @@ type TEIRank struct {
 // ScoreRequest is vLLM's score request: TextA against each of TextB (one text
 // against many), or pairwise when both hold as many texts.
 type ScoreRequest struct {
-	Model string     `json:"model"`
-	TextA *TextOrAll `json:"text_1"`
-	TextB *TextOrAll `json:"text_2"`
+	Model string        `json:"model"`
+	TextA *StringOrList `json:"text_1"`
+	TextB *StringOrList `json:"text_2"`
 	// TruncatePromptTokens cuts each pair's second text to fit this many tokens
 	// (-1: as many as a step takes), as RerankRequest's.
 	TruncatePromptTokens *int `json:"truncate_prompt_tokens"`
-}
-
-// TextOrAll is a JSON string or an array of strings.
-type TextOrAll []string
-
-// UnmarshalJSON takes a string or an array of strings.
-func (t *TextOrAll) UnmarshalJSON(b []byte) error {
-	if b := bytes.TrimSpace(b); len(b) > 0 && b[0] == '"' {
-		var s string
-		if err := json.Unmarshal(b, &s); err != nil {
-			return err
-		}
-		*t = TextOrAll{s}
-		return nil
-	}
-	var all []string
-	if err := json.Unmarshal(b, &all); err != nil {
-		return errors.New("text_1 and text_2 must each be a string or an array of strings")
-	}
-	*t = all
-	return nil
 }
 
 // ScoreData is one pair's score.
@@ -166,8 +141,8 @@ func (s *Server) rerank(c *gin.Context) {
 	case len(docs) == 0:
 		abort(c, invalid("documents", "documents must be a non-empty array"))
 		return
-	case len(docs) > maxRerankDocuments:
-		abort(c, invalid("documents", "at most %d documents per request, got %d", maxRerankDocuments, len(docs)))
+	case len(docs) > maxInputs:
+		abort(c, invalid("documents", "at most %d documents per request, got %d", maxInputs, len(docs)))
 		return
 	case req.TopN != nil && *req.TopN < 0:
 		abort(c, invalid("top_n", "top_n must not be negative, got %d", *req.TopN))
@@ -182,7 +157,7 @@ func (s *Server) rerank(c *gin.Context) {
 	for i, d := range docs {
 		pairs[i] = [2]string{*req.Query, d.Text}
 	}
-	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "documents", cut)
+	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "query", "documents", cut)
 	if !ok {
 		return
 	}
@@ -248,8 +223,8 @@ func (s *Server) score(c *gin.Context) {
 		abort(c, invalid("text_1", "text_1 holds %d texts and text_2 %d: give one text_1, or as many as text_2", len(*req.TextA), len(*req.TextB)))
 		return
 	}
-	if len(pairs) > maxRerankDocuments {
-		abort(c, invalid("text_2", "at most %d pairs per request, got %d", maxRerankDocuments, len(pairs)))
+	if len(pairs) > maxInputs {
+		abort(c, invalid("text_2", "at most %d pairs per request, got %d", maxInputs, len(pairs)))
 		return
 	}
 	cut, err := truncationOf(b, req.TruncatePromptTokens, nil, nil)
@@ -257,7 +232,7 @@ func (s *Server) score(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "text_2", cut)
+	scores, tokens, ok := s.scorePairs(c, b, req.Model, pairs, "text_1", "text_2", cut)
 	if !ok {
 		return
 	}
@@ -284,16 +259,11 @@ func reranks(c *gin.Context, b *Backend) bool {
 }
 
 // scorePairs computes the relevance of each (query, document) pair and counts
-// their tokens; ok is false when it answered c with an error (param names the
-// documents' field).
-func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, param string, cut truncation) (scores []float64, tokens int, ok bool) {
+// their tokens; ok is false when it answered c with an error (field and param
+// name the queries' and the documents' fields).
+func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, field, param string, cut truncation) (scores []float64, tokens int, ok bool) {
 	// A query is laid out with each document: one that cannot fit a pair even
 	// with an empty document is refused before it is laid out thousands of times.
-	field := "query"
-	if param == "text_2" {
-		field = "text_1"
-	}
-	budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext()
 	layouts := make([]*pairLayout, len(pairs))
 	for i, p := range pairs {
 		if i > 0 && p[0] == pairs[i-1][0] {
@@ -311,7 +281,7 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 		case cut.pairTokens > 0 && len(empty) > cut.pairTokens:
 			err = fmt.Errorf("with an empty document the pair takes %d tokens, more than the %d it is cut to", len(empty), cut.pairTokens)
 		default:
-			err = fitsOnePass(len(empty), budget, maxContext)
+			err = fitsOnePass(len(empty), b)
 		}
 		if err != nil {
 			abort(c, invalid(field, "%s: %v", field, err))
@@ -416,16 +386,6 @@ func promptInPieces(b *Backend, tmpl, query, doc string) ([]engine.Token, error)
 // tokens of their own, and each pair to at most pairTokens; zero cuts nothing.
 type truncation struct{ pairTokens, docTokens int }
 
-// stepTokens is the longest pair b computes: what one step takes, shorter than
-// the context.
-func stepTokens(b *Backend) int {
-	n := b.Generator.MaxContext() - 1
-	if budget := b.Generator.Load().MaxBatchTokens; budget > 0 {
-		n = min(n, budget)
-	}
-	return n
-}
-
 // truncationOf reads the truncation fields of vLLM (pairTokens, -1: a step's
 // worth), TEI (truncate) and Cohere (docTokens, with pairs cut to a step's worth).
 // A pair is never cut past what one step computes.
@@ -464,7 +424,11 @@ func truncationOf(b *Backend, pairTokens *int, truncate *bool, docTokens *int) (
 // to the caller's check.
 func fitPair(l *pairLayout, doc string, t truncation) ([]engine.Token, error) {
 	b := l.b
-	toks, err := l.prompt(doc)
+	plain, err := l.plainDoc(doc) // a plain document's beginnings are plain
+	if err != nil {
+		return nil, err
+	}
+	toks, err := l.layout(doc, plain)
 	if err != nil || t == (truncation{}) {
 		return toks, err
 	}
@@ -478,12 +442,6 @@ func fitPair(l *pairLayout, doc string, t truncation) ([]engine.Token, error) {
 	}
 	if !over && len(dt) <= t.docTokens {
 		return toks, nil
-	}
-	plain := true // a plain document's beginnings are plain
-	if b.Info.Rerank.Template != "" {
-		if plain, err = plainText(b, doc); err != nil {
-			return nil, err
-		}
 	}
 	at := func(k int) ([]engine.Token, error) {
 		text, err := b.Vocab.Detokenize(dt[:k], false, false)
@@ -554,14 +512,20 @@ func newPairLayout(b *Backend, query string) (*pairLayout, error) {
 
 // prompt is the pair of l's query and doc.
 func (l *pairLayout) prompt(doc string) ([]engine.Token, error) {
-	plain := true
-	if l.b.Info.Rerank.Template != "" {
-		var err error
-		if plain, err = plainText(l.b, doc); err != nil {
-			return nil, err
-		}
+	plain, err := l.plainDoc(doc)
+	if err != nil {
+		return nil, err
 	}
 	return l.layout(doc, plain)
+}
+
+// plainDoc reports whether doc holds no control token's text, where it matters:
+// in a rerank prompt.
+func (l *pairLayout) plainDoc(doc string) (bool, error) {
+	if l.b.Info.Rerank.Template == "" {
+		return true, nil
+	}
+	return plainText(l.b, doc)
 }
 
 // layout is prompt for a document known to hold no control token's text (plain)

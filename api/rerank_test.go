@@ -59,7 +59,7 @@ func TestRerankDecoding(t *testing.T) {
 	}
 	var s ScoreRequest
 	if err := json.Unmarshal([]byte(`{"text_1":"a","text_2":["b","c"]}`), &s); err != nil ||
-		!slices.Equal(*s.TextA, TextOrAll{"a"}) || !slices.Equal(*s.TextB, TextOrAll{"b", "c"}) {
+		!slices.Equal(*s.TextA, StringOrList{"a"}) || !slices.Equal(*s.TextB, StringOrList{"b", "c"}) {
 		t.Fatalf("score texts: %+v %v", s, err)
 	}
 	if err := json.Unmarshal([]byte(`{"text_1":3}`), &s); err == nil {

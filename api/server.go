@@ -555,8 +555,8 @@ func (s *Server) embeddings(c *gin.Context) {
 		}
 		inputs = append(inputs, toks)
 	}
-	if len(inputs) > 2048 {
-		abort(c, invalid("input", "at most 2048 inputs per request"))
+	if len(inputs) > maxInputs {
+		abort(c, invalid("input", "at most %d inputs per request", maxInputs))
 		return
 	}
 	adapter, _ := s.adapterOf(req.Model)
@@ -604,7 +604,7 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 	// Every input is checked before any is computed: one too long among
 	// thousands would otherwise be found only when its turn came.
 	for i, in := range inputs {
-		if err := fitsOnePass(len(in), load.MaxBatchTokens, b.Generator.MaxContext()); err != nil {
+		if err := fitsOnePass(len(in), b); err != nil {
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
 				Message: fmt.Sprintf("%s %d: %v", param, i, err)})
 			return nil, 0, false
@@ -666,11 +666,11 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 	return vecs, tokens, true
 }
 
-// fitsOnePass says why an embedding input of n tokens cannot be computed, as the
-// scheduler would refuse it: in one step of at most budget tokens (0: any), in a
-// context of maxContext.
-func fitsOnePass(n, budget, maxContext int) error {
-	switch {
+// fitsOnePass says why an embedding input of n tokens cannot be computed by b,
+// as its scheduler would refuse it: in one step (Load.MaxBatchTokens, 0: any),
+// shorter than the context.
+func fitsOnePass(n int, b *Backend) error {
+	switch budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext(); {
 	case n >= maxContext:
 		return fmt.Errorf("%d tokens, the context holds %d", n, maxContext)
 	case budget > 0 && n > budget:
@@ -678,6 +678,20 @@ func fitsOnePass(n, budget, maxContext int) error {
 	}
 	return nil
 }
+
+// stepTokens is the longest input b computes in one pass: what one step takes,
+// shorter than the context.
+func stepTokens(b *Backend) int {
+	n := b.Generator.MaxContext() - 1
+	if budget := b.Generator.Load().MaxBatchTokens; budget > 0 {
+		n = min(n, budget)
+	}
+	return n
+}
+
+// maxInputs bounds one request's embedding inputs, and a rerank or score
+// request's pairs.
+const maxInputs = 2048
 
 // embedWindow is how many inputs of one embeddings request wait in the scheduler at
 // most: enough to fill a batch.

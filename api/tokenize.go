@@ -27,6 +27,19 @@ func (s *Server) decodeFor(c *gin.Context, req any, model *string) (*Backend, bo
 	return b, true
 }
 
+// chatText lays out f's chat as chat completions would lay it out for b.
+func (f *ChatFields) chatText(b *Backend) (string, error) {
+	tp, err := toolsOf(&f.ToolFields, &SamplingFields{ResponseFormat: f.ResponseFormat, StructuredFields: f.StructuredFields})
+	if err != nil {
+		return "", err
+	}
+	end, err := turnEndOf(f.AddGenerationPrompt, f.ContinueFinalMessage)
+	if err != nil {
+		return "", err
+	}
+	return chatPromptEnding(b, f.Messages, tp, f.ChatTemplateKwargs, end)
+}
+
 func (s *Server) tokenize(c *gin.Context) {
 	var req TokenizeRequest
 	b, ok := s.decodeFor(c, &req, &req.Model)
@@ -42,15 +55,8 @@ func (s *Server) tokenize(c *gin.Context) {
 	case req.Prompt != nil && len(req.Messages) == 0:
 		text = *req.Prompt
 	case req.Prompt == nil && len(req.Messages) > 0:
-		tp, err := toolsOf(&req.ToolFields, &SamplingFields{ResponseFormat: req.ResponseFormat, StructuredFields: req.StructuredFields})
-		var end turnEnd
-		if err == nil {
-			end, err = turnEndOf(req.AddGenerationPrompt, req.ContinueFinalMessage)
-		}
-		if err == nil {
-			text, err = chatPromptEnding(b, req.Messages, tp, req.ChatTemplateKwargs, end)
-		}
-		if err != nil {
+		var err error
+		if text, err = req.chatText(b); err != nil {
 			abort(c, err)
 			return
 		}

@@ -419,13 +419,18 @@ type ModelList struct {
 
 // TokenizeRequest is the body of POST /tokenize (vLLM's shape).
 type TokenizeRequest struct {
-	Model            string    `json:"model"`
-	Prompt           *string   `json:"prompt"`
-	Messages         []Message `json:"messages"`
-	AddSpecialTokens *bool     `json:"add_special_tokens"`
-	ReturnTokenStrs  bool      `json:"return_token_strs"`
-	// Tools, and the output constraint their answers follow, are counted as
-	// chat renders them.
+	Model            string  `json:"model"`
+	Prompt           *string `json:"prompt"`
+	AddSpecialTokens *bool   `json:"add_special_tokens"`
+	ReturnTokenStrs  bool    `json:"return_token_strs"`
+	ChatFields
+}
+
+// ChatFields are what lays out a chat's prompt without running it (/tokenize,
+// /apply-template): the messages, and the tools and the output constraint their
+// answers follow, as chat renders them.
+type ChatFields struct {
+	Messages []Message `json:"messages"`
 	ToolFields
 	ResponseFormat *ResponseFormat `json:"response_format"`
 	StructuredFields
@@ -498,9 +503,9 @@ type EmbeddingResponse struct {
 
 // LogitBias is logit_bias in OpenAI's form ({"token id": bias}) or in
 // llama-server's, which SillyTavern and other llama.cpp clients send: an object
-// or an array of [key, value] pairs whose key is a token id or a text (each of
-// its tokens gets the bias) and whose value is a bias or false (the token is
-// banned). An empty array is none.
+// whose keys are token ids or texts, or an array of [id or text, value] pairs
+// (a string there is always a text); a text's tokens each get the bias, and a
+// value of false bans. An empty array is none.
 type LogitBias []BiasEntry
 
 // BiasEntry is one logit_bias entry.
@@ -516,13 +521,18 @@ type BiasEntry struct {
 func (l *LogitBias) UnmarshalJSON(b []byte) error {
 	errShape := errors.New(`logit_bias must be {"token id": bias} or [[token id or text, bias or false], ...]`)
 	var out LogitBias
-	entry := func(key json.RawMessage, value json.RawMessage) error {
+	// entry reads a key (a text is an id when idText and it is one, as an
+	// object's keys are) and a value.
+	entry := func(key json.RawMessage, value json.RawMessage, idText bool) error {
+		if bytes.Equal(key, []byte("null")) || bytes.Equal(value, []byte("null")) {
+			return errShape
+		}
 		var e BiasEntry
 		var s string
 		switch {
 		case json.Unmarshal(key, &e.ID) == nil:
 		case json.Unmarshal(key, &s) == nil:
-			if id, err := strconv.ParseInt(s, 10, 64); err == nil {
+			if id, err := strconv.ParseInt(s, 10, 64); err == nil && idText {
 				e.ID = id
 			} else {
 				e.Text, e.IsText = s, true
@@ -551,7 +561,7 @@ func (l *LogitBias) UnmarshalJSON(b []byte) error {
 			if err := json.Unmarshal(p, &kv); err != nil || len(kv) != 2 {
 				return errShape
 			}
-			if err := entry(kv[0], kv[1]); err != nil {
+			if err := entry(bytes.TrimSpace(kv[0]), bytes.TrimSpace(kv[1]), false); err != nil {
 				return err
 			}
 		}
@@ -564,7 +574,7 @@ func (l *LogitBias) UnmarshalJSON(b []byte) error {
 	}
 	for _, k := range slices.Sorted(maps.Keys(m)) {
 		key, _ := json.Marshal(k)
-		if err := entry(key, m[k]); err != nil {
+		if err := entry(key, bytes.TrimSpace(m[k]), true); err != nil {
 			return err
 		}
 	}

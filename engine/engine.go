@@ -77,8 +77,9 @@ type ModelInfo struct {
 // vocabulary adds it (NoToken where it does not).
 type RerankLayout struct {
 	// Template is the model's tokenizer.chat_template.rerank, whose {query} and
-	// {document} are replaced by the texts; it is tokenized with special tokens
-	// parsed and none added.
+	// {document} are replaced by the texts; its own control tokens are parsed
+	// and none are added (the API reads a text that holds a control token's text
+	// as plain text).
 	Template      string
 	BOS, EOS, SEP Token
 	// Scores is how many class scores the model gives per sequence; the first is

@@ -234,7 +234,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Var(optional[int]{&f.sampling.TopK}, "top-k", "top_k of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.MinP}, "min-p", "min_p of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.RepeatPenalty}, "repeat-penalty", "repetition_penalty of requests that give none (default: the model's recommendation, else off)")
-	fs.Var(&f.apiKeys, "api-key", "bearer key required on /v1/*, /infill, /tokenize, /detokenize and /cluster (repeatable; also SHOAL_API_KEYS=a,b)")
+	fs.Var(&f.apiKeys, "api-key", "key required on every endpoint but /health, /ready, /metrics and / (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
 }

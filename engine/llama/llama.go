@@ -401,7 +401,7 @@ func Open(cfg Config) (*Engine, error) {
 	case e.info.Rerank != nil && !facts.RankHead && !facts.Split:
 		e.Close()
 		return nil, fmt.Errorf("open engine: rank pooling (--reranking) needs a reranker, and this model has no classification head (cls.weight or cls.output.weight): its scores would mean nothing: %w", engine.ErrUnsupported)
-	case e.info.Rerank != nil && e.mem != nil && e.info.Architecture != "qwen3":
+	case e.info.Rerank != nil && e.mem != nil && !ranksByLast(e.info.Architecture):
 		e.Close()
 		return nil, fmt.Errorf("open engine: llama.cpp ranks a causal model of architecture %s by its first token, which sees nothing of the query or document (it ranks Qwen 3's by the last): %w", e.info.Architecture, engine.ErrUnsupported)
 	case cfg.Embeddings && !e.info.Pooling && e.info.Rerank == nil:
@@ -613,7 +613,7 @@ func (e *Engine) poolsLast() bool {
 	switch C.llama_pooling_type(e.ctx) {
 	case C.LLAMA_POOLING_TYPE_LAST:
 	case C.LLAMA_POOLING_TYPE_RANK:
-		if arch != "qwen3" {
+		if !ranksByLast(arch) {
 			return false
 		}
 	default:
@@ -621,6 +621,10 @@ func (e *Engine) poolsLast() bool {
 	}
 	return metaString(e.model, arch+".attention.causal") != "false"
 }
+
+// ranksByLast reports whether llama.cpp's rank pooling reads a model of arch by
+// its last token (Qwen 3's rerankers); it reads others by their first.
+func ranksByLast(arch string) bool { return arch == "qwen3" }
 
 // rerankLayout is how the model reads a query and a document, when its context
 // ranks them (rank pooling); nil otherwise.

@@ -298,7 +298,7 @@ func TestSchedulerSpeculativeEqualsSolo(t *testing.T) {
 // TestRerankFromCachedPrefix: a reranker that reads its last token over causal
 // attention (Qwen 3's rank pooling) scores pairs that share the query's prefix
 // from the cache, the prefix computed once, with the scores it gives each pair
-// computed whole; mean pooling never starts from a cached prefix.
+// computed whole; mean pooling is not reported as reading the last token.
 func TestRerankFromCachedPrefix(t *testing.T) {
 	spec := models.Tiny()
 	spec.Name, spec.Reranker = "shoal-tiny-reranker", true
