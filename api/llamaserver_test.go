@@ -139,22 +139,27 @@ func TestLlamaProps(t *testing.T) {
 // with a 5xx or an error outside OpenAI's format.
 func FuzzLlamaServerRequests(f *testing.F) {
 	s := newTestServer(f, func(c *Config, sc *scheduler.Config) { c.MaxTokensCap, sc.DefaultMaxTokens = 8, 8 })
-	for _, body := range []string{
+	fuzzOpenAIErrors(f, s, "/completion", "/apply-template",
 		`{"prompt":"abc","n_predict":3,"stop":["x"],"stream":true}`, `{"prompt":["a",3,"b"],"n_predict":0}`,
 		`{"prompt":[1,2],"n_predict":-1,"repeat_penalty":1.1}`, `{"prompt":"a","grammar":"root ::= \"x\""}`,
-		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`,
-	} {
+		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`)
+}
+
+// fuzzOpenAIErrors fuzzes bodies posted to s at path a or b (seeded with
+// seeds on both): none may fail with a 5xx or an error outside OpenAI's format.
+func fuzzOpenAIErrors(f *testing.F, s *testServer, a, b string, seeds ...string) {
+	for _, body := range seeds {
 		f.Add(body, false)
 		f.Add(body, true)
 	}
-	f.Fuzz(func(t *testing.T, body string, template bool) {
-		path := "/completion"
-		if template {
-			path = "/apply-template"
+	f.Fuzz(func(t *testing.T, body string, second bool) {
+		path := a
+		if second {
+			path = b
 		}
 		w := s.do(t, "POST", path, body)
 		if w.Code >= 500 {
-			t.Fatalf("status %d for %q: %s", w.Code, body, w.Body)
+			t.Fatalf("status %d for %q at %s: %s", w.Code, body, path, w.Body)
 		}
 		if w.Code != 200 {
 			var e ErrorBody
@@ -163,37 +168,4 @@ func FuzzLlamaServerRequests(f *testing.F) {
 			}
 		}
 	})
-}
-
-// TestLogitBiasForms: an object's keys are ids when they read as ids, an
-// array's strings are always texts, and null is refused.
-func TestLogitBiasForms(t *testing.T) {
-	var l LogitBias
-	if err := json.Unmarshal([]byte(`{"3":1,"ab":false}`), &l); err != nil || len(l) != 2 || l[0].ID != 3 || l[0].IsText || !l[1].IsText || !l[1].Ban {
-		t.Fatalf("object: %+v %v", l, err)
-	}
-	if err := json.Unmarshal([]byte(`[["3",-1],[5,2]]`), &l); err != nil || !l[0].IsText || l[0].Text != "3" || l[1].ID != 5 {
-		t.Fatalf("array: %+v %v", l, err)
-	}
-	for _, bad := range []string{`{"3":null}`, `[[null,5]]`, `[[3,true]]`, `[[3]]`, `"x"`, `{"3":"1"}`} {
-		if err := json.Unmarshal([]byte(bad), &l); err == nil {
-			t.Errorf("%s accepted: %+v", bad, l)
-		}
-	}
-}
-
-// TestLlamaProbsStop: the tokens a stop string took out of the answer are not in
-// its completion_probabilities.
-func TestLlamaProbsStop(t *testing.T) {
-	s := newTestServer(t, nil)
-	w := s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":4,"temperature":0}`)
-	var whole InfillResponse
-	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || len(whole.Content) != 4 {
-		t.Fatalf("%d %s", w.Code, w.Body)
-	}
-	w = s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":4,"temperature":0,"n_probs":1,"stop":["`+whole.Content[2:]+`"]}`)
-	var cut InfillResponse
-	if err := json.Unmarshal(w.Body.Bytes(), &cut); err != nil || cut.Content != whole.Content[:2] || len(cut.CompletionProbabilities) != 2 {
-		t.Fatalf("stopped at %q: %s", whole.Content[2:], w.Body)
-	}
 }

@@ -127,31 +127,10 @@ func newRerankServer(t testing.TB) *testServer {
 // FuzzRerankRequests: no body makes rerank or score fail with a 5xx or an error
 // outside OpenAI's format.
 func FuzzRerankRequests(f *testing.F) {
-	s := newRerankServer(f)
-	for _, body := range []string{
+	fuzzOpenAIErrors(f, newRerankServer(f), "/v1/rerank", "/v1/score",
 		`{"query":"q","documents":["a",{"text":"b"}],"top_n":1}`, `{"query":"","texts":["","x"],"return_text":true}`,
 		`{"text_1":["a","b"],"text_2":["c","d"]}`, `{"text_1":"a","text_2":"b"}`, `{"query":"q","documents":[3]}`,
-		`null`, `[]`, `{"documents":null,"query":null}`,
-	} {
-		f.Add(body, false)
-		f.Add(body, true)
-	}
-	f.Fuzz(func(t *testing.T, body string, score bool) {
-		path := "/v1/rerank"
-		if score {
-			path = "/v1/score"
-		}
-		w := s.do(t, "POST", path, body)
-		if w.Code >= 500 {
-			t.Fatalf("status %d for %q: %s", w.Code, body, w.Body)
-		}
-		if w.Code != 200 {
-			var e struct{ Error *Error }
-			if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || e.Error == nil || e.Error.Message == "" {
-				t.Fatalf("status %d without an error in OpenAI's format: %s", w.Code, w.Body)
-			}
-		}
-	})
+		`null`, `[]`, `{"documents":null,"query":null}`)
 }
 
 // TestRerankTruncation: each client's way of asking long documents to be cut
