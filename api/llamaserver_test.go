@@ -169,3 +169,34 @@ func fuzzOpenAIErrors(f *testing.F, s *testServer, a, b string, seeds ...string)
 		}
 	})
 }
+
+// TestLlamaTokenize: /tokenize in llama-server's shape (content, add_special
+// off by default, with_pieces) and /detokenize's content, as SillyTavern's
+// llama.cpp connection counts tokens.
+func TestLlamaTokenize(t *testing.T) {
+	s := newTestServer(t, nil)
+	want, _ := s.fake.Vocab().Tokenize("abc", false, true)
+	w := s.do(t, "POST", "/tokenize", `{"content":"abc"}`)
+	var r struct{ Tokens []int32 }
+	if err := json.Unmarshal(w.Body.Bytes(), &r); err != nil || w.Code != 200 || len(r.Tokens) != len(want) || r.Tokens[0] != int32(want[0]) {
+		t.Fatalf("content: %d %s, want %v", w.Code, w.Body, want)
+	}
+	w = s.do(t, "POST", "/tokenize", `{"content":"abc","add_special":true,"with_pieces":true}`)
+	var pieces struct {
+		Tokens []struct {
+			ID    int32
+			Piece any
+		}
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), &pieces); err != nil || len(pieces.Tokens) != len(want)+1 || pieces.Tokens[0].ID != 1 || pieces.Tokens[1].Piece == nil {
+		t.Fatalf("with_pieces: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "POST", "/tokenize", `{"content":"a","prompt":"b"}`); w.Code != 400 {
+		t.Fatalf("content and prompt: %d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/detokenize", fmt.Sprintf(`{"tokens":[%d,%d]}`, want[0], want[1]))
+	var d DetokenizeResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &d); err != nil || d.Content == "" || d.Content != d.Prompt {
+		t.Fatalf("detokenize: %d %s", w.Code, w.Body)
+	}
+}

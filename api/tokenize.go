@@ -2,6 +2,7 @@ package api
 
 import (
 	"net/http"
+	"unicode/utf8"
 
 	"github.com/gin-gonic/gin"
 
@@ -44,6 +45,10 @@ func (s *Server) tokenize(c *gin.Context) {
 	var req TokenizeRequest
 	b, ok := s.decodeFor(c, &req, &req.Model)
 	if !ok {
+		return
+	}
+	if req.Content != nil {
+		llamaTokenize(c, b, &req)
 		return
 	}
 	add := true
@@ -102,5 +107,30 @@ func (s *Server) detokenize(c *gin.Context) {
 		abort(c, err)
 		return
 	}
-	c.JSON(http.StatusOK, DetokenizeResponse{Prompt: text})
+	c.JSON(http.StatusOK, DetokenizeResponse{Prompt: text, Content: text})
+}
+
+// llamaTokenize answers a /tokenize request in llama-server's shape.
+func llamaTokenize(c *gin.Context, b *Backend, req *TokenizeRequest) {
+	if req.Prompt != nil || len(req.Messages) > 0 {
+		abort(c, invalid("content", "give content (llama-server's field) or prompt or messages (vLLM's), not both"))
+		return
+	}
+	toks, err := b.Vocab.Tokenize(*req.Content, req.AddSpecial, req.ParseSpecial == nil || *req.ParseSpecial)
+	if err != nil {
+		abort(c, err)
+		return
+	}
+	resp := LlamaTokenizeResponse{Tokens: make([]any, len(toks))}
+	for i, t := range toks {
+		resp.Tokens[i] = int32(t)
+		if req.WithPieces {
+			var piece any = pieceString(b.Vocab, t)
+			if p, _ := b.Vocab.Piece(t, true); !utf8.Valid(p) {
+				piece = pieceBytes(b.Vocab, t)
+			}
+			resp.Tokens[i] = gin.H{"id": int32(t), "piece": piece}
+		}
+	}
+	c.JSON(http.StatusOK, resp)
 }

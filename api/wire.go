@@ -424,6 +424,20 @@ type TokenizeRequest struct {
 	AddSpecialTokens *bool   `json:"add_special_tokens"`
 	ReturnTokenStrs  bool    `json:"return_token_strs"`
 	ChatFields
+	// Content asks in llama-server's shape, which SillyTavern's llama.cpp
+	// connection sends: the text, add_special (default false), parse_special
+	// (default true), with_pieces; answered as LlamaTokenizeResponse.
+	Content      *string `json:"content"`
+	AddSpecial   bool    `json:"add_special"`
+	ParseSpecial *bool   `json:"parse_special"`
+	WithPieces   bool    `json:"with_pieces"`
+}
+
+// LlamaTokenizeResponse is llama-server's /tokenize answer: token ids, or with
+// with_pieces {"id", "piece"} objects whose piece is the token's text, or its
+// bytes when they are not whole UTF-8.
+type LlamaTokenizeResponse struct {
+	Tokens []any `json:"tokens"`
 }
 
 // ChatFields are what lays out a chat's prompt without running it (/tokenize,
@@ -455,7 +469,8 @@ type DetokenizeRequest struct {
 
 // DetokenizeResponse is the body of a /detokenize answer.
 type DetokenizeResponse struct {
-	Prompt string `json:"prompt"`
+	Prompt  string `json:"prompt"`
+	Content string `json:"content"` // the same text, as llama-server names it
 }
 
 // ErrorBody is OpenAI's error envelope.

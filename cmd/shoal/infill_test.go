@@ -204,6 +204,13 @@ func TestLlamaServerCompletion(t *testing.T) {
 			t.Fatalf("n_probs token %+v", p)
 		}
 	}
+	// /tokenize in llama-server's shape gives vLLM's shape's tokens.
+	_, llama := post(t, n.url+"/tokenize", `{"content":"The cat sat"}`)
+	_, vllm := post(t, n.url+"/tokenize", `{"prompt":"The cat sat","add_special_tokens":false}`)
+	var a, v struct{ Tokens []int }
+	if json.Unmarshal([]byte(llama), &a) != nil || json.Unmarshal([]byte(vllm), &v) != nil || len(a.Tokens) == 0 || fmt.Sprint(a.Tokens) != fmt.Sprint(v.Tokens) {
+		t.Fatalf("/tokenize content %s, prompt %s", llama, vllm)
+	}
 	var props struct {
 		Settings struct {
 			NCtx int `json:"n_ctx"`
