@@ -46,6 +46,8 @@ type LlamaFields struct {
 	TFSZ           *float64 `json:"tfs_z"`
 	DryMultiplier  *float64 `json:"dry_multiplier"`
 	XTCProbability *float64 `json:"xtc_probability"`
+	DynatempRange  *float64 `json:"dynatemp_range"`
+	TopNSigma      *float64 `json:"top_n_sigma"`
 }
 
 // LlamaPrompt is llama-server's prompt: a string, token ids, or strings and token
@@ -103,6 +105,10 @@ func (r *LlamaFields) unsupported() error {
 		return invalid("dry_multiplier", "DRY sampling is not supported (0: off)")
 	case r.XTCProbability != nil && *r.XTCProbability != 0:
 		return invalid("xtc_probability", "XTC sampling is not supported (0: off)")
+	case r.DynatempRange != nil && *r.DynatempRange != 0:
+		return invalid("dynatemp_range", "dynamic temperature is not supported (0: off)")
+	case r.TopNSigma != nil && *r.TopNSigma > 0:
+		return invalid("top_n_sigma", "top-n-sigma sampling is not supported (-1: off)")
 	}
 	return nil
 }

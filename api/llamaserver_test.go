@@ -84,7 +84,7 @@ func TestLlamaCompletion(t *testing.T) {
 	}
 	// n_probs: each token's log-probability and alternatives, as SillyTavern asks;
 	// samplers sent turned off, as it always sends them, are taken.
-	probs := answer(`{"prompt":"abc","n_predict":3,"n_probs":2,"mirostat":0,"typical_p":1,"tfs_z":1,"dry_multiplier":0,"xtc_probability":0}`)
+	probs := answer(`{"prompt":"abc","n_predict":3,"n_probs":2,"mirostat":0,"typical_p":1,"tfs_z":1,"dry_multiplier":0,"xtc_probability":0,"dynatemp_range":0,"top_n_sigma":-1}`)
 	if len(probs.CompletionProbabilities) != 3 || len(probs.CompletionProbabilities[0].TopLogprobs) != 2 || probs.CompletionProbabilities[0].Token == "" {
 		t.Fatalf("n_probs: %+v", probs.CompletionProbabilities)
 	}
@@ -103,6 +103,7 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"prompt":"a","n_probs":99}`, "n_probs"},
 		{`{"prompt":"a","mirostat":2}`, "mirostat"},
 		{`{"prompt":"a","dry_multiplier":0.8}`, "dry_multiplier"},
+		{`{"prompt":"a","dynatemp_range":0.5}`, "dynatemp_range"},
 		{`{"prompt":"a","n":2}`, "n"},
 		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
 		{`{"prompt":[["a"],"b"]}`, ""},
