@@ -200,6 +200,16 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 			return p, invalid(name, "%s must be between -2 and 2, got %v", name, *v)
 		}
 	}
+	if n := f.RepeatLastN; n != nil {
+		switch {
+		case *n < -1:
+			return p, invalid("repeat_last_n", "repeat_last_n must be -1 (the whole sequence), 0 (no repetition penalty) or more, got %d", *n)
+		case *n == 0:
+			sp.RepeatPenalty = 1 // a window of nothing, as llama.cpp's
+		default:
+			sp.RepeatLastN = *n
+		}
+	}
 	if f.PresencePenalty != nil {
 		sp.PresencePenalty = float32(*f.PresencePenalty)
 	}

@@ -201,3 +201,22 @@ func TestLlamaTokenize(t *testing.T) {
 		t.Fatalf("detokenize: %d %s", w.Code, w.Body)
 	}
 }
+
+// TestRepeatLastN: llama-server's and Ollama's repeat_last_n sets the window of
+// the repetition penalty; 0 turns it off; below -1 is refused.
+func TestRepeatLastN(t *testing.T) {
+	s := newTestServer(t, nil)
+	b := s.backend.Load()
+	penalty, window := 1.3, 32
+	p, err := s.samplingPlan(b, &SamplingFields{RepetitionPenalty: &penalty, RepeatLastN: &window}, "max_tokens", nil)
+	if err != nil || p.req.Sampling.RepeatLastN != 32 || p.req.Sampling.RepeatPenalty != float32(penalty) {
+		t.Fatalf("window 32: %+v %v", p.req.Sampling, err)
+	}
+	off := 0
+	if p, err = s.samplingPlan(b, &SamplingFields{RepetitionPenalty: &penalty, RepeatLastN: &off}, "max_tokens", nil); err != nil || p.req.Sampling.RepeatPenalty != 1 {
+		t.Fatalf("window 0: %+v %v", p.req.Sampling, err)
+	}
+	if w := s.do(t, "POST", "/api/generate", `{"model":"fake","prompt":"a","stream":false,"options":{"repeat_last_n":-2,"num_predict":1}}`); w.Code != 400 || !strings.Contains(w.Body.String(), "repeat_last_n") {
+		t.Fatalf("Ollama's repeat_last_n -2: %d %s", w.Code, w.Body)
+	}
+}

@@ -65,6 +65,7 @@ type OllamaOptions struct {
 	Seed             *ollamaInt   `json:"seed"`
 	Stop             StringOrList `json:"stop"`
 	RepeatPenalty    *float64     `json:"repeat_penalty"`
+	RepeatLastN      *ollamaInt   `json:"repeat_last_n"`
 	PresencePenalty  *float64     `json:"presence_penalty"`
 	FrequencyPenalty *float64     `json:"frequency_penalty"`
 }
@@ -210,6 +211,7 @@ func (o *OllamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *B
 		}
 		f.Temperature, f.TopP, f.TopK, f.MinP = opt.Temperature, opt.TopP, intOf(opt.TopK), opt.MinP
 		f.RepetitionPenalty, f.PresencePenalty, f.FrequencyPenalty = opt.RepeatPenalty, opt.PresencePenalty, opt.FrequencyPenalty
+		f.RepeatLastN = intOf(opt.RepeatLastN)
 		if opt.Seed != nil && *opt.Seed >= 0 { // Ollama's -1: a random seed
 			seed := int64(*opt.Seed)
 			f.Seed = &seed
@@ -309,7 +311,7 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 
 // ollamaParams are the chat fields Ollama's requests name otherwise.
 var ollamaParams = map[string]string{"max_tokens": "options.num_predict", "stop": "options.stop", "temperature": "options.temperature",
-	"top_p": "options.top_p", "top_k": "options.top_k", "min_p": "options.min_p", "repetition_penalty": "options.repeat_penalty",
+	"top_p": "options.top_p", "top_k": "options.top_k", "min_p": "options.min_p", "repetition_penalty": "options.repeat_penalty", "repeat_last_n": "options.repeat_last_n",
 	"presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty", "seed": "options.seed",
 	"response_format": "format", "chat_template_kwargs": "think", "logprobs": "top_logprobs"}
 

@@ -177,12 +177,15 @@ type SamplingFields struct {
 	TopK              *int            `json:"top_k"`
 	MinP              *float64        `json:"min_p"`
 	RepetitionPenalty *float64        `json:"repetition_penalty"`
-	Priority          *int            `json:"priority"`
-	IgnoreEOS         bool            `json:"ignore_eos"`
-	SkipSpecialTokens *bool           `json:"skip_special_tokens"`
-	MinTokens         *int            `json:"min_tokens"`
-	StopTokenIDs      []int           `json:"stop_token_ids"`
-	IncludeStopStr    bool            `json:"include_stop_str_in_output"`
+	// RepeatLastN is llama-server's and Ollama's window of repetition_penalty:
+	// the last N tokens (64 by default), -1 the whole sequence, 0 none.
+	RepeatLastN       *int  `json:"repeat_last_n"`
+	Priority          *int  `json:"priority"`
+	IgnoreEOS         bool  `json:"ignore_eos"`
+	SkipSpecialTokens *bool `json:"skip_special_tokens"`
+	MinTokens         *int  `json:"min_tokens"`
+	StopTokenIDs      []int `json:"stop_token_ids"`
+	IncludeStopStr    bool  `json:"include_stop_str_in_output"`
 	// PromptLogprobs is vLLM's: score the prompt's tokens, with this many
 	// alternatives each (PromptLogprob).
 	PromptLogprobs *int `json:"prompt_logprobs"`
