@@ -1038,6 +1038,11 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			c.JSON(http.StatusOK, gin.H{"embedding": []float32{}}) // as Ollama answers an empty prompt
 			return
 		}
+		answered, done := s.spread(c, b, req.Model, inputs[0])
+		defer done()
+		if answered {
+			return
+		}
 		adapter, _ := s.adapterOf(req.Model)
 		// The older endpoint answers the model's vector as it is, as Ollama's does.
 		vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input", !legacy)

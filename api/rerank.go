@@ -259,8 +259,9 @@ func reranks(c *gin.Context, b *Backend) bool {
 }
 
 // scorePairs computes the relevance of each (query, document) pair and counts
-// their tokens; ok is false when it answered c with an error (field and param
-// name the queries' and the documents' fields).
+// their tokens; ok is false when it answered c (with an error, or forwarded to
+// another node: spread); field and param name the queries' and the documents'
+// fields.
 func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2]string, field, param string, cut truncation) (scores []float64, tokens int, ok bool) {
 	// A query is laid out with each document: one that cannot fit a pair even
 	// with an empty document is refused before it is laid out thousands of times.
@@ -305,6 +306,11 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 			return nil, 0, false
 		}
 		inputs[i] = toks
+	}
+	answered, done := s.spread(c, b, model, inputs[0])
+	defer done()
+	if answered {
+		return nil, 0, false
 	}
 	adapter, _ := s.adapterOf(model)
 	vecs, tokens, ok := s.embed(c, b, inputs, adapter, param, false)

@@ -559,6 +559,11 @@ func (s *Server) embeddings(c *gin.Context) {
 		abort(c, invalid("input", "at most %d inputs per request", maxInputs))
 		return
 	}
+	answered, done := s.spread(c, b, req.Model, inputs[0])
+	defer done()
+	if answered {
+		return
+	}
 	adapter, _ := s.adapterOf(req.Model)
 	vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input", true)
 	if !ok {
@@ -576,6 +581,19 @@ func (s *Server) embeddings(c *gin.Context) {
 	}
 	resp.Usage.PromptTokens, resp.Usage.TotalTokens = tokens, tokens
 	c.JSON(http.StatusOK, resp)
+}
+
+// spread routes an embedding, rerank or score request as generation is routed:
+// to the node of the cluster that would answer it soonest among those that serve
+// model, by load, and where inputs start from a cached prefix
+// (Capacity.PoolsLast: a rerank request's pairs share the query) by where first
+// is cached. answered: it was forwarded (or refused); else the caller serves it
+// and calls done when it ends. A forwarded request has made its one hop.
+func (s *Server) spread(c *gin.Context, b *Backend, model string, first []engine.Token) (answered bool, done func()) {
+	if _, forwarded := c.Get(forwardedByKey); forwarded {
+		return false, func() {}
+	}
+	return s.route(c, cmp.Or(model, s.cfg.ModelName), first, 0, !b.Capacity.PoolsLast)
 }
 
 // embeds reports whether b pools embeddings, else answers c with why not.

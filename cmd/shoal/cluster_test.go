@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -583,5 +584,54 @@ func TestRerankerInCluster(t *testing.T) {
 	}
 	if resp, out := post(t, gen.url+"/v1/score", `{"model":"gen","text_1":"a","text_2":"b"}`); resp.StatusCode != 400 || !strings.Contains(out, "--reranking") {
 		t.Fatalf("score on the generation model: %d %s", resp.StatusCode, out)
+	}
+}
+
+// TestRerankersSpread: rerank requests sent to one of two nodes serving the same
+// reranker are spread over both, as generation is: adding a node adds capacity.
+func TestRerankersSpread(t *testing.T) {
+	model := filepath.Join(t.TempDir(), "rr.gguf")
+	var out, errb bytes.Buffer
+	if code := run([]string{"gen-model", "--preset", "small", "--reranker", "--out", model}, &out, &errb); code != 0 {
+		t.Fatalf("gen-model --reranker: exit %d: %s", code, errb.String())
+	}
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	common := []string{"--model", model, "--reranking", "--gossip-key", key, "--threads", "1"}
+	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a"}, common...)...)
+	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
+	waitFor(t, "2 members at a", func() bool {
+		alive := 0
+		for _, m := range clusterMembers(t, a) {
+			if m.State == "alive" && m.Load.Seq > 0 {
+				alive++
+			}
+		}
+		return alive == 2
+	})
+	docs := make([]string, 16)
+	for i := range docs {
+		docs[i] = fmt.Sprintf("document %d: %s", i, strings.Repeat("some words of text ", 8))
+	}
+	var mu sync.Mutex
+	served := map[string]int{}
+	var wg sync.WaitGroup
+	for i, w := range []string{"apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember"} {
+		wg.Go(func() {
+			body, _ := json.Marshal(map[string]any{"query": strings.Repeat(fmt.Sprintf("%s %d? ", w, i), 20), "documents": docs})
+			resp, text := post(t, a.url+"/v1/rerank", string(body))
+			if resp.StatusCode != 200 || !strings.Contains(text, `"relevance_score"`) {
+				t.Errorf("%d %s", resp.StatusCode, text)
+				return
+			}
+			mu.Lock()
+			served[cmp.Or(resp.Header.Get("X-Shoal-Served-By"), "a")]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	t.Logf("served by: %v", served)
+	if len(served) < 2 {
+		t.Fatalf("8 concurrent rerank requests all served by one node: %v", served)
 	}
 }
