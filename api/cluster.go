@@ -125,11 +125,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 			t32[i] = int32(t)
 		}
 	}
-	route := cs.node.Route
-	if uncached {
-		route = cs.node.RouteUncached
-	}
-	targets, err := route(model, t32, priority)
+	targets, err := cs.node.RouteTask(c.GetString(taskKey), model, t32, priority, !uncached)
 	switch {
 	case errors.Is(err, cluster.ErrSaturated):
 		s.metrics.rejected(errSaturatedMarker)

@@ -819,17 +819,28 @@ func (s *Server) begin(c *gin.Context, req any, model *string, priority **int) (
 // has made its one hop: if this node does not serve its model (the router's view
 // was stale), it gets 404 rather than another model's answer.
 func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, priority int) bool {
-	if !s.elsewhere(model) {
+	_, here := s.adapterOf(model)
+	if s.node() == nil || here && s.servesTask(c) {
 		return true
 	}
-	if forwarded {
+	switch {
+	case forwarded && here:
+		return true // for another task than this node's: its own answer says which
+	case forwarded:
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
 			Message: fmt.Sprintf("the model %q was forwarded to this node, which serves %q", model, s.cfg.ModelName)})
 		return false
 	}
-	_, done := s.route(c, model, nil, priority, false)
+	// Served here for another task (one file served both to generate and to
+	// embed): a node of the request's task answers, else this node says which
+	// task it serves (no tokens, but not nil: route falls back to here).
+	var tokens []engine.Token
+	if here {
+		tokens = []engine.Token{}
+	}
+	answered, done := s.route(c, model, tokens, priority, false)
 	done()
-	return false
+	return !answered
 }
 
 // checkHop verifies a forwarded request's credential; ok is false when it was refused.
@@ -845,11 +856,6 @@ func (s *Server) checkHop(c *gin.Context) (forwarded, ok bool) {
 }
 
 // elsewhere reports whether model is served by another node, not this one.
-func (s *Server) elsewhere(model string) bool {
-	_, here := s.adapterOf(model)
-	return s.node() != nil && !here
-}
-
 func priorityOf(p *int) int {
 	if p == nil {
 		return 0

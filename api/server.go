@@ -186,35 +186,36 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	v1.GET("/models/*id", s.model) // ids may hold slashes ("org/name")
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
-	v1.POST("/embeddings", s.embeddings)
-	v1.POST("/rerank", s.rerank)
-	v1.POST("/reranking", s.rerank) // llama-server's
-	v1.POST("/score", s.score)
+	embed, rerank, anyTask := withTask(cluster.TaskEmbed), withTask(cluster.TaskRerank), withTask(cluster.TaskAny)
+	v1.POST("/embeddings", embed, s.embeddings)
+	v1.POST("/rerank", rerank, s.rerank)
+	v1.POST("/reranking", rerank, s.rerank) // llama-server's
+	v1.POST("/score", rerank, s.score)
 	v1.POST("/responses", s.responses)
 	r.POST("/v1/messages", anthropicErrors, s.counted, s.auth, s.messages)
 	r.POST("/v1/messages/count_tokens", anthropicErrors, s.counted, s.auth, s.countTokens)
 	r.POST("/infill", s.counted, s.auth, s.infill)
 	for _, path := range []string{"/rerank", "/reranking", "/v2/rerank"} { // TEI's, llama-server's, Cohere's v2
-		r.POST(path, s.counted, s.auth, s.rerank)
+		r.POST(path, rerank, s.counted, s.auth, s.rerank)
 	}
-	r.POST("/score", s.counted, s.auth, s.score) // vLLM's
+	r.POST("/score", rerank, s.counted, s.auth, s.score) // vLLM's
 	// llama-server's own completion endpoint (OpenAI's is /v1/completions).
 	for _, path := range []string{"/completion", "/completions"} {
 		r.POST(path, s.counted, s.auth, s.llamaCompletion)
 	}
 	r.GET("/props", s.counted, s.auth, s.props)
 	r.POST("/apply-template", s.counted, s.auth, s.applyTemplate)
-	r.POST("/tokenize", s.counted, s.auth, s.tokenize)
-	r.POST("/detokenize", s.counted, s.auth, s.detokenize)
+	r.POST("/tokenize", anyTask, s.counted, s.auth, s.tokenize)
+	r.POST("/detokenize", anyTask, s.counted, s.auth, s.detokenize)
 	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
 	ollama := r.Group("/api", ollamaErrors, s.counted, s.auth)
 	ollama.POST("/chat", s.ollamaChat)
 	ollama.POST("/generate", s.ollamaGenerate)
-	ollama.POST("/embed", s.ollamaEmbed(false))
-	ollama.POST("/embeddings", s.ollamaEmbed(true))
+	ollama.POST("/embed", embed, s.ollamaEmbed(false))
+	ollama.POST("/embeddings", embed, s.ollamaEmbed(true))
 	ollama.GET("/tags", s.ollamaTags)
 	ollama.GET("/ps", s.ollamaPS)
-	ollama.POST("/show", s.ollamaShow)
+	ollama.POST("/show", anyTask, s.ollamaShow)
 	ollama.GET("/version", s.ollamaVersion)
 	ollama.HEAD("/version", s.ollamaVersion)
 	for _, path := range []string{"/pull", "/push", "/create", "/copy", "/delete"} {
@@ -583,11 +584,37 @@ func (s *Server) embeddings(c *gin.Context) {
 	c.JSON(http.StatusOK, resp)
 }
 
-// spread routes an embedding, rerank or score request as generation is routed:
-// to the node of the cluster that would answer it soonest among those that serve
-// model, by load, and where inputs start from a cached prefix
-// (Capacity.PoolsLast: a rerank request's pairs share the query) by where first
-// is cached. answered: it was forwarded (or refused); else the caller serves it
+// taskKey holds what a request asks of the node that runs it (cluster.Meta.Task;
+// unset: generation).
+const taskKey = "shoal.task"
+
+// withTask marks a route's requests as of task.
+func withTask(task string) gin.HandlerFunc {
+	return func(c *gin.Context) { c.Set(taskKey, task) }
+}
+
+// servesTask reports whether this node computes what c asks (its model aside).
+func (s *Server) servesTask(c *gin.Context) bool {
+	b := s.backend.Load()
+	task := c.GetString(taskKey)
+	return b == nil || task == cluster.TaskAny || task == TaskOf(b.Info)
+}
+
+// TaskOf is what a node serving a model of info computes (cluster.Meta.Task).
+func TaskOf(info engine.ModelInfo) string {
+	switch {
+	case info.Rerank != nil:
+		return cluster.TaskRerank
+	case info.Pooling:
+		return cluster.TaskEmbed
+	}
+	return cluster.TaskGenerate
+}
+
+// spread routes an embedding, rerank or score request as generation is routed,
+// among the nodes that serve model for its task: where inputs start from a
+// cached prefix (Capacity.PoolsLast: a rerank request's pairs share the query)
+// by where first is cached, else as a request without blocks (in turn). answered: it was forwarded (or refused); else the caller serves it
 // and calls done when it ends. A forwarded request has made its one hop.
 func (s *Server) spread(c *gin.Context, b *Backend, model string, first []engine.Token) (answered bool, done func()) {
 	if _, forwarded := c.Get(forwardedByKey); forwarded {

@@ -65,7 +65,13 @@ const minPrefillTPS = 100
 // only); then routing is by load. An urgent request (priority < 0: lower runs first,
 // as in vLLM) may go to a saturated node.
 func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, error) {
-	return n.route(model, tokens, priority, true)
+	return n.route(TaskGenerate, model, tokens, priority, true)
+}
+
+// RouteTask is Route (reuse) or RouteUncached (!reuse) for a request of task:
+// only nodes that serve model for it (Meta.Task) are candidates.
+func (n *Node) RouteTask(task, model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
+	return n.route(task, model, tokens, priority, reuse)
 }
 
 // RouteUncached is Route for a request that computes its whole prompt wherever
@@ -73,10 +79,10 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 // nodes are compared by load and the whole prompt's prefill, not by what they
 // hold of it.
 func (n *Node) RouteUncached(model string, tokens []int32, priority int) ([]Target, error) {
-	return n.route(model, tokens, priority, false)
+	return n.route(TaskGenerate, model, tokens, priority, false)
 }
 
-func (n *Node) route(model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
+func (n *Node) route(task, model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
 	var hashes []kvcache.Hash
 	if reuse && tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
 		hashes = kvcache.NewHasher(n.cfg.HashSeed, model).Chain(tokens, n.cfg.BlockTokens)
@@ -97,7 +103,7 @@ func (n *Node) route(model string, tokens []int32, priority int, reuse bool) ([]
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
 		for _, p := range n.peers {
 			self := p.name == n.cfg.Name
-			if !p.metaOK || !slices.Contains(p.meta.Models, model) {
+			if !p.metaOK || !slices.Contains(p.meta.Models, model) || task != TaskAny && p.meta.Task != task {
 				continue
 			}
 			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) || !self && p.state != "alive" {

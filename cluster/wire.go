@@ -42,7 +42,21 @@ type Meta struct {
 	// Keys: the node requires API keys of its clients, so the requests it
 	// forwards were checked against them (peers take those on its credential).
 	Keys bool `json:"k,omitempty"`
+	// Task is what the node computes with its models: TaskGenerate (a node of
+	// an earlier release too), TaskEmbed or TaskRerank. One model file served
+	// both ways advertises one id twice: a request is routed to a node of its
+	// task.
+	Task string `json:"w,omitempty"`
 }
+
+// Tasks a node serves its models for (Meta.Task), and a request's (Route).
+const (
+	TaskGenerate = ""
+	TaskEmbed    = "embed"
+	TaskRerank   = "rerank"
+	// TaskAny is a request any node serving the model answers (tokenizing).
+	TaskAny = "any"
+)
 
 func encodeMeta(m Meta) ([]byte, error) {
 	b, err := json.Marshal(m)

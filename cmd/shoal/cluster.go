@@ -151,7 +151,7 @@ func (a schedulerState) Load() cluster.Load {
 
 func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
 
-func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS, simulated, keys bool, log *slog.Logger) (*cluster.Node, []byte, error) {
+func startCluster(cf *clusterFlags, httpAddr, model, task, device string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS, simulated, keys bool, log *slog.Logger) (*cluster.Node, []byte, error) {
 	key, err := cf.gossipKey()
 	if err != nil {
 		return nil, nil, err
@@ -178,7 +178,7 @@ func startCluster(cf *clusterFlags, httpAddr, model, device string, sc scheduler
 	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, cf.advertise, cf.join, key, secret
 	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
 	cc.Meta = cluster.Meta{HTTP: adv, Models: append([]string{model}, sc.Adapters...), Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device, Keys: keys,
-		MaxModelLen: sched.MaxContext()}
+		MaxModelLen: sched.MaxContext(), Task: task}
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
 	if err != nil {
 		return nil, nil, err

@@ -635,3 +635,38 @@ func TestRerankersSpread(t *testing.T) {
 		t.Fatalf("8 concurrent rerank requests all served by one node: %v", served)
 	}
 }
+
+// TestTasksRouteToTheirNodes: one model file served to generate on one node and
+// to embed on another advertises one id twice; each request goes to a node of
+// its task, whichever node it is sent to.
+func TestTasksRouteToTheirNodes(t *testing.T) {
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	common := []string{"--model", smallModel(t), "--gossip-key", key, "--threads", "1"}
+	gen := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "gen"}, common...)...)
+	emb := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "emb", "--join", g1, "--embeddings", "--pooling", "mean"}, common...)...)
+	waitFor(t, "2 members at gen", func() bool {
+		alive := 0
+		for _, m := range clusterMembers(t, gen) {
+			if m.State == "alive" && m.Load.Seq > 0 {
+				alive++
+			}
+		}
+		return alive == 2
+	})
+	for i := range 6 {
+		for _, n := range []*node{gen, emb} {
+			resp, text := post(t, n.url+"/v1/embeddings", fmt.Sprintf(`{"model":"small","input":"text number %d"}`, i))
+			if resp.StatusCode != 200 || !strings.Contains(text, `"embedding"`) {
+				t.Fatalf("embeddings sent to %s: %d %s", n.url, resp.StatusCode, text)
+			}
+			resp, text = post(t, n.url+"/v1/completions", fmt.Sprintf(`{"model":"small","prompt":"story %d","max_tokens":2}`, i))
+			if resp.StatusCode != 200 || !strings.Contains(text, `"text_completion"`) {
+				t.Fatalf("completion sent to %s: %d %s", n.url, resp.StatusCode, text)
+			}
+		}
+	}
+	if resp, text := post(t, emb.url+"/tokenize", `{"model":"small","prompt":"hi"}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "" {
+		t.Fatalf("tokenize at the embedding node: %d %s (served by %q)", resp.StatusCode, text, resp.Header.Get("X-Shoal-Served-By"))
+	}
+}

@@ -529,7 +529,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, device, sc, sched, serverTLS != nil, f.sim != "", len(f.apiKeys) > 0, log)
+		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, api.TaskOf(info), device, sc, sched, serverTLS != nil, f.sim != "", len(f.apiKeys) > 0, log)
 		if err != nil {
 			stopSched()
 			<-schedDone
