@@ -943,8 +943,15 @@ func TestAdapterMetrics(t *testing.T) {
 	if base.Code != 200 || tuned.Code != 200 || !strings.Contains(tuned.Body.String(), `"model":"tuned"`) || base.Body.String() == strings.ReplaceAll(tuned.Body.String(), `"tuned"`, `"fake"`) {
 		t.Fatalf("base %d %s\ntuned %d %s", base.Code, base.Body, tuned.Code, tuned.Body)
 	}
+	// The scheduler publishes its load after the step that ended the requests,
+	// which may come after their answers: wait for it (bounded).
+	want := `vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}`
 	w := s.do(t, "GET", "/metrics", "")
-	if !strings.Contains(w.Body.String(), `vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}`) {
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(w.Body.String(), want) && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+		w = s.do(t, "GET", "/metrics", "")
+	}
+	if !strings.Contains(w.Body.String(), want) {
 		t.Errorf("metrics lack vllm:lora_requests_info:\n%s", w.Body)
 	}
 }
