@@ -311,15 +311,7 @@ func TestDifferentPrefixesSpread(t *testing.T) {
 	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a"}, common...)...)
 	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
 	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "c", "--join", g1}, common...)...)
-	waitFor(t, "3 members at a", func() bool {
-		alive := 0
-		for _, m := range clusterMembers(t, a) {
-			if m.State == "alive" && m.Load.Seq > 0 {
-				alive++
-			}
-		}
-		return alive == 3
-	})
+	waitAlive(t, a, 3)
 	words := []string{"apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember", "frost"}
 	var mu sync.Mutex
 	served := map[string]int{}
@@ -600,15 +592,7 @@ func TestRerankersSpread(t *testing.T) {
 	common := []string{"--model", model, "--reranking", "--gossip-key", key, "--threads", "1"}
 	a := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "a"}, common...)...)
 	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
-	waitFor(t, "2 members at a", func() bool {
-		alive := 0
-		for _, m := range clusterMembers(t, a) {
-			if m.State == "alive" && m.Load.Seq > 0 {
-				alive++
-			}
-		}
-		return alive == 2
-	})
+	waitAlive(t, a, 2)
 	docs := make([]string, 16)
 	for i := range docs {
 		docs[i] = fmt.Sprintf("document %d: %s", i, strings.Repeat("some words of text ", 8))
@@ -645,15 +629,7 @@ func TestTasksRouteToTheirNodes(t *testing.T) {
 	common := []string{"--model", smallModel(t), "--gossip-key", key, "--threads", "1"}
 	gen := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "gen"}, common...)...)
 	emb := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "emb", "--join", g1, "--embeddings", "--pooling", "mean"}, common...)...)
-	waitFor(t, "2 members at gen", func() bool {
-		alive := 0
-		for _, m := range clusterMembers(t, gen) {
-			if m.State == "alive" && m.Load.Seq > 0 {
-				alive++
-			}
-		}
-		return alive == 2
-	})
+	waitAlive(t, gen, 2)
 	for i := range 6 {
 		for _, n := range []*node{gen, emb} {
 			resp, text := post(t, n.url+"/v1/embeddings", fmt.Sprintf(`{"model":"small","input":"text number %d"}`, i))
@@ -669,4 +645,18 @@ func TestTasksRouteToTheirNodes(t *testing.T) {
 	if resp, text := post(t, emb.url+"/tokenize", `{"model":"small","prompt":"hi"}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "" {
 		t.Fatalf("tokenize at the embedding node: %d %s (served by %q)", resp.StatusCode, text, resp.Header.Get("X-Shoal-Served-By"))
 	}
+}
+
+// waitAlive waits until n sees count members alive with a load report.
+func waitAlive(t *testing.T, n *node, count int) {
+	t.Helper()
+	waitFor(t, fmt.Sprintf("%d members alive at %s", count, n.url), func() bool {
+		alive := 0
+		for _, m := range clusterMembers(t, n) {
+			if m.State == "alive" && m.Load.Seq > 0 {
+				alive++
+			}
+		}
+		return alive == count
+	})
 }
