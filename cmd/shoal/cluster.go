@@ -325,7 +325,11 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		if m.State == "dead" || m.State == "left" {
 			load = strings.Repeat("-\t", 7) + "-" // its last load is not its load now
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%dms ago\n", name, m.Addr, state, strings.Join(m.Models, ","), cmp.Or(m.Device, "-"), load, m.UpdatedAgoMS)
+		models := strings.Join(m.Models, ",")
+		if m.Task != "" {
+			models += " (" + m.Task + ")" // served to embed or to rerank, not to generate
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%dms ago\n", name, m.Addr, state, models, cmp.Or(m.Device, "-"), load, m.UpdatedAgoMS)
 	}
 	return tw.Flush()
 }

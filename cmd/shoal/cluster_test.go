@@ -645,6 +645,11 @@ func TestTasksRouteToTheirNodes(t *testing.T) {
 	if resp, text := post(t, emb.url+"/tokenize", `{"model":"small","prompt":"hi"}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "" {
 		t.Fatalf("tokenize at the embedding node: %d %s (served by %q)", resp.StatusCode, text, resp.Header.Get("X-Shoal-Served-By"))
 	}
+	// shoal status marks the embedding node's model.
+	var out, errb bytes.Buffer
+	if code := run([]string{"status", "--addr", strings.TrimPrefix(gen.url, "http://")}, &out, &errb); code != 0 || !strings.Contains(out.String(), "small (embed)") || strings.Count(out.String(), "small") != 2 {
+		t.Fatalf("shoal status: exit %d\n%s%s", code, out.String(), errb.String())
+	}
 }
 
 // waitAlive waits until n sees count members alive with a load report.
