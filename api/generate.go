@@ -18,6 +18,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/sample"
 	"github.com/shoal-ai/shoal/scheduler"
@@ -552,22 +553,10 @@ func (s *Server) beginGeneration(c *gin.Context, req any, model *string, priorit
 	if b, ok = s.readyBackend(c); !ok {
 		return nil, false, false
 	}
-	if forwarded, ok = s.begin(c, req, model, priority); !ok || !generates(c, b) {
+	if forwarded, ok = s.begin(c, req, model, priority); !ok || !serves(c, b, cluster.TaskGenerate) {
 		return nil, forwarded, false
 	}
 	return b, forwarded, true
-}
-
-func generates(c *gin.Context, b *Backend) bool {
-	switch {
-	case b.Info.Pooling:
-		abort(c, invalid("model", "this node serves an embedding model: use /v1/embeddings"))
-		return false
-	case b.Info.Rerank != nil:
-		abort(c, invalid("model", "this node serves a reranker: use /v1/rerank or /v1/score"))
-		return false
-	}
-	return true
 }
 
 func (s *Server) chat(c *gin.Context) {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/sample"
 )
@@ -266,7 +267,7 @@ type ApplyTemplateRequest struct {
 func (s *Server) applyTemplate(c *gin.Context) {
 	var req ApplyTemplateRequest
 	b, ok := s.decodeFor(c, &req, &req.Model)
-	if !ok || !generates(c, b) {
+	if !ok || !serves(c, b, cluster.TaskGenerate) {
 		return
 	}
 	if len(req.Messages) == 0 {

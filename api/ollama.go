@@ -18,6 +18,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -979,7 +980,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 		if !ok {
 			return
 		}
-		if !embeds(c, b) {
+		if !serves(c, b, cluster.TaskEmbed) {
 			return
 		}
 		if req.Dimensions != nil && *req.Dimensions < 0 {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 )
 
@@ -123,7 +124,7 @@ type ScoreResponse struct {
 func (s *Server) rerank(c *gin.Context) {
 	var req RerankRequest
 	b, ok := s.decodeFor(c, &req, &req.Model)
-	if !ok || !reranks(c, b) {
+	if !ok || !serves(c, b, cluster.TaskRerank) {
 		return
 	}
 	tei := req.Texts != nil && req.Documents == nil
@@ -200,7 +201,7 @@ func (s *Server) rerank(c *gin.Context) {
 func (s *Server) score(c *gin.Context) {
 	var req ScoreRequest
 	b, ok := s.decodeFor(c, &req, &req.Model)
-	if !ok || !reranks(c, b) {
+	if !ok || !serves(c, b, cluster.TaskRerank) {
 		return
 	}
 	var pairs [][2]string
@@ -243,19 +244,6 @@ func (s *Server) score(c *gin.Context) {
 	}
 	resp.Usage.PromptTokens, resp.Usage.TotalTokens = tokens, tokens
 	c.JSON(http.StatusOK, resp)
-}
-
-// reranks reports whether b serves a reranker, else answers c with why not.
-func reranks(c *gin.Context, b *Backend) bool {
-	if b.Info.Rerank == nil {
-		what := "a generation model: use /v1/chat/completions or /v1/completions"
-		if b.Info.Pooling {
-			what = "an embedding model: use /v1/embeddings"
-		}
-		abort(c, invalid("model", "this node serves %s; rerank and score need a reranker served with --reranking", what))
-		return false
-	}
-	return true
 }
 
 // scorePairs computes the relevance of each (query, document) pair and counts

@@ -522,7 +522,7 @@ func (s *Server) embeddings(c *gin.Context) {
 	if !ok {
 		return
 	}
-	if !embeds(c, b) {
+	if !serves(c, b, cluster.TaskEmbed) {
 		return
 	}
 	switch req.EncodingFormat {
@@ -614,8 +614,9 @@ func TaskOf(info engine.ModelInfo) string {
 // spread routes an embedding, rerank or score request as generation is routed,
 // among the nodes that serve model for its task: where inputs start from a
 // cached prefix (Capacity.PoolsLast: a rerank request's pairs share the query)
-// by where first is cached, else as a request without blocks (in turn). answered: it was forwarded (or refused); else the caller serves it
-// and calls done when it ends. A forwarded request has made its one hop.
+// by where first is cached, else as a request without blocks (in turn).
+// answered: it was forwarded (or refused); else the caller serves it and calls
+// done when it ends. A forwarded request has made its one hop.
 func (s *Server) spread(c *gin.Context, b *Backend, model string, first []engine.Token) (answered bool, done func()) {
 	if _, forwarded := c.Get(forwardedByKey); forwarded {
 		return false, func() {}
@@ -623,14 +624,26 @@ func (s *Server) spread(c *gin.Context, b *Backend, model string, first []engine
 	return s.route(c, cmp.Or(model, s.cfg.ModelName), first, 0, !b.Capacity.PoolsLast)
 }
 
-// embeds reports whether b pools embeddings, else answers c with why not.
-func embeds(c *gin.Context, b *Backend) bool {
-	switch {
-	case b.Info.Rerank != nil:
-		abort(c, invalid("model", "this node serves a reranker, which scores pairs of texts: use /v1/rerank or /v1/score"))
-		return false
-	case !b.Info.Pooling:
-		abort(c, invalid("model", "this model does not produce embeddings (no pooling): start an embedding node with --embeddings (and --pooling for models without their own)"))
+// taskUse names what a node of each task serves and the endpoints that ask for
+// it; taskNeeds, what a request of each task needs.
+var (
+	taskUse = map[string]string{
+		cluster.TaskGenerate: "a generation model: use /v1/chat/completions or /v1/completions",
+		cluster.TaskEmbed:    "an embedding model: use /v1/embeddings",
+		cluster.TaskRerank:   "a reranker, which scores pairs of texts: use /v1/rerank or /v1/score",
+	}
+	taskNeeds = map[string]string{
+		cluster.TaskGenerate: "generation needs a node serving its model without --embeddings or --reranking",
+		cluster.TaskEmbed:    "embeddings need an embedding node: --embeddings (and --pooling for models without their own)",
+		cluster.TaskRerank:   "rerank and score need a reranker served with --reranking",
+	}
+)
+
+// serves reports whether b computes task (generation, embeddings or ranking),
+// else answers c with what it computes and what task needs.
+func serves(c *gin.Context, b *Backend, task string) bool {
+	if have := TaskOf(b.Info); have != task {
+		abort(c, invalid("model", "this node serves %s; %s", taskUse[have], taskNeeds[task]))
 		return false
 	}
 	return true

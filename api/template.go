@@ -12,6 +12,7 @@ import (
 
 	"github.com/ardanlabs/jinja"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 )
 
@@ -115,7 +116,7 @@ func (s *Server) compileTemplate(b *Backend) {
 		s.log.Warn("the chat template does not run as Jinja here: chats are laid out by llama.cpp's built-in format for it instead, and tools are described in the system message",
 			"err", err)
 	}
-	if b.Vocab == nil || b.Info.Pooling || b.Info.Rerank != nil {
+	if b.Vocab == nil || TaskOf(b.Info) != cluster.TaskGenerate {
 		return
 	}
 	if _, err := b.Vocab.ApplyChatTemplate([]engine.ChatMessage{{Role: "user", Content: "hi"}}, true); err == nil {
