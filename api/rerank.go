@@ -260,17 +260,13 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 			continue
 		}
 		l, err := newPairLayout(b, p[0])
-		var empty []engine.Token
-		if err == nil {
-			layouts[i] = l
-			empty, err = l.prompt("")
-		}
+		layouts[i] = l
 		switch {
 		case err != nil:
-		case cut.pairTokens > 0 && len(empty) > cut.pairTokens:
-			err = fmt.Errorf("with an empty document the pair takes %d tokens, more than the %d it is cut to", len(empty), cut.pairTokens)
+		case cut.pairTokens > 0 && len(l.empty) > cut.pairTokens:
+			err = fmt.Errorf("with an empty document the pair takes %d tokens, more than the %d it is cut to", len(l.empty), cut.pairTokens)
 		default:
-			err = fitsOnePass(len(empty), b)
+			err = fitsOnePass(len(l.empty), b)
 		}
 		if err != nil {
 			abort(c, invalid(field, "%s: %v", field, err))
@@ -452,17 +448,16 @@ func fitPair(l *pairLayout, doc string, t truncation) ([]engine.Token, error) {
 	if toks, err = at(k); err != nil || t.pairTokens == 0 || len(toks) <= t.pairTokens {
 		return toks, err
 	}
-	empty, err := at(0)
-	if err != nil || len(empty) > t.pairTokens {
-		return empty, err
+	if len(l.empty) > t.pairTokens {
+		return l.empty, nil
 	}
 	// The document's tokens alone hardly differ in number from what they add to
 	// the pair: search a few past the room the rest leaves, not the whole text.
-	lo, hi := 0, min(k, t.pairTokens-len(empty)+8) // the pair fits at lo, not at hi
+	lo, hi := 0, min(k, t.pairTokens-len(l.empty)+8) // the pair fits at lo, not at hi
 	if toks, err = at(hi); err != nil || len(toks) <= t.pairTokens {
 		return toks, err
 	}
-	toks = empty
+	toks = l.empty
 	for hi-lo > 1 {
 		mid := (lo + hi) / 2
 		m, err := at(mid)
@@ -491,6 +486,7 @@ type pairLayout struct {
 	query string
 	plain bool           // with a rerank prompt: the query holds no control token's text
 	toks  []engine.Token // without one: the query's tokens
+	empty []engine.Token // the query with an empty document
 }
 
 func newPairLayout(b *Backend, query string) (*pairLayout, error) {
@@ -500,6 +496,9 @@ func newPairLayout(b *Backend, query string) (*pairLayout, error) {
 		l.plain, err = plainText(b, query)
 	} else {
 		l.toks, err = b.Vocab.Tokenize(query, false, false)
+	}
+	if err == nil {
+		l.empty, err = l.layout("", true)
 	}
 	return l, err
 }
