@@ -220,3 +220,36 @@ func TestRepeatLastN(t *testing.T) {
 		t.Fatalf("Ollama's repeat_last_n -2: %d %s", w.Code, w.Body)
 	}
 }
+
+// TestLogitBiasForms: an object's keys are ids when they read as ids, an
+// array's strings are always texts, and null is refused.
+func TestLogitBiasForms(t *testing.T) {
+	var l LogitBias
+	if err := json.Unmarshal([]byte(`{"3":1,"ab":false}`), &l); err != nil || len(l) != 2 || l[0].ID != 3 || l[0].IsText || !l[1].IsText || !l[1].Ban {
+		t.Fatalf("object: %+v %v", l, err)
+	}
+	if err := json.Unmarshal([]byte(`[["3",-1],[5,2]]`), &l); err != nil || !l[0].IsText || l[0].Text != "3" || l[1].ID != 5 {
+		t.Fatalf("array: %+v %v", l, err)
+	}
+	for _, bad := range []string{`{"3":null}`, `[[null,5]]`, `[[3,true]]`, `[[3]]`, `"x"`, `{"3":"1"}`} {
+		if err := json.Unmarshal([]byte(bad), &l); err == nil {
+			t.Errorf("%s accepted: %+v", bad, l)
+		}
+	}
+}
+
+// TestLlamaProbsStop: the tokens a stop string took out of the answer are not in
+// its completion_probabilities.
+func TestLlamaProbsStop(t *testing.T) {
+	s := newTestServer(t, nil)
+	w := s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":4,"temperature":0}`)
+	var whole InfillResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || len(whole.Content) != 4 {
+		t.Fatalf("%d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":4,"temperature":0,"n_probs":1,"stop":["`+whole.Content[2:]+`"]}`)
+	var cut InfillResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &cut); err != nil || cut.Content != whole.Content[:2] || len(cut.CompletionProbabilities) != 2 {
+		t.Fatalf("stopped at %q: %s", whole.Content[2:], w.Body)
+	}
+}
