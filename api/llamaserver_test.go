@@ -64,7 +64,7 @@ func TestLlamaCompletion(t *testing.T) {
 			t.Errorf("logit_bias %s: %q, without: %q", c.bias, r.Content, text.Content)
 		}
 	}
-	lb := LogitBias{{Text: "ab", IsText: true, Ban: true}, {ID: 7, Bias: 2}}
+	lb := LogitBias{{Text: "ab", IsText: true, Bias: banBias}, {ID: 7, Bias: 2}}
 	ab, _ := s.fake.Vocab().Tokenize("ab", false, false)
 	if m, err := lb.tokens(s.fake.Vocab()); err != nil || len(m) != 3 || m[ab[0]] != -100 || m[ab[1]] != -100 || m[7] != 2 {
 		t.Fatalf("a text's tokens and an id: %v %v", m, err)
@@ -225,7 +225,7 @@ func TestRepeatLastN(t *testing.T) {
 // array's strings are always texts, and null is refused.
 func TestLogitBiasForms(t *testing.T) {
 	var l LogitBias
-	if err := json.Unmarshal([]byte(`{"3":1,"ab":false}`), &l); err != nil || len(l) != 2 || l[0].ID != 3 || l[0].IsText || !l[1].IsText || !l[1].Ban {
+	if err := json.Unmarshal([]byte(`{"3":1,"ab":false}`), &l); err != nil || len(l) != 2 || l[0].ID != 3 || l[0].IsText || !l[1].IsText || l[1].Bias != banBias {
 		t.Fatalf("object: %+v %v", l, err)
 	}
 	if err := json.Unmarshal([]byte(`[["3",-1],[5,2]]`), &l); err != nil || !l[0].IsText || l[0].Text != "3" || l[1].ID != 5 {

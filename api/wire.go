@@ -526,14 +526,16 @@ type EmbeddingResponse struct {
 // value of false bans. An empty array is none.
 type LogitBias []BiasEntry
 
-// BiasEntry is one logit_bias entry.
+// BiasEntry is one logit_bias entry; a ban is the lowest bias, banBias.
 type BiasEntry struct {
 	ID     int64
 	Text   string
 	IsText bool
 	Bias   float64
-	Ban    bool
 }
+
+// banBias is the bias of a banned token (llama-server's false): OpenAI's lowest.
+const banBias = -100
 
 // UnmarshalJSON takes an object or an array of pairs.
 func (l *LogitBias) UnmarshalJSON(b []byte) error {
@@ -562,7 +564,7 @@ func (l *LogitBias) UnmarshalJSON(b []byte) error {
 		switch {
 		case json.Unmarshal(value, &e.Bias) == nil:
 		case json.Unmarshal(value, &ban) == nil && !ban:
-			e.Ban = true
+			e.Bias = banBias
 		default:
 			return errShape
 		}
@@ -603,15 +605,11 @@ func (l *LogitBias) UnmarshalJSON(b []byte) error {
 // maxBiasTokens bounds the tokens one request's logit_bias may touch.
 const maxBiasTokens = 4096
 
-// tokens is the bias of each token under v: a text's tokens each get its bias;
-// a ban is the lowest bias (-100).
+// tokens is the bias of each token under v: a text's tokens each get its bias.
 func (l LogitBias) tokens(v engine.Vocab) (map[engine.Token]float32, error) {
 	out := map[engine.Token]float32{}
 	for _, e := range l {
 		bias := e.Bias
-		if e.Ban {
-			bias = -100
-		}
 		if math.IsNaN(bias) || bias < -100 || bias > 100 {
 			return nil, invalid("logit_bias", "logit_bias %v: must be between -100 and 100 (or false, banned)", bias)
 		}
