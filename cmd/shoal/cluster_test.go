@@ -312,29 +312,12 @@ func TestDifferentPrefixesSpread(t *testing.T) {
 	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1}, common...)...)
 	startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "c", "--join", g1}, common...)...)
 	waitAlive(t, a, 3)
-	words := []string{"apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember", "frost"}
-	var mu sync.Mutex
-	served := map[string]int{}
-	var wg sync.WaitGroup
-	for i, w := range words {
-		wg.Go(func() {
-			prompt := strings.Repeat(fmt.Sprintf("%s %d is here. ", w, i), 40)
-			resp, out := post(t, a.url+"/v1/completions", `{"prompt":"`+prompt+`","max_tokens":16,"ignore_eos":true}`)
-			if resp.StatusCode != 200 {
-				t.Errorf("%d %s", resp.StatusCode, out)
-				return
-			}
-			by := resp.Header.Get("X-Shoal-Served-By")
-			if by == "" {
-				by = "a"
-			}
-			mu.Lock()
-			served[by]++
-			mu.Unlock()
-		})
+	var bodies []string
+	for i, w := range []string{"apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember", "frost"} {
+		prompt := strings.Repeat(fmt.Sprintf("%s %d is here. ", w, i), 40)
+		bodies = append(bodies, `{"prompt":"`+prompt+`","max_tokens":16,"ignore_eos":true}`)
 	}
-	wg.Wait()
-	t.Logf("served by: %v", served)
+	served := servedBy(t, a.url+"/v1/completions", "a", bodies, "")
 	if len(served) < 2 {
 		t.Fatalf("9 concurrent requests with different prefixes all served by one node: %v", served)
 	}
@@ -597,24 +580,12 @@ func TestRerankersSpread(t *testing.T) {
 	for i := range docs {
 		docs[i] = fmt.Sprintf("document %d: %s", i, strings.Repeat("some words of text ", 8))
 	}
-	var mu sync.Mutex
-	served := map[string]int{}
-	var wg sync.WaitGroup
+	var bodies []string
 	for i, w := range []string{"apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember"} {
-		wg.Go(func() {
-			body, _ := json.Marshal(map[string]any{"query": strings.Repeat(fmt.Sprintf("%s %d? ", w, i), 20), "documents": docs})
-			resp, text := post(t, a.url+"/v1/rerank", string(body))
-			if resp.StatusCode != 200 || !strings.Contains(text, `"relevance_score"`) {
-				t.Errorf("%d %s", resp.StatusCode, text)
-				return
-			}
-			mu.Lock()
-			served[cmp.Or(resp.Header.Get("X-Shoal-Served-By"), "a")]++
-			mu.Unlock()
-		})
+		body, _ := json.Marshal(map[string]any{"query": strings.Repeat(fmt.Sprintf("%s %d? ", w, i), 20), "documents": docs})
+		bodies = append(bodies, string(body))
 	}
-	wg.Wait()
-	t.Logf("served by: %v", served)
+	served := servedBy(t, a.url+"/v1/rerank", "a", bodies, `"relevance_score"`)
 	if len(served) < 2 {
 		t.Fatalf("8 concurrent rerank requests all served by one node: %v", served)
 	}
@@ -664,4 +635,29 @@ func waitAlive(t *testing.T, n *node, count int) {
 		}
 		return alive == count
 	})
+}
+
+// servedBy posts bodies to url at once and counts the nodes that answered them
+// (self, the node at url, when no other did); each answer must be a 200 that
+// holds want.
+func servedBy(t *testing.T, url, self string, bodies []string, want string) map[string]int {
+	t.Helper()
+	var mu sync.Mutex
+	served := map[string]int{}
+	var wg sync.WaitGroup
+	for _, body := range bodies {
+		wg.Go(func() {
+			resp, text := post(t, url, body)
+			if resp.StatusCode != 200 || !strings.Contains(text, want) {
+				t.Errorf("%d %s", resp.StatusCode, text)
+				return
+			}
+			mu.Lock()
+			served[cmp.Or(resp.Header.Get("X-Shoal-Served-By"), self)]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	t.Logf("served by: %v", served)
+	return served
 }
