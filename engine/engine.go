@@ -176,6 +176,11 @@ type Batch struct {
 	// engine's i-th selectable adapter (1-based), 0 for none. An engine
 	// without adapters refuses any other than 0.
 	Adapter int
+	// Embd, when not empty, has a row for every row of the batch: an
+	// embedding the model reads in place of the row's token (an image's,
+	// from a Projector), or nil for a token row. An embedding row's token is
+	// its placeholder (Media), which only names it.
+	Embd [][]float32
 }
 
 // Add appends one row.
@@ -184,7 +189,26 @@ func (b *Batch) Add(t Token, p Pos, s SeqID, output bool) {
 	b.Pos = append(b.Pos, p)
 	b.Seq = append(b.Seq, s)
 	b.Output = append(b.Output, output)
+	if len(b.Embd) > 0 {
+		b.Embd = append(b.Embd, nil)
+	}
 }
+
+// AddEmbd appends a row that reads embedding e (of the model's width) in
+// place of a token; placeholder is its token in the prompt (Media).
+func (b *Batch) AddEmbd(placeholder Token, e []float32, p Pos, s SeqID, output bool) {
+	for len(b.Embd) < b.Len() {
+		b.Embd = append(b.Embd, nil)
+	}
+	b.Tokens = append(b.Tokens, placeholder)
+	b.Pos = append(b.Pos, p)
+	b.Seq = append(b.Seq, s)
+	b.Output = append(b.Output, output)
+	b.Embd = append(b.Embd, e)
+}
+
+// Embedded reports whether row i reads an embedding instead of its token.
+func (b *Batch) Embedded(i int) bool { return i < len(b.Embd) && b.Embd[i] != nil }
 
 // Len is the number of rows.
 func (b *Batch) Len() int { return len(b.Tokens) }
@@ -200,10 +224,12 @@ func (b *Batch) Check(c Capacity, vocab int, last func(SeqID) (Pos, bool)) error
 	switch {
 	case n == 0:
 		return fmt.Errorf("empty batch: %w", ErrInvalidInput)
-	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n || len(b.Embd) != 0 && len(b.Embd) != n:
 		return fmt.Errorf("ragged batch: %w", ErrInvalidInput)
 	case n > c.BatchTokens:
 		return fmt.Errorf("batch of %d rows exceeds %d: %w", n, c.BatchTokens, ErrInvalidInput)
+	case len(b.Embd) != 0:
+		return fmt.Errorf("embedding rows: this engine reads tokens only: %w", ErrUnsupported)
 	}
 	next := map[SeqID]Pos{}
 	for i := range n {
@@ -233,6 +259,8 @@ func (b *Batch) Check(c Capacity, vocab int, last func(SeqID) (Pos, bool)) error
 // Reset empties the batch, keeping its memory.
 func (b *Batch) Reset() {
 	b.Tokens, b.Pos, b.Seq, b.Output = b.Tokens[:0], b.Pos[:0], b.Seq[:0], b.Output[:0]
+	clear(b.Embd)
+	b.Embd = b.Embd[:0]
 }
 
 // LogitsViewer is implemented by engines whose logits can be read by several
@@ -401,4 +429,62 @@ func GBNFLiteral(s string) string {
 type TokenLogit struct {
 	Token Token
 	Logit float32
+}
+
+// Image is a decoded picture: Width×Height pixels of 3 bytes (red, green,
+// blue), row by row.
+type Image struct {
+	Width, Height int
+	RGB           []byte
+}
+
+// Media is a non-text input of a prompt (an image) that the model reads as
+// embeddings in place of tokens: prompt positions [Pos, Pos+Len) hold its
+// placeholder tokens (Placeholder), and Embd holds Len rows of the model's
+// embedding width, one per position.
+type Media struct {
+	Pos, Len int
+	Embd     []float32
+}
+
+// Row returns the embedding read at prompt position p, which the media covers.
+func (m Media) Row(p int) []float32 {
+	w := len(m.Embd) / max(m.Len, 1)
+	i := p - m.Pos
+	return m.Embd[i*w : (i+1)*w : (i+1)*w]
+}
+
+// Placeholder is the token standing for row i of a media whose content
+// hashes to h: negative, so no vocabulary token, and a different one per row
+// and content, so that the prefix cache, which keys blocks by their tokens,
+// tells pictures apart as it tells texts apart.
+func Placeholder(h uint64, i int) Token {
+	x := h + uint64(i+1)*0x9e3779b97f4a7c15 // splitmix64
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	x ^= x >> 31
+	return Token(-2 - int64(x%0x7ffffffe)) // in [-2^31+1, -2]: never NoToken
+}
+
+// Projector reads images for a model: a multimodal projector (llama.cpp's
+// mtmd) turns each into embeddings that the model reads in place of tokens.
+//
+// Concurrency: safe for concurrent use; it encodes one prompt at a time, on
+// its own compute context, so encoding runs beside the engine's decoding.
+type Projector interface {
+	// Marker is the text that stands for the next image in a prompt.
+	Marker() string
+	// Prompt tokenizes text, in which each Marker stands for the next of
+	// images, as Vocab.Tokenize does, and encodes the images: each becomes a
+	// run of placeholder tokens in the prompt and a Media in the order they
+	// appear. A prompt of limit tokens or more (limit > 0) is refused with a
+	// *PromptTooLongError before any image is encoded.
+	Prompt(ctx context.Context, text string, images []Image, limit int, addSpecial, parseSpecial bool) ([]Token, []Media, error)
+}
+
+// PromptTooLongError is a prompt refused for its length before it was computed.
+type PromptTooLongError struct{ Tokens, Limit int }
+
+func (e *PromptTooLongError) Error() string {
+	return fmt.Sprintf("prompt of %d tokens: at least the limit of %d", e.Tokens, e.Limit)
 }

@@ -603,3 +603,72 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) error {
 	}
 	return nil
 }
+
+// ProjectorImageSize and ProjectorPatchSize are a generated projector's
+// image and patch sides: an image becomes (32/8)² = 16 tokens.
+const (
+	ProjectorImageSize = 32
+	ProjectorPatchSize = 8
+)
+
+// GenerateProjector writes a multimodal projector for the model spec
+// describes, laid out as LLaVA's (llama.cpp's "mlp" projector): a small
+// vision transformer over 8×8 patches of a 32×32 image, then two linear
+// layers to the model's embedding width. Its weights are seeded random
+// numbers, so it sees nothing, but different pictures give different
+// embeddings, as llama.cpp's mtmd loads and computes it.
+func GenerateProjector(path string, spec Spec) error {
+	if err := spec.Validate(); err != nil {
+		return fmt.Errorf("generate projector %s: %w", path, err)
+	}
+	const (
+		d, ff, hidden, blocks, heads = 32, 64, 64, 2, 4
+		side, patch                  = ProjectorImageSize, ProjectorPatchSize
+	)
+	seed := spec.Seed ^ 0x636c6970 // "clip": not the model's draws
+	kv := ggml.KV{
+		"general.architecture":                     "clip",
+		"general.name":                             spec.Name + "-mmproj",
+		"general.alignment":                        uint32(32),
+		"clip.projector_type":                      "mlp",
+		"clip.has_vision_encoder":                  true,
+		"clip.use_gelu":                            true,
+		"clip.vision.image_size":                   uint32(side),
+		"clip.vision.patch_size":                   uint32(patch),
+		"clip.vision.embedding_length":             uint32(d),
+		"clip.vision.feed_forward_length":          uint32(ff),
+		"clip.vision.block_count":                  uint32(blocks),
+		"clip.vision.attention.head_count":         uint32(heads),
+		"clip.vision.attention.layer_norm_epsilon": float32(1e-5),
+		"clip.vision.projection_dim":               uint32(spec.Embd),
+		"clip.vision.image_mean":                   []float32{0.5, 0.5, 0.5},
+		"clip.vision.image_std":                    []float32{0.5, 0.5, 0.5},
+	}
+	var ts []*ggml.Tensor
+	add := func(name string, scale float32, shape ...uint64) {
+		ts = append(ts, randomWeights(seed, name, kindF32, scale, shape...))
+	}
+	std := func(fanIn uint64) float32 { return float32(1 / math.Sqrt(float64(fanIn))) }
+	n := uint64((side / patch) * (side / patch))
+	add("v.patch_embd.weight", std(3*patch*patch), patch, patch, 3, d)
+	add("v.position_embd.weight", 0.1, d, n)
+	for i := range blocks {
+		p := fmt.Sprintf("v.blk.%d.", i)
+		add(p+"ln1.weight", 0, d)
+		add(p+"ln2.weight", 0, d)
+		for _, w := range []string{"attn_q", "attn_k", "attn_v", "attn_out"} {
+			add(p+w+".weight", std(d), d, d)
+		}
+		add(p+"ffn_up.weight", std(d), d, ff)
+		add(p+"ffn_down.weight", std(ff), ff, d)
+	}
+	add("mm.0.weight", std(d), d, hidden)
+	add("mm.0.bias", 0.1, hidden)
+	// Embeddings about as large as the model's token embeddings (scale 1).
+	add("mm.2.weight", 2*std(hidden), hidden, uint64(spec.Embd))
+	add("mm.2.bias", 0.1, uint64(spec.Embd))
+	if err := writeGGUF(path, kv, ts); err != nil {
+		return fmt.Errorf("generate projector %s: %w", path, err)
+	}
+	return nil
+}

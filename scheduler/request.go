@@ -1,7 +1,9 @@
 package scheduler
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -53,16 +55,46 @@ type Request struct {
 	// Adapter is the LoRA adapter the request runs under: i for
 	// Config.Adapters[i-1], 0 for none.
 	Adapter int
+	// Media are the prompt's images, in order (engine.Projector): their
+	// positions hold placeholder tokens, which the engine reads as the
+	// images' embeddings. The prompt's last token is text.
+	Media []engine.Media
 }
 
-func (r *Request) validate(vocab, adapters int) error {
+// mediaRow is the embedding at prompt position p, a placeholder's.
+func (r *Request) mediaRow(p int) []float32 {
+	i, _ := slices.BinarySearchFunc(r.Media, p, func(m engine.Media, p int) int {
+		return cmp.Compare(m.Pos+m.Len-1, p)
+	})
+	return r.Media[i].Row(p)
+}
+
+func (r *Request) validate(vocab, adapters, width int) error {
 	if len(r.Prompt) == 0 {
 		return fmt.Errorf("%w: empty prompt", ErrInvalid)
 	}
-	for i, t := range r.Prompt {
-		if t < 0 || int(t) >= vocab {
-			return fmt.Errorf("%w: prompt token %d at %d outside the vocabulary of %d", ErrInvalid, t, i, vocab)
+	next := 0 // the first position after the media checked
+	for k, m := range r.Media {
+		switch {
+		case m.Pos < next || m.Len < 1 || m.Pos+m.Len >= len(r.Prompt):
+			return fmt.Errorf("%w: image %d at prompt positions [%d, %d): want them in order, apart, and text after the last", ErrInvalid, k, m.Pos, m.Pos+m.Len)
+		case len(m.Embd) != m.Len*width:
+			return fmt.Errorf("%w: image %d: %d values for %d rows of %d", ErrInvalid, k, len(m.Embd), m.Len, width)
 		}
+		next = m.Pos + m.Len
+	}
+	in := 0 // r.Media[in] is the first that does not end before position i
+	for i, t := range r.Prompt {
+		for in < len(r.Media) && r.Media[in].Pos+r.Media[in].Len <= i {
+			in++
+		}
+		image := in < len(r.Media) && r.Media[in].Pos <= i
+		if image != (t < 0) || !image && int(t) >= vocab {
+			return fmt.Errorf("%w: prompt token %d at %d outside the vocabulary of %d (or an image's placeholder out of place)", ErrInvalid, t, i, vocab)
+		}
+	}
+	if len(r.Media) > 0 && (r.PromptLogprobs || r.Embed) {
+		return fmt.Errorf("%w: a prompt with images has no prompt logprobs nor embedding", ErrInvalid)
 	}
 	if r.Adapter < 0 || r.Adapter > adapters {
 		return fmt.Errorf("%w: adapter %d: this scheduler has %d", ErrInvalid, r.Adapter, adapters)

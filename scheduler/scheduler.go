@@ -70,6 +70,7 @@ type Scheduler struct {
 	vocab engine.Vocab
 	pool  kvcache.Allocator
 	cap   engine.Capacity
+	width int // the model's embedding width: an image row's (Request.Media)
 	log   *slog.Logger
 
 	mu      sync.Mutex
@@ -239,7 +240,7 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Scheduler{cfg: cfg, eng: eng, vocab: eng.Vocab(), pool: pool, cap: c, log: log, wake: make(chan struct{}, 1)}
+	s := &Scheduler{cfg: cfg, eng: eng, vocab: eng.Vocab(), pool: pool, cap: c, width: eng.Info().EmbeddingSize, log: log, wake: make(chan struct{}, 1)}
 	s.publish()
 	return s, nil
 }
@@ -266,7 +267,7 @@ func (s *Scheduler) MaxContext() int {
 // Submit queues req. The stream ends with EventDone or EventError; cancelling ctx
 // cancels the request within one step, waiting or running.
 func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
-	if err := req.validate(s.vocab.Size(), len(s.cfg.Adapters)); err != nil {
+	if err := req.validate(s.vocab.Size(), len(s.cfg.Adapters), s.width); err != nil {
 		return nil, err
 	}
 	if n := len(req.Prompt); n >= s.MaxContext() {
@@ -611,6 +612,9 @@ func (s *Scheduler) propose() {
 			continue
 		}
 		d := proposal(q.tokens, room, sp.NgramMax, sp.NgramMin)
+		if i := slices.IndexFunc(d, func(t engine.Token) bool { return t < 0 }); i >= 0 {
+			d = d[:i] // an image's placeholder is no token to generate
+		}
 		if len(d) == 0 {
 			continue
 		}
@@ -746,7 +750,12 @@ func (s *Scheduler) addRows(q *seq, from, to int) {
 			q.sampleRow = s.batch.Len()
 		}
 		score := scoring && p >= len(q.scores) && p < len(q.g.req.Prompt)-1
-		s.batch.Add(q.tokens[p], engine.Pos(p), engine.SeqID(q.kv.ID), sample || score)
+		if t := q.tokens[p]; t < 0 {
+			// An image's row (Request.Media), in the prompt only.
+			s.batch.AddEmbd(t, q.g.req.mediaRow(p), engine.Pos(p), engine.SeqID(q.kv.ID), sample || score)
+		} else {
+			s.batch.Add(t, engine.Pos(p), engine.SeqID(q.kv.ID), sample || score)
+		}
 		s.rows = append(s.rows, nil)
 		if sample {
 			s.rows[len(s.rows)-1] = q
@@ -816,7 +825,11 @@ func (s *Scheduler) removeFromBatch(q *seq) {
 		if r := s.rows[i]; r != nil {
 			r.sampleRow = nb.Len()
 		}
-		nb.Add(s.batch.Tokens[i], s.batch.Pos[i], s.batch.Seq[i], s.batch.Output[i])
+		if s.batch.Embedded(i) {
+			nb.AddEmbd(s.batch.Tokens[i], s.batch.Embd[i], s.batch.Pos[i], s.batch.Seq[i], s.batch.Output[i])
+		} else {
+			nb.Add(s.batch.Tokens[i], s.batch.Pos[i], s.batch.Seq[i], s.batch.Output[i])
+		}
 		nr = append(nr, s.rows[i])
 	}
 	s.batch, s.rows = nb, nr

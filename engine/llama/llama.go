@@ -53,6 +53,14 @@ static void shoal_batch_set(struct llama_batch *b, int i, llama_token t, llama_p
 	b->seq_id[i][0] = s;
 	b->logits[i] = out;
 }
+
+// A row read from an embedding (the caller copies it into b->embd).
+static void shoal_batch_set_embd(struct llama_batch *b, int i, llama_pos p, llama_seq_id s, int8_t out) {
+	b->pos[i] = p;
+	b->n_seq_id[i] = 1;
+	b->seq_id[i][0] = s;
+	b->logits[i] = out;
+}
 */
 import "C"
 
@@ -151,6 +159,9 @@ type Config struct {
 	// Adapters are LoRA adapters a batch selects (engine.Batch.Adapter i
 	// applies Adapters[i-1], besides LoRA's).
 	Adapters []LoRA
+	// Projector is a multimodal projector file (llama-server's --mmproj) for
+	// the model: the engine then reads images (Engine.Projector).
+	Projector string
 
 	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
 	Progress func(float32)
@@ -290,6 +301,13 @@ type Engine struct {
 	lora, adapters []*C.struct_llama_adapter_lora
 	scales         []float32 // cfg.Adapters' scales
 	active         int
+	// proj reads images (nil without a projector); ebatch carries the rows of
+	// a pass that reads embeddings, and rowMap, after a Decode of such rows,
+	// maps each batch row to its row in the last pass (-1: another pass).
+	proj   *Projector
+	ebatch C.struct_llama_batch
+	rowMap []int32
+	rows   []int32 // 0, 1, 2, ...: the rows of a batch of tokens only
 
 	info   engine.ModelInfo
 	cap    engine.Capacity
@@ -412,6 +430,14 @@ func Open(cfg Config) (*Engine, error) {
 		// sequence in one micro-batch; it embeds, it does not generate.
 		e.Close()
 		return nil, fmt.Errorf("open engine: this model keeps no KV cache (an encoder): serve it as an embedding model (--embeddings): %w", engine.ErrUnsupported)
+	case cfg.Projector != "" && cfg.Embeddings:
+		e.Close()
+		return nil, fmt.Errorf("open engine: a projector (--mmproj) reads images for generation, not for embeddings: %w", engine.ErrUnsupported)
+	case cfg.Projector != "":
+		if err := e.openProjector(cfg.Projector, cfg.Threads, offloaded > 0); err != nil {
+			e.Close()
+			return nil, fmt.Errorf("open engine: %w", err)
+		}
 	}
 	return e, nil
 }
@@ -722,45 +748,131 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 	if err := e.useAdapter(b.Adapter); err != nil {
 		return fmt.Errorf("decode: %w", err)
 	}
-	n := b.Len()
-	for i := range n {
+	e.rowMap = e.rowMap[:0]
+	if len(b.Embd) > 0 {
+		return e.decodeEmbedded(ctx, b)
+	}
+	for len(e.rows) < b.Len() {
+		e.rows = append(e.rows, int32(len(e.rows)))
+	}
+	return e.pass(ctx, b, e.rows[:b.Len()], false, true, true)
+}
+
+// pass decodes rows of b in one llama_decode: from their embeddings when embd,
+// else their tokens; outputs keeps the rows' output flags (else none). first
+// is the Decode's first pass. On failure the KV memory of b's sequences is as
+// before Decode.
+func (e *Engine) pass(ctx context.Context, b *engine.Batch, rows []int32, embd, outputs, first bool) error {
+	if err := ctx.Err(); err != nil {
+		if !first {
+			e.undo(b)
+		}
+		return fmt.Errorf("decode: %w", err)
+	}
+	// The batches are passed as &e.batch and &e.ebatch, not through a
+	// variable: cgo checks a field's address for Go pointers in the field
+	// only when the argument is written so.
+	for r, i := range rows {
 		out := C.int8_t(0)
-		if b.Output[i] {
+		if outputs && b.Output[i] {
 			out = 1
 		}
-		C.shoal_batch_set(&e.batch, C.int(i), C.llama_token(b.Tokens[i]), C.llama_pos(b.Pos[i]), C.llama_seq_id(b.Seq[i]), out)
+		if embd {
+			C.shoal_batch_set_embd(&e.ebatch, C.int(r), C.llama_pos(b.Pos[i]), C.llama_seq_id(b.Seq[i]), out)
+			w := e.proj.width
+			copy(unsafe.Slice((*float32)(unsafe.Pointer(e.ebatch.embd)), len(rows)*w)[r*w:(r+1)*w], b.Embd[i])
+		} else {
+			C.shoal_batch_set(&e.batch, C.int(r), C.llama_token(b.Tokens[i]), C.llama_pos(b.Pos[i]), C.llama_seq_id(b.Seq[i]), out)
+		}
 	}
-	e.batch.n_tokens = C.int32_t(n)
+	var cb C.struct_llama_batch
+	if embd {
+		e.ebatch.n_tokens = C.int32_t(len(rows))
+		cb = e.ebatch
+	} else {
+		e.batch.n_tokens = C.int32_t(len(rows))
+		cb = e.batch
+	}
 
 	// A cancelled ctx aborts the pass. If the watcher fired, wait until it has raised the
 	// flag so that lowering it below cannot be overtaken by a late store.
 	fired := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() { e.Abort(); close(fired) })
-	rc := C.llama_decode(e.ctx, e.batch)
+	rc := C.llama_decode(e.ctx, cb)
 	aborted := !stop()
 	if aborted {
 		<-fired
 	}
 	C.shoal_abort_store(e.abort, 0)
 
+	n := len(rows)
 	switch {
 	case rc == 0:
 		return nil
-	case rc == 1:
+	case rc == 1 && first:
 		return fmt.Errorf("decode %d tokens: %w", n, engine.ErrNoKVSpace)
-	case rc == -1:
+	case rc == -1 && first:
 		// Refused before any micro-batch ran (e.g. positions that do not follow
 		// the sequence's): memory is untouched, and undo would cut what it holds.
 		return fmt.Errorf("decode: llama.cpp rejected the batch: %w", engine.ErrInvalidInput)
 	}
+	// A later pass of a batch with embedding rows: earlier passes wrote
+	// cells, which undo removes.
 	e.undo(b)
 	switch {
+	case rc == 1:
+		return fmt.Errorf("decode %d tokens: %w", n, engine.ErrNoKVSpace)
+	case rc == -1:
+		return fmt.Errorf("decode: llama.cpp rejected the batch: %w", engine.ErrInvalidInput)
 	case rc == 2 && aborted && ctx.Err() != nil:
 		return fmt.Errorf("decode: %w: %w", engine.ErrAborted, ctx.Err())
 	case rc == 2:
 		return fmt.Errorf("decode: %w", engine.ErrAborted)
 	}
 	return fmt.Errorf("decode %d tokens: llama.cpp failed with status %d", n, int(rc))
+}
+
+// decodeEmbedded decodes a batch with embedding rows. llama.cpp reads a pass
+// from tokens or from embeddings, not both, and keeps the logits of its last
+// pass only: each sequence's rows up to its last embedding row go first, in
+// batch order, one pass per run of rows of one kind; every other row (decode
+// rows, the text after an image, with the rows asking for logits) goes in one
+// last pass. Rows asking for output before their sequence's last embedding
+// row are refused.
+func (e *Engine) decodeEmbedded(ctx context.Context, b *engine.Batch) error {
+	last := map[engine.SeqID]int{}
+	for i := range b.Len() {
+		if b.Embedded(i) {
+			last[b.Seq[i]] = i
+		}
+	}
+	var early, final []int32
+	e.rowMap = slices.Grow(e.rowMap[:0], b.Len())[:b.Len()]
+	for i := range b.Len() {
+		if j, ok := last[b.Seq[i]]; ok && i <= j {
+			if b.Output[i] {
+				return fmt.Errorf("decode: row %d asks for output before its sequence's last embedding row %d: %w", i, j, engine.ErrInvalidInput)
+			}
+			early, e.rowMap[i] = append(early, int32(i)), -1
+			continue
+		}
+		e.rowMap[i] = int32(len(final))
+		final = append(final, int32(i))
+	}
+	for k := 0; k < len(early); {
+		kind, m := b.Embedded(int(early[k])), k
+		for m < len(early) && b.Embedded(int(early[m])) == kind {
+			m++
+		}
+		if err := e.pass(ctx, b, early[k:m], kind, false, k == 0); err != nil {
+			return err
+		}
+		k = m
+	}
+	if len(final) == 0 {
+		return nil
+	}
+	return e.pass(ctx, b, final, false, true, len(early) == 0)
 }
 
 // undo removes what a failed decode may have written for the sequences of b, so that
@@ -785,14 +897,18 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 		return fmt.Errorf("empty batch: %w", engine.ErrInvalidInput)
 	case n > e.cap.BatchTokens:
 		return fmt.Errorf("batch of %d tokens exceeds n_batch %d: %w", n, e.cap.BatchTokens, engine.ErrInvalidInput)
-	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n:
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n || len(b.Embd) != 0 && len(b.Embd) != n:
 		return fmt.Errorf("batch columns differ in length: %w", engine.ErrInvalidInput)
 	case b.Adapter < 0 || b.Adapter > len(e.adapters):
 		return fmt.Errorf("adapter %d: this engine has %d: %w", b.Adapter, len(e.adapters), engine.ErrInvalidInput)
 	}
 	nv := engine.Token(e.vocab.Size())
 	for i := range n {
-		if t := b.Tokens[i]; t < 0 || t >= nv {
+		if b.Embedded(i) {
+			if e.proj == nil || len(b.Embd[i]) != e.proj.width {
+				return fmt.Errorf("row %d: an embedding of %d values: this engine reads %s: %w", i, len(b.Embd[i]), e.embdWidth(), engine.ErrInvalidInput)
+			}
+		} else if t := b.Tokens[i]; t < 0 || t >= nv {
 			return fmt.Errorf("row %d: token %d outside vocabulary [0,%d): %w", i, t, nv, engine.ErrInvalidInput)
 		}
 		if s := b.Seq[i]; s < 0 || int(s) >= e.cap.MaxSeqs {
@@ -803,6 +919,14 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 		}
 	}
 	return nil
+}
+
+// embdWidth says what embedding rows the engine reads.
+func (e *Engine) embdWidth() string {
+	if e.proj == nil {
+		return "tokens only (no projector)"
+	}
+	return fmt.Sprintf("embeddings of %d values", e.proj.width)
 }
 
 // Logits calls fn with a view of the logits of batch row i of the last Decode (the row
@@ -818,6 +942,12 @@ func (e *Engine) Logits(i int, fn func([]float32)) error {
 func (e *Engine) LogitsView(i int) ([]float32, error) {
 	if e.closed.Load() {
 		return nil, engine.ErrClosed
+	}
+	if len(e.rowMap) > 0 {
+		if i < 0 || i >= len(e.rowMap) || e.rowMap[i] < 0 {
+			return nil, fmt.Errorf("logits of row %d: not an output row of the last batch: %w", i, engine.ErrInvalidInput)
+		}
+		i = int(e.rowMap[i])
 	}
 	if i < 0 || i >= int(e.batch.n_tokens) {
 		return nil, fmt.Errorf("logits of row %d: outside the last batch of %d rows: %w", i, int(e.batch.n_tokens), engine.ErrInvalidInput)
@@ -867,6 +997,11 @@ func (e *Engine) Close() error {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if e.proj != nil {
+		e.proj.close()
+		C.llama_batch_free(e.ebatch)
+		e.proj = nil
+	}
 	if e.ctx != nil {
 		C.llama_batch_free(e.batch)
 		C.llama_free(e.ctx)

@@ -158,6 +158,9 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 
 // Accept records t for the penalties and advances the grammar past generated tokens.
 func (s *Sampler) Accept(t engine.Token, generated bool) {
+	if t < 0 {
+		return // an image's placeholder in the prompt: no token to penalise
+	}
 	if generated {
 		s.ngen++
 	}

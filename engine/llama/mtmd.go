@@ -1,0 +1,258 @@
+package llama
+
+/*
+#include <stdlib.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stddef.h>
+#include "llama.h"
+
+// Declarations of llama.cpp's tools/mtmd/mtmd.h, which the pinned ollama
+// module compiles into the library (its include directory is not on
+// CGO_CPPFLAGS: adding it would change every cgo package's flags and rebuild
+// llama.cpp). They are copied from that header as it is at the pinned
+// version; mtmd_context_params must match it field for field.
+typedef struct mtmd_context mtmd_context;
+typedef struct mtmd_bitmap mtmd_bitmap;
+typedef struct mtmd_input_chunk mtmd_input_chunk;
+typedef struct mtmd_input_chunks mtmd_input_chunks;
+typedef struct mtmd_input_text {
+	const char *text;
+	bool add_special;
+	bool parse_special;
+} mtmd_input_text;
+struct mtmd_context_params {
+	bool use_gpu;
+	bool print_timings;
+	int n_threads;
+	const char *image_marker;
+	const char *media_marker;
+	enum llama_flash_attn_type flash_attn_type;
+	bool warmup;
+	int image_min_tokens;
+	int image_max_tokens;
+};
+enum { SHOAL_MTMD_CHUNK_TEXT = 0, SHOAL_MTMD_CHUNK_IMAGE = 1 };
+
+struct mtmd_context_params mtmd_context_params_default(void);
+mtmd_context *mtmd_init_from_file(const char *mmproj_fname, const struct llama_model *text_model, const struct mtmd_context_params ctx_params);
+void mtmd_free(mtmd_context *ctx);
+bool mtmd_decode_use_non_causal(mtmd_context *ctx);
+bool mtmd_decode_use_mrope(mtmd_context *ctx);
+bool mtmd_support_vision(mtmd_context *ctx);
+mtmd_bitmap *mtmd_bitmap_init(uint32_t nx, uint32_t ny, const unsigned char *data);
+void mtmd_bitmap_free(mtmd_bitmap *bitmap);
+void mtmd_bitmap_set_id(mtmd_bitmap *bitmap, const char *id);
+const char *mtmd_input_chunk_get_id(const mtmd_input_chunk *chunk);
+mtmd_input_chunks *mtmd_input_chunks_init(void);
+size_t mtmd_input_chunks_size(const mtmd_input_chunks *chunks);
+const mtmd_input_chunk *mtmd_input_chunks_get(const mtmd_input_chunks *chunks, size_t idx);
+void mtmd_input_chunks_free(mtmd_input_chunks *chunks);
+int mtmd_input_chunk_get_type(const mtmd_input_chunk *chunk);
+const llama_token *mtmd_input_chunk_get_tokens_text(const mtmd_input_chunk *chunk, size_t *n_tokens_output);
+size_t mtmd_input_chunk_get_n_tokens(const mtmd_input_chunk *chunk);
+llama_pos mtmd_input_chunk_get_n_pos(const mtmd_input_chunk *chunk);
+int32_t mtmd_tokenize(mtmd_context *ctx, mtmd_input_chunks *output, const mtmd_input_text *text, const mtmd_bitmap **bitmaps, size_t n_bitmaps);
+int32_t mtmd_encode_chunk(mtmd_context *ctx, const mtmd_input_chunk *chunk);
+float *mtmd_get_output_embd(mtmd_context *ctx);
+void mtmd_log_set(ggml_log_callback log_callback, void *user_data);
+
+extern void shoalLog(int level, char *text, void *user_data);
+
+static void shoal_mtmd_install_log(void) {
+	mtmd_log_set((ggml_log_callback)shoalLog, NULL);
+}
+*/
+import "C"
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// MaxImagePixels bounds one image's decoded size (24 megapixels, 72 MB of
+// RGB): a projector scales every image down to its own size, so more only
+// costs memory and time.
+const MaxImagePixels = 24 << 20
+
+// Projector is a multimodal projector file (--mmproj) loaded for the
+// engine's model through llama.cpp's mtmd. See engine.Projector for the
+// concurrency rules; Close belongs to the Engine, which closes it first.
+type Projector struct {
+	mu     sync.Mutex // one prompt at a time: mtmd keeps one output buffer
+	ctx    *C.mtmd_context
+	marker string
+	width  int // the model's input embedding width
+	vocab  *Vocab
+}
+
+var _ engine.Projector = (*Projector)(nil)
+
+// openProjector loads path for the engine's model. Projectors whose images
+// the scheduler cannot compute as it computes tokens are refused: those whose
+// image tokens attend to each other both ways (Gemma 3's: an image then must
+// be computed in one pass and never taken from the cache in part) and those
+// that place them with several position components (Qwen2-VL's M-RoPE, where
+// a token's position is not its index in the sequence).
+func (e *Engine) openProjector(path string, threads int, gpu bool) error {
+	C.shoal_mtmd_install_log()
+	var id [8]byte
+	_, _ = rand.Read(id[:])
+	// A marker of the process's own, so that no text a client sends can stand
+	// for an image.
+	marker := "<__media_" + hex.EncodeToString(id[:]) + "__>"
+	cm := C.CString(marker)
+	defer C.free(unsafe.Pointer(cm))
+	cp := C.mtmd_context_params_default()
+	cp.use_gpu = C.bool(gpu)
+	cp.print_timings = false
+	cp.n_threads = C.int(cmp.Or(threads, runtime.NumCPU()))
+	cp.media_marker = cm
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	lastLlamaError()
+	ctx := C.mtmd_init_from_file(cpath, e.model, cp)
+	if ctx == nil {
+		return fmt.Errorf("load projector %s: %s", path,
+			cmp.Or(lastLlamaError(), "llama.cpp could not load it (not a multimodal projector GGUF, or one for another model)"))
+	}
+	switch {
+	case !bool(C.mtmd_support_vision(ctx)):
+		C.mtmd_free(ctx)
+		return fmt.Errorf("load projector %s: it reads no images (an audio projector): %w", path, engine.ErrUnsupported)
+	case bool(C.mtmd_decode_use_non_causal(ctx)):
+		C.mtmd_free(ctx)
+		return fmt.Errorf("load projector %s: its image tokens attend both ways (Gemma 3's), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
+	case bool(C.mtmd_decode_use_mrope(ctx)):
+		C.mtmd_free(ctx)
+		return fmt.Errorf("load projector %s: it places image tokens by M-RoPE (Qwen2-VL's and its successors'), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
+	}
+	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)), vocab: e.vocab}
+	e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
+	return nil
+}
+
+// Projector returns the engine's projector, nil when it has none.
+func (e *Engine) Projector() *Projector { return e.proj }
+
+// Marker is the text that stands for an image in a prompt.
+func (p *Projector) Marker() string { return p.marker }
+
+// Prompt implements engine.Projector.
+func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Image, limit int, addSpecial, parseSpecial bool) ([]engine.Token, []engine.Media, error) {
+	bitmaps := make([]*C.mtmd_bitmap, 0, len(images))
+	defer func() {
+		for _, b := range bitmaps {
+			C.mtmd_bitmap_free(b)
+		}
+	}()
+	for i, im := range images {
+		if im.Width < 1 || im.Height < 1 || im.Width*im.Height > MaxImagePixels || len(im.RGB) != 3*im.Width*im.Height {
+			return nil, nil, fmt.Errorf("image %d: %d×%d pixels with %d bytes: want 1 to %d pixels of 3 bytes: %w",
+				i, im.Width, im.Height, len(im.RGB), MaxImagePixels, engine.ErrInvalidInput)
+		}
+		h := sha256.New()
+		_ = binary.Write(h, binary.LittleEndian, [2]uint32{uint32(im.Width), uint32(im.Height)})
+		h.Write(im.RGB)
+		b := C.mtmd_bitmap_init(C.uint32_t(im.Width), C.uint32_t(im.Height), (*C.uchar)(unsafe.Pointer(&im.RGB[0])))
+		bitmaps = append(bitmaps, b)
+		id := C.CString(hex.EncodeToString(h.Sum(nil)[:8]))
+		C.mtmd_bitmap_set_id(b, id)
+		C.free(unsafe.Pointer(id))
+	}
+	ctext := C.CString(text)
+	defer C.free(unsafe.Pointer(ctext))
+	in := C.mtmd_input_text{text: ctext, add_special: C.bool(addSpecial), parse_special: C.bool(parseSpecial)}
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ctx == nil {
+		return nil, nil, engine.ErrClosed
+	}
+	chunks := C.mtmd_input_chunks_init()
+	defer C.mtmd_input_chunks_free(chunks)
+	var bp **C.mtmd_bitmap
+	if len(bitmaps) > 0 {
+		bp = (**C.mtmd_bitmap)(C.malloc(C.size_t(len(bitmaps)) * C.size_t(unsafe.Sizeof(bitmaps[0]))))
+		defer C.free(unsafe.Pointer(bp))
+		copy(unsafe.Slice(bp, len(bitmaps)), bitmaps)
+	}
+	lastLlamaError()
+	switch rc := C.mtmd_tokenize(p.ctx, chunks, &in, bp, C.size_t(len(bitmaps))); rc {
+	case 0:
+	case 1:
+		return nil, nil, fmt.Errorf("tokenize: %d images for a prompt with another number of places for them: %w", len(images), engine.ErrInvalidInput)
+	default:
+		return nil, nil, fmt.Errorf("tokenize: llama.cpp could not prepare the images (status %d): %s: %w", int(rc), lastLlamaError(), engine.ErrInvalidInput)
+	}
+	n := int(C.mtmd_input_chunks_size(chunks))
+	total := 0
+	for i := range n {
+		total += int(C.mtmd_input_chunk_get_n_tokens(C.mtmd_input_chunks_get(chunks, C.size_t(i))))
+	}
+	if limit > 0 && total >= limit {
+		return nil, nil, &engine.PromptTooLongError{Tokens: total, Limit: limit}
+	}
+	toks := make([]engine.Token, 0, total)
+	var media []engine.Media
+	slices := map[string]int{}
+	for i := range n {
+		ch := C.mtmd_input_chunks_get(chunks, C.size_t(i))
+		if C.mtmd_input_chunk_get_type(ch) == C.SHOAL_MTMD_CHUNK_TEXT {
+			var nt C.size_t
+			tp := C.mtmd_input_chunk_get_tokens_text(ch, &nt)
+			for _, t := range unsafe.Slice(tp, int(nt)) {
+				toks = append(toks, engine.Token(t))
+			}
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, nil, fmt.Errorf("encode images: %w", err)
+		}
+		// A chunk's placeholders come from its image's content and the chunk's
+		// place among that image's chunks (a projector may slice an image).
+		k := len(media)
+		id := C.GoString(C.mtmd_input_chunk_get_id(ch))
+		raw, err := hex.DecodeString(id)
+		if err != nil || len(raw) != 8 {
+			return nil, nil, fmt.Errorf("image chunk %d: llama.cpp lost its id %q", k, id)
+		}
+		slices[id]++
+		h := binary.LittleEndian.Uint64(raw) + uint64(slices[id]-1)*0x632be59bd9b4e019
+		nt := int(C.mtmd_input_chunk_get_n_tokens(ch))
+		if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
+			return nil, nil, fmt.Errorf("image %d: %d tokens over %d positions: %w", k, nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
+		}
+		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
+			return nil, nil, fmt.Errorf("encode image %d: llama.cpp failed: %s", k, lastLlamaError())
+		}
+		out := C.mtmd_get_output_embd(p.ctx)
+		m := engine.Media{Pos: len(toks), Len: nt,
+			Embd: append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), nt*p.width)...)}
+		for j := range nt {
+			toks = append(toks, engine.Placeholder(h, j))
+		}
+		media = append(media, m)
+	}
+	return toks, media, nil
+}
+
+// close frees the projector; Engine.Close calls it.
+func (p *Projector) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ctx != nil {
+		C.mtmd_free(p.ctx)
+		p.ctx = nil
+	}
+}

@@ -1,0 +1,324 @@
+package llama
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/models"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// openVision opens models.Small() with a generated projector.
+func openVision(t *testing.T) *Engine {
+	t.Helper()
+	spec := models.Small()
+	proj := filepath.Join(t.TempDir(), "mmproj.gguf")
+	if err := models.GenerateProjector(proj, spec); err != nil {
+		t.Fatal(err)
+	}
+	return openTest(t, spec, func(c *Config) { c.Projector = proj })
+}
+
+// picture is a w×h image of one colour with a diagonal line of another.
+func picture(w, h int, bg, line [3]byte) engine.Image {
+	im := engine.Image{Width: w, Height: h, RGB: make([]byte, 3*w*h)}
+	for y := range h {
+		for x := range w {
+			c := bg
+			if x == y*w/h {
+				c = line
+			}
+			copy(im.RGB[3*(y*w+x):], c[:])
+		}
+	}
+	return im
+}
+
+// promptRows adds rows [from, to) of a prompt with media to b for sequence s.
+func promptRows(b *engine.Batch, toks []engine.Token, media []engine.Media, s engine.SeqID, from, to int) {
+	for p := from; p < to; p++ {
+		out := p == len(toks)-1
+		if toks[p] < 0 {
+			for _, m := range media {
+				if p >= m.Pos && p < m.Pos+m.Len {
+					b.AddEmbd(toks[p], m.Row(p), engine.Pos(p), s, out)
+				}
+			}
+			continue
+		}
+		b.Add(toks[p], engine.Pos(p), s, out)
+	}
+}
+
+// lastLogits decodes the prompt on sequence s in chunks of chunk rows (from
+// position from, the rest being in memory) and returns its last row's logits.
+func lastLogits(t *testing.T, e *Engine, toks []engine.Token, media []engine.Media, s engine.SeqID, from, chunk int) []float32 {
+	t.Helper()
+	var out []float32
+	for p := from; p < len(toks); p += chunk {
+		var b engine.Batch
+		end := min(p+chunk, len(toks))
+		promptRows(&b, toks, media, s, p, end)
+		if err := e.Decode(context.Background(), &b); err != nil {
+			t.Fatalf("decode rows %d..%d: %v", p, end, err)
+		}
+		if end == len(toks) {
+			if err := e.Logits(b.Len()-1, func(l []float32) { out = append([]float32(nil), l...) }); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	return out
+}
+
+func maxDiff(a, b []float32) float64 {
+	var d float64
+	for i := range a {
+		d = max(d, math.Abs(float64(a[i]-b[i])))
+	}
+	return d
+}
+
+// TestImages: an image becomes placeholder tokens and embeddings the model
+// reads in their place, and what it computes does not depend on how the rows
+// are batched, on other sequences beside it or on a prefix taken from another
+// sequence's cells; another picture gives other logits.
+func TestImages(t *testing.T) {
+	e := openVision(t)
+	p := e.Projector()
+	ctx := context.Background()
+	red := picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0})
+	blue := picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255})
+	text := "USER: " + p.Marker() + "\nWhat is in this picture? ASSISTANT:"
+	toks, media, err := p.Prompt(ctx, text, []engine.Image{red}, 0, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	side := models.ProjectorImageSize / models.ProjectorPatchSize
+	if len(media) != 1 || media[0].Len != side*side || len(media[0].Embd) != media[0].Len*e.Info().EmbeddingSize {
+		t.Fatalf("media %+v: want one image of %d rows of %d", media, side*side, e.Info().EmbeddingSize)
+	}
+	m := media[0]
+	head := tokenize(t, e, "USER: ")
+	if m.Pos != len(head) {
+		t.Errorf("image at %d, want after the %d tokens of its text", m.Pos, len(head))
+	}
+	for i, tk := range toks {
+		if in := i >= m.Pos && i < m.Pos+m.Len; in != (tk < 0) {
+			t.Fatalf("token %d at %d: placeholders are the image's rows only", tk, i)
+		}
+	}
+	again, _, _ := p.Prompt(ctx, text, []engine.Image{red}, 0, true, false)
+	other, otherMedia, err := p.Prompt(ctx, text, []engine.Image{blue}, 0, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again[m.Pos] != toks[m.Pos] || other[m.Pos] == toks[m.Pos] {
+		t.Errorf("placeholders: the same picture %d and %d, another %d: want equal, then different", toks[m.Pos], again[m.Pos], other[m.Pos])
+	}
+
+	whole := lastLogits(t, e, toks, media, 0, 0, len(toks))
+	tol := max(4*kernelNoise(t, e), 1e-3)
+	if err := e.ClearMemory(); err != nil {
+		t.Fatal(err)
+	}
+	// Chunks of 5 rows cut the image and mix text and image rows in a batch.
+	if d := maxDiff(whole, lastLogits(t, e, toks, media, 0, 0, 5)); d > tol {
+		t.Errorf("in chunks of 5 rows: logits move by %.3g (tolerance %.3g)", d, tol)
+	}
+	blueLogits := lastLogits(t, e, other, otherMedia, 1, 0, len(other))
+	if d := maxDiff(whole, blueLogits); d < 10*tol {
+		t.Errorf("another picture moves the logits by %.3g only: the image is not read", d)
+	}
+
+	// Three sequences in one batch: the two pictures and a text.
+	if err := e.ClearMemory(); err != nil {
+		t.Fatal(err)
+	}
+	plain := tokenize(t, e, testPrompts[0])
+	var b engine.Batch
+	promptRows(&b, toks, media, 0, 0, len(toks))
+	rows := []int{b.Len() - 1}
+	for p := range plain {
+		b.Add(plain[p], engine.Pos(p), 2, p == len(plain)-1)
+	}
+	rows = append(rows, b.Len()-1)
+	promptRows(&b, other, otherMedia, 1, 0, len(other))
+	rows = append(rows, b.Len()-1)
+	if err := e.Decode(ctx, &b); err != nil {
+		t.Fatal(err)
+	}
+	for k, want := range [][]float32{whole, nil, blueLogits} {
+		if want == nil {
+			continue
+		}
+		if err := e.Logits(rows[k], func(l []float32) {
+			if d := maxDiff(want, l); d > tol {
+				t.Errorf("batched with others, row %d: logits move by %.3g (tolerance %.3g)", rows[k], d, tol)
+			}
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.Logits(0, func([]float32) {}); err == nil {
+		t.Error("logits of a row before the image: want an error")
+	}
+
+	// A prefix through the image taken from sequence 0's cells.
+	cut := m.Pos + m.Len + 2
+	if err := e.SeqCopy(0, 3, 0, engine.Pos(cut)); err != nil {
+		t.Fatal(err)
+	}
+	if d := maxDiff(whole, lastLogits(t, e, toks, media, 3, cut, len(toks))); d > tol {
+		t.Errorf("from a shared prefix: logits move by %.3g (tolerance %.3g)", d, tol)
+	}
+}
+
+// TestImageRefusals: bad images, prompts and batches are refused, and the
+// engine works on.
+func TestImageRefusals(t *testing.T) {
+	e := openVision(t)
+	p := e.Projector()
+	ctx := context.Background()
+	im := picture(8, 8, [3]byte{1, 2, 3}, [3]byte{4, 5, 6})
+	text := "look: " + p.Marker() + " now"
+	for name, c := range map[string]struct {
+		text   string
+		images []engine.Image
+	}{
+		"no place for the image":  {"no marker", []engine.Image{im}},
+		"no image for the marker": {text, nil},
+		"empty image":             {text, []engine.Image{{Width: 0, Height: 0}}},
+		"short pixels":            {text, []engine.Image{{Width: 4, Height: 4, RGB: make([]byte, 10)}}},
+		"huge":                    {text, []engine.Image{{Width: 1 << 16, Height: 1 << 16}}},
+	} {
+		if _, _, err := p.Prompt(ctx, c.text, c.images, 0, true, false); !errors.Is(err, engine.ErrInvalidInput) {
+			t.Errorf("%s: %v, want ErrInvalidInput", name, err)
+		}
+	}
+	// The default marker is text like any other.
+	if _, media, err := p.Prompt(ctx, "<__media__> "+text, []engine.Image{im}, 0, true, false); err != nil || len(media) != 1 {
+		t.Fatalf("llama.cpp's default marker in the text: %v, %d images", err, len(media))
+	}
+	toks, media, err := p.Prompt(ctx, text, []engine.Image{im}, 0, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tooLong *engine.PromptTooLongError
+	if _, _, err := p.Prompt(ctx, text, []engine.Image{im}, len(toks), true, false); !errors.As(err, &tooLong) || tooLong.Tokens != len(toks) {
+		t.Errorf("at the limit: %v, want a PromptTooLongError of %d tokens", err, len(toks))
+	}
+	var b engine.Batch
+	promptRows(&b, toks, media, 0, 0, len(toks))
+	b.Output[media[0].Pos] = true
+	if err := e.Decode(ctx, &b); !errors.Is(err, engine.ErrInvalidInput) {
+		t.Errorf("output on an image row: %v, want ErrInvalidInput", err)
+	}
+	b.Output[media[0].Pos] = false
+	b.Embd[media[0].Pos] = b.Embd[media[0].Pos][:3]
+	if err := e.Decode(ctx, &b); !errors.Is(err, engine.ErrInvalidInput) {
+		t.Errorf("a short embedding: %v, want ErrInvalidInput", err)
+	}
+	if _, _, ok := e.SeqPosRange(0); ok {
+		t.Error("a refused batch left cells")
+	}
+	lastLogits(t, e, toks, media, 0, 0, len(toks))
+
+	plain := openTest(t, models.Tiny(), nil)
+	var pb engine.Batch
+	pb.AddEmbd(-5, make([]float32, plain.Info().EmbeddingSize), 0, 0, true)
+	if err := plain.Decode(ctx, &pb); !errors.Is(err, engine.ErrInvalidInput) {
+		t.Errorf("an embedding row without a projector: %v, want ErrInvalidInput", err)
+	}
+}
+
+// TestSchedulerImages: requests with images run through the scheduler
+// concurrently, in chunks that cut their images, with the same greedy output
+// as each alone; a second request for a picture takes the first's cached
+// prefix through the image and answers the same, and another picture
+// answers otherwise.
+func TestSchedulerImages(t *testing.T) {
+	e := openVision(t)
+	p := e.Projector()
+	ctx := context.Background()
+	pics := []engine.Image{
+		picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0}),
+		picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255}),
+		picture(64, 64, [3]byte{20, 200, 20}, [3]byte{90, 0, 90}),
+	}
+	type prompt struct {
+		toks  []engine.Token
+		media []engine.Media
+	}
+	var prompts []prompt
+	for i, im := range pics {
+		text := fmt.Sprintf("USER: %s\nDescribe picture %d. ASSISTANT:", p.Marker(), i%2)
+		toks, media, err := p.Prompt(ctx, text, []engine.Image{im}, 0, true, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		prompts = append(prompts, prompt{toks, media})
+	}
+	req := func(pr prompt) *scheduler.Request {
+		return &scheduler.Request{Prompt: pr.toks, Media: pr.media, MaxTokens: 12, IgnoreEOS: true}
+	}
+	// Alone, with a step budget of 7 tokens: every image is cut over steps.
+	s := startSched(t, e, func(c *scheduler.Config) { c.MaxBatchTokens, c.MaxRunning = 7, 4; c.KV.Caching = false })
+	var alone []genResult
+	for _, pr := range prompts {
+		g := generate(ctx, s, req(pr))
+		if g.err != nil {
+			t.Fatal(g.err)
+		}
+		alone = append(alone, g)
+	}
+	if slices.Equal(alone[0].tokens, alone[1].tokens) {
+		t.Errorf("two pictures, one answer %v: the image is not read", alone[0].tokens)
+	}
+	e2 := openVision(t)
+	s2 := startSched(t, e2, func(c *scheduler.Config) { c.MaxRunning = 8 })
+	var wg sync.WaitGroup
+	together := make([]genResult, 2*len(prompts))
+	for i := range together {
+		wg.Go(func() { together[i] = generate(ctx, s2, req(prompts[i%len(prompts)])) })
+	}
+	wg.Wait()
+	cachedAny := false
+	for i, g := range together {
+		if g.err != nil {
+			t.Fatal(g.err)
+		}
+		if !slices.Equal(g.tokens, alone[i%len(prompts)].tokens) {
+			t.Errorf("request %d together: %v, alone %v", i, g.tokens, alone[i%len(prompts)].tokens)
+		}
+		cachedAny = cachedAny || g.cached > prompts[i%len(prompts)].media[0].Pos
+	}
+	again := generate(ctx, s2, req(prompts[0]))
+	if again.err != nil || !slices.Equal(again.tokens, alone[0].tokens) {
+		t.Errorf("again: %v %v, want %v", again.err, again.tokens, alone[0].tokens)
+	}
+	m := prompts[0].media[0]
+	if again.cached < m.Pos+m.Len {
+		t.Errorf("again: %d tokens cached, want the prefix through the image (%d)", again.cached, m.Pos+m.Len)
+	}
+	t.Logf("cached through an image while computing together: %v; again: %d of %d", cachedAny, again.cached, len(prompts[0].toks))
+
+	// Refused: an image's rows out of place, or text missing after it.
+	bad := req(prompts[0])
+	bad.Media = []engine.Media{{Pos: m.Pos + 1, Len: m.Len, Embd: m.Embd}}
+	if _, err := s2.Submit(ctx, bad); err == nil {
+		t.Error("media out of place: want an error")
+	}
+	bad = req(prompts[0])
+	bad.Prompt = bad.Prompt[:m.Pos+m.Len]
+	if _, err := s2.Submit(ctx, bad); err == nil {
+		t.Error("an image at the prompt's end: want an error")
+	}
+}
