@@ -100,6 +100,9 @@ type plan struct {
 	maxTokensAsked bool
 	// finished counts the choices whose finish was read (and counted in metrics).
 	finished int
+	// images is the prompt with its images, computed where the request runs
+	// (imagePrompt); prompts[0] is then the text around them, for routing.
+	images *imagePlan
 }
 
 // param is chat field name as p's request names it.
@@ -618,7 +621,7 @@ func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 		p.req.Stop = nil
 	}
 	p.think = s.thinkingPlan(b, text, tp, &p.req)
-	toks, err := b.Vocab.Tokenize(text, true, true)
+	toks, err := chatTokens(b, &p, text)
 	if err != nil {
 		return nil, err
 	}
@@ -877,14 +880,27 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	if !p.chat {
 		where, param = "prompt", "prompt"
 	}
+	tooLong := func(i, n int) {
+		s.metrics.rejected(scheduler.ErrPromptTooLong)
+		msg := fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), n, where)
+		if p.anthropic {
+			msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", n, maxCtx-1) // Anthropic's wording, which its clients recognise
+		}
+		abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param, Message: msg})
+	}
+	if p.images != nil {
+		var long *engine.PromptTooLongError
+		if err := s.imagePrompt(ctx, b, p, maxCtx); errors.As(err, &long) {
+			tooLong(0, long.Tokens)
+			return
+		} else if err != nil {
+			abort(c, err)
+			return
+		}
+	}
 	for i, toks := range p.prompts {
 		if len(toks) >= maxCtx {
-			s.metrics.rejected(scheduler.ErrPromptTooLong)
-			msg := fmt.Sprintf("This model's maximum context length is %d tokens. However, your %s resulted in %d tokens, which leaves no room for the completion. Please reduce the length of the %s.", maxCtx, which(where, i, len(p.prompts)), len(toks), where)
-			if p.anthropic {
-				msg = fmt.Sprintf("prompt is too long: %d tokens > %d maximum", len(toks), maxCtx-1) // Anthropic's wording, which its clients recognise
-			}
-			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param, Message: msg})
+			tooLong(i, len(toks))
 			return
 		}
 		if p.maxTokensAsked && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {

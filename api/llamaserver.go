@@ -252,7 +252,7 @@ func (s *Server) props(c *gin.Context) {
 		TotalSlots:                b.Generator.Load().MaxRunning,
 		ModelPath:                 s.cfg.ModelName,
 		ChatTemplate:              cmp.Or(b.Template, b.Info.ChatTemplate),
-		Modalities:                map[string]bool{"vision": false, "audio": false},
+		Modalities:                map[string]bool{"vision": b.Projector != nil, "audio": false},
 		BuildInfo:                 "shoal",
 	})
 }
@@ -279,5 +279,7 @@ func (s *Server) applyTemplate(c *gin.Context) {
 		abort(c, err)
 		return
 	}
+	// Images shown as llama.cpp's marker, as llama-server shows them.
+	text, _ = takeImages(text, "<__media__>")
 	c.JSON(http.StatusOK, gin.H{"prompt": text})
 }

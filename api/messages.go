@@ -82,10 +82,14 @@ func (a *AnthropicContent) UnmarshalJSON(b []byte) error {
 
 // ContentBlock is one block of a message's content, of any type the request
 // may hold: text, tool_use (the assistant's), tool_result (the user's),
-// thinking. Images and documents are refused.
+// thinking; image (the user's, its bytes in source). Documents are refused.
 type ContentBlock struct {
-	Type      string           `json:"type"`
-	Text      string           `json:"text"`
+	Type   string `json:"type"`
+	Text   string `json:"text"`
+	Source *struct {
+		Type string `json:"type"` // base64 (url is refused)
+		Data string `json:"data"`
+	} `json:"source"`
 	ID        string           `json:"id"`
 	Name      string           `json:"name"`
 	Input     json.RawMessage  `json:"input"`
@@ -326,6 +330,15 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 		switch b.Type {
 		case "text":
 			text = append(text, b.Text)
+		case "image":
+			if b.Source == nil || b.Source.Type != "base64" {
+				return nil, invalid("messages", "%s: an image block's source must be {\"type\": \"base64\", \"media_type\": ..., \"data\": ...}: a node fetches no URL", where)
+			}
+			data, err := decodeBase64(b.Source.Data)
+			if err != nil {
+				return nil, invalid("messages", "%s: image: %v", where, err)
+			}
+			text = append(text, imageMarker(data))
 		case "tool_result":
 			if b.ToolUseID == "" {
 				return nil, invalid("messages", "%s: a tool_result needs its tool_use_id", where)

@@ -274,11 +274,12 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 	chat.Tools, chat.ToolChoice = r.Tools, r.ToolChoice
 	chat.Logprobs, chat.TopLogprobs = r.Logprobs, r.logprobsTop()
 	for i, m := range r.Messages {
-		if len(m.Images) > 0 {
-			return nil, invalid("messages", "message %d: images are not supported: this node serves a text model", i)
+		images, err := ollamaImages(m.Images, fmt.Sprintf("message %d: ", i))
+		if err != nil {
+			return nil, invalid("messages", "%v", err)
 		}
 		role := strings.ToLower(m.Role) // as Ollama reads it
-		out := Message{Role: role, Content: Content(m.Content)}
+		out := Message{Role: role, Content: Content(images + m.Content)}
 		switch role {
 		case "system", "user":
 		case "assistant":
@@ -444,8 +445,8 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 	case req.Template != "":
 		abort(c, invalid("template", "template is not supported: prompts are laid out by the model's chat template (or given as they are with raw)"))
 		return
-	case len(req.Images) > 0:
-		abort(c, invalid("images", "images are not supported: this node serves a text model"))
+	case len(req.Images) > 0 && (req.Raw || req.Suffix != "" || len(req.Context) > 0):
+		abort(c, invalid("images", "images are laid out by the model's chat template: not with raw, suffix or context"))
 		return
 	case req.Raw && (req.System != "" || len(req.Context) > 0):
 		abort(c, invalid("raw", "raw mode does not support system or context (the prompt is given as it is)"))
@@ -496,7 +497,11 @@ func (s *Server) ollamaGenerate(c *gin.Context) {
 			if req.System != "" {
 				chat.Messages = append(chat.Messages, Message{Role: "system", Content: Content(req.System)})
 			}
-			chat.Messages = append(chat.Messages, Message{Role: "user", Content: Content(req.Prompt)})
+			images, err := ollamaImages(req.Images, "")
+			if err != nil {
+				return nil, invalid("images", "%v", err)
+			}
+			chat.Messages = append(chat.Messages, Message{Role: "user", Content: Content(images + req.Prompt)})
 			chat.Logprobs, chat.TopLogprobs = req.Logprobs, req.logprobsTop()
 			return chat, nil
 		}, ollamaGenerateParams)
@@ -908,6 +913,9 @@ func (s *Server) ollamaShow(c *gin.Context) {
 		if b.think != nil {
 			caps = append(caps, "thinking")
 		}
+		if b.Projector != nil {
+			caps = append(caps, "vision")
+		}
 		if b.Vocab.FIM().Infill() {
 			caps = append(caps, "insert")
 		}
@@ -1070,4 +1078,22 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 func (s *Server) ollamaManage(c *gin.Context) {
 	abort(c, &Error{Status: http.StatusNotImplemented, Message: fmt.Sprintf("%s is not supported: a shoal node serves the model it was started with (serve --model FILE); %s",
 		c.Request.URL.Path, s.served())})
+}
+
+// ollamaImages reads Ollama's images (base64 strings) into their markers, put
+// before the text of their message as Ollama puts them.
+func ollamaImages(raw []json.RawMessage, where string) (string, error) {
+	var b strings.Builder
+	for i, r := range raw {
+		var s string
+		if err := json.Unmarshal(r, &s); err != nil {
+			return "", fmt.Errorf("%simage %d: want a base64 string", where, i)
+		}
+		data, err := decodeBase64(s)
+		if err != nil {
+			return "", fmt.Errorf("%simage %d: %v", where, i, err)
+		}
+		b.WriteString(imageMarker(data))
+	}
+	return b.String(), nil
 }

@@ -331,9 +331,10 @@ func itemText(raw json.RawMessage, where string) (string, error) {
 		return s, nil
 	}
 	var parts []struct {
-		Type    string `json:"type"`
-		Text    string `json:"text"`
-		Refusal string `json:"refusal"`
+		Type     string `json:"type"`
+		Text     string `json:"text"`
+		Refusal  string `json:"refusal"`
+		ImageURL string `json:"image_url"` // an input_image's data: URL
 	}
 	if err := json.Unmarshal(raw, &parts); err != nil {
 		return "", invalid("input", "%s: content must be a string or a list of text parts", where)
@@ -345,8 +346,14 @@ func itemText(raw json.RawMessage, where string) (string, error) {
 			texts = append(texts, p.Text)
 		case "refusal":
 			texts = append(texts, p.Refusal)
+		case "input_image":
+			data, err := imageURL(p.ImageURL)
+			if err != nil {
+				return "", invalid("input", "%s: %v", where, err)
+			}
+			texts = append(texts, imageMarker(data))
 		default:
-			return "", invalid("input", "%s: content parts of type %q are not supported (text parts are)", where, p.Type)
+			return "", invalid("input", "%s: content parts of type %q are not supported (text and input_image parts are)", where, p.Type)
 		}
 	}
 	return strings.Join(texts, "\n"), nil

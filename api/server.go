@@ -135,6 +135,8 @@ type Backend struct {
 	// CheckGrammar, when set, checks a request's grammar before it is
 	// answered (safe for concurrent use).
 	CheckGrammar func(gbnf string) error
+	// Projector reads the images of chat requests; nil: the model reads none.
+	Projector engine.Projector
 
 	chat  *chatTemplate // Template compiled by SetBackend; nil when not used
 	think *thinkTags    // the tags of its thoughts, when its template writes them: it reasons first

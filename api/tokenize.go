@@ -65,6 +65,10 @@ func (s *Server) tokenize(c *gin.Context) {
 			abort(c, err)
 			return
 		}
+		if hasImages(text) {
+			abort(c, invalid("messages", "a chat with images is not tokenized here: its images become tokens only where it is computed (the answer's usage counts them)"))
+			return
+		}
 	default:
 		abort(c, invalid("prompt", "give exactly one of prompt and messages"))
 		return

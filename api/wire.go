@@ -92,8 +92,9 @@ func jsonKind(b []byte) string {
 	return "number"
 }
 
-// Content is a chat message's content: a string or an array of parts, of which only
-// text parts are supported.
+// Content is a chat message's content: a string or an array of parts: text,
+// and images (image_url, as a data: URL), each of which becomes its marker
+// in the text (imageMarker) where it stands.
 type Content string
 
 func (c *Content) UnmarshalJSON(b []byte) error {
@@ -108,8 +109,9 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 		return nil
 	}
 	var parts []struct {
-		Type string  `json:"type"`
-		Text *string `json:"text"`
+		Type     string          `json:"type"`
+		Text     *string         `json:"text"`
+		ImageURL json.RawMessage `json:"image_url"`
 	}
 	if err := json.Unmarshal(b, &parts); err != nil {
 		// A type error names the field (messages.content) in decodeBody.
@@ -117,16 +119,38 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 	}
 	var buf bytes.Buffer
 	for i, p := range parts {
-		if p.Type != "text" || p.Text == nil {
-			return fmt.Errorf("content part %d: only parts of type \"text\" with a text field are supported", i)
-		}
 		if i > 0 {
 			buf.WriteByte('\n') // as vLLM joins text parts
 		}
-		buf.WriteString(*p.Text)
+		switch {
+		case p.Type == "text" && p.Text != nil:
+			buf.WriteString(*p.Text)
+		case p.Type == "image_url":
+			data, err := partImage(p.ImageURL)
+			if err != nil {
+				return fmt.Errorf("content part %d: %w", i, err)
+			}
+			buf.WriteString(imageMarker(data))
+		default:
+			return fmt.Errorf("content part %d: parts of type \"text\" with a text field, or \"image_url\", are read", i)
+		}
 	}
 	*c = Content(buf.String())
 	return nil
+}
+
+// partImage reads an image_url part's image: {"url": "data:..."}, or the URL
+// as a string.
+func partImage(raw json.RawMessage) ([]byte, error) {
+	var u struct {
+		URL string `json:"url"`
+	}
+	if err := json.Unmarshal(raw, &u.URL); err != nil {
+		if err := json.Unmarshal(raw, &u); err != nil || u.URL == "" {
+			return nil, fmt.Errorf("image_url: want {\"url\": \"data:image/...;base64,...\"}")
+		}
+	}
+	return imageURL(u.URL)
 }
 
 // Message is one chat message.

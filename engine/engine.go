@@ -215,11 +215,12 @@ func (b *Batch) Len() int { return len(b.Tokens) }
 
 // Check refuses, as llama.cpp does, a batch an engine of capacity c with a
 // vocabulary of vocab tokens cannot take: empty or ragged, more rows than
-// c.BatchTokens, tokens, sequence ids or positions out of range, and positions that
+// c.BatchTokens, tokens, sequence ids or positions out of range, embedding rows
+// not of width values (width 0: an engine that reads none), and positions that
 // do not follow on from what each sequence holds (last reports a sequence's highest
 // position), in the batch too. Engines that model llama.cpp in Go (the simulator,
 // test fakes) share it; errors wrap ErrInvalidInput.
-func (b *Batch) Check(c Capacity, vocab int, last func(SeqID) (Pos, bool)) error {
+func (b *Batch) Check(c Capacity, vocab, width int, last func(SeqID) (Pos, bool)) error {
 	n := b.Len()
 	switch {
 	case n == 0:
@@ -228,14 +229,14 @@ func (b *Batch) Check(c Capacity, vocab int, last func(SeqID) (Pos, bool)) error
 		return fmt.Errorf("ragged batch: %w", ErrInvalidInput)
 	case n > c.BatchTokens:
 		return fmt.Errorf("batch of %d rows exceeds %d: %w", n, c.BatchTokens, ErrInvalidInput)
-	case len(b.Embd) != 0:
-		return fmt.Errorf("embedding rows: this engine reads tokens only: %w", ErrUnsupported)
 	}
 	next := map[SeqID]Pos{}
 	for i := range n {
 		t, s, p := b.Tokens[i], b.Seq[i], b.Pos[i]
 		switch {
-		case t < 0 || int(t) >= vocab:
+		case b.Embedded(i) && (width == 0 || len(b.Embd[i]) != width):
+			return fmt.Errorf("row %d: an embedding of %d values, want %d: %w", i, len(b.Embd[i]), width, ErrInvalidInput)
+		case !b.Embedded(i) && (t < 0 || int(t) >= vocab):
 			return fmt.Errorf("row %d: token %d out of range: %w", i, t, ErrInvalidInput)
 		case s < 0 || int(s) >= c.MaxSeqs:
 			return fmt.Errorf("row %d: sequence %d out of range: %w", i, s, ErrInvalidInput)
@@ -430,6 +431,11 @@ type TokenLogit struct {
 	Token Token
 	Logit float32
 }
+
+// MaxImagePixels bounds one image's decoded size (24 megapixels, 72 MB of
+// RGB): a projector scales every image down to its own size, so more only
+// costs memory and time.
+const MaxImagePixels = 24 << 20
 
 // Image is a decoded picture: Width×Height pixels of 3 bytes (red, green,
 // blue), row by row.

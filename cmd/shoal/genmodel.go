@@ -26,6 +26,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	fim := fs.Bool("fim", false, "add Qwen2.5-Coder's fill-in-the-middle control tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>, ...): the model serves /infill and suffix")
 	lora := fs.Int("lora", 0, "write a LoRA adapter of this rank for the preset's model (with --seed, that model's seed) instead of a model: updates of every layer's attention query and value, for --lora on serve")
 	reranker := fs.Bool("reranker", false, "write a reranker laid out as Qwen3-Reranker's GGUF (Qwen 3's architecture, rank pooling, a yes/no head, a rerank prompt): serve it with --reranking")
+	mmproj := fs.Bool("mmproj", false, "write a multimodal projector for the preset's model (with --seed, that model's seed) instead of a model, laid out as LLaVA's (a 32×32 image becomes 16 tokens): for --mmproj on serve")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -61,6 +62,16 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 		spec.ControlTokens = append(slices.Clip(spec.ControlTokens), models.FIMTokens...)
 	}
 	spec.Reranker = *reranker
+	if *mmproj {
+		if *reranker || *lora != 0 {
+			return errors.New("--mmproj with --reranker or --lora: a projector is written for the llama-architecture models, alone")
+		}
+		if err := models.GenerateProjector(*out, spec); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "wrote %s: a multimodal projector for %s\n", *out, spec.Name)
+		return nil
+	}
 	if *lora != 0 {
 		if *reranker {
 			return errors.New("--lora with --reranker: adapters are written for the llama-architecture models")

@@ -154,7 +154,7 @@ type serveFlags struct {
 	kvMemory, schedulingPolicy, reasoningFormat                             string
 	simSpeed, cacheFloor                                                    float64
 	embeddings, reranking, jinja, logRequests                               bool
-	pooling, chatTemplate, chatTemplateFile                                 string
+	pooling, chatTemplate, chatTemplateFile, mmproj                         string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port                                                                    int
 	mmap, caching                                                           bool
@@ -205,6 +205,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls, last or rank (default: the model's own)")
 	fs.BoolVar(&f.reranking, "reranking", false, "serve /v1/rerank and /v1/score with a reranker (--embeddings --pooling rank, as llama-server's --reranking)")
 	fs.Var(&f.loraModules, "lora-modules", "a LoRA adapter served as a model of its own, as vLLM's --lora-modules: NAME=FILE or NAME=FILE:SCALE; a request whose \"model\" is NAME runs under it (repeatable)")
+	fs.StringVar(&f.mmproj, "mmproj", "", "a multimodal projector file (GGUF) for the model, as llama-server's --mmproj: chat requests may then carry images")
 	fs.Var(&f.lora, "lora", "a LoRA adapter (GGUF) applied to every request: FILE, or FILE:SCALE (default scale 1); repeatable, as llama-server's --lora and Ollama's ADAPTER")
 	fs.StringVar(&f.chatTemplate, "chat-template", "", "a llama.cpp built-in chat format instead of the model's own template: a name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, run as Jinja; ChatML when it has none)")
 	fs.StringVar(&f.chatTemplateFile, "chat-template-file", "", "a Jinja chat template file to render chats with instead of the model's own (as llama-server's)")
@@ -324,7 +325,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		lc.Unified = *f.unified
 	}
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
-	lc.Embeddings, lc.Pooling, lc.ChatTemplate = f.embeddings, f.pooling, f.chatTemplate
+	lc.Embeddings, lc.Pooling, lc.ChatTemplate, lc.Projector = f.embeddings, f.pooling, f.chatTemplate, f.mmproj
+	if f.sim != "" && f.mmproj != "" {
+		return fmt.Errorf("--mmproj needs a model: a simulated engine (--sim) reads no images")
+	}
 	if f.reranking {
 		if f.pooling != "" && f.pooling != "rank" {
 			return fmt.Errorf("--reranking with --pooling %s: a reranker's pooling is rank", f.pooling)
@@ -502,6 +506,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	for _, a := range lc.LoRA {
 		log.Info("LoRA adapter applied", "file", a.Path, "scale", a.Scale)
 	}
+	if f.mmproj != "" {
+		log.Info("projector loaded: chat requests may carry images", "file", f.mmproj)
+	}
 	for i, a := range lc.Adapters {
 		log.Info("LoRA adapter served", "model", adapterIDs[i], "file", a.Path, "scale", a.Scale)
 	}
@@ -545,6 +552,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	if v, ok := eng.Vocab().(*llama.Vocab); ok {
 		backend.CheckGrammar = v.CheckGrammar
+	}
+	if e, ok := eng.(*llama.Engine); ok && e.Projector() != nil {
+		backend.Projector = e.Projector()
 	}
 	srv.SetBackend(backend)
 	scheme := "http"

@@ -34,6 +34,10 @@ type Fake struct {
 	// a cell computed under one holds other "KV", and a row's logits depend on
 	// the adapters its sequence's cells were computed under and its own.
 	Adapters int
+	// EmbdWidth is the model's embedding width (8 from New): batches may
+	// hold embedding rows of this many values (an image's, engine.Batch.Embd),
+	// whose "KV" is their placeholder token's, as the prefix cache keys them.
+	EmbdWidth int
 	// Rerank, when set, makes the fake a reranker (ModelInfo.Rerank): Embeddings
 	// gives one score in (0, 1), a hash of the tokens the sequence holds.
 	Rerank  *engine.RerankLayout
@@ -59,13 +63,14 @@ type BatchStats struct {
 
 func New(cells, seqs, batch int) *Fake {
 	return &Fake{
-		vocab: Vocab{n: 64, fim: engine.NoFIM},
-		cap:   engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixReuse: true, PrefixSharing: true},
+		vocab:     Vocab{n: 64, fim: engine.NoFIM},
+		cap:       engine.Capacity{Cells: cells, CellsPerSeq: cells, MaxSeqs: seqs, BatchTokens: batch, Unified: true, PrefixReuse: true, PrefixSharing: true},
+		EmbdWidth: 8,
 	}
 }
 
 func (f *Fake) Info() engine.ModelInfo {
-	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n, Rerank: f.Rerank,
+	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n, EmbeddingSize: f.EmbdWidth, Rerank: f.Rerank,
 		Devices: []engine.Device{{Name: "CPU", Description: "fake", Kind: "cpu"}}}
 }
 func (f *Fake) Capacity() engine.Capacity { return f.cap }
@@ -107,7 +112,7 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	if b.Adapter < 0 || b.Adapter > f.Adapters {
 		return fmt.Errorf("fake: adapter %d of %d: %w", b.Adapter, f.Adapters, engine.ErrInvalidInput)
 	}
-	if err := b.Check(f.cap, f.vocab.n, func(s engine.SeqID) (engine.Pos, bool) {
+	if err := b.Check(f.cap, f.vocab.n, f.EmbdWidth, func(s engine.SeqID) (engine.Pos, bool) {
 		_, hi, ok := f.SeqPosRange(s)
 		return hi, ok
 	}); err != nil {

@@ -80,11 +80,6 @@ import (
 	"github.com/shoal-ai/shoal/engine"
 )
 
-// MaxImagePixels bounds one image's decoded size (24 megapixels, 72 MB of
-// RGB): a projector scales every image down to its own size, so more only
-// costs memory and time.
-const MaxImagePixels = 24 << 20
-
 // Projector is a multimodal projector file (--mmproj) loaded for the
 // engine's model through llama.cpp's mtmd. See engine.Projector for the
 // concurrency rules; Close belongs to the Engine, which closes it first.
@@ -157,9 +152,9 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 		}
 	}()
 	for i, im := range images {
-		if im.Width < 1 || im.Height < 1 || im.Width*im.Height > MaxImagePixels || len(im.RGB) != 3*im.Width*im.Height {
+		if im.Width < 1 || im.Height < 1 || im.Width*im.Height > engine.MaxImagePixels || len(im.RGB) != 3*im.Width*im.Height {
 			return nil, nil, fmt.Errorf("image %d: %d×%d pixels with %d bytes: want 1 to %d pixels of 3 bytes: %w",
-				i, im.Width, im.Height, len(im.RGB), MaxImagePixels, engine.ErrInvalidInput)
+				i, im.Width, im.Height, len(im.RGB), engine.MaxImagePixels, engine.ErrInvalidInput)
 		}
 		h := sha256.New()
 		_ = binary.Write(h, binary.LittleEndian, [2]uint32{uint32(im.Width), uint32(im.Height)})

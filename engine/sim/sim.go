@@ -183,7 +183,7 @@ func (e *Engine) Decode(ctx context.Context, b *engine.Batch) error {
 	if b.Adapter != 0 {
 		return fmt.Errorf("sim: adapter %d: a simulated engine has none: %w", b.Adapter, engine.ErrInvalidInput)
 	}
-	if err := b.Check(e.cap, e.vocab.n, func(s engine.SeqID) (engine.Pos, bool) {
+	if err := b.Check(e.cap, e.vocab.n, 0, func(s engine.SeqID) (engine.Pos, bool) {
 		_, hi, ok := e.SeqPosRange(s)
 		return hi, ok
 	}); err != nil {

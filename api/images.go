@@ -1,0 +1,173 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"fmt"
+	"image"
+	"image/draw"
+	_ "image/gif" // decoders image.Decode reads: the formats OpenAI's API takes, and BMP
+	_ "image/jpeg"
+	_ "image/png"
+	"regexp"
+	"strings"
+
+	_ "golang.org/x/image/bmp"
+	_ "golang.org/x/image/webp"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// A request's images travel in its messages' text, each as a marker that
+// holds the image's bytes (base64): a chat template lays them out in place
+// like any text, and the prompt's images are then cut out of the rendered
+// text in the order they appear (takeImages), so that a template that drops
+// or reorders messages drops or reorders their images with them. The marker
+// holds this process's own random text, which no client knows, so no text a
+// client sends can pass for an image.
+var (
+	imageNonce = func() string {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		return hex.EncodeToString(b[:])
+	}()
+	imageRE = regexp.MustCompile(`<__image_` + imageNonce + `:([A-Za-z0-9+/=]*)__>`)
+)
+
+// imageMarker is the marker of an image of bytes data.
+func imageMarker(data []byte) string {
+	return "<__image_" + imageNonce + ":" + base64.StdEncoding.EncodeToString(data) + "__>"
+}
+
+// hasImages reports whether text holds an image marker.
+func hasImages(text string) bool { return strings.Contains(text, "<__image_"+imageNonce+":") }
+
+// takeImages replaces each image marker in text by marker and returns the
+// images' bytes in the order they appear.
+func takeImages(text, marker string) (string, [][]byte) {
+	var images [][]byte
+	out := imageRE.ReplaceAllStringFunc(text, func(m string) string {
+		data, _ := base64.StdEncoding.DecodeString(imageRE.FindStringSubmatch(m)[1])
+		images = append(images, data)
+		return marker
+	})
+	return out, images
+}
+
+// imageURL reads an image_url's url: a data: URL of base64 bytes (as OpenAI's
+// clients send a local file). Other URLs are refused: a node fetches nothing
+// on a client's behalf.
+func imageURL(url string) ([]byte, error) {
+	rest, ok := strings.CutPrefix(url, "data:")
+	if !ok {
+		what := "this URL"
+		if strings.HasPrefix(url, "http://") || strings.HasPrefix(url, "https://") {
+			what = "a web URL"
+		}
+		return nil, fmt.Errorf("image_url: %s is not read: send the image itself as a data: URL (data:image/png;base64,...)", what)
+	}
+	meta, payload, ok := strings.Cut(rest, ",")
+	if !ok || !strings.HasSuffix(meta, ";base64") {
+		return nil, fmt.Errorf("image_url: a data: URL of base64 bytes expected (data:image/png;base64,...)")
+	}
+	data, err := decodeBase64(payload)
+	if err != nil {
+		return nil, fmt.Errorf("image_url: the data: URL's base64: %w", err)
+	}
+	return data, nil
+}
+
+// decodeBase64 reads standard or URL-safe base64, padded or not.
+func decodeBase64(s string) ([]byte, error) {
+	s = strings.TrimRight(strings.TrimSpace(s), "=")
+	if strings.ContainsAny(s, "-_") {
+		return base64.RawURLEncoding.DecodeString(s)
+	}
+	return base64.RawStdEncoding.DecodeString(s)
+}
+
+// decodeImage decodes an image's bytes (PNG, JPEG, GIF, WebP or BMP; a GIF's
+// first frame) into RGB pixels, refusing one larger than
+// engine.MaxImagePixels before decoding it.
+func decodeImage(data []byte) (engine.Image, error) {
+	cfg, format, err := image.DecodeConfig(bytes.NewReader(data))
+	if err != nil {
+		return engine.Image{}, fmt.Errorf("not an image this server reads (PNG, JPEG, GIF, WebP or BMP): %w", err)
+	}
+	if cfg.Width < 1 || cfg.Height < 1 || cfg.Width*cfg.Height > engine.MaxImagePixels {
+		return engine.Image{}, fmt.Errorf("a %s of %d×%d pixels: at most %d pixels are read", format, cfg.Width, cfg.Height, engine.MaxImagePixels)
+	}
+	im, _, err := image.Decode(bytes.NewReader(data))
+	if err != nil {
+		return engine.Image{}, fmt.Errorf("a %s that does not decode: %w", format, err)
+	}
+	r := im.Bounds()
+	// Drawn as RGBA (draw's fast paths: JPEG's YCbCr, PNG's RGBA and gray,
+	// GIF's palette), then without alpha: a transparent pixel is as over black.
+	rgba := image.NewRGBA(image.Rect(0, 0, r.Dx(), r.Dy()))
+	draw.Draw(rgba, rgba.Bounds(), im, r.Min, draw.Src)
+	out := engine.Image{Width: r.Dx(), Height: r.Dy(), RGB: make([]byte, 3*r.Dx()*r.Dy())}
+	for i := range r.Dx() * r.Dy() {
+		copy(out.RGB[3*i:3*i+3], rgba.Pix[4*i:4*i+3])
+	}
+	return out, nil
+}
+
+// imagePlan is a prompt with images: its text, with the projector's marker
+// where each image stands, and the images' bytes in order.
+type imagePlan struct {
+	text string
+	data [][]byte
+}
+
+// chatTokens tokenizes a rendered chat prompt. One with images becomes
+// p.images, computed where the request runs (imagePrompt: a node that
+// forwards it decodes no image); its tokens here are those of the text
+// around the images, which route it.
+func chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
+	if !hasImages(text) {
+		return b.Vocab.Tokenize(text, true, true)
+	}
+	param := p.param("messages")
+	switch {
+	case b.Projector == nil:
+		return nil, invalid(param, "this model reads no images: the node serves it without a multimodal projector (shoal serve --mmproj)")
+	case p.req.PromptLogprobs:
+		return nil, invalid("prompt_logprobs", "a prompt with images is not scored (prompt_logprobs)")
+	}
+	marker := b.Projector.Marker()
+	text, data := takeImages(text, marker)
+	if len(data) > maxImages {
+		return nil, invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
+	}
+	p.images = &imagePlan{text: text, data: data}
+	return b.Vocab.Tokenize(strings.ReplaceAll(text, marker, ""), true, true)
+}
+
+// maxImages bounds a request's images.
+const maxImages = 64
+
+// imagePrompt decodes p's images and lays out its prompt with them (their
+// embeddings computed by the projector), or returns the
+// *engine.PromptTooLongError of a prompt of maxCtx tokens or more before
+// computing any.
+func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx int) error {
+	param := p.param("messages")
+	images := make([]engine.Image, len(p.images.data))
+	for i, data := range p.images.data {
+		im, err := decodeImage(data)
+		if err != nil {
+			return invalid(param, "image %d: %v", i, err)
+		}
+		images[i] = im
+	}
+	toks, media, err := b.Projector.Prompt(ctx, p.images.text, images, maxCtx, true, true)
+	if err != nil {
+		return fmt.Errorf("lay out images: %w", err)
+	}
+	p.prompts[0], p.req.Media = toks, media
+	return nil
+}
