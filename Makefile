@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora bench-tokenize bench-rerank run lint fmt clean gpu-check-inputs ollama-cli-check
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora bench-tokenize bench-rerank bench-vision run lint fmt clean gpu-check-inputs ollama-cli-check
 
 all: build
 
@@ -90,6 +90,10 @@ bench-tokenize: build
 # A rerank request's pairs with the query's prefix computed for each and once (docs/benchmarks.md).
 bench-rerank: build
 	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkSchedulerRerank' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-rerank.txt
+
+# Chats about pictures, turn after turn, with and without the prefix cache (docs/benchmarks.md).
+bench-vision: build
+	@$(CGO_ENV); $(GO) test -run '^$$' -bench 'BenchmarkSchedulerImages' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama | tee bench-vision.txt
 
 # A one-pool node's cache budget: no reuse (a filling cache) and chats (docs/benchmarks.md).
 bench-cache: build

@@ -134,7 +134,7 @@ func chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
 	param := p.param("messages")
 	switch {
 	case b.Projector == nil:
-		return nil, invalid(param, "this model reads no images: the node serves it without a multimodal projector (shoal serve --mmproj)")
+		return nil, errNoProjector(param)
 	case p.req.PromptLogprobs:
 		return nil, invalid("prompt_logprobs", "a prompt with images is not scored (prompt_logprobs)")
 	}
@@ -150,19 +150,52 @@ func chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
 // maxImages bounds a request's images.
 const maxImages = 64
 
+// countWithImages is how many tokens a rendered chat prompt with images
+// makes on b: its images are decoded and laid out, not encoded.
+func countWithImages(b *Backend, text string) (int, error) {
+	if b.Projector == nil {
+		return 0, errNoProjector("messages")
+	}
+	text, data := takeImages(text, b.Projector.Marker())
+	images, err := decodeImages(data, "messages")
+	if err != nil {
+		return 0, err
+	}
+	n, err := b.Projector.Count(text, images, true, true)
+	if err != nil {
+		return 0, fmt.Errorf("lay out images: %w", err)
+	}
+	return n, nil
+}
+
+func errNoProjector(param string) error {
+	return invalid(param, "this model reads no images: the node serves it without a multimodal projector (shoal serve --mmproj)")
+}
+
+// decodeImages decodes a request's images, in order.
+func decodeImages(data [][]byte, param string) ([]engine.Image, error) {
+	if len(data) > maxImages {
+		return nil, invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
+	}
+	images := make([]engine.Image, len(data))
+	for i, d := range data {
+		im, err := decodeImage(d)
+		if err != nil {
+			return nil, invalid(param, "image %d: %v", i, err)
+		}
+		images[i] = im
+	}
+	return images, nil
+}
+
 // imagePrompt decodes p's images and lays out its prompt with them (their
 // embeddings computed by the projector), or returns the
 // *engine.PromptTooLongError of a prompt of maxCtx tokens or more before
 // computing any.
 func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx int) error {
-	param := p.param("messages")
-	images := make([]engine.Image, len(p.images.data))
-	for i, data := range p.images.data {
-		im, err := decodeImage(data)
-		if err != nil {
-			return invalid(param, "image %d: %v", i, err)
-		}
-		images[i] = im
+	images, err := decodeImages(p.images.data, p.param("messages"))
+	if err != nil {
+		return err
 	}
 	toks, media, err := b.Projector.Prompt(ctx, p.images.text, images, maxCtx, true, true)
 	if err != nil {

@@ -33,6 +33,11 @@ type fakeProjector struct {
 
 func (p *fakeProjector) Marker() string { return "<@img@>" }
 
+func (p *fakeProjector) Count(text string, images []engine.Image, addSpecial, parseSpecial bool) (int, error) {
+	toks, _, err := p.Prompt(context.Background(), text, images, 0, addSpecial, parseSpecial)
+	return len(toks), err
+}
+
 func (p *fakeProjector) Prompt(_ context.Context, text string, images []engine.Image, limit int, addSpecial, parseSpecial bool) ([]engine.Token, []engine.Media, error) {
 	p.mu.Lock()
 	p.text, p.sizes = text, nil
@@ -152,6 +157,21 @@ func TestImageParts(t *testing.T) {
 		if w := s.do(t, "POST", c.path, c.body); w.Code != 200 || !strings.Contains(p.text, c.want) {
 			t.Errorf("%s: %d %s; projector got %q, want it to hold %q", c.path, w.Code, w.Body, p.text, c.want)
 		}
+	}
+	// Anthropic's token count counts the image's tokens.
+	count := func(content string) int {
+		w := s.do(t, "POST", "/v1/messages/count_tokens", `{"messages":[{"role":"user","content":`+content+`}]}`)
+		var r struct {
+			InputTokens int `json:"input_tokens"`
+		}
+		if err := json.Unmarshal(w.Body.Bytes(), &r); err != nil || w.Code != 200 {
+			t.Fatalf("count_tokens: %d %s", w.Code, w.Body)
+		}
+		return r.InputTokens
+	}
+	withImage := count(`[{"type":"image","source":{"type":"base64","data":"` + b64 + `"}},{"type":"text","text":"what"}]`)
+	if plain := count(`"what"`); withImage != plain+4+1 { // the image's 4 rows and the newline before the text
+		t.Errorf("count_tokens: %d with the image, %d without", withImage, plain)
 	}
 	for _, c := range []struct{ path, body, want string }{
 		{"/api/generate", `{"raw":true,"prompt":"what","images":["` + b64 + `"]}`, "not with raw"},

@@ -540,6 +540,9 @@ func chatPromptTokens(b *Backend, chat *ChatRequest) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	if hasImages(text) {
+		return countWithImages(b, text)
+	}
 	toks, err := b.Vocab.Tokenize(text, true, true)
 	return len(toks), err
 }

@@ -605,7 +605,7 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) error {
 }
 
 // ProjectorImageSize and ProjectorPatchSize are a generated projector's
-// image and patch sides: an image becomes (32/8)² = 16 tokens.
+// image and patch sides by default: an image becomes (32/8)² = 16 tokens.
 const (
 	ProjectorImageSize = 32
 	ProjectorPatchSize = 8
@@ -613,18 +613,21 @@ const (
 
 // GenerateProjector writes a multimodal projector for the model spec
 // describes, laid out as LLaVA's (llama.cpp's "mlp" projector): a small
-// vision transformer over 8×8 patches of a 32×32 image, then two linear
-// layers to the model's embedding width. Its weights are seeded random
-// numbers, so it sees nothing, but different pictures give different
-// embeddings, as llama.cpp's mtmd loads and computes it.
-func GenerateProjector(path string, spec Spec) error {
+// vision transformer over 8×8 patches of an image scaled to side×side
+// pixels (0: ProjectorImageSize; a multiple of 8), then two linear layers to
+// the model's embedding width; an image becomes (side/8)² tokens (LLaVA
+// 1.5's 576 with side 192). Its weights are seeded random numbers, so it
+// sees nothing, but different pictures give different embeddings, as
+// llama.cpp's mtmd loads and computes it.
+func GenerateProjector(path string, spec Spec, side int) error {
 	if err := spec.Validate(); err != nil {
 		return fmt.Errorf("generate projector %s: %w", path, err)
 	}
-	const (
-		d, ff, hidden, blocks, heads = 32, 64, 64, 2, 4
-		side, patch                  = ProjectorImageSize, ProjectorPatchSize
-	)
+	const d, ff, hidden, blocks, heads, patch = 32, 64, 64, 2, 4, ProjectorPatchSize
+	side = cmp.Or(side, ProjectorImageSize)
+	if side < patch || side%patch != 0 || side > 1024 {
+		return fmt.Errorf("generate projector %s: image side %d: want a multiple of %d up to 1024", path, side, patch)
+	}
 	seed := spec.Seed ^ 0x636c6970 // "clip": not the model's draws
 	kv := ggml.KV{
 		"general.architecture":                     "clip",

@@ -27,6 +27,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	lora := fs.Int("lora", 0, "write a LoRA adapter of this rank for the preset's model (with --seed, that model's seed) instead of a model: updates of every layer's attention query and value, for --lora on serve")
 	reranker := fs.Bool("reranker", false, "write a reranker laid out as Qwen3-Reranker's GGUF (Qwen 3's architecture, rank pooling, a yes/no head, a rerank prompt): serve it with --reranking")
 	mmproj := fs.Bool("mmproj", false, "write a multimodal projector for the preset's model (with --seed, that model's seed) instead of a model, laid out as LLaVA's (a 32×32 image becomes 16 tokens): for --mmproj on serve")
+	imageSize := fs.Int("image-size", models.ProjectorImageSize, "with --mmproj: the side in pixels the projector scales an image to, a multiple of 8; an image becomes (side/8)² tokens (192: LLaVA 1.5's 576)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -66,7 +67,7 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 		if *reranker || *lora != 0 {
 			return errors.New("--mmproj with --reranker or --lora: a projector is written for the llama-architecture models, alone")
 		}
-		if err := models.GenerateProjector(*out, spec); err != nil {
+		if err := models.GenerateProjector(*out, spec, *imageSize); err != nil {
 			return err
 		}
 		fmt.Fprintf(stdout, "wrote %s: a multimodal projector for %s\n", *out, spec.Name)

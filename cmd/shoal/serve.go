@@ -156,7 +156,7 @@ type serveFlags struct {
 	embeddings, reranking, jinja, logRequests                               bool
 	pooling, chatTemplate, chatTemplateFile, mmproj                         string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
-	port                                                                    int
+	port, mmprojCacheMiB                                                    int
 	mmap, caching                                                           bool
 	unified                                                                 *bool
 	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens   int
@@ -206,6 +206,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.reranking, "reranking", false, "serve /v1/rerank and /v1/score with a reranker (--embeddings --pooling rank, as llama-server's --reranking)")
 	fs.Var(&f.loraModules, "lora-modules", "a LoRA adapter served as a model of its own, as vLLM's --lora-modules: NAME=FILE or NAME=FILE:SCALE; a request whose \"model\" is NAME runs under it (repeatable)")
 	fs.StringVar(&f.mmproj, "mmproj", "", "a multimodal projector file (GGUF) for the model, as llama-server's --mmproj: chat requests may then carry images")
+	fs.IntVar(&f.mmprojCacheMiB, "mmproj-cache-mib", lc.ProjectorCache>>20, "MiB of recent images' embeddings kept, so that a chat's later turns do not encode its images again (0: none)")
 	fs.Var(&f.lora, "lora", "a LoRA adapter (GGUF) applied to every request: FILE, or FILE:SCALE (default scale 1); repeatable, as llama-server's --lora and Ollama's ADAPTER")
 	fs.StringVar(&f.chatTemplate, "chat-template", "", "a llama.cpp built-in chat format instead of the model's own template: a name (llama3, chatml, mistral-v7, gemma, ...; an unknown name lists them) or a template text llama.cpp recognises (default: the model's own, run as Jinja; ChatML when it has none)")
 	fs.StringVar(&f.chatTemplateFile, "chat-template-file", "", "a Jinja chat template file to render chats with instead of the model's own (as llama-server's)")
@@ -326,6 +327,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	lc.GPULayers, lc.MainGPU, lc.TensorSplit, lc.UseMmap = f.gpuLayers, f.mainGPU, split, f.mmap
 	lc.Embeddings, lc.Pooling, lc.ChatTemplate, lc.Projector = f.embeddings, f.pooling, f.chatTemplate, f.mmproj
+	lc.ProjectorCache = f.mmprojCacheMiB << 20
 	if f.sim != "" && f.mmproj != "" {
 		return fmt.Errorf("--mmproj needs a model: a simulated engine (--sim) reads no images")
 	}

@@ -110,6 +110,9 @@ const (
 	AutoSplitCells = 8192
 	// DefaultKVType keeps the cache in f16, llama.cpp's default and lossless for serving.
 	DefaultKVType = "f16"
+	// DefaultProjectorCache keeps 256 MiB of recent images' embeddings: 27
+	// of LLaVA 1.5 7B's (576 tokens of 4096 values).
+	DefaultProjectorCache = 256 << 20
 )
 
 // Config configures Open. Only cmd fills it from flags.
@@ -161,7 +164,10 @@ type Config struct {
 	Adapters []LoRA
 	// Projector is a multimodal projector file (llama-server's --mmproj) for
 	// the model: the engine then reads images (Engine.Projector).
-	Projector string
+	// ProjectorCache bounds the bytes of recent images' embeddings it keeps
+	// (0: none), so that a chat's later turns do not encode them again.
+	Projector      string
+	ProjectorCache int
 
 	// Progress, if set, is called with load progress in [0,1] from the loading goroutine.
 	Progress func(float32)
@@ -189,6 +195,7 @@ func DefaultConfig(path string) Config {
 		Unified:          true,
 		FlashAttention:   FlashAuto,
 		KVType:           DefaultKVType,
+		ProjectorCache:   DefaultProjectorCache,
 	}
 }
 
@@ -210,6 +217,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("micro-batch %d exceeds batch %d", c.MicroBatchTokens, c.BatchTokens)
 	case c.Threads < 0 || c.BatchThreads < 0:
 		return errors.New("threads must not be negative")
+	case c.ProjectorCache < 0:
+		return fmt.Errorf("projector cache %d bytes: must not be negative", c.ProjectorCache)
 	case c.KVMemory != c.KVMemory || c.KVMemory > 1 && c.KVMemory < 1<<20:
 		return fmt.Errorf("KV memory %v: want a fraction in (0,1] or at least 1 MiB of bytes", c.KVMemory)
 	}
@@ -434,7 +443,7 @@ func Open(cfg Config) (*Engine, error) {
 		e.Close()
 		return nil, fmt.Errorf("open engine: a projector (--mmproj) reads images for generation, not for embeddings: %w", engine.ErrUnsupported)
 	case cfg.Projector != "":
-		if err := e.openProjector(cfg.Projector, cfg.Threads, offloaded > 0); err != nil {
+		if err := e.openProjector(cfg.Projector, cfg.Threads, cfg.ProjectorCache, offloaded > 0); err != nil {
 			e.Close()
 			return nil, fmt.Errorf("open engine: %w", err)
 		}

@@ -67,6 +67,7 @@ import "C"
 
 import (
 	"cmp"
+	"container/list"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -89,6 +90,55 @@ type Projector struct {
 	marker string
 	width  int // the model's input embedding width
 	vocab  *Vocab
+	cache  embdCache // recent images' embeddings, under mu
+}
+
+// embdCache keeps the embeddings of recently encoded images (each chunk's,
+// by its placeholders' hash), up to max bytes, the least recently used
+// dropped first: a chat's later turns about a picture, whose KV the prefix
+// cache may hold, or not, do not encode it again (vLLM keeps such a cache).
+// The slices it hands out are shared and never written.
+type embdCache struct {
+	max, used int
+	order     list.List // of *embdEntry, most recent first
+	byKey     map[uint64]*list.Element
+}
+
+type embdEntry struct {
+	key  uint64
+	embd []float32
+}
+
+// get returns the cached embedding of key if it has n values, else nil.
+func (c *embdCache) get(key uint64, n int) []float32 {
+	el, ok := c.byKey[key]
+	if !ok || len(el.Value.(*embdEntry).embd) != n {
+		return nil
+	}
+	c.order.MoveToFront(el)
+	return el.Value.(*embdEntry).embd
+}
+
+func (c *embdCache) put(key uint64, embd []float32) {
+	size := 4 * len(embd)
+	if size > c.max {
+		return
+	}
+	if c.byKey == nil {
+		c.byKey = map[uint64]*list.Element{}
+	}
+	if el, ok := c.byKey[key]; ok {
+		c.used -= 4 * len(el.Value.(*embdEntry).embd)
+		c.order.Remove(el)
+	}
+	for c.used+size > c.max {
+		old := c.order.Back().Value.(*embdEntry)
+		c.order.Remove(c.order.Back())
+		delete(c.byKey, old.key)
+		c.used -= 4 * len(old.embd)
+	}
+	c.byKey[key] = c.order.PushFront(&embdEntry{key, embd})
+	c.used += size
 }
 
 var _ engine.Projector = (*Projector)(nil)
@@ -99,7 +149,7 @@ var _ engine.Projector = (*Projector)(nil)
 // be computed in one pass and never taken from the cache in part) and those
 // that place them with several position components (Qwen2-VL's M-RoPE, where
 // a token's position is not its index in the sequence).
-func (e *Engine) openProjector(path string, threads int, gpu bool) error {
+func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) error {
 	C.shoal_mtmd_install_log()
 	var id [8]byte
 	_, _ = rand.Read(id[:])
@@ -132,7 +182,8 @@ func (e *Engine) openProjector(path string, threads int, gpu bool) error {
 		C.mtmd_free(ctx)
 		return fmt.Errorf("load projector %s: it places image tokens by M-RoPE (Qwen2-VL's and its successors'), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
 	}
-	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)), vocab: e.vocab}
+	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)), vocab: e.vocab,
+		cache: embdCache{max: cacheBytes}}
 	e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
 	return nil
 }
@@ -145,6 +196,37 @@ func (p *Projector) Marker() string { return p.marker }
 
 // Prompt implements engine.Projector.
 func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Image, limit int, addSpecial, parseSpecial bool) ([]engine.Token, []engine.Media, error) {
+	var toks []engine.Token
+	var media []engine.Media
+	err := p.tokenize(text, images, addSpecial, parseSpecial, func(chunks *C.mtmd_input_chunks) error {
+		var err error
+		toks, media, err = p.layOut(ctx, chunks, limit)
+		return err
+	})
+	return toks, media, err
+}
+
+// Count implements engine.Projector.
+func (p *Projector) Count(text string, images []engine.Image, addSpecial, parseSpecial bool) (int, error) {
+	total := 0
+	err := p.tokenize(text, images, addSpecial, parseSpecial, func(chunks *C.mtmd_input_chunks) error {
+		total = countTokens(chunks)
+		return nil
+	})
+	return total, err
+}
+
+func countTokens(chunks *C.mtmd_input_chunks) int {
+	total := 0
+	for i := range int(C.mtmd_input_chunks_size(chunks)) {
+		total += int(C.mtmd_input_chunk_get_n_tokens(C.mtmd_input_chunks_get(chunks, C.size_t(i))))
+	}
+	return total
+}
+
+// tokenize splits text and images into mtmd's chunks and calls fn with them,
+// holding the projector.
+func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, parseSpecial bool, fn func(*C.mtmd_input_chunks) error) error {
 	bitmaps := make([]*C.mtmd_bitmap, 0, len(images))
 	defer func() {
 		for _, b := range bitmaps {
@@ -153,7 +235,7 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 	}()
 	for i, im := range images {
 		if im.Width < 1 || im.Height < 1 || im.Width*im.Height > engine.MaxImagePixels || len(im.RGB) != 3*im.Width*im.Height {
-			return nil, nil, fmt.Errorf("image %d: %d×%d pixels with %d bytes: want 1 to %d pixels of 3 bytes: %w",
+			return fmt.Errorf("image %d: %d×%d pixels with %d bytes: want 1 to %d pixels of 3 bytes: %w",
 				i, im.Width, im.Height, len(im.RGB), engine.MaxImagePixels, engine.ErrInvalidInput)
 		}
 		h := sha256.New()
@@ -172,7 +254,7 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.ctx == nil {
-		return nil, nil, engine.ErrClosed
+		return engine.ErrClosed
 	}
 	chunks := C.mtmd_input_chunks_init()
 	defer C.mtmd_input_chunks_free(chunks)
@@ -186,15 +268,18 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 	switch rc := C.mtmd_tokenize(p.ctx, chunks, &in, bp, C.size_t(len(bitmaps))); rc {
 	case 0:
 	case 1:
-		return nil, nil, fmt.Errorf("tokenize: %d images for a prompt with another number of places for them: %w", len(images), engine.ErrInvalidInput)
+		return fmt.Errorf("tokenize: %d images for a prompt with another number of places for them: %w", len(images), engine.ErrInvalidInput)
 	default:
-		return nil, nil, fmt.Errorf("tokenize: llama.cpp could not prepare the images (status %d): %s: %w", int(rc), lastLlamaError(), engine.ErrInvalidInput)
+		return fmt.Errorf("tokenize: llama.cpp could not prepare the images (status %d): %s: %w", int(rc), lastLlamaError(), engine.ErrInvalidInput)
 	}
+	return fn(chunks)
+}
+
+// layOut encodes the image chunks (or takes them from the cache) and returns
+// the prompt and its media, refusing one of limit tokens or more.
+func (p *Projector) layOut(ctx context.Context, chunks *C.mtmd_input_chunks, limit int) ([]engine.Token, []engine.Media, error) {
 	n := int(C.mtmd_input_chunks_size(chunks))
-	total := 0
-	for i := range n {
-		total += int(C.mtmd_input_chunk_get_n_tokens(C.mtmd_input_chunks_get(chunks, C.size_t(i))))
-	}
+	total := countTokens(chunks)
 	if limit > 0 && total >= limit {
 		return nil, nil, &engine.PromptTooLongError{Tokens: total, Limit: limit}
 	}
@@ -228,12 +313,15 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 		if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
 			return nil, nil, fmt.Errorf("image %d: %d tokens over %d positions: %w", k, nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
 		}
-		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
-			return nil, nil, fmt.Errorf("encode image %d: llama.cpp failed: %s", k, lastLlamaError())
+		m := engine.Media{Pos: len(toks), Len: nt, Embd: p.cache.get(h, nt*p.width)}
+		if m.Embd == nil {
+			if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
+				return nil, nil, fmt.Errorf("encode image %d: llama.cpp failed: %s", k, lastLlamaError())
+			}
+			out := C.mtmd_get_output_embd(p.ctx)
+			m.Embd = append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), nt*p.width)...)
+			p.cache.put(h, m.Embd)
 		}
-		out := C.mtmd_get_output_embd(p.ctx)
-		m := engine.Media{Pos: len(toks), Len: nt,
-			Embd: append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), nt*p.width)...)}
 		for j := range nt {
 			toks = append(toks, engine.Placeholder(h, j))
 		}

@@ -20,7 +20,7 @@ func openVision(t *testing.T) *Engine {
 	t.Helper()
 	spec := models.Small()
 	proj := filepath.Join(t.TempDir(), "mmproj.gguf")
-	if err := models.GenerateProjector(proj, spec); err != nil {
+	if err := models.GenerateProjector(proj, spec, 0); err != nil {
 		t.Fatal(err)
 	}
 	return openTest(t, spec, func(c *Config) { c.Projector = proj })
@@ -102,6 +102,9 @@ func TestImages(t *testing.T) {
 		t.Fatal(err)
 	}
 	side := models.ProjectorImageSize / models.ProjectorPatchSize
+	if n, err := p.Count(text, []engine.Image{red}, true, false); err != nil || n != len(toks) {
+		t.Errorf("Count: %d (%v), Prompt made %d tokens", n, err, len(toks))
+	}
 	if len(media) != 1 || media[0].Len != side*side || len(media[0].Embd) != media[0].Len*e.Info().EmbeddingSize {
 		t.Fatalf("media %+v: want one image of %d rows of %d", media, side*side, e.Info().EmbeddingSize)
 	}
@@ -115,7 +118,10 @@ func TestImages(t *testing.T) {
 			t.Fatalf("token %d at %d: placeholders are the image's rows only", tk, i)
 		}
 	}
-	again, _, _ := p.Prompt(ctx, text, []engine.Image{red}, 0, true, false)
+	again, againMedia, _ := p.Prompt(ctx, text, []engine.Image{red}, 0, true, false)
+	if &againMedia[0].Embd[0] != &m.Embd[0] {
+		t.Error("the same picture again was encoded again, not taken from the projector's cache")
+	}
 	other, otherMedia, err := p.Prompt(ctx, text, []engine.Image{blue}, 0, true, false)
 	if err != nil {
 		t.Fatal(err)
@@ -320,5 +326,30 @@ func TestSchedulerImages(t *testing.T) {
 	bad.Prompt = bad.Prompt[:m.Pos+m.Len]
 	if _, err := s2.Submit(ctx, bad); err == nil {
 		t.Error("an image at the prompt's end: want an error")
+	}
+}
+
+// TestEmbdCache: the projector's cache keeps what fits, the most recently
+// used first, and hands back only embeddings of the size asked for.
+func TestEmbdCache(t *testing.T) {
+	c := embdCache{max: 4 * 10}
+	c.put(1, make([]float32, 4))
+	c.put(2, make([]float32, 4))
+	if c.get(1, 4) == nil || c.get(1, 5) != nil {
+		t.Fatal("get")
+	}
+	c.put(3, make([]float32, 4)) // over: 2, the least recently used, goes
+	if c.get(2, 4) != nil || c.get(1, 4) == nil || c.get(3, 4) == nil || c.used != 32 {
+		t.Fatalf("after eviction: used %d", c.used)
+	}
+	c.put(4, make([]float32, 11)) // larger than the whole cache: not kept
+	c.put(3, make([]float32, 2))  // replaced
+	if c.get(4, 11) != nil || c.get(3, 2) == nil || c.used != 24 || c.order.Len() != 2 {
+		t.Fatalf("used %d, %d entries", c.used, c.order.Len())
+	}
+	var off embdCache // 0 bytes: keeps nothing
+	off.put(1, make([]float32, 1))
+	if off.get(1, 1) != nil {
+		t.Fatal("a cache of 0 bytes kept an entry")
 	}
 }

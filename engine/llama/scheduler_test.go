@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/models"
@@ -42,6 +43,7 @@ type genResult struct {
 	cached int
 	err    error
 	finish scheduler.FinishReason
+	first  time.Time // when the first token came
 }
 
 func generate(ctx context.Context, s *scheduler.Scheduler, r *scheduler.Request) genResult {
@@ -57,6 +59,9 @@ func generate(ctx context.Context, s *scheduler.Scheduler, r *scheduler.Request)
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
+			if g.first.IsZero() {
+				g.first = time.Now()
+			}
 			g.tokens = append(g.tokens, ev.Token)
 			g.text += ev.Text
 		case scheduler.EventFinish:

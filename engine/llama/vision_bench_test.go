@@ -1,0 +1,89 @@
+package llama
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/models"
+	"github.com/shoal-ai/shoal/scheduler"
+)
+
+// BenchmarkSchedulerImages: chats about pictures, a user asking follow-up
+// questions about one image turn after turn, several users at once: the 100M
+// model with a projector that makes an image LLaVA 1.5's 576 tokens. With
+// the prefix cache a turn computes only what follows the last turn's cached
+// blocks; without it, the image and the whole history again. (The
+// projector's encoder is tiny: its own cost is not what is measured.)
+func BenchmarkSchedulerImages(b *testing.B) {
+	const users, turns, answer = 4, 4, 16
+	spec := models.Bench100M()
+	path := genModel(b, spec)
+	proj := filepath.Join(b.TempDir(), "mmproj-576.gguf")
+	if err := models.GenerateProjector(proj, spec, 192); err != nil {
+		b.Fatal(err)
+	}
+	e := openFile(b, path, func(c *Config) {
+		c.Projector, c.ContextCells, c.MaxSeqs, c.BatchTokens = proj, 8192, 16, 2048
+	})
+	p := e.Projector()
+	ctx := context.Background()
+	pics := make([]engine.Image, users)
+	for u := range pics {
+		pics[u] = picture(320+u, 240, [3]byte{byte(60 * u), 90, 200}, [3]byte{255, 255, 0})
+	}
+	for _, caching := range []bool{false, true} {
+		b.Run(fmt.Sprintf("model=100m/image=576/caching=%v", caching), func(b *testing.B) {
+			var ttft []time.Duration // of the turns after the first
+			var wall time.Duration
+			var cached, prompt int
+			var mu sync.Mutex
+			for b.Loop() {
+				if err := e.ClearMemory(); err != nil {
+					b.Fatal(err)
+				}
+				s := startSched(b, e, func(c *scheduler.Config) {
+					c.MaxRunning, c.MaxBatchTokens, c.KV.Caching = users, 512, caching
+				})
+				start := time.Now()
+				var wg sync.WaitGroup
+				for u := range users {
+					wg.Go(func() {
+						history := "USER: " + p.Marker() + "\nWhat is in this picture? ASSISTANT:"
+						for turn := range turns {
+							toks, media, err := p.Prompt(ctx, history, pics[u:u+1], 0, true, false)
+							if err != nil {
+								b.Error(err)
+								return
+							}
+							asked := time.Now()
+							g := generate(ctx, s, &scheduler.Request{Prompt: toks, Media: media, MaxTokens: answer, IgnoreEOS: true})
+							if g.err != nil {
+								b.Error(g.err)
+								return
+							}
+							mu.Lock()
+							if turn > 0 {
+								ttft = append(ttft, g.first.Sub(asked))
+							}
+							cached, prompt = cached+g.cached, prompt+len(toks)
+							mu.Unlock()
+							history += g.text + fmt.Sprintf("\nUSER: And what about part %d of it? ASSISTANT:", turn)
+						}
+					})
+				}
+				wg.Wait()
+				wall += time.Since(start)
+			}
+			slices.Sort(ttft)
+			b.ReportMetric(wall.Seconds()/float64(b.N), "s/run")
+			b.ReportMetric(float64(ttft[len(ttft)/2].Milliseconds()), "ms-follow-up-ttft-p50")
+			b.ReportMetric(float64(cached)/float64(prompt), "cached/prompt")
+		})
+	}
+}
