@@ -672,6 +672,9 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool)
 			return
 		}
 	}
+	if p.images != nil {
+		c.Set(taskKey, cluster.TaskVision) // to a node that reads images
+	}
 	if !forwarded {
 		// A scored prompt reads nothing from the cache: placed by load alone.
 		answered, done := s.route(c, p.model, p.prompts[0], p.req.Priority, p.req.PromptLogprobs)

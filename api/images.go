@@ -15,7 +15,9 @@ import (
 	"regexp"
 	"strings"
 
+	"github.com/gin-gonic/gin"
 	_ "golang.org/x/image/bmp"
+	xdraw "golang.org/x/image/draw"
 	_ "golang.org/x/image/webp"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -89,9 +91,16 @@ func decodeBase64(s string) ([]byte, error) {
 	return base64.RawStdEncoding.DecodeString(s)
 }
 
+// maxImageSide bounds the sides of a decoded image: a larger one is scaled
+// down at once (a projector scales every image to its own input size, 1540
+// pixels at most for those llama.cpp has), so a request's decoded images
+// take at most maxImages × 12 MiB.
+const maxImageSide = 2048
+
 // decodeImage decodes an image's bytes (PNG, JPEG, GIF, WebP or BMP; a GIF's
 // first frame) into RGB pixels, refusing one larger than
-// engine.MaxImagePixels before decoding it.
+// engine.MaxImagePixels before decoding it, scaling a side over maxImageSide
+// down, and putting transparent pixels on white, as Ollama does.
 func decodeImage(data []byte) (engine.Image, error) {
 	cfg, format, err := image.DecodeConfig(bytes.NewReader(data))
 	if err != nil {
@@ -105,46 +114,57 @@ func decodeImage(data []byte) (engine.Image, error) {
 		return engine.Image{}, fmt.Errorf("a %s that does not decode: %w", format, err)
 	}
 	r := im.Bounds()
-	// Drawn as RGBA (draw's fast paths: JPEG's YCbCr, PNG's RGBA and gray,
-	// GIF's palette), then without alpha: a transparent pixel is as over black.
-	rgba := image.NewRGBA(image.Rect(0, 0, r.Dx(), r.Dy()))
-	draw.Draw(rgba, rgba.Bounds(), im, r.Min, draw.Src)
-	out := engine.Image{Width: r.Dx(), Height: r.Dy(), RGB: make([]byte, 3*r.Dx()*r.Dy())}
-	for i := range r.Dx() * r.Dy() {
+	w, h := r.Dx(), r.Dy()
+	if long := max(w, h); long > maxImageSide {
+		w, h = max(1, w*maxImageSide/long), max(1, h*maxImageSide/long)
+	}
+	rgba := image.NewRGBA(image.Rect(0, 0, w, h))
+	op := draw.Src
+	if o, ok := im.(interface{ Opaque() bool }); !ok || !o.Opaque() {
+		draw.Draw(rgba, rgba.Bounds(), image.White, image.Point{}, draw.Src)
+		op = draw.Over
+	}
+	if w != r.Dx() || h != r.Dy() {
+		xdraw.ApproxBiLinear.Scale(rgba, rgba.Bounds(), im, r, xdraw.Op(op), nil)
+	} else {
+		draw.Draw(rgba, rgba.Bounds(), im, r.Min, op)
+	}
+	out := engine.Image{Width: w, Height: h, RGB: make([]byte, 3*w*h)}
+	for i := range w * h {
 		copy(out.RGB[3*i:3*i+3], rgba.Pix[4*i:4*i+3])
 	}
 	return out, nil
 }
 
-// imagePlan is a prompt with images: its text, with the projector's marker
-// where each image stands, and the images' bytes in order.
+// imagePlan is a prompt with images: its text, with imageSlot where each
+// image stands, and the images' bytes in order.
 type imagePlan struct {
 	text string
 	data [][]byte
 }
 
+// imageSlot stands for an image in an imagePlan's text until the projector's
+// marker replaces it.
+var imageSlot = "<__image_" + imageNonce + "__>"
+
 // chatTokens tokenizes a rendered chat prompt. One with images becomes
 // p.images, computed where the request runs (imagePrompt: a node that
-// forwards it decodes no image); its tokens here are those of the text
-// around the images, which route it.
+// forwards it to a node reading images decodes none); its tokens here are
+// those of the text around the images, which route it.
 func chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
 	if !hasImages(text) {
 		return b.Vocab.Tokenize(text, true, true)
 	}
 	param := p.param("messages")
-	switch {
-	case b.Projector == nil:
-		return nil, errNoProjector(param)
-	case p.req.PromptLogprobs:
+	if p.req.PromptLogprobs {
 		return nil, invalid("prompt_logprobs", "a prompt with images is not scored (prompt_logprobs)")
 	}
-	marker := b.Projector.Marker()
-	text, data := takeImages(text, marker)
+	text, data := takeImages(text, imageSlot)
 	if len(data) > maxImages {
 		return nil, invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
 	}
 	p.images = &imagePlan{text: text, data: data}
-	return b.Vocab.Tokenize(strings.ReplaceAll(text, marker, ""), true, true)
+	return b.Vocab.Tokenize(strings.ReplaceAll(text, imageSlot, ""), true, true)
 }
 
 // maxImages bounds a request's images.
@@ -152,40 +172,68 @@ const maxImages = 64
 
 // countWithImages is how many tokens a rendered chat prompt with images
 // makes on b: its images are decoded and laid out, not encoded.
-func countWithImages(b *Backend, text string) (int, error) {
+func countWithImages(ctx context.Context, b *Backend, text string) (int, error) {
+	text, data := takeImages(text, imageSlot)
+	return countImagePlan(ctx, b, &imagePlan{text, data}, "messages")
+}
+
+func countImagePlan(ctx context.Context, b *Backend, ip *imagePlan, param string) (int, error) {
 	if b.Projector == nil {
-		return 0, errNoProjector("messages")
+		return 0, errNoProjector(param)
 	}
-	text, data := takeImages(text, b.Projector.Marker())
-	images, err := decodeImages(data, "messages")
+	n := 0
+	err := withImages(ctx, b, ip.data, param, func(images []engine.Image) error {
+		var err error
+		n, err = b.Projector.Count(strings.ReplaceAll(ip.text, imageSlot, b.Projector.Marker()), images, true, true)
+		if err != nil {
+			return fmt.Errorf("lay out images: %w", err)
+		}
+		return nil
+	})
+	return n, err
+}
+
+// imageTokens is how many tokens p's prompt with images makes; ok is false
+// when it answered c with an error.
+func (s *Server) imageTokens(c *gin.Context, b *Backend, p *plan) (n int, ok bool) {
+	n, err := countImagePlan(c.Request.Context(), b, p.images, p.param("messages"))
 	if err != nil {
-		return 0, err
+		abort(c, err)
+		return 0, false
 	}
-	n, err := b.Projector.Count(text, images, true, true)
-	if err != nil {
-		return 0, fmt.Errorf("lay out images: %w", err)
-	}
-	return n, nil
+	return n, true
 }
 
 func errNoProjector(param string) error {
 	return invalid(param, "this model reads no images: the node serves it without a multimodal projector (shoal serve --mmproj)")
 }
 
-// decodeImages decodes a request's images, in order.
-func decodeImages(data [][]byte, param string) ([]engine.Image, error) {
+// maxDecoding bounds the requests of a backend that hold decoded images at
+// once (decoded and laid out, or being encoded): each may hold maxImages
+// images of up to maxImageSide² pixels.
+const maxDecoding = 2
+
+// withImages decodes a request's images, in order, and calls fn with them,
+// holding one of b's slots for decoded images; it waits for one, or for ctx.
+func withImages(ctx context.Context, b *Backend, data [][]byte, param string, fn func([]engine.Image) error) error {
 	if len(data) > maxImages {
-		return nil, invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
+		return invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
+	}
+	select {
+	case b.imageSlots <- struct{}{}:
+		defer func() { <-b.imageSlots }()
+	case <-ctx.Done():
+		return fmt.Errorf("wait to decode images: %w", ctx.Err())
 	}
 	images := make([]engine.Image, len(data))
 	for i, d := range data {
 		im, err := decodeImage(d)
 		if err != nil {
-			return nil, invalid(param, "image %d: %v", i, err)
+			return invalid(param, "image %d: %v", i, err)
 		}
 		images[i] = im
 	}
-	return images, nil
+	return fn(images)
 }
 
 // imagePrompt decodes p's images and lays out its prompt with them (their
@@ -193,14 +241,17 @@ func decodeImages(data [][]byte, param string) ([]engine.Image, error) {
 // *engine.PromptTooLongError of a prompt of maxCtx tokens or more before
 // computing any.
 func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx int) error {
-	images, err := decodeImages(p.images.data, p.param("messages"))
-	if err != nil {
-		return err
+	param := p.param("messages")
+	if b.Projector == nil {
+		return errNoProjector(param)
 	}
-	toks, media, err := b.Projector.Prompt(ctx, p.images.text, images, maxCtx, true, true)
-	if err != nil {
-		return fmt.Errorf("lay out images: %w", err)
-	}
-	p.prompts[0], p.req.Media = toks, media
-	return nil
+	return withImages(ctx, b, p.images.data, param, func(images []engine.Image) error {
+		text := strings.ReplaceAll(p.images.text, imageSlot, b.Projector.Marker())
+		toks, media, err := b.Projector.Prompt(ctx, text, images, maxCtx, true, true)
+		if err != nil {
+			return fmt.Errorf("lay out images: %w", err)
+		}
+		p.prompts[0], p.req.Media = toks, media
+		return nil
+	})
 }

@@ -153,6 +153,8 @@ func TestImageParts(t *testing.T) {
 		{"/api/generate", `{"stream":false,"options":{"num_predict":1},"prompt":"what","images":["` + b64 + `"]}`, "<@img@>what"},
 		{"/v1/messages", `{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":"` + b64 + `"}},{"type":"text","text":"what"}]}]}`, "<@img@>\nwhat"},
 		{"/v1/responses", `{"max_output_tokens":1,"input":[{"role":"user","content":[{"type":"input_text","text":"what"},{"type":"input_image","image_url":"data:image/png;base64,` + b64 + `"}]}]}`, "what\n<@img@>"},
+		// A screenshot a tool returned.
+		{"/v1/messages", `{"max_tokens":1,"messages":[{"role":"user","content":"look"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"shot","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":[{"type":"text","text":"taken"},{"type":"image","source":{"type":"base64","data":"` + b64 + `"}}]}]}]}`, `taken\n<@img@>`}, // in the tool turn's JSON
 	} {
 		if w := s.do(t, "POST", c.path, c.body); w.Code != 200 || !strings.Contains(p.text, c.want) {
 			t.Errorf("%s: %d %s; projector got %q, want it to hold %q", c.path, w.Code, w.Body, p.text, c.want)
@@ -201,6 +203,15 @@ func TestDecodeImage(t *testing.T) {
 		if d := int(im.RGB[1]) - int(c.G); format == "png" && d != 0 || d < -8 || d > 8 { // JPEG's and GIF's are near
 			t.Errorf("%s: green %d, want %d", format, im.RGB[1], c.G)
 		}
+	}
+	// A long picture is scaled down to maxImageSide; a transparent pixel is on white.
+	if im, err := decodeImage(encodeImage(t, 3000, 30, c, "png")); err != nil || im.Width != maxImageSide || im.Height != 20 || im.RGB[1] != c.G {
+		t.Errorf("3000×30: %v %d×%d", err, im.Width, im.Height)
+	}
+	var clear bytes.Buffer
+	png.Encode(&clear, image.NewNRGBA(image.Rect(0, 0, 2, 2)))
+	if im, err := decodeImage(clear.Bytes()); err != nil || im.RGB[0] != 255 || im.RGB[11] != 255 {
+		t.Errorf("transparent: %v %v, want white", err, im.RGB)
 	}
 	// A PNG header that claims 10⁵×10⁵ pixels.
 	var hdr bytes.Buffer

@@ -304,16 +304,36 @@ func joinUserTurns(msgs []Message) []Message {
 	return out
 }
 
-// blockText joins text blocks (a system prompt, a tool result).
+// blockText joins text blocks (a system prompt, a tool result) and images.
 func blockText(blocks AnthropicContent, where string) (string, error) {
 	var parts []string
 	for _, b := range blocks {
-		if b.Type != "text" {
-			return "", invalid("messages", "%s: only text blocks are supported here, got %q", where, b.Type)
+		switch b.Type {
+		case "text":
+			parts = append(parts, b.Text)
+		case "image":
+			m, err := b.image(where)
+			if err != nil {
+				return "", err
+			}
+			parts = append(parts, m)
+		default:
+			return "", invalid("messages", "%s: text and image blocks are read here, got %q", where, b.Type)
 		}
-		parts = append(parts, b.Text)
 	}
 	return strings.Join(parts, "\n"), nil
+}
+
+// image is an image block's marker.
+func (b *ContentBlock) image(where string) (string, error) {
+	if b.Source == nil || b.Source.Type != "base64" {
+		return "", invalid("messages", "%s: an image block's source must be {\"type\": \"base64\", \"media_type\": ..., \"data\": ...}: a node fetches no URL", where)
+	}
+	data, err := decodeBase64(b.Source.Data)
+	if err != nil {
+		return "", invalid("messages", "%s: image: %v", where, err)
+	}
+	return imageMarker(data), nil
 }
 
 // userTurn appends a user turn's blocks: runs of text as user messages, tool
@@ -331,14 +351,11 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 		case "text":
 			text = append(text, b.Text)
 		case "image":
-			if b.Source == nil || b.Source.Type != "base64" {
-				return nil, invalid("messages", "%s: an image block's source must be {\"type\": \"base64\", \"media_type\": ..., \"data\": ...}: a node fetches no URL", where)
-			}
-			data, err := decodeBase64(b.Source.Data)
+			m, err := b.image(where)
 			if err != nil {
-				return nil, invalid("messages", "%s: image: %v", where, err)
+				return nil, err
 			}
-			text = append(text, imageMarker(data))
+			text = append(text, m)
 		case "tool_result":
 			if b.ToolUseID == "" {
 				return nil, invalid("messages", "%s: a tool_result needs its tool_use_id", where)
@@ -516,7 +533,7 @@ func (s *Server) countTokens(c *gin.Context) {
 	}
 	n := 0
 	if err == nil {
-		n, err = chatPromptTokens(b, chat)
+		n, err = chatPromptTokens(c.Request.Context(), b, chat)
 	}
 	if err != nil {
 		abort(c, err)
@@ -527,7 +544,7 @@ func (s *Server) countTokens(c *gin.Context) {
 
 // chatPromptTokens counts the tokens of the prompt chatPlan would lay out for
 // chat, without planning the rest of it (grammars, sampling).
-func chatPromptTokens(b *Backend, chat *ChatRequest) (int, error) {
+func chatPromptTokens(ctx context.Context, b *Backend, chat *ChatRequest) (int, error) {
 	tp, err := toolsOf(&chat.ToolFields, &chat.SamplingFields)
 	if err != nil {
 		return 0, err
@@ -541,7 +558,7 @@ func chatPromptTokens(b *Backend, chat *ChatRequest) (int, error) {
 		return 0, err
 	}
 	if hasImages(text) {
-		return countWithImages(b, text)
+		return countWithImages(ctx, b, text)
 	}
 	toks, err := b.Vocab.Tokenize(text, true, true)
 	return len(toks), err

@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"cmp"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -192,7 +193,8 @@ type ollamaPlan struct {
 	generate bool      // /api/generate's shape (response, thinking, context); else /api/chat's
 	start    time.Time // when the request came, for total_duration
 	// context is the prompt's tokens, which with the output's make a
-	// generate answer's context.
+	// generate answer's context; none for a prompt with images, whose
+	// tokens are no vocabulary's (a follow-up sends the image again).
 	context []engine.Token
 }
 
@@ -342,8 +344,16 @@ func (s *Server) ollamaChat(c *gin.Context) {
 	if !ok {
 		return
 	}
-	if limit := fitLimit(b, &req); (req.Truncate == nil || *req.Truncate) && len(p.prompts[0]) > limit {
-		if fitted := s.ollamaFit(b, &req, len(p.prompts[0]), limit); len(fitted) < len(req.Messages) {
+	n := len(p.prompts[0])
+	if p.images != nil && b.Projector != nil {
+		// Its images' tokens too (a node without a projector forwards it to
+		// one, which fits it).
+		if n, ok = s.imageTokens(c, b, p); !ok {
+			return
+		}
+	}
+	if limit := fitLimit(b, &req); (req.Truncate == nil || *req.Truncate) && n > limit {
+		if fitted := s.ollamaFit(c.Request.Context(), b, &req, n, limit); len(fitted) < len(req.Messages) {
 			req.Messages = fitted
 			if p, ok = s.translatedPlan(c, b, translate, ollamaParams); !ok {
 				return
@@ -378,7 +388,7 @@ func fitLimit(b *Backend, req *OllamaChatRequest) int {
 // bisection. Failing that, the last message alone is kept when it fits the
 // context. A chat that fits no way, or is over fitSearchMax contexts long, is
 // left whole: refused if it passes the context, else run with less room.
-func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest, n, limit int) []OllamaMessage {
+func (s *Server) ollamaFit(ctx context.Context, b *Backend, req *OllamaChatRequest, n, limit int) []OllamaMessage {
 	msgs := req.Messages
 	maxCtx := b.Generator.MaxContext()
 	if n > fitSearchMax*maxCtx {
@@ -407,7 +417,7 @@ func (s *Server) ollamaFit(b *Backend, req *OllamaChatRequest, n, limit int) []O
 		chat, err := r.chatRequest(b)
 		n := 0
 		if err == nil {
-			n, err = chatPromptTokens(b, chat)
+			n, err = chatPromptTokens(ctx, b, chat)
 		}
 		if err != nil {
 			return -1
@@ -668,7 +678,7 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		logprobs = nil
 		if o.generate {
 			r := OllamaGenerateResponse{Model: p.model, CreatedAt: created(), Response: text, Thinking: thinking, Done: done, DoneReason: reason, ollamaStats: stats, Logprobs: lp}
-			if done {
+			if done && p.images == nil {
 				for _, t := range append(o.context[:len(o.context):len(o.context)], output...) {
 					r.Context = append(r.Context, int(t))
 				}

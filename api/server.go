@@ -139,6 +139,8 @@ type Backend struct {
 	Projector engine.Projector
 
 	chat  *chatTemplate // Template compiled by SetBackend; nil when not used
+	// imageSlots bounds the requests holding decoded images (withImages).
+	imageSlots chan struct{}
 	think *thinkTags    // the tags of its thoughts, when its template writes them: it reasons first
 }
 
@@ -310,6 +312,7 @@ func (s *Server) Handler() http.Handler { return s.engine }
 // It compiles b's chat template first.
 func (s *Server) SetBackend(b *Backend) {
 	s.compileTemplate(b)
+	b.imageSlots = make(chan struct{}, maxDecoding)
 	s.backend.Store(b)
 }
 

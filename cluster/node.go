@@ -851,6 +851,7 @@ type Member struct {
 	Device        string   `json:"device,omitempty"`
 	MaxModelLen   int      `json:"max_model_len,omitempty"`
 	Task          string   `json:"task,omitempty"` // Meta.Task: embed or rerank; omitted: generate
+	Vision        bool     `json:"vision,omitempty"` // Meta.Vision: reads images
 }
 
 // ChecksKeys reports whether member name is alive and requires API keys of
@@ -879,7 +880,7 @@ func (n *Node) Members() []Member {
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
 			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: p.summary.len(), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device,
-			MaxModelLen: p.meta.MaxModelLen, Task: p.meta.Task})
+			MaxModelLen: p.meta.MaxModelLen, Task: p.meta.Task, Vision: p.meta.Vision})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {

@@ -103,7 +103,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
 		for _, p := range n.peers {
 			self := p.name == n.cfg.Name
-			if !p.metaOK || !slices.Contains(p.meta.Models, model) || task != TaskAny && p.meta.Task != task {
+			if !p.metaOK || !slices.Contains(p.meta.Models, model) || !p.meta.does(task) {
 				continue
 			}
 			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) || !self && p.state != "alive" {

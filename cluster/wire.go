@@ -47,6 +47,9 @@ type Meta struct {
 	// both ways advertises one id twice: a request is routed to a node of its
 	// task.
 	Task string `json:"w,omitempty"`
+	// Vision: the node reads images with its generation model (a projector):
+	// requests with images go to such nodes (TaskVision).
+	Vision bool `json:"i,omitempty"`
 }
 
 // Tasks a node serves its models for (Meta.Task), and a request's (Route).
@@ -56,7 +59,21 @@ const (
 	TaskRerank   = "rerank"
 	// TaskAny is a request any node serving the model answers (tokenizing).
 	TaskAny = "any"
+	// TaskVision is a generation request with images, which nodes of
+	// TaskGenerate with Vision answer.
+	TaskVision = "vision"
 )
+
+// does reports whether a node of m computes a request of task.
+func (m Meta) does(task string) bool {
+	switch task {
+	case TaskAny:
+		return true
+	case TaskVision:
+		return m.Task == TaskGenerate && m.Vision
+	}
+	return m.Task == task
+}
 
 func encodeMeta(m Meta) ([]byte, error) {
 	b, err := json.Marshal(m)

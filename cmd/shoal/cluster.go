@@ -151,7 +151,7 @@ func (a schedulerState) Load() cluster.Load {
 
 func (a schedulerState) Summary() *kvcache.Summary { return a.s.Pool().Summary() }
 
-func startCluster(cf *clusterFlags, httpAddr, model, task, device string, sc scheduler.Config, sched *scheduler.Scheduler, serverTLS, simulated, keys bool, log *slog.Logger) (*cluster.Node, []byte, error) {
+func startCluster(cf *clusterFlags, httpAddr, model string, meta cluster.Meta, sc scheduler.Config, sched *scheduler.Scheduler, log *slog.Logger) (*cluster.Node, []byte, error) {
 	key, err := cf.gossipKey()
 	if err != nil {
 		return nil, nil, err
@@ -177,8 +177,8 @@ func startCluster(cf *clusterFlags, httpAddr, model, task, device string, sc sch
 	cc := cluster.DefaultConfig()
 	cc.Name, cc.Bind, cc.Advertise, cc.Join, cc.GossipKey, cc.Secret = cf.name, cf.gossip, cf.advertise, cf.join, key, secret
 	cc.Policy, cc.MaxQueueWait, cc.BlockTokens, cc.HashSeed = policy, cf.maxQueueWait, sc.KV.BlockTokens, sc.KV.Seed
-	cc.Meta = cluster.Meta{HTTP: adv, Models: append([]string{model}, sc.Adapters...), Capacity: sc.MaxRunning, TLS: serverTLS, Simulated: simulated, Device: device, Keys: keys,
-		MaxModelLen: sched.MaxContext(), Task: task}
+	cc.Meta = meta
+	cc.Meta.HTTP, cc.Meta.Models, cc.Meta.Capacity, cc.Meta.MaxModelLen = adv, append([]string{model}, sc.Adapters...), sc.MaxRunning, sched.MaxContext()
 	node, err := cluster.New(cc, schedulerState{s: sched, maxWaiting: sc.MaxWaiting}, log)
 	if err != nil {
 		return nil, nil, err
@@ -328,6 +328,8 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		models := strings.Join(m.Models, ",")
 		if m.Task != "" {
 			models += " (" + m.Task + ")" // served to embed or to rerank, not to generate
+		} else if m.Vision {
+			models += " (vision)"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%dms ago\n", name, m.Addr, state, models, cmp.Or(m.Device, "-"), load, m.UpdatedAgoMS)
 	}

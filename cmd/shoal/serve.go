@@ -397,6 +397,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
 	ac.AllowedOrigins = f.allowedOrigins
+	if f.mmproj != "" && !setFlags["max-body-bytes"] && os.Getenv("SHOAL_MAX_BODY_BYTES") == "" {
+		// Requests carry pictures in base64: a phone's photo is 4-7 MB.
+		ac.MaxBodyBytes = max(ac.MaxBodyBytes, visionBodyBytes)
+	}
 	ac.PriorityScheduling = f.schedulingPolicy == "priority"
 	ac.ReasoningFormat = f.reasoningFormat
 	ac.Adapters = adapterIDs
@@ -538,7 +542,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, api.TaskOf(info), device, sc, sched, serverTLS != nil, f.sim != "", len(f.apiKeys) > 0, log)
+		meta := cluster.Meta{Task: api.TaskOf(info), Vision: f.mmproj != "", Device: device, TLS: serverTLS != nil, Simulated: f.sim != "", Keys: len(f.apiKeys) > 0}
+		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, meta, sc, sched, log)
 		if err != nil {
 			stopSched()
 			<-schedDone
@@ -610,6 +615,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	log.Info("stopped")
 	return nil
 }
+
+// visionBodyBytes is the largest request body by default on a node reading
+// images (--mmproj).
+const visionBodyBytes = 64 << 20
 
 // parseKVMemory reads --kv-memory: auto (-1), a fraction in (0,1], 0, or bytes with
 // an optional KiB/MiB/GiB/TiB (or KB/MB/GB/TB, as powers of 1000) suffix.

@@ -196,3 +196,52 @@ func TestVisionNode(t *testing.T) {
 		t.Errorf("no projector: %d %s", resp.StatusCode, out)
 	}
 }
+
+// TestVisionInCluster: of two nodes serving one model, one with a projector,
+// requests with images sent to either are computed by the one that reads
+// them; requests without images go to either; /cluster says which reads
+// images.
+func TestVisionInCluster(t *testing.T) {
+	proj := visionProjector(t)
+	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	eyes := startNode(t, "--model", smallModel(t), "--model-name", "v", "--mmproj", proj, "--node-name", "eyes", "--gossip-addr", g1, "--gossip-key", gk)
+	blind := startNode(t, "--model", smallModel(t), "--model-name", "v", "--node-name", "blind", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
+	waitFor(t, "blind sees eyes read images", func() bool {
+		for _, m := range clusterMembers(t, blind) {
+			if m.Name == "eyes" && m.Vision && m.State == "alive" {
+				return true
+			}
+		}
+		return false
+	})
+	pic := dataURL("png", testImage(t, 20, 20, color.RGBA{200, 10, 10, 255}, "png"))
+	body := fmt.Sprintf(`{"model":"v","max_tokens":4,"temperature":0,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":%q}},{"type":"text","text":"what is it"}]}]}`, pic)
+	_, direct := post(t, eyes.url+"/v1/chat/completions", body)
+	for i := range 4 {
+		resp, out := post(t, blind.url+"/v1/chat/completions", body)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "eyes" {
+			t.Fatalf("image request %d to blind: %d served by %q: %s", i, resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
+		}
+		var a, b struct {
+			Choices []struct{ Message struct{ Content string } }
+		}
+		if json.Unmarshal([]byte(out), &a) != nil || json.Unmarshal([]byte(direct), &b) != nil || len(a.Choices) != 1 || a.Choices[0] != b.Choices[0] {
+			t.Fatalf("forwarded %s, direct %s", out, direct)
+		}
+	}
+	// Text requests may go to either node: blind answers some itself.
+	self := 0
+	for i := range 8 {
+		resp, out := post(t, eyes.url+"/v1/chat/completions", fmt.Sprintf(`{"model":"v","max_tokens":2,"messages":[{"role":"user","content":"question %d, a different one each time"}]}`, i))
+		if resp.StatusCode != 200 {
+			t.Fatalf("text request: %d %s", resp.StatusCode, out)
+		}
+		if resp.Header.Get("X-Shoal-Served-By") == "blind" {
+			self++
+		}
+	}
+	if self == 0 {
+		t.Errorf("no text request of 8 went to the node without a projector")
+	}
+}

@@ -843,11 +843,14 @@ func (e *Engine) pass(ctx context.Context, b *engine.Batch, rows []int32, embd, 
 
 // decodeEmbedded decodes a batch with embedding rows. llama.cpp reads a pass
 // from tokens or from embeddings, not both, and keeps the logits of its last
-// pass only: each sequence's rows up to its last embedding row go first, in
-// batch order, one pass per run of rows of one kind; every other row (decode
-// rows, the text after an image, with the rows asking for logits) goes in one
-// last pass. Rows asking for output before their sequence's last embedding
-// row are refused.
+// pass only: each sequence's rows up to its last embedding row go first, as
+// runs of rows of one kind, in its order; a pass takes the next run of every
+// sequence whose next run is of the pass's kind, text and embedding passes
+// alternating (so a step admitting several prompts of text, image, text
+// takes three passes, not three per prompt). Every other row (decode rows,
+// the text after an image, the rows asking for logits) goes in one last
+// pass. Rows asking for output before their sequence's last embedding row
+// are refused.
 func (e *Engine) decodeEmbedded(ctx context.Context, b *engine.Batch) error {
 	last := map[engine.SeqID]int{}
 	for i := range b.Len() {
@@ -868,20 +871,48 @@ func (e *Engine) decodeEmbedded(ctx context.Context, b *engine.Batch) error {
 		e.rowMap[i] = int32(len(final))
 		final = append(final, int32(i))
 	}
-	for k := 0; k < len(early); {
-		kind, m := b.Embedded(int(early[k])), k
-		for m < len(early) && b.Embedded(int(early[m])) == kind {
-			m++
+	type run struct {
+		rows []int32
+		embd bool
+	}
+	var order []engine.SeqID
+	runs := map[engine.SeqID][]run{}
+	for _, i := range early {
+		s, embd := b.Seq[i], b.Embedded(int(i))
+		rs := runs[s]
+		if len(rs) == 0 {
+			order = append(order, s)
 		}
-		if err := e.pass(ctx, b, early[k:m], kind, false, k == 0); err != nil {
-			return err
+		if len(rs) == 0 || rs[len(rs)-1].embd != embd {
+			rs = append(rs, run{embd: embd})
 		}
-		k = m
+		rs[len(rs)-1].rows = append(rs[len(rs)-1].rows, i)
+		runs[s] = rs
+	}
+	next := map[engine.SeqID]int{}
+	first := true
+	for left := len(early); left > 0; {
+		for _, embd := range []bool{false, true} {
+			var rows []int32
+			for _, s := range order {
+				if k := next[s]; k < len(runs[s]) && runs[s][k].embd == embd {
+					rows = append(rows, runs[s][k].rows...)
+					next[s]++
+				}
+			}
+			if len(rows) == 0 {
+				continue
+			}
+			if err := e.pass(ctx, b, rows, embd, false, first); err != nil {
+				return err
+			}
+			first, left = false, left-len(rows)
+		}
 	}
 	if len(final) == 0 {
 		return nil
 	}
-	return e.pass(ctx, b, final, false, true, len(early) == 0)
+	return e.pass(ctx, b, final, false, true, first)
 }
 
 // undo removes what a failed decode may have written for the sequences of b, so that

@@ -75,6 +75,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -198,9 +199,9 @@ func (p *Projector) Marker() string { return p.marker }
 func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Image, limit int, addSpecial, parseSpecial bool) ([]engine.Token, []engine.Media, error) {
 	var toks []engine.Token
 	var media []engine.Media
-	err := p.tokenize(text, images, addSpecial, parseSpecial, func(chunks *C.mtmd_input_chunks) error {
+	err := p.tokenize(text, images, addSpecial, parseSpecial, func(segs []segment) error {
 		var err error
-		toks, media, err = p.layOut(ctx, chunks, limit)
+		toks, media, err = p.layOut(ctx, segs, limit)
 		return err
 	})
 	return toks, media, err
@@ -209,30 +210,45 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 // Count implements engine.Projector.
 func (p *Projector) Count(text string, images []engine.Image, addSpecial, parseSpecial bool) (int, error) {
 	total := 0
-	err := p.tokenize(text, images, addSpecial, parseSpecial, func(chunks *C.mtmd_input_chunks) error {
-		total = countTokens(chunks)
+	err := p.tokenize(text, images, addSpecial, parseSpecial, func(segs []segment) error {
+		total = countTokens(segs)
 		return nil
 	})
 	return total, err
 }
 
-func countTokens(chunks *C.mtmd_input_chunks) int {
+// segment is a run of a prompt: text's tokens, or an image's chunks as mtmd
+// lays it out (with the text some projectors put around an image).
+type segment struct {
+	toks   []engine.Token
+	image  bool
+	chunks *C.mtmd_input_chunks // an image's
+}
+
+func countTokens(segs []segment) int {
 	total := 0
-	for i := range int(C.mtmd_input_chunks_size(chunks)) {
-		total += int(C.mtmd_input_chunk_get_n_tokens(C.mtmd_input_chunks_get(chunks, C.size_t(i))))
+	for _, sg := range segs {
+		total += len(sg.toks)
+		if sg.chunks != nil {
+			for i := range int(C.mtmd_input_chunks_size(sg.chunks)) {
+				total += int(C.mtmd_input_chunk_get_n_tokens(C.mtmd_input_chunks_get(sg.chunks, C.size_t(i))))
+			}
+		}
 	}
 	return total
 }
 
-// tokenize splits text and images into mtmd's chunks and calls fn with them,
-// holding the projector.
-func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, parseSpecial bool, fn func(*C.mtmd_input_chunks) error) error {
-	bitmaps := make([]*C.mtmd_bitmap, 0, len(images))
-	defer func() {
-		for _, b := range bitmaps {
-			C.mtmd_bitmap_free(b)
-		}
-	}()
+// tokenize splits text at the markers into segments and calls fn with them,
+// holding the projector. The text between markers is tokenized here, as
+// mtmd tokenizes it, and each image by mtmd alone: mtmd reads its own
+// deprecated marker ("<__image__>") in a text as an image's place, which a
+// client's text may hold.
+func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, parseSpecial bool, fn func([]segment) error) error {
+	pieces := strings.Split(text, p.marker)
+	if len(pieces) != len(images)+1 {
+		return fmt.Errorf("tokenize: %d images for a prompt with %d places for them: %w", len(images), len(pieces)-1, engine.ErrInvalidInput)
+	}
+	ids := make([]string, len(images))
 	for i, im := range images {
 		if im.Width < 1 || im.Height < 1 || im.Width*im.Height > engine.MaxImagePixels || len(im.RGB) != 3*im.Width*im.Height {
 			return fmt.Errorf("image %d: %d×%d pixels with %d bytes: want 1 to %d pixels of 3 bytes: %w",
@@ -241,93 +257,127 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 		h := sha256.New()
 		_ = binary.Write(h, binary.LittleEndian, [2]uint32{uint32(im.Width), uint32(im.Height)})
 		h.Write(im.RGB)
-		b := C.mtmd_bitmap_init(C.uint32_t(im.Width), C.uint32_t(im.Height), (*C.uchar)(unsafe.Pointer(&im.RGB[0])))
-		bitmaps = append(bitmaps, b)
-		id := C.CString(hex.EncodeToString(h.Sum(nil)[:8]))
-		C.mtmd_bitmap_set_id(b, id)
-		C.free(unsafe.Pointer(id))
+		ids[i] = hex.EncodeToString(h.Sum(nil)[:8])
 	}
-	ctext := C.CString(text)
-	defer C.free(unsafe.Pointer(ctext))
-	in := C.mtmd_input_text{text: ctext, add_special: C.bool(addSpecial), parse_special: C.bool(parseSpecial)}
+	segs := make([]segment, 0, 2*len(pieces))
+	for i, piece := range pieces {
+		if piece != "" || i == 0 && addSpecial {
+			toks, err := p.vocab.Tokenize(piece, addSpecial && i == 0, parseSpecial)
+			if err != nil {
+				return fmt.Errorf("tokenize: %w", err)
+			}
+			segs = append(segs, segment{toks: toks})
+		}
+		if i < len(images) {
+			segs = append(segs, segment{image: true})
+		}
+	}
+	cm := C.CString(p.marker)
+	defer C.free(unsafe.Pointer(cm))
+	in := C.mtmd_input_text{text: cm, add_special: false, parse_special: true}
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.ctx == nil {
 		return engine.ErrClosed
 	}
-	chunks := C.mtmd_input_chunks_init()
-	defer C.mtmd_input_chunks_free(chunks)
-	var bp **C.mtmd_bitmap
-	if len(bitmaps) > 0 {
-		bp = (**C.mtmd_bitmap)(C.malloc(C.size_t(len(bitmaps)) * C.size_t(unsafe.Sizeof(bitmaps[0]))))
-		defer C.free(unsafe.Pointer(bp))
-		copy(unsafe.Slice(bp, len(bitmaps)), bitmaps)
+	k := 0
+	for i := range segs {
+		if !segs[i].image {
+			continue
+		}
+		im := images[k]
+		b := C.mtmd_bitmap_init(C.uint32_t(im.Width), C.uint32_t(im.Height), (*C.uchar)(unsafe.Pointer(&im.RGB[0])))
+		id := C.CString(ids[k])
+		C.mtmd_bitmap_set_id(b, id)
+		C.free(unsafe.Pointer(id))
+		chunks := C.mtmd_input_chunks_init()
+		defer C.mtmd_input_chunks_free(chunks)
+		lastLlamaError()
+		rc := C.mtmd_tokenize(p.ctx, chunks, &in, &b, 1)
+		C.mtmd_bitmap_free(b)
+		if rc != 0 {
+			return fmt.Errorf("tokenize image %d: llama.cpp could not prepare it (status %d): %s: %w", k, int(rc), lastLlamaError(), engine.ErrInvalidInput)
+		}
+		segs[i].chunks = chunks
+		k++
 	}
-	lastLlamaError()
-	switch rc := C.mtmd_tokenize(p.ctx, chunks, &in, bp, C.size_t(len(bitmaps))); rc {
-	case 0:
-	case 1:
-		return fmt.Errorf("tokenize: %d images for a prompt with another number of places for them: %w", len(images), engine.ErrInvalidInput)
-	default:
-		return fmt.Errorf("tokenize: llama.cpp could not prepare the images (status %d): %s: %w", int(rc), lastLlamaError(), engine.ErrInvalidInput)
-	}
-	return fn(chunks)
+	return fn(segs)
 }
 
-// layOut encodes the image chunks (or takes them from the cache) and returns
-// the prompt and its media, refusing one of limit tokens or more.
-func (p *Projector) layOut(ctx context.Context, chunks *C.mtmd_input_chunks, limit int) ([]engine.Token, []engine.Media, error) {
-	n := int(C.mtmd_input_chunks_size(chunks))
-	total := countTokens(chunks)
+// layOut encodes the images (or takes them from the cache) and returns the
+// prompt and its media, refusing one of limit tokens or more.
+func (p *Projector) layOut(ctx context.Context, segs []segment, limit int) ([]engine.Token, []engine.Media, error) {
+	total := countTokens(segs)
 	if limit > 0 && total >= limit {
 		return nil, nil, &engine.PromptTooLongError{Tokens: total, Limit: limit}
 	}
 	toks := make([]engine.Token, 0, total)
 	var media []engine.Media
 	slices := map[string]int{}
-	for i := range n {
-		ch := C.mtmd_input_chunks_get(chunks, C.size_t(i))
-		if C.mtmd_input_chunk_get_type(ch) == C.SHOAL_MTMD_CHUNK_TEXT {
-			var nt C.size_t
-			tp := C.mtmd_input_chunk_get_tokens_text(ch, &nt)
-			for _, t := range unsafe.Slice(tp, int(nt)) {
-				toks = append(toks, engine.Token(t))
-			}
+	for _, sg := range segs {
+		toks = append(toks, sg.toks...)
+		if !sg.image {
 			continue
 		}
-		if err := ctx.Err(); err != nil {
-			return nil, nil, fmt.Errorf("encode images: %w", err)
-		}
-		// A chunk's placeholders come from its image's content and the chunk's
-		// place among that image's chunks (a projector may slice an image).
-		k := len(media)
-		id := C.GoString(C.mtmd_input_chunk_get_id(ch))
-		raw, err := hex.DecodeString(id)
-		if err != nil || len(raw) != 8 {
-			return nil, nil, fmt.Errorf("image chunk %d: llama.cpp lost its id %q", k, id)
-		}
-		slices[id]++
-		h := binary.LittleEndian.Uint64(raw) + uint64(slices[id]-1)*0x632be59bd9b4e019
-		nt := int(C.mtmd_input_chunk_get_n_tokens(ch))
-		if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
-			return nil, nil, fmt.Errorf("image %d: %d tokens over %d positions: %w", k, nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
-		}
-		m := engine.Media{Pos: len(toks), Len: nt, Embd: p.cache.get(h, nt*p.width)}
-		if m.Embd == nil {
-			if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
-				return nil, nil, fmt.Errorf("encode image %d: llama.cpp failed: %s", k, lastLlamaError())
+		for i := range int(C.mtmd_input_chunks_size(sg.chunks)) {
+			ch := C.mtmd_input_chunks_get(sg.chunks, C.size_t(i))
+			if C.mtmd_input_chunk_get_type(ch) == C.SHOAL_MTMD_CHUNK_TEXT {
+				var nt C.size_t
+				tp := C.mtmd_input_chunk_get_tokens_text(ch, &nt)
+				for _, t := range unsafe.Slice(tp, int(nt)) {
+					toks = append(toks, engine.Token(t))
+				}
+				continue
 			}
-			out := C.mtmd_get_output_embd(p.ctx)
-			m.Embd = append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), nt*p.width)...)
-			p.cache.put(h, m.Embd)
+			m, err := p.encode(ctx, ch, len(toks), len(media), slices)
+			if err != nil {
+				return nil, nil, err
+			}
+			for j := range m.Len {
+				toks = append(toks, engine.Placeholder(m.hash, j))
+			}
+			media = append(media, m.Media)
 		}
-		for j := range nt {
-			toks = append(toks, engine.Placeholder(h, j))
-		}
-		media = append(media, m)
 	}
 	return toks, media, nil
+}
+
+// chunkMedia is an image chunk's media and the hash of its placeholders.
+type chunkMedia struct {
+	engine.Media
+	hash uint64
+}
+
+// encode computes image chunk ch (the k-th of the prompt, at position pos),
+// or takes it from the cache. Its placeholders come from its image's content
+// and the chunk's place among that image's chunks (a projector may slice an
+// image), which seen counts.
+func (p *Projector) encode(ctx context.Context, ch *C.mtmd_input_chunk, pos, k int, seen map[string]int) (chunkMedia, error) {
+	if err := ctx.Err(); err != nil {
+		return chunkMedia{}, fmt.Errorf("encode images: %w", err)
+	}
+	id := C.GoString(C.mtmd_input_chunk_get_id(ch))
+	raw, err := hex.DecodeString(id)
+	if err != nil || len(raw) != 8 {
+		return chunkMedia{}, fmt.Errorf("image chunk %d: llama.cpp lost its id %q", k, id)
+	}
+	seen[id]++
+	h := binary.LittleEndian.Uint64(raw) + uint64(seen[id]-1)*0x632be59bd9b4e019
+	nt := int(C.mtmd_input_chunk_get_n_tokens(ch))
+	if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
+		return chunkMedia{}, fmt.Errorf("image %d: %d tokens over %d positions: %w", k, nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
+	}
+	m := chunkMedia{engine.Media{Pos: pos, Len: nt, Embd: p.cache.get(h, nt*p.width)}, h}
+	if m.Embd == nil {
+		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
+			return chunkMedia{}, fmt.Errorf("encode image %d: llama.cpp failed: %s", k, lastLlamaError())
+		}
+		out := C.mtmd_get_output_embd(p.ctx)
+		m.Embd = append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), nt*p.width)...)
+		p.cache.put(h, m.Embd)
+	}
+	return m, nil
 }
 
 // close frees the projector; Engine.Close calls it.

@@ -209,9 +209,17 @@ func TestImageRefusals(t *testing.T) {
 			t.Errorf("%s: %v, want ErrInvalidInput", name, err)
 		}
 	}
-	// The default marker is text like any other.
-	if _, media, err := p.Prompt(ctx, "<__media__> "+text, []engine.Image{im}, 0, true, false); err != nil || len(media) != 1 {
-		t.Fatalf("llama.cpp's default marker in the text: %v, %d images", err, len(media))
+	// llama.cpp's markers, the default and the deprecated one, are text like
+	// any other.
+	for _, m := range []string{"<__media__>", "<__image__>"} {
+		toks, media, err := p.Prompt(ctx, m+" "+text, []engine.Image{im}, 0, true, false)
+		if err != nil || len(media) != 1 || toks[0] != e.Vocab().BOS() || toks[1] < 0 {
+			t.Fatalf("%s in the text: %v, %d images, tokens %v", m, err, len(media), toks[:4])
+		}
+	}
+	// An image first: BOS, then the image.
+	if toks, media, err := p.Prompt(ctx, p.Marker()+" after", []engine.Image{im}, 0, true, false); err != nil || toks[0] != e.Vocab().BOS() || media[0].Pos != 1 {
+		t.Fatalf("an image first: %v, tokens %v", err, toks[:3])
 	}
 	toks, media, err := p.Prompt(ctx, text, []engine.Image{im}, 0, true, false)
 	if err != nil {
