@@ -138,10 +138,10 @@ type Backend struct {
 	// Projector reads the images of chat requests; nil: the model reads none.
 	Projector engine.Projector
 
-	chat  *chatTemplate // Template compiled by SetBackend; nil when not used
+	chat *chatTemplate // Template compiled by SetBackend; nil when not used
 	// imageSlots bounds the requests holding decoded images (withImages).
 	imageSlots chan struct{}
-	think *thinkTags    // the tags of its thoughts, when its template writes them: it reasons first
+	think      *thinkTags // the tags of its thoughts, when its template writes them: it reasons first
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.

@@ -850,7 +850,7 @@ type Member struct {
 	Simulated     bool     `json:"simulated,omitempty"`
 	Device        string   `json:"device,omitempty"`
 	MaxModelLen   int      `json:"max_model_len,omitempty"`
-	Task          string   `json:"task,omitempty"` // Meta.Task: embed or rerank; omitted: generate
+	Task          string   `json:"task,omitempty"`   // Meta.Task: embed or rerank; omitted: generate
 	Vision        bool     `json:"vision,omitempty"` // Meta.Vision: reads images
 }
 
