@@ -14,6 +14,7 @@ import (
 	_ "image/png"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/gin-gonic/gin"
 	_ "golang.org/x/image/bmp"
@@ -246,10 +247,15 @@ func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx in
 		return errNoProjector(param)
 	}
 	return withImages(ctx, b, p.images.data, param, func(images []engine.Image) error {
+		start := time.Now()
 		text := strings.ReplaceAll(p.images.text, imageSlot, b.Projector.Marker())
 		toks, media, err := b.Projector.Prompt(ctx, text, images, maxCtx, true, true)
 		if err != nil {
 			return fmt.Errorf("lay out images: %w", err)
+		}
+		if st := statsOf(ctx); st != nil {
+			st.images.Add(int64(len(images)))
+			st.imageTime.Add(int64(time.Since(start)))
 		}
 		p.prompts[0], p.req.Media = toks, media
 		return nil

@@ -29,6 +29,8 @@ type requestStats struct {
 	// queued is the longest any of its sequences waited to be scheduled;
 	// first, when its first token came (Unix nanoseconds, 0: none yet).
 	queued, first atomic.Int64
+	// images its prompt held, and the time the projector took to lay them out and encode them.
+	images, imageTime atomic.Int64
 }
 
 type requestStatsKey struct{}
@@ -131,6 +133,9 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 			"queue_ms", time.Duration(st.queued.Load()).Milliseconds())
 		if first := st.first.Load(); first != 0 {
 			attrs = append(attrs, "ttft_ms", time.Unix(0, first).Sub(start).Milliseconds())
+		}
+		if n := st.images.Load(); n > 0 {
+			attrs = append(attrs, "images", n, "encode_ms", time.Duration(st.imageTime.Load()).Milliseconds())
 		}
 	}
 	if peer := c.Writer.Header().Get("X-Shoal-Served-By"); peer != "" {

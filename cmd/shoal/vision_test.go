@@ -69,9 +69,11 @@ func dataURL(format string, data []byte) string {
 func TestVisionNode(t *testing.T) {
 	proj := visionProjector(t)
 	n := startNode(t, "--model", smallModel(t), "--model-name", "v", "--mmproj", proj, "--max-model-len", "256")
-	if !strings.Contains(n.log(), "projector loaded") {
-		t.Errorf("no projector line in the log")
-	}
+	defer func() {
+		if !strings.Contains(n.log(), "projector loaded") || !strings.Contains(n.log(), " images=1 encode_ms=") {
+			t.Errorf("the log has no projector line or no request line counting images")
+		}
+	}()
 	c := n.client("")
 	ctx := context.Background()
 	colours := []color.RGBA{{220, 20, 20, 255}, {20, 20, 220, 255}, {20, 200, 40, 255}, {240, 240, 0, 255}}

@@ -219,6 +219,8 @@ func (c Config) Validate() error {
 		return errors.New("threads must not be negative")
 	case c.ProjectorCache < 0:
 		return fmt.Errorf("projector cache %d bytes: must not be negative", c.ProjectorCache)
+	case c.Projector != "" && c.Embeddings:
+		return fmt.Errorf("a projector (--mmproj) reads images for generation, not for embeddings: %w", engine.ErrUnsupported)
 	case c.KVMemory != c.KVMemory || c.KVMemory > 1 && c.KVMemory < 1<<20:
 		return fmt.Errorf("KV memory %v: want a fraction in (0,1] or at least 1 MiB of bytes", c.KVMemory)
 	}
@@ -395,7 +397,15 @@ func Open(cfg Config) (*Engine, error) {
 		}
 	}
 	offloaded := offloadedLayers(cfg, int(C.llama_model_n_layer(model)), devs)
-	cells, err := e.kvCells(cfg, offloaded > 0)
+	if cfg.Projector != "" {
+		// Before the KV pool is sized from the free memory: the projector's
+		// weights and buffers are on the GPU too.
+		err = e.openProjector(cfg.Projector, cmp.Or(cfg.BatchThreads, cfg.Threads), cfg.ProjectorCache, offloaded > 0)
+	}
+	var cells int
+	if err == nil {
+		cells, err = e.kvCells(cfg, offloaded > 0)
+	}
 	if err == nil && cfg.AutoUnified && cfg.Unified && offloaded > 0 {
 		split := cfg
 		split.Unified = false
@@ -408,11 +418,18 @@ func Open(cfg Config) (*Engine, error) {
 		err = e.newContext(cfg)
 	}
 	if err != nil {
+		if e.proj != nil {
+			e.proj.close()
+		}
 		e.freeLoRA()
 		C.llama_model_free(model)
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
 	e.vocab = newVocab(model, cfg.ChatTemplate)
+	if e.proj != nil {
+		e.proj.vocab = e.vocab
+		e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
+	}
 	if e.vocab.unsupported {
 		logger.Load().Debug("llama.cpp's built-in formats do not recognise this model's chat template: Vocab.ApplyChatTemplate refuses chats (the API renders them with the template as Jinja unless --jinja=false; --chat-template chooses a built-in format)",
 			"formats", strings.Join(ChatTemplateNames(), ","))
@@ -439,14 +456,6 @@ func Open(cfg Config) (*Engine, error) {
 		// sequence in one micro-batch; it embeds, it does not generate.
 		e.Close()
 		return nil, fmt.Errorf("open engine: this model keeps no KV cache (an encoder): serve it as an embedding model (--embeddings): %w", engine.ErrUnsupported)
-	case cfg.Projector != "" && cfg.Embeddings:
-		e.Close()
-		return nil, fmt.Errorf("open engine: a projector (--mmproj) reads images for generation, not for embeddings: %w", engine.ErrUnsupported)
-	case cfg.Projector != "":
-		if err := e.openProjector(cfg.Projector, cfg.Threads, cfg.ProjectorCache, offloaded > 0); err != nil {
-			e.Close()
-			return nil, fmt.Errorf("open engine: %w", err)
-		}
 	}
 	return e, nil
 }

@@ -183,9 +183,10 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 		C.mtmd_free(ctx)
 		return fmt.Errorf("load projector %s: it places image tokens by M-RoPE (Qwen2-VL's and its successors'), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
 	}
-	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)), vocab: e.vocab,
+	// Open gives it the vocabulary and the batch of embedding rows once the
+	// context exists.
+	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)),
 		cache: embdCache{max: cacheBytes}}
-	e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
 	return nil
 }
 

@@ -7,6 +7,7 @@ import (
 	"math"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 
@@ -244,6 +245,30 @@ func TestImageRefusals(t *testing.T) {
 		t.Error("a refused batch left cells")
 	}
 	lastLogits(t, e, toks, media, 0, 0, len(toks))
+
+	// A projector for another model, a file that is none, and embeddings.
+	other := filepath.Join(t.TempDir(), "tiny-mmproj.gguf")
+	if err := models.GenerateProjector(other, models.Tiny(), 0); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range map[string]struct {
+		mod  func(*Config)
+		want string
+	}{
+		"another model's": {func(c *Config) { c.Projector = other }, "n_embd"},
+		"not a projector": {func(c *Config) { c.Projector = genModel(t, models.Tiny()) }, "load projector"},
+		"embeddings":      {func(c *Config) { c.Projector, c.Embeddings, c.Pooling = other, true, "mean" }, "not for embeddings"},
+	} {
+		cfg := DefaultConfig(genModel(t, models.Small()))
+		cfg.ContextCells, cfg.MaxSeqs, cfg.Threads = 1024, 4, 2
+		c.mod(&cfg)
+		if e, err := Open(cfg); err == nil || !strings.Contains(err.Error(), c.want) {
+			if e != nil {
+				e.Close()
+			}
+			t.Errorf("%s: %v, want an error saying %q", name, err, c.want)
+		}
+	}
 
 	plain := openTest(t, models.Tiny(), nil)
 	var pb engine.Batch
