@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -79,14 +78,6 @@ func lastLogits(t *testing.T, e *Engine, toks []engine.Token, media []engine.Med
 	return out
 }
 
-func maxDiff(a, b []float32) float64 {
-	var d float64
-	for i := range a {
-		d = max(d, math.Abs(float64(a[i]-b[i])))
-	}
-	return d
-}
-
 // TestImages: an image becomes placeholder tokens and embeddings the model
 // reads in their place, and what it computes does not depend on how the rows
 // are batched, on other sequences beside it or on a prefix taken from another
@@ -137,11 +128,11 @@ func TestImages(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Chunks of 5 rows cut the image and mix text and image rows in a batch.
-	if d := maxDiff(whole, lastLogits(t, e, toks, media, 0, 0, 5)); d > tol {
+	if d := maxAbsDiff(whole, lastLogits(t, e, toks, media, 0, 0, 5)); d > tol {
 		t.Errorf("in chunks of 5 rows: logits move by %.3g (tolerance %.3g)", d, tol)
 	}
 	blueLogits := lastLogits(t, e, other, otherMedia, 1, 0, len(other))
-	if d := maxDiff(whole, blueLogits); d < 10*tol {
+	if d := maxAbsDiff(whole, blueLogits); d < 10*tol {
 		t.Errorf("another picture moves the logits by %.3g only: the image is not read", d)
 	}
 
@@ -167,7 +158,7 @@ func TestImages(t *testing.T) {
 			continue
 		}
 		if err := e.Logits(rows[k], func(l []float32) {
-			if d := maxDiff(want, l); d > tol {
+			if d := maxAbsDiff(want, l); d > tol {
 				t.Errorf("batched with others, row %d: logits move by %.3g (tolerance %.3g)", rows[k], d, tol)
 			}
 		}); err != nil {
@@ -183,7 +174,7 @@ func TestImages(t *testing.T) {
 	if err := e.SeqCopy(0, 3, 0, engine.Pos(cut)); err != nil {
 		t.Fatal(err)
 	}
-	if d := maxDiff(whole, lastLogits(t, e, toks, media, 3, cut, len(toks))); d > tol {
+	if d := maxAbsDiff(whole, lastLogits(t, e, toks, media, 3, cut, len(toks))); d > tol {
 		t.Errorf("from a shared prefix: logits move by %.3g (tolerance %.3g)", d, tol)
 	}
 }
