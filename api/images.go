@@ -12,6 +12,7 @@ import (
 	_ "image/gif" // decoders image.Decode reads: the formats OpenAI's API takes, and BMP
 	_ "image/jpeg"
 	_ "image/png"
+	"net/http"
 	"regexp"
 	"strings"
 	"time"
@@ -126,7 +127,7 @@ func decodeImage(data []byte) (engine.Image, error) {
 		op = draw.Over
 	}
 	if w != r.Dx() || h != r.Dy() {
-		xdraw.ApproxBiLinear.Scale(rgba, rgba.Bounds(), im, r, xdraw.Op(op), nil)
+		xdraw.BiLinear.Scale(rgba, rgba.Bounds(), im, r, xdraw.Op(op), nil) // not ApproxBiLinear, which loses thin lines (text in screenshots)
 	} else {
 		draw.Draw(rgba, rgba.Bounds(), im, r.Min, op)
 	}
@@ -142,6 +143,9 @@ func decodeImage(data []byte) (engine.Image, error) {
 type imagePlan struct {
 	text string
 	data [][]byte
+	// decoded holds the images once a node reading images decoded them to
+	// route the request (imageTokens), until they are encoded.
+	decoded []engine.Image
 }
 
 // imageSlot stands for an image in an imagePlan's text until the projector's
@@ -175,34 +179,54 @@ const maxImages = 64
 // makes on b: its images are decoded and laid out, not encoded.
 func countWithImages(ctx context.Context, b *Backend, text string) (int, error) {
 	text, data := takeImages(text, imageSlot)
-	return countImagePlan(ctx, b, &imagePlan{text, data}, "messages")
+	toks, err := layOutImages(ctx, b, &imagePlan{text: text, data: data}, "messages", false)
+	return len(toks), err
 }
 
-func countImagePlan(ctx context.Context, b *Backend, ip *imagePlan, param string) (int, error) {
+// layOutImages is ip's prompt on b, its images' placeholders in place, none
+// encoded; keep keeps the decoded images in ip for its encoding.
+func layOutImages(ctx context.Context, b *Backend, ip *imagePlan, param string, keep bool) ([]engine.Token, error) {
 	if b.Projector == nil {
-		return 0, errNoProjector(param)
+		return nil, errNoProjector(param)
 	}
-	n := 0
-	err := withImages(ctx, b, ip.data, param, func(images []engine.Image) error {
+	var toks []engine.Token
+	err := withImages(ctx, b, ip, param, func(images []engine.Image) error {
 		var err error
-		n, err = b.Projector.Count(strings.ReplaceAll(ip.text, imageSlot, b.Projector.Marker()), images, true, true)
+		toks, err = b.Projector.Layout(strings.ReplaceAll(ip.text, imageSlot, b.Projector.Marker()), images, true, true)
 		if err != nil {
 			return fmt.Errorf("lay out images: %w", err)
 		}
+		if keep {
+			ip.decoded = images
+		}
 		return nil
 	})
-	return n, err
+	return toks, err
 }
 
-// imageTokens is how many tokens p's prompt with images makes; ok is false
+// imageTokens is p's prompt with images laid out on b (routing tokens that
+// match what the nodes reading images cache: their placeholders are the
+// pictures'), its decoded images kept for its encoding here; ok is false
 // when it answered c with an error.
-func (s *Server) imageTokens(c *gin.Context, b *Backend, p *plan) (n int, ok bool) {
-	n, err := countImagePlan(c.Request.Context(), b, p.images, p.param("messages"))
+func (s *Server) imageTokens(c *gin.Context, b *Backend, p *plan) (ok bool) {
+	toks, err := layOutImages(c.Request.Context(), b, p.images, p.param("messages"), true)
 	if err != nil {
 		abort(c, err)
-		return 0, false
+		return false
 	}
-	return n, true
+	p.prompts[0] = toks
+	return true
+}
+
+// errNoProjector refuses a request with images on a node without a
+// projector: for good (400) outside a cluster, for now (503) in one, where
+// the nodes reading images were tried first (failed, busy or gone).
+func (s *Server) errNoProjector(param string) error {
+	if s.node() != nil {
+		return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "no_vision_node", RetryAfter: 1,
+			Message: "no node of the cluster that reads images for this model (shoal serve --mmproj) could take the request now"}
+	}
+	return errNoProjector(param)
 }
 
 func errNoProjector(param string) error {
@@ -214,11 +238,12 @@ func errNoProjector(param string) error {
 // images of up to maxImageSide² pixels.
 const maxDecoding = 2
 
-// withImages decodes a request's images, in order, and calls fn with them,
-// holding one of b's slots for decoded images; it waits for one, or for ctx.
-func withImages(ctx context.Context, b *Backend, data [][]byte, param string, fn func([]engine.Image) error) error {
-	if len(data) > maxImages {
-		return invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
+// withImages decodes ip's images, in order (unless it holds them decoded),
+// and calls fn with them, holding one of b's slots for decoded images; it
+// waits for one, or for ctx.
+func withImages(ctx context.Context, b *Backend, ip *imagePlan, param string, fn func([]engine.Image) error) error {
+	if len(ip.data) > maxImages {
+		return invalid(param, "%d images: at most %d are read per request", len(ip.data), maxImages)
 	}
 	select {
 	case b.imageSlots <- struct{}{}:
@@ -226,27 +251,31 @@ func withImages(ctx context.Context, b *Backend, data [][]byte, param string, fn
 	case <-ctx.Done():
 		return fmt.Errorf("wait to decode images: %w", ctx.Err())
 	}
-	images := make([]engine.Image, len(data))
-	for i, d := range data {
-		im, err := decodeImage(d)
-		if err != nil {
-			return invalid(param, "image %d: %v", i, err)
+	images := ip.decoded
+	if images == nil {
+		images = make([]engine.Image, len(ip.data))
+		for i, d := range ip.data {
+			im, err := decodeImage(d)
+			if err != nil {
+				return invalid(param, "image %d: %v", i, err)
+			}
+			images[i] = im
 		}
-		images[i] = im
 	}
 	return fn(images)
 }
 
-// imagePrompt decodes p's images and lays out its prompt with them (their
-// embeddings computed by the projector), or returns the
-// *engine.PromptTooLongError of a prompt of maxCtx tokens or more before
+// imagePrompt lays out p's prompt with its images (decoded, unless they were
+// to route it, and their embeddings computed by the projector), or returns
+// the *engine.PromptTooLongError of a prompt of maxCtx tokens or more before
 // computing any.
 func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx int) error {
 	param := p.param("messages")
 	if b.Projector == nil {
-		return errNoProjector(param)
+		return s.errNoProjector(param)
 	}
-	return withImages(ctx, b, p.images.data, param, func(images []engine.Image) error {
+	defer func() { p.images.decoded = nil }()
+	return withImages(ctx, b, p.images, param, func(images []engine.Image) error {
 		start := time.Now()
 		text := strings.ReplaceAll(p.images.text, imageSlot, b.Projector.Marker())
 		toks, media, err := b.Projector.Prompt(ctx, text, images, maxCtx, true, true)

@@ -33,9 +33,9 @@ type fakeProjector struct {
 
 func (p *fakeProjector) Marker() string { return "<@img@>" }
 
-func (p *fakeProjector) Count(text string, images []engine.Image, addSpecial, parseSpecial bool) (int, error) {
+func (p *fakeProjector) Layout(text string, images []engine.Image, addSpecial, parseSpecial bool) ([]engine.Token, error) {
 	toks, _, err := p.Prompt(context.Background(), text, images, 0, addSpecial, parseSpecial)
-	return len(toks), err
+	return toks, err
 }
 
 func (p *fakeProjector) Prompt(_ context.Context, text string, images []engine.Image, limit int, addSpecial, parseSpecial bool) ([]engine.Token, []engine.Media, error) {
@@ -179,6 +179,7 @@ func TestImageParts(t *testing.T) {
 		{"/api/generate", `{"raw":true,"prompt":"what","images":["` + b64 + `"]}`, "not with raw"},
 		{"/api/chat", `{"messages":[{"role":"user","content":"what","images":[1]}]}`, "base64 string"},
 		{"/v1/messages", `{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x"}}]}]}`, "base64"},
+		{"/v1/messages", `{"max_tokens":1,"system":[{"type":"image","source":{"type":"base64","data":"` + b64 + `"}}],"messages":[{"role":"user","content":"x"}]}`, "only text blocks"},
 		{"/v1/responses", `{"input":[{"role":"user","content":[{"type":"input_image","image_url":"https://x/y.png"}]}]}`, "data: URL"},
 		{"/v1/chat/completions", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png,abc"}}]}]}`, "base64"},
 		{"/v1/chat/completions", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}`, "url"},

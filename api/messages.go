@@ -212,7 +212,7 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 	f.Stop = r.StopSequences
 	chat.MaxTokens = r.MaxTokens
 	if len(r.System) > 0 {
-		text, err := blockText(r.System, "system")
+		text, err := blockText(r.System, "system", false)
 		if err != nil {
 			return nil, err
 		}
@@ -228,7 +228,7 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 			// Clients add reminders as system turns within a conversation;
 			// templates take system turns first only: it is the user's text.
 			var text string
-			if text, err = blockText(m.Content, where); err == nil {
+			if text, err = blockText(m.Content, where, false); err == nil {
 				chat.Messages = append(chat.Messages, Message{Role: "user", Content: Content(text)})
 			}
 		case "assistant":
@@ -304,21 +304,24 @@ func joinUserTurns(msgs []Message) []Message {
 	return out
 }
 
-// blockText joins text blocks (a system prompt, a tool result) and images.
-func blockText(blocks AnthropicContent, where string) (string, error) {
+// blockText joins text blocks (a system prompt, a tool result) and, with
+// images (a tool result: Anthropic takes none in system text), images.
+func blockText(blocks AnthropicContent, where string, images bool) (string, error) {
 	var parts []string
 	for _, b := range blocks {
-		switch b.Type {
-		case "text":
+		switch {
+		case b.Type == "text":
 			parts = append(parts, b.Text)
-		case "image":
+		case b.Type == "image" && images:
 			m, err := b.image(where)
 			if err != nil {
 				return "", err
 			}
 			parts = append(parts, m)
-		default:
+		case images:
 			return "", invalid("messages", "%s: text and image blocks are read here, got %q", where, b.Type)
+		default:
+			return "", invalid("messages", "%s: only text blocks are read here, got %q", where, b.Type)
 		}
 	}
 	return strings.Join(parts, "\n"), nil
@@ -360,7 +363,7 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 			if b.ToolUseID == "" {
 				return nil, invalid("messages", "%s: a tool_result needs its tool_use_id", where)
 			}
-			result, err := blockText(b.Content, where+" tool_result")
+			result, err := blockText(b.Content, where+" tool_result", true)
 			if err != nil {
 				return nil, err
 			}

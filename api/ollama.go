@@ -344,16 +344,18 @@ func (s *Server) ollamaChat(c *gin.Context) {
 	if !ok {
 		return
 	}
-	n := len(p.prompts[0])
-	if p.images != nil && b.Projector != nil {
-		// Its images' tokens too (a node without a projector forwards it to
-		// one, which fits it).
-		if n, ok = s.imageTokens(c, b, p); !ok {
-			return
-		}
+	fit := req.Truncate == nil || *req.Truncate
+	switch {
+	case p.images == nil || !fit:
+	case b.Projector == nil:
+		// A node reading images fits it (it is forwarded there), or none
+		// does and it is refused: cut here, its images would be dropped.
+		fit = false
+	case !s.imageTokens(c, b, p): // its images' tokens counted too
+		return
 	}
-	if limit := fitLimit(b, &req); (req.Truncate == nil || *req.Truncate) && n > limit {
-		if fitted := s.ollamaFit(c.Request.Context(), b, &req, n, limit); len(fitted) < len(req.Messages) {
+	if limit := fitLimit(b, &req); fit && len(p.prompts[0]) > limit {
+		if fitted := s.ollamaFit(c.Request.Context(), b, &req, len(p.prompts[0]), limit); len(fitted) < len(req.Messages) {
 			req.Messages = fitted
 			if p, ok = s.translatedPlan(c, b, translate, ollamaParams); !ok {
 				return

@@ -486,9 +486,9 @@ type Projector interface {
 	// appear. A prompt of limit tokens or more (limit > 0) is refused with a
 	// *PromptTooLongError before any image is encoded.
 	Prompt(ctx context.Context, text string, images []Image, limit int, addSpecial, parseSpecial bool) ([]Token, []Media, error)
-	// Count is how many tokens Prompt would make of text and images,
-	// without encoding the images.
-	Count(text string, images []Image, addSpecial, parseSpecial bool) (int, error)
+	// Layout is the prompt Prompt would make of text and images, its
+	// images' placeholders in place, without encoding them.
+	Layout(text string, images []Image, addSpecial, parseSpecial bool) ([]Token, error)
 }
 
 // PromptTooLongError is a prompt refused for its length before it was computed.

@@ -3,21 +3,28 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
 	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"image"
 	"image/color"
 	"image/jpeg"
 	"image/png"
+	"net/http"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/openai/openai-go/v3"
 
 	"github.com/shoal-ai/shoal/api"
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/models"
 )
 
@@ -199,42 +206,103 @@ func TestVisionNode(t *testing.T) {
 	}
 }
 
-// TestVisionInCluster: of two nodes serving one model, one with a projector,
-// requests with images sent to either are computed by the one that reads
-// them; requests without images go to either; /cluster says which reads
-// images.
+// TestVisionInCluster: of three nodes serving one model, two with a
+// projector, requests with images sent to any are computed by one that reads
+// them, and a chat's later turn goes where its picture is cached; requests
+// without images go to any node; /cluster says which read images; with no
+// node reading images left, the request is refused for now (503), not for
+// good.
 func TestVisionInCluster(t *testing.T) {
 	proj := visionProjector(t)
 	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 	g1 := freeAddr(t)
-	eyes := startNode(t, "--model", smallModel(t), "--model-name", "v", "--mmproj", proj, "--node-name", "eyes", "--gossip-addr", g1, "--gossip-key", gk)
-	blind := startNode(t, "--model", smallModel(t), "--model-name", "v", "--node-name", "blind", "--gossip-addr", freeAddr(t), "--join", g1, "--gossip-key", gk)
-	waitFor(t, "blind sees eyes read images", func() bool {
+	const secret = "vision-test-secret"
+	common := []string{"--model", smallModel(t), "--model-name", "v", "--gossip-key", gk, "--cluster-secret", secret}
+	eyes := startNode(t, append(common, "--mmproj", proj, "--node-name", "eyes", "--gossip-addr", g1)...)
+	eyes2 := startNode(t, append(common, "--mmproj", proj, "--node-name", "eyes2", "--gossip-addr", freeAddr(t), "--join", g1)...)
+	blind := startNode(t, append(common, "--node-name", "blind", "--gossip-addr", freeAddr(t), "--join", g1)...)
+	waitFor(t, "blind sees both nodes read images", func() bool {
+		n := 0
 		for _, m := range clusterMembers(t, blind) {
-			if m.Name == "eyes" && m.Vision && m.State == "alive" {
+			if m.Vision && m.State == "alive" {
+				n++
+			}
+		}
+		return n == 2
+	})
+	pic := dataURL("png", testImage(t, 20, 20, color.RGBA{200, 10, 10, 255}, "png"))
+	chat := func(text string) string {
+		return fmt.Sprintf(`{"model":"v","max_tokens":4,"temperature":0,"messages":[{"role":"user","content":[{"type":"text","text":%q},{"type":"image_url","image_url":{"url":%q}},{"type":"text","text":"what is it"}]}]}`, text, pic)
+	}
+	answer := func(out string) string {
+		var a struct {
+			Choices []struct{ Message struct{ Content string } }
+		}
+		if json.Unmarshal([]byte(out), &a) != nil || len(a.Choices) != 1 {
+			t.Fatalf("answer: %s", out)
+		}
+		return a.Choices[0].Message.Content
+	}
+	_, direct := post(t, eyes.url+"/v1/chat/completions", chat("look"))
+	for i := range 4 {
+		resp, out := post(t, blind.url+"/v1/chat/completions", chat("look"))
+		if by := resp.Header.Get("X-Shoal-Served-By"); resp.StatusCode != 200 || by != "eyes" && by != "eyes2" {
+			t.Fatalf("image request %d to blind: %d served by %q: %s", i, resp.StatusCode, by, out)
+		}
+		if answer(out) != answer(direct) {
+			t.Fatalf("forwarded %s, direct %s", out, direct)
+		}
+	}
+	ollama := fmt.Sprintf(`{"model":"v","stream":false,"options":{"num_predict":2},"messages":[{"role":"user","content":"what is it","images":[%q]}]}`, strings.SplitN(pic, ",", 2)[1])
+	if resp, out := post(t, blind.url+"/api/chat", ollama); resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("X-Shoal-Served-By"), "eyes") {
+		t.Fatalf("Ollama's chat with an image to blind: %d served by %q: %s", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
+	}
+
+	// A long chat about a picture, computed on eyes2 (sent as a peer's hop,
+	// so that eyes2 computes it): sent to eyes, it goes where its prefix
+	// through the picture is cached, once eyes has heard what eyes2 caches:
+	// nodes reading images route by the prompt with its images laid out. (By
+	// the text around the picture, which shares no block with it, eyes would
+	// compute it itself: it comes first among equals.)
+	// The picture first: the text around it alone shares no block with what
+	// the nodes cache.
+	long := fmt.Sprintf(`{"model":"v","max_tokens":4,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":%q}},{"type":"text","text":%q}]}]}`,
+		pic, strings.Repeat("Here is a long description of what I want to know about the picture. ", 12))
+	resp, out := postHop(t, eyes2.url+"/v1/chat/completions", long, secret)
+	if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "" {
+		t.Fatalf("warm eyes2: %d served by %q: %s", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
+	}
+	warm, other := "eyes2", eyes
+	waitFor(t, "eyes hears of eyes2's cached blocks", func() bool {
+		for _, m := range clusterMembers(t, other) {
+			if m.Name == warm && m.SummaryBlocks >= 12 {
 				return true
 			}
 		}
 		return false
 	})
-	pic := dataURL("png", testImage(t, 20, 20, color.RGBA{200, 10, 10, 255}, "png"))
-	body := fmt.Sprintf(`{"model":"v","max_tokens":4,"temperature":0,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":%q}},{"type":"text","text":"what is it"}]}]}`, pic)
-	_, direct := post(t, eyes.url+"/v1/chat/completions", body)
-	for i := range 4 {
-		resp, out := post(t, blind.url+"/v1/chat/completions", body)
-		if resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "eyes" {
-			t.Fatalf("image request %d to blind: %d served by %q: %s", i, resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
+	// Three times: a request that matched nothing would go by turns (and,
+	// once computed on the other, stay there).
+	for range 3 {
+		resp, out = post(t, other.url+"/v1/chat/completions", long)
+		var u struct {
+			Usage struct {
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
 		}
-		var a, b struct {
-			Choices []struct{ Message struct{ Content string } }
-		}
-		if json.Unmarshal([]byte(out), &a) != nil || json.Unmarshal([]byte(direct), &b) != nil || len(a.Choices) != 1 || a.Choices[0] != b.Choices[0] {
-			t.Fatalf("forwarded %s, direct %s", out, direct)
+		json.Unmarshal([]byte(out), &u)
+		side := models.ProjectorImageSize / models.ProjectorPatchSize
+		if resp.Header.Get("X-Shoal-Served-By") != warm || u.Usage.PromptTokensDetails.CachedTokens < 100+side*side {
+			t.Fatalf("the chat sent again: served by %q with %d tokens cached, want %s, its prefix through the picture cached: %s",
+				resp.Header.Get("X-Shoal-Served-By"), u.Usage.PromptTokensDetails.CachedTokens, warm, out)
 		}
 	}
-	// Text requests may go to either node: blind answers some itself.
+
+	// Text requests may go to any node: blind answers some itself.
 	self := 0
-	for i := range 8 {
+	for i := range 12 {
 		resp, out := post(t, eyes.url+"/v1/chat/completions", fmt.Sprintf(`{"model":"v","max_tokens":2,"messages":[{"role":"user","content":"question %d, a different one each time"}]}`, i))
 		if resp.StatusCode != 200 {
 			t.Fatalf("text request: %d %s", resp.StatusCode, out)
@@ -244,6 +312,28 @@ func TestVisionInCluster(t *testing.T) {
 		}
 	}
 	if self == 0 {
-		t.Errorf("no text request of 8 went to the node without a projector")
+		t.Errorf("no text request of 12 went to the node without a projector")
 	}
+
+	// The nodes reading images gone: refused for now.
+	for _, n := range []*node{eyes, eyes2} {
+		n.cmd.Process.Kill()
+		<-n.done
+	}
+	resp, out = post(t, blind.url+"/v1/chat/completions", chat("look"))
+	if resp.StatusCode != 503 || !strings.Contains(out, "no_vision_node") || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("no node reading images: %d %s, want 503 no_vision_node with Retry-After", resp.StatusCode, out)
+	}
+}
+
+// postHop posts body to url as a peer's forward, signed with the cluster's
+// secret, so that the node computes it itself.
+func postHop(t *testing.T, url, body, secret string) (*http.Response, string) {
+	t.Helper()
+	ts := strconv.FormatInt(time.Now().Unix(), 10)
+	path := url[strings.Index(url[len("http://"):], "/")+len("http://"):]
+	bh := sha256.Sum256([]byte(body))
+	m := hmac.New(sha256.New, []byte(secret))
+	fmt.Fprintf(m, "%s\n%s\n%s\n%s\n%x", "test", ts, "POST", path, bh)
+	return post(t, url, body, cluster.HeaderHop, "1", cluster.HeaderFrom, "test", cluster.HeaderTime, ts, cluster.HeaderAuth, hex.EncodeToString(m.Sum(nil)))
 }

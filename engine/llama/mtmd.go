@@ -208,14 +208,15 @@ func (p *Projector) Prompt(ctx context.Context, text string, images []engine.Ima
 	return toks, media, err
 }
 
-// Count implements engine.Projector.
-func (p *Projector) Count(text string, images []engine.Image, addSpecial, parseSpecial bool) (int, error) {
-	total := 0
+// Layout implements engine.Projector.
+func (p *Projector) Layout(text string, images []engine.Image, addSpecial, parseSpecial bool) ([]engine.Token, error) {
+	var toks []engine.Token
 	err := p.tokenize(text, images, addSpecial, parseSpecial, func(segs []segment) error {
-		total = countTokens(segs)
-		return nil
+		var err error
+		toks, _, err = p.walk(segs, func(ch *C.mtmd_input_chunk, m *chunkMedia) error { return nil })
+		return err
 	})
-	return total, err
+	return toks, err
 }
 
 // segment is a run of a prompt: text's tokens, or an image's chunks as mtmd
@@ -260,10 +261,15 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 		h.Write(im.RGB)
 		ids[i] = hex.EncodeToString(h.Sum(nil)[:8])
 	}
-	segs := make([]segment, 0, 2*len(pieces))
+	// As mtmd lays a prompt out: BOS first and EOS last where the vocabulary
+	// adds them, the pieces tokenized without.
+	segs := make([]segment, 0, 2*len(pieces)+2)
+	if addSpecial && p.vocab.AddBOS() {
+		segs = append(segs, segment{toks: []engine.Token{p.vocab.BOS()}})
+	}
 	for i, piece := range pieces {
-		if piece != "" || i == 0 && addSpecial {
-			toks, err := p.vocab.Tokenize(piece, addSpecial && i == 0, parseSpecial)
+		if piece != "" {
+			toks, err := p.vocab.Tokenize(piece, false, parseSpecial)
 			if err != nil {
 				return fmt.Errorf("tokenize: %w", err)
 			}
@@ -272,6 +278,9 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 		if i < len(images) {
 			segs = append(segs, segment{image: true})
 		}
+	}
+	if addSpecial && bool(C.llama_vocab_get_add_eos(p.vocab.v)) {
+		segs = append(segs, segment{toks: []engine.Token{p.vocab.EOS()}})
 	}
 	cm := C.CString(p.marker)
 	defer C.free(unsafe.Pointer(cm))
@@ -309,13 +318,41 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 // layOut encodes the images (or takes them from the cache) and returns the
 // prompt and its media, refusing one of limit tokens or more.
 func (p *Projector) layOut(ctx context.Context, segs []segment, limit int) ([]engine.Token, []engine.Media, error) {
-	total := countTokens(segs)
-	if limit > 0 && total >= limit {
+	if total := countTokens(segs); limit > 0 && total >= limit {
 		return nil, nil, &engine.PromptTooLongError{Tokens: total, Limit: limit}
 	}
-	toks := make([]engine.Token, 0, total)
+	return p.walk(segs, func(ch *C.mtmd_input_chunk, m *chunkMedia) error {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("encode images: %w", err)
+		}
+		if m.Embd = p.cache.get(m.hash, m.Len*p.width); m.Embd != nil {
+			return nil
+		}
+		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
+			return fmt.Errorf("encode image chunk %d: llama.cpp failed: %s", m.Pos, lastLlamaError())
+		}
+		out := C.mtmd_get_output_embd(p.ctx)
+		m.Embd = append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), m.Len*p.width)...)
+		p.cache.put(m.hash, m.Embd)
+		return nil
+	})
+}
+
+// chunkMedia is an image chunk's media and the hash of its placeholders.
+type chunkMedia struct {
+	engine.Media
+	hash uint64
+}
+
+// walk lays the segments out as a prompt, each image chunk as its
+// placeholders, and calls image with each image chunk's media (its
+// embeddings to fill in, or not) in order. A chunk's placeholders come from
+// its image's content and the chunk's place among that image's chunks (a
+// projector may slice an image).
+func (p *Projector) walk(segs []segment, image func(*C.mtmd_input_chunk, *chunkMedia) error) ([]engine.Token, []engine.Media, error) {
+	toks := make([]engine.Token, 0, countTokens(segs))
 	var media []engine.Media
-	slices := map[string]int{}
+	seen := map[string]int{}
 	for _, sg := range segs {
 		toks = append(toks, sg.toks...)
 		if !sg.image {
@@ -331,54 +368,27 @@ func (p *Projector) layOut(ctx context.Context, segs []segment, limit int) ([]en
 				}
 				continue
 			}
-			m, err := p.encode(ctx, ch, len(toks), len(media), slices)
-			if err != nil {
+			id := C.GoString(C.mtmd_input_chunk_get_id(ch))
+			raw, err := hex.DecodeString(id)
+			if err != nil || len(raw) != 8 {
+				return nil, nil, fmt.Errorf("image chunk %d: llama.cpp lost its id %q", len(media), id)
+			}
+			seen[id]++
+			nt := int(C.mtmd_input_chunk_get_n_tokens(ch))
+			if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
+				return nil, nil, fmt.Errorf("image chunk %d: %d tokens over %d positions: %w", len(media), nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
+			}
+			m := chunkMedia{engine.Media{Pos: len(toks), Len: nt}, binary.LittleEndian.Uint64(raw) + uint64(seen[id]-1)*0x632be59bd9b4e019}
+			if err := image(ch, &m); err != nil {
 				return nil, nil, err
 			}
-			for j := range m.Len {
+			for j := range nt {
 				toks = append(toks, engine.Placeholder(m.hash, j))
 			}
 			media = append(media, m.Media)
 		}
 	}
 	return toks, media, nil
-}
-
-// chunkMedia is an image chunk's media and the hash of its placeholders.
-type chunkMedia struct {
-	engine.Media
-	hash uint64
-}
-
-// encode computes image chunk ch (the k-th of the prompt, at position pos),
-// or takes it from the cache. Its placeholders come from its image's content
-// and the chunk's place among that image's chunks (a projector may slice an
-// image), which seen counts.
-func (p *Projector) encode(ctx context.Context, ch *C.mtmd_input_chunk, pos, k int, seen map[string]int) (chunkMedia, error) {
-	if err := ctx.Err(); err != nil {
-		return chunkMedia{}, fmt.Errorf("encode images: %w", err)
-	}
-	id := C.GoString(C.mtmd_input_chunk_get_id(ch))
-	raw, err := hex.DecodeString(id)
-	if err != nil || len(raw) != 8 {
-		return chunkMedia{}, fmt.Errorf("image chunk %d: llama.cpp lost its id %q", k, id)
-	}
-	seen[id]++
-	h := binary.LittleEndian.Uint64(raw) + uint64(seen[id]-1)*0x632be59bd9b4e019
-	nt := int(C.mtmd_input_chunk_get_n_tokens(ch))
-	if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
-		return chunkMedia{}, fmt.Errorf("image %d: %d tokens over %d positions: %w", k, nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
-	}
-	m := chunkMedia{engine.Media{Pos: pos, Len: nt, Embd: p.cache.get(h, nt*p.width)}, h}
-	if m.Embd == nil {
-		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
-			return chunkMedia{}, fmt.Errorf("encode image %d: llama.cpp failed: %s", k, lastLlamaError())
-		}
-		out := C.mtmd_get_output_embd(p.ctx)
-		m.Embd = append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), nt*p.width)...)
-		p.cache.put(h, m.Embd)
-	}
-	return m, nil
 }
 
 // close frees the projector; Engine.Close calls it.

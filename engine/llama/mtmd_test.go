@@ -94,8 +94,8 @@ func TestImages(t *testing.T) {
 		t.Fatal(err)
 	}
 	side := models.ProjectorImageSize / models.ProjectorPatchSize
-	if n, err := p.Count(text, []engine.Image{red}, true, false); err != nil || n != len(toks) {
-		t.Errorf("Count: %d (%v), Prompt made %d tokens", n, err, len(toks))
+	if l, err := p.Layout(text, []engine.Image{red}, true, false); err != nil || !slices.Equal(l, toks) {
+		t.Errorf("Layout: %v (%v), Prompt made %v", l, err, toks)
 	}
 	if len(media) != 1 || media[0].Len != side*side || len(media[0].Embd) != media[0].Len*e.Info().EmbeddingSize {
 		t.Fatalf("media %+v: want one image of %d rows of %d", media, side*side, e.Info().EmbeddingSize)
