@@ -621,7 +621,7 @@ func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 		p.req.Stop = nil
 	}
 	p.think = s.thinkingPlan(b, text, tp, &p.req)
-	toks, err := chatTokens(b, &p, text)
+	toks, err := s.chatTokens(b, &p, text)
 	if err != nil {
 		return nil, err
 	}

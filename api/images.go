@@ -6,14 +6,18 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"image"
 	"image/draw"
 	_ "image/gif" // decoders image.Decode reads: the formats OpenAI's API takes, and BMP
 	_ "image/jpeg"
 	_ "image/png"
+	"io"
 	"net/http"
+	"net/url"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -38,7 +42,7 @@ var (
 		_, _ = rand.Read(b[:])
 		return hex.EncodeToString(b[:])
 	}()
-	imageRE = regexp.MustCompile(`<__image_` + imageNonce + `:([A-Za-z0-9+/=]*)__>`)
+	imageRE = regexp.MustCompile(`<__image_` + imageNonce + `:(u:)?([A-Za-z0-9+/=]*)__>`)
 )
 
 // imageMarker is the marker of an image of bytes data.
@@ -46,32 +50,53 @@ func imageMarker(data []byte) string {
 	return "<__image_" + imageNonce + ":" + base64.StdEncoding.EncodeToString(data) + "__>"
 }
 
+// imageSource is an image of a request: its bytes, or the web URL to fetch
+// them from where the request is computed (Config.AllowedMediaDomains).
+type imageSource struct {
+	data []byte
+	url  string
+}
+
+// imageURLMarker is the marker of the image at url: a data: URL's bytes, or
+// an http(s) URL, fetched where the request is computed if its host is
+// allowed there.
+func imageURLMarker(url string) (string, error) {
+	if strings.HasPrefix(url, "http://") || strings.HasPrefix(url, "https://") {
+		return "<__image_" + imageNonce + ":u:" + base64.StdEncoding.EncodeToString([]byte(url)) + "__>", nil
+	}
+	data, err := imageURL(url)
+	if err != nil {
+		return "", err
+	}
+	return imageMarker(data), nil
+}
+
 // hasImages reports whether text holds an image marker.
 func hasImages(text string) bool { return strings.Contains(text, "<__image_"+imageNonce+":") }
 
 // takeImages replaces each image marker in text by marker and returns the
 // images' bytes in the order they appear.
-func takeImages(text, marker string) (string, [][]byte) {
-	var images [][]byte
+func takeImages(text, marker string) (string, []imageSource) {
+	var images []imageSource
 	out := imageRE.ReplaceAllStringFunc(text, func(m string) string {
-		data, _ := base64.StdEncoding.DecodeString(imageRE.FindStringSubmatch(m)[1])
-		images = append(images, data)
+		sub := imageRE.FindStringSubmatch(m)
+		data, _ := base64.StdEncoding.DecodeString(sub[2])
+		if sub[1] != "" {
+			images = append(images, imageSource{url: string(data)})
+		} else {
+			images = append(images, imageSource{data: data})
+		}
 		return marker
 	})
 	return out, images
 }
 
-// imageURL reads an image_url's url: a data: URL of base64 bytes (as OpenAI's
-// clients send a local file). Other URLs are refused: a node fetches nothing
-// on a client's behalf.
+// imageURL reads a data: URL of base64 bytes (as OpenAI's clients send a
+// local file).
 func imageURL(url string) ([]byte, error) {
 	rest, ok := strings.CutPrefix(url, "data:")
 	if !ok {
-		what := "this URL"
-		if strings.HasPrefix(url, "http://") || strings.HasPrefix(url, "https://") {
-			what = "a web URL"
-		}
-		return nil, fmt.Errorf("image_url: %s is not read: send the image itself as a data: URL (data:image/png;base64,...)", what)
+		return nil, fmt.Errorf("image_url: a data: URL of the image's bytes (data:image/png;base64,...) or an http(s) URL expected")
 	}
 	meta, payload, ok := strings.Cut(rest, ",")
 	if !ok || !strings.HasSuffix(meta, ";base64") {
@@ -141,8 +166,9 @@ func decodeImage(data []byte) (engine.Image, error) {
 // imagePlan is a prompt with images: its text, with imageSlot where each
 // image stands, and the images' bytes in order.
 type imagePlan struct {
-	text string
-	data [][]byte
+	text  string
+	data  []imageSource
+	fetch func(ctx context.Context, url string) ([]byte, error) // a web URL's bytes
 	// decoded holds the images once a node reading images decoded them to
 	// route the request (imageTokens), until they are encoded.
 	decoded []engine.Image
@@ -156,7 +182,7 @@ var imageSlot = "<__image_" + imageNonce + "__>"
 // p.images, computed where the request runs (imagePrompt: a node that
 // forwards it to a node reading images decodes none); its tokens here are
 // those of the text around the images, which route it.
-func chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
+func (s *Server) chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
 	if !hasImages(text) {
 		return b.Vocab.Tokenize(text, true, true)
 	}
@@ -164,11 +190,16 @@ func chatTokens(b *Backend, p *plan, text string) ([]engine.Token, error) {
 	if p.req.PromptLogprobs {
 		return nil, invalid("prompt_logprobs", "a prompt with images is not scored (prompt_logprobs)")
 	}
-	text, data := takeImages(text, imageSlot)
-	if len(data) > maxImages {
-		return nil, invalid(param, "%d images: at most %d are read per request", len(data), maxImages)
+	text, srcs := takeImages(text, imageSlot)
+	if len(srcs) > maxImages {
+		return nil, invalid(param, "%d images: at most %d are read per request", len(srcs), maxImages)
 	}
-	p.images = &imagePlan{text: text, data: data}
+	for i, src := range srcs {
+		if err := s.mayFetch(src.url); err != nil {
+			return nil, invalid(param, "image %d: %v", i, err)
+		}
+	}
+	p.images = &imagePlan{text: text, data: srcs, fetch: s.fetchImage}
 	return b.Vocab.Tokenize(strings.ReplaceAll(text, imageSlot, ""), true, true)
 }
 
@@ -178,8 +209,8 @@ const maxImages = 64
 // countWithImages is how many tokens a rendered chat prompt with images
 // makes on b: its images are decoded and laid out, not encoded.
 func countWithImages(ctx context.Context, b *Backend, text string) (int, error) {
-	text, data := takeImages(text, imageSlot)
-	toks, err := layOutImages(ctx, b, &imagePlan{text: text, data: data}, "messages", false)
+	text, srcs := takeImages(text, imageSlot)
+	toks, err := layOutImages(ctx, b, &imagePlan{text: text, data: srcs}, "messages", false)
 	return len(toks), err
 }
 
@@ -254,8 +285,18 @@ func withImages(ctx context.Context, b *Backend, ip *imagePlan, param string, fn
 	images := ip.decoded
 	if images == nil {
 		images = make([]engine.Image, len(ip.data))
-		for i, d := range ip.data {
-			im, err := decodeImage(d)
+		for i, src := range ip.data {
+			data := src.data
+			if src.url != "" {
+				if ip.fetch == nil {
+					return invalid(param, "image %d: web URLs are fetched for generation only", i)
+				}
+				var err error
+				if data, err = ip.fetch(ctx, src.url); err != nil {
+					return invalid(param, "image %d: %v", i, err)
+				}
+			}
+			im, err := decodeImage(data)
 			if err != nil {
 				return invalid(param, "image %d: %v", i, err)
 			}
@@ -289,4 +330,60 @@ func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx in
 		p.prompts[0], p.req.Media = toks, media
 		return nil
 	})
+}
+
+// mayFetch refuses a web URL whose host is not among the allowed media
+// domains ("" is no URL).
+func (s *Server) mayFetch(raw string) error {
+	if raw == "" {
+		return nil
+	}
+	u, err := url.Parse(raw)
+	if err != nil || u.Host == "" {
+		return fmt.Errorf("image URL %q does not parse", raw)
+	}
+	if len(s.cfg.AllowedMediaDomains) == 0 {
+		return errors.New("this node fetches no web URL: send the image itself as a data: URL (data:image/png;base64,...), or start the nodes with --allowed-media-domains")
+	}
+	if !slices.Contains(s.cfg.AllowedMediaDomains, "*") && !slices.Contains(s.cfg.AllowedMediaDomains, u.Hostname()) {
+		return fmt.Errorf("image URL host %s is not among --allowed-media-domains", u.Hostname())
+	}
+	return nil
+}
+
+// fetchTimeout bounds fetching one image (vLLM's default is 5 s).
+const fetchTimeout = 10 * time.Second
+
+// fetchImage is the bytes at an allowed web URL: status 200, at most the
+// largest request body, within fetchTimeout; a redirect is followed only to
+// an allowed host, three at most.
+func (s *Server) fetchImage(ctx context.Context, raw string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, fetchTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, raw, nil)
+	if err != nil {
+		return nil, fmt.Errorf("fetch %s: %w", raw, err)
+	}
+	client := &http.Client{CheckRedirect: func(r *http.Request, via []*http.Request) error {
+		if len(via) >= 3 {
+			return errors.New("more than 3 redirects")
+		}
+		return s.mayFetch(r.URL.String())
+	}}
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("fetch %s: %w", raw, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("fetch %s: status %d", raw, resp.StatusCode)
+	}
+	data, err := io.ReadAll(io.LimitReader(resp.Body, s.cfg.MaxBodyBytes+1))
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("fetch %s: %w", raw, err)
+	case int64(len(data)) > s.cfg.MaxBodyBytes:
+		return nil, fmt.Errorf("fetch %s: more than %d bytes", raw, s.cfg.MaxBodyBytes)
+	}
+	return data, nil
 }

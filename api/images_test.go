@@ -14,11 +14,15 @@ import (
 	"image/gif"
 	"image/jpeg"
 	"image/png"
+	"net"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // fakeProjector lays out a prompt as a projector does, each image as four
@@ -73,8 +77,12 @@ func (p *fakeProjector) Prompt(_ context.Context, text string, images []engine.I
 }
 
 // newVisionServer is a test server whose backend reads images.
-func newVisionServer(t testing.TB) (*testServer, *fakeProjector) {
-	s := newTestServer(t, nil)
+func newVisionServer(t testing.TB, mod ...func(*Config, *scheduler.Config)) (*testServer, *fakeProjector) {
+	var m func(*Config, *scheduler.Config)
+	if len(mod) > 0 {
+		m = mod[0]
+	}
+	s := newTestServer(t, m)
 	b := *s.backend.Load()
 	p := &fakeProjector{vocab: b.Vocab, width: b.Info.EmbeddingSize}
 	b.Projector = p
@@ -235,7 +243,7 @@ func TestDecodeImage(t *testing.T) {
 	if _, err := imageURL("file:///etc/passwd"); err == nil {
 		t.Error("a file URL was read")
 	}
-	if text, images := takeImages("a"+imageMarker([]byte{1})+"b"+imageMarker([]byte{2, 3}), "|"); text != "a|b|" || len(images) != 2 || !bytes.Equal(images[1], []byte{2, 3}) {
+	if text, images := takeImages("a"+imageMarker([]byte{1})+"b"+imageMarker([]byte{2, 3}), "|"); text != "a|b|" || len(images) != 2 || !bytes.Equal(images[1].data, []byte{2, 3}) {
 		t.Errorf("takeImages: %q %v", text, images)
 	}
 }
@@ -265,4 +273,50 @@ func FuzzVisionRequests(f *testing.F) {
 		`{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url","image_url":{"url":"data:image/png;base64,`+png64+`"}}]}]}`,
 		`{"max_tokens":1,"n":2,"messages":[{"role":"user","content":[{"type":"image_url","image_url":"data:image/png;base64,`+png64+`"}]}],"continue_final_message":true,"add_generation_prompt":false}`,
 		`{"max_output_tokens":1,"input":[{"role":"user","content":[{"type":"input_image","image_url":"data:image/png;base64,`+png64+`"}]}]}`)
+}
+
+// TestImageURLs: web image URLs are fetched from the allowed hosts only,
+// redirects too; a node allowing none says how to send the image.
+func TestImageURLs(t *testing.T) {
+	pic := encodeImage(t, 5, 7, color.RGBA{1, 2, 3, 255}, "png")
+	mux := http.NewServeMux()
+	mux.HandleFunc("/pic.png", func(w http.ResponseWriter, r *http.Request) { w.Write(pic) })
+	mux.HandleFunc("/big", func(w http.ResponseWriter, r *http.Request) { w.Write(make([]byte, 2<<20)) })
+	mux.HandleFunc("/here", func(w http.ResponseWriter, r *http.Request) { http.Redirect(w, r, "/pic.png", http.StatusFound) })
+	web := httptest.NewServer(mux)
+	defer web.Close()
+	_, port, _ := net.SplitHostPort(web.Listener.Addr().String())
+	mux.HandleFunc("/away", func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, "http://localhost:"+port+"/pic.png", http.StatusFound)
+	})
+	s, p := newVisionServer(t, func(c *Config, _ *scheduler.Config) {
+		c.AllowedMediaDomains, c.MaxBodyBytes = []string{"127.0.0.1"}, 1<<20
+	})
+	chat := func(url string) string {
+		return `{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"` + url + `"}}]}]}`
+	}
+	for _, path := range []string{"/pic.png", "/here"} {
+		if w := s.do(t, "POST", "/v1/chat/completions", chat(web.URL+path)); w.Code != 200 || len(p.sizes) != 1 || p.sizes[0] != [2]int{5, 7} {
+			t.Errorf("%s: %d %s; projector got %v", path, w.Code, w.Body, p.sizes)
+		}
+	}
+	anthropic := `{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"` + web.URL + `/pic.png"}}]}]}`
+	if w := s.do(t, "POST", "/v1/messages", anthropic); w.Code != 200 {
+		t.Errorf("Anthropic's url source: %d %s", w.Code, w.Body)
+	}
+	for _, c := range []struct{ url, want string }{
+		{web.URL + "/nothing", "status 404"},
+		{web.URL + "/big", "more than"},
+		{web.URL + "/away", "localhost is not among"},
+		{"http://localhost:" + port + "/pic.png", "localhost is not among"},
+		{"ftp://127.0.0.1/x.png", "data: URL"},
+	} {
+		if w := s.do(t, "POST", "/v1/chat/completions", chat(c.url)); w.Code != 400 || !strings.Contains(w.Body.String(), c.want) {
+			t.Errorf("%s: %d %s, want 400 saying %q", c.url, w.Code, w.Body, c.want)
+		}
+	}
+	closed, _ := newVisionServer(t)
+	if w := closed.do(t, "POST", "/v1/chat/completions", chat(web.URL+"/pic.png")); w.Code != 400 || !strings.Contains(w.Body.String(), "--allowed-media-domains") {
+		t.Errorf("a node allowing no host: %d %s", w.Code, w.Body)
+	}
 }

@@ -87,8 +87,9 @@ type ContentBlock struct {
 	Type   string `json:"type"`
 	Text   string `json:"text"`
 	Source *struct {
-		Type string `json:"type"` // base64 (url is refused)
+		Type string `json:"type"` // base64 or url
 		Data string `json:"data"`
+		URL  string `json:"url"`
 	} `json:"source"`
 	ID        string           `json:"id"`
 	Name      string           `json:"name"`
@@ -329,8 +330,15 @@ func blockText(blocks AnthropicContent, where string, images bool) (string, erro
 
 // image is an image block's marker.
 func (b *ContentBlock) image(where string) (string, error) {
+	if b.Source != nil && b.Source.Type == "url" {
+		m, err := imageURLMarker(b.Source.URL)
+		if err != nil {
+			return "", invalid("messages", "%s: %v", where, err)
+		}
+		return m, nil
+	}
 	if b.Source == nil || b.Source.Type != "base64" {
-		return "", invalid("messages", "%s: an image block's source must be {\"type\": \"base64\", \"media_type\": ..., \"data\": ...}: a node fetches no URL", where)
+		return "", invalid("messages", "%s: an image block's source must be {\"type\": \"base64\", \"media_type\": ..., \"data\": ...} or {\"type\": \"url\", \"url\": ...}", where)
 	}
 	data, err := decodeBase64(b.Source.Data)
 	if err != nil {

@@ -347,11 +347,11 @@ func itemText(raw json.RawMessage, where string) (string, error) {
 		case "refusal":
 			texts = append(texts, p.Refusal)
 		case "input_image":
-			data, err := imageURL(p.ImageURL)
+			m, err := imageURLMarker(p.ImageURL)
 			if err != nil {
 				return "", invalid("input", "%s: %v", where, err)
 			}
-			texts = append(texts, imageMarker(data))
+			texts = append(texts, m)
 		default:
 			return "", invalid("input", "%s: content parts of type %q are not supported (text and input_image parts are)", where, p.Type)
 		}

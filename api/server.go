@@ -62,6 +62,11 @@ type Config struct {
 	// browser (CORS), or "*" for any. None by default: a page on any site could
 	// otherwise use a node on the visitor's machine.
 	AllowedOrigins []string
+	// AllowedMediaDomains are the hosts whose http(s) image URLs the node
+	// fetches (vLLM's --allowed-media-domains; "*": any). Empty: none, and
+	// images come as data: URLs (a node fetches nothing for a client unless
+	// told to).
+	AllowedMediaDomains []string
 	// PriorityScheduling honours a request's "priority" (vLLM's
 	// --scheduling-policy priority): lower runs first, and below 0 is admitted
 	// past a saturated cluster. Off, a priority other than 0 is refused (400), as
@@ -100,6 +105,11 @@ func (c Config) Validate() error {
 	for _, k := range c.APIKeys {
 		if k == "" {
 			return errors.New("api: empty API key")
+		}
+	}
+	for _, d := range c.AllowedMediaDomains {
+		if d == "" || strings.ContainsAny(d, "/:@ ") && d != "*" {
+			return fmt.Errorf("api: allowed media domain %q: want a host name (images.example.com) or *", d)
 		}
 	}
 	for _, o := range c.AllowedOrigins {

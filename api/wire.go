@@ -126,11 +126,11 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 		case p.Type == "text" && p.Text != nil:
 			buf.WriteString(*p.Text)
 		case p.Type == "image_url":
-			data, err := partImage(p.ImageURL)
+			m, err := partImage(p.ImageURL)
 			if err != nil {
 				return fmt.Errorf("content part %d: %w", i, err)
 			}
-			buf.WriteString(imageMarker(data))
+			buf.WriteString(m)
 		default:
 			return fmt.Errorf("content part %d: parts of type \"text\" with a text field, or \"image_url\", are read", i)
 		}
@@ -139,18 +139,18 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// partImage reads an image_url part's image: {"url": "data:..."}, or the URL
-// as a string.
-func partImage(raw json.RawMessage) ([]byte, error) {
+// partImage reads an image_url part's image into its marker: {"url": ...},
+// or the URL as a string.
+func partImage(raw json.RawMessage) (string, error) {
 	var u struct {
 		URL string `json:"url"`
 	}
 	if err := json.Unmarshal(raw, &u.URL); err != nil {
 		if err := json.Unmarshal(raw, &u); err != nil || u.URL == "" {
-			return nil, fmt.Errorf("image_url: want {\"url\": \"data:image/...;base64,...\"}")
+			return "", fmt.Errorf("image_url: want {\"url\": \"data:image/...;base64,...\"}")
 		}
 	}
-	return imageURL(u.URL)
+	return imageURLMarker(u.URL)
 }
 
 // Message is one chat message.

@@ -166,7 +166,7 @@ type serveFlags struct {
 	hashSeed                                                                uint64
 	maxBody                                                                 int64
 	drainTimeout                                                            time.Duration
-	apiKeys, allowedOrigins                                                 listFlag
+	apiKeys, allowedOrigins, mediaDomains                                   listFlag
 	lora, loraModules                                                       pathFlag
 	sampling                                                                engine.SamplingDefaults
 	cluster                                                                 *clusterFlags
@@ -230,6 +230,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Uint64Var(&f.hashSeed, "hash-seed", 0, "seed of the prefix block hashes (equal on every node of a cluster)")
 	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
+	fs.Var(&f.mediaDomains, "allowed-media-domains", "hosts (images.example.com, or *) whose http(s) image URLs in requests the node fetches, as vLLM's; none by default: images come as data: URLs")
 	fs.Var(&f.allowedOrigins, "allowed-origins", "web origins (https://app.example.com, or *) whose pages may call the API from a browser (CORS); none by default")
 	fs.Var(optional[float64]{&f.sampling.Temperature}, "temp", "temperature of requests that give none (default: the model's recommendation, else 1)")
 	fs.Var(optional[float64]{&f.sampling.TopP}, "top-p", "top_p of requests that give none (default: the model's recommendation, else off)")
@@ -396,7 +397,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
-	ac.AllowedOrigins = f.allowedOrigins
+	ac.AllowedOrigins, ac.AllowedMediaDomains = f.allowedOrigins, f.mediaDomains
 	if f.mmproj != "" && !setFlags["max-body-bytes"] && os.Getenv("SHOAL_MAX_BODY_BYTES") == "" {
 		// Requests carry pictures in base64: a phone's photo is 4-7 MB.
 		ac.MaxBodyBytes = max(ac.MaxBodyBytes, visionBodyBytes)
