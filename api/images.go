@@ -323,9 +323,12 @@ func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx in
 		if err != nil {
 			return fmt.Errorf("lay out images: %w", err)
 		}
+		took := time.Since(start)
+		s.metrics.images.Add(float64(len(images)))
+		s.metrics.encode.Observe(took.Seconds())
 		if st := statsOf(ctx); st != nil {
 			st.images.Add(int64(len(images)))
-			st.imageTime.Add(int64(time.Since(start)))
+			st.imageTime.Add(int64(took))
 		}
 		p.prompts[0], p.req.Media = toks, media
 		return nil

@@ -20,6 +20,10 @@ type metrics struct {
 	ttft, itl, e2e, queue prometheus.Observer
 	success               *prometheus.CounterVec
 	rejects               *prometheus.CounterVec
+	// images counts the images of prompts laid out for computing here;
+	// encode, per such prompt, the projector's time for them.
+	images prometheus.Counter
+	encode prometheus.Observer
 }
 
 // Latency buckets (seconds), the ones vLLM uses for these histograms.
@@ -46,8 +50,10 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	itl := hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens in seconds.", itlBuckets)
 	e2e := hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", e2eBuckets)
 	queue := hist("vllm:request_queue_time_seconds", "Time requests spent waiting before first scheduled, in seconds.", e2eBuckets)
+	encode := hist("shoal_image_encode_seconds", "Time the projector took to lay out and encode a prompt's images (waiting for it included), in seconds.", ttftBuckets)
+	images := prometheus.NewCounter(prometheus.CounterOpts{Name: "shoal_images_total", Help: "Images of prompts computed here (--mmproj).", ConstLabels: labels})
 	m := &metrics{
-		ttft: ttft, itl: itl, e2e: e2e, queue: queue,
+		ttft: ttft, itl: itl, e2e: e2e, queue: queue, images: images, encode: encode,
 		success: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:request_success_total",
 			Help: "Finished choices by finish reason.", ConstLabels: labels}, []string{"finished_reason"}),
 		rejects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shoal_requests_rejected_total",
@@ -68,7 +74,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels}, load(f))
 	}
 	cs := []prometheus.Collector{
-		ttft, itl, e2e, queue, m.success, m.rejects,
+		ttft, itl, e2e, queue, m.success, m.rejects, images, encode,
 		gauge("vllm:num_requests_running", "Sequences running on the engine.", func(l scheduler.Load) float64 { return float64(l.Running) }),
 		gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", func(l scheduler.Load) float64 { return float64(l.Waiting) }),
 		gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use by running sequences (1 = full).", func(l scheduler.Load) float64 {

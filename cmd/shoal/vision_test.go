@@ -80,6 +80,9 @@ func TestVisionNode(t *testing.T) {
 		if !strings.Contains(n.log(), "projector loaded") || !strings.Contains(n.log(), " images=1 encode_ms=") {
 			t.Errorf("the log has no projector line or no request line counting images")
 		}
+		if v := n.metric(t, "shoal_images_total"); v == "" || v == "0" {
+			t.Errorf("shoal_images_total %q after image requests", v)
+		}
 	}()
 	c := n.client("")
 	ctx := context.Background()
