@@ -675,8 +675,9 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool)
 	if p.images != nil {
 		c.Set(taskKey, cluster.TaskVision) // to a node that reads images
 		// A node reading images routes by the prompt as such nodes cache it,
-		// images laid out; others by the text around them.
-		if !forwarded && b.Projector != nil && p.images.decoded == nil && s.node() != nil && !s.imageTokens(c, b, p) {
+		// images laid out; others by the text around them, as it does a prompt
+		// with web images, which only the node computing it fetches.
+		if !forwarded && b.Projector != nil && !p.images.laidOut && !p.images.fetches() && s.node() != nil && !s.imageTokens(c, b, p) {
 			return
 		}
 	}

@@ -168,10 +168,14 @@ func decodeImage(data []byte) (engine.Image, error) {
 type imagePlan struct {
 	text  string
 	data  []imageSource
-	fetch func(ctx context.Context, url string) ([]byte, error) // a web URL's bytes
-	// decoded holds the images once a node reading images decoded them to
-	// route the request (imageTokens), until they are encoded.
-	decoded []engine.Image
+	fetch func(ctx context.Context, url string, limit int64) ([]byte, error) // a web URL's bytes
+	// laidOut: the plan's prompt is laid out with its images (imageTokens).
+	laidOut bool
+}
+
+// fetches reports whether the plan has an image to fetch from the web.
+func (ip *imagePlan) fetches() bool {
+	return slices.ContainsFunc(ip.data, func(src imageSource) bool { return src.url != "" })
 }
 
 // imageSlot stands for an image in an imagePlan's text until the projector's
@@ -194,8 +198,10 @@ func (s *Server) chatTokens(b *Backend, p *plan, text string) ([]engine.Token, e
 	if len(srcs) > maxImages {
 		return nil, invalid(param, "%d images: at most %d are read per request", len(srcs), maxImages)
 	}
+	// Only where the images may be read: a node without a projector
+	// forwards them to one, which checks them against its own list.
 	for i, src := range srcs {
-		if err := s.mayFetch(src.url); err != nil {
+		if err := s.mayFetch(src.url); err != nil && b.Projector != nil {
 			return nil, invalid(param, "image %d: %v", i, err)
 		}
 	}
@@ -210,13 +216,13 @@ const maxImages = 64
 // makes on b: its images are decoded and laid out, not encoded.
 func countWithImages(ctx context.Context, b *Backend, text string) (int, error) {
 	text, srcs := takeImages(text, imageSlot)
-	toks, err := layOutImages(ctx, b, &imagePlan{text: text, data: srcs}, "messages", false)
+	toks, err := layOutImages(ctx, b, &imagePlan{text: text, data: srcs}, "messages")
 	return len(toks), err
 }
 
 // layOutImages is ip's prompt on b, its images' placeholders in place, none
-// encoded; keep keeps the decoded images in ip for its encoding.
-func layOutImages(ctx context.Context, b *Backend, ip *imagePlan, param string, keep bool) ([]engine.Token, error) {
+// encoded.
+func layOutImages(ctx context.Context, b *Backend, ip *imagePlan, param string) ([]engine.Token, error) {
 	if b.Projector == nil {
 		return nil, errNoProjector(param)
 	}
@@ -227,9 +233,6 @@ func layOutImages(ctx context.Context, b *Backend, ip *imagePlan, param string, 
 		if err != nil {
 			return fmt.Errorf("lay out images: %w", err)
 		}
-		if keep {
-			ip.decoded = images
-		}
 		return nil
 	})
 	return toks, err
@@ -237,15 +240,16 @@ func layOutImages(ctx context.Context, b *Backend, ip *imagePlan, param string, 
 
 // imageTokens is p's prompt with images laid out on b (routing tokens that
 // match what the nodes reading images cache: their placeholders are the
-// pictures'), its decoded images kept for its encoding here; ok is false
-// when it answered c with an error.
+// pictures'); ok is false when it answered c with an error. The images are
+// decoded again where the request is computed: holding them across a
+// forward would hold them outside the decoding slots.
 func (s *Server) imageTokens(c *gin.Context, b *Backend, p *plan) (ok bool) {
-	toks, err := layOutImages(c.Request.Context(), b, p.images, p.param("messages"), true)
+	toks, err := layOutImages(c.Request.Context(), b, p.images, p.param("messages"))
 	if err != nil {
 		abort(c, err)
 		return false
 	}
-	p.prompts[0] = toks
+	p.prompts[0], p.images.laidOut = toks, true
 	return true
 }
 
@@ -269,12 +273,17 @@ func errNoProjector(param string) error {
 // images of up to maxImageSide² pixels.
 const maxDecoding = 2
 
-// withImages decodes ip's images, in order (unless it holds them decoded),
-// and calls fn with them, holding one of b's slots for decoded images; it
-// waits for one, or for ctx.
+// withImages fetches ip's web images (before taking a slot: a slow host
+// holds up only its own request), then decodes its images, in order, and
+// calls fn with them, holding one of b's slots for decoded images; it waits
+// for one, or for ctx.
 func withImages(ctx context.Context, b *Backend, ip *imagePlan, param string, fn func([]engine.Image) error) error {
 	if len(ip.data) > maxImages {
 		return invalid(param, "%d images: at most %d are read per request", len(ip.data), maxImages)
+	}
+	data, err := ip.bytes(ctx, param)
+	if err != nil {
+		return err
 	}
 	select {
 	case b.imageSlots <- struct{}{}:
@@ -282,29 +291,57 @@ func withImages(ctx context.Context, b *Backend, ip *imagePlan, param string, fn
 	case <-ctx.Done():
 		return fmt.Errorf("wait to decode images: %w", ctx.Err())
 	}
-	images := ip.decoded
-	if images == nil {
-		images = make([]engine.Image, len(ip.data))
-		for i, src := range ip.data {
-			data := src.data
-			if src.url != "" {
-				if ip.fetch == nil {
-					return invalid(param, "image %d: web URLs are fetched for generation only", i)
-				}
-				var err error
-				if data, err = ip.fetch(ctx, src.url); err != nil {
-					return invalid(param, "image %d: %v", i, err)
-				}
-			}
-			im, err := decodeImage(data)
-			if err != nil {
-				return invalid(param, "image %d: %v", i, err)
-			}
-			images[i] = im
+	images := make([]engine.Image, len(data))
+	for i, d := range data {
+		im, err := decodeImage(d)
+		if err != nil {
+			return invalid(param, "image %d: %v", i, err)
 		}
+		images[i] = im
 	}
 	return fn(images)
 }
+
+// fetchBudget bounds fetching all of a request's web images.
+const fetchBudget = 30 * time.Second
+
+// bytes is each image's bytes, the web ones fetched (a URL given twice once),
+// within fetchBudget and, together, maxFetchBytes.
+func (ip *imagePlan) bytes(ctx context.Context, param string) ([][]byte, error) {
+	out := make([][]byte, len(ip.data))
+	if !ip.fetches() {
+		for i, src := range ip.data {
+			out[i] = src.data
+		}
+		return out, nil
+	}
+	if ip.fetch == nil {
+		return nil, invalid(param, "web image URLs are fetched for generation only: send the images as data: URLs")
+	}
+	ctx, cancel := context.WithTimeout(ctx, fetchBudget)
+	defer cancel()
+	got := map[string][]byte{}
+	left := int64(maxFetchBytes)
+	for i, src := range ip.data {
+		out[i] = src.data
+		if src.url == "" {
+			continue
+		}
+		if d, ok := got[src.url]; ok {
+			out[i] = d
+			continue
+		}
+		d, err := ip.fetch(ctx, src.url, left)
+		if err != nil {
+			return nil, invalid(param, "image %d: %v", i, err)
+		}
+		got[src.url], out[i], left = d, d, left-int64(len(d))
+	}
+	return out, nil
+}
+
+// maxFetchBytes bounds the bytes of a request's fetched images together.
+const maxFetchBytes = 64 << 20
 
 // imagePrompt lays out p's prompt with its images (decoded, unless they were
 // to route it, and their embeddings computed by the projector), or returns
@@ -315,7 +352,6 @@ func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx in
 	if b.Projector == nil {
 		return s.errNoProjector(param)
 	}
-	defer func() { p.images.decoded = nil }()
 	return withImages(ctx, b, p.images, param, func(images []engine.Image) error {
 		start := time.Now()
 		text := strings.ReplaceAll(p.images.text, imageSlot, b.Projector.Marker())
@@ -348,19 +384,23 @@ func (s *Server) mayFetch(raw string) error {
 	if len(s.cfg.AllowedMediaDomains) == 0 {
 		return errors.New("this node fetches no web URL: send the image itself as a data: URL (data:image/png;base64,...), or start the nodes with --allowed-media-domains")
 	}
-	if !slices.Contains(s.cfg.AllowedMediaDomains, "*") && !slices.Contains(s.cfg.AllowedMediaDomains, u.Hostname()) {
+	if !slices.Contains(s.cfg.AllowedMediaDomains, "*") && !slices.Contains(s.cfg.AllowedMediaDomains, strings.ToLower(u.Hostname())) {
 		return fmt.Errorf("image URL host %s is not among --allowed-media-domains", u.Hostname())
 	}
 	return nil
 }
 
+// errRedirect marks a redirect refused (its reason is the client's to see).
+var errRedirect = errors.New("redirect refused")
+
 // fetchTimeout bounds fetching one image (vLLM's default is 5 s).
 const fetchTimeout = 10 * time.Second
 
-// fetchImage is the bytes at an allowed web URL: status 200, at most the
-// largest request body, within fetchTimeout; a redirect is followed only to
-// an allowed host, three at most.
-func (s *Server) fetchImage(ctx context.Context, raw string) ([]byte, error) {
+// fetchImage is the bytes at an allowed web URL: status 200, at most limit
+// bytes, within fetchTimeout; a redirect is followed only to an allowed
+// host, three at most. Errors name no more of the network than the URL and
+// status (a connection's own error is logged, not sent to the client).
+func (s *Server) fetchImage(ctx context.Context, raw string, limit int64) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, fetchTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, raw, nil)
@@ -368,25 +408,37 @@ func (s *Server) fetchImage(ctx context.Context, raw string) ([]byte, error) {
 		return nil, fmt.Errorf("fetch %s: %w", raw, err)
 	}
 	client := &http.Client{CheckRedirect: func(r *http.Request, via []*http.Request) error {
-		if len(via) >= 3 {
-			return errors.New("more than 3 redirects")
+		if len(via) > 3 {
+			return fmt.Errorf("%w: more than 3", errRedirect)
 		}
-		return s.mayFetch(r.URL.String())
+		if err := s.mayFetch(r.URL.String()); err != nil {
+			return fmt.Errorf("%w: %w", errRedirect, err)
+		}
+		return nil
 	}}
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("fetch %s: %w", raw, err)
+		var uerr *url.Error
+		if errors.As(err, &uerr) && errors.Is(uerr.Err, errRedirect) {
+			return nil, fmt.Errorf("fetch %s: %w", raw, uerr.Err)
+		}
+		s.log.Debug("image fetch failed", "url", raw, "err", err)
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("fetch %s: timed out", raw)
+		}
+		return nil, fmt.Errorf("fetch %s: the host could not be reached", raw)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("fetch %s: status %d", raw, resp.StatusCode)
 	}
-	data, err := io.ReadAll(io.LimitReader(resp.Body, s.cfg.MaxBodyBytes+1))
+	limit = min(limit, s.cfg.MaxBodyBytes)
+	data, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
 	switch {
 	case err != nil:
-		return nil, fmt.Errorf("fetch %s: %w", raw, err)
-	case int64(len(data)) > s.cfg.MaxBodyBytes:
-		return nil, fmt.Errorf("fetch %s: more than %d bytes", raw, s.cfg.MaxBodyBytes)
+		return nil, fmt.Errorf("fetch %s: reading it failed", raw)
+	case int64(len(data)) > limit:
+		return nil, fmt.Errorf("fetch %s: more than %d bytes", raw, limit)
 	}
 	return data, nil
 }

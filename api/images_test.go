@@ -19,7 +19,9 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
@@ -318,5 +320,50 @@ func TestImageURLs(t *testing.T) {
 	closed, _ := newVisionServer(t)
 	if w := closed.do(t, "POST", "/v1/chat/completions", chat(web.URL+"/pic.png")); w.Code != 400 || !strings.Contains(w.Body.String(), "--allowed-media-domains") {
 		t.Errorf("a node allowing no host: %d %s", w.Code, w.Body)
+	}
+}
+
+// TestImageFetchHoldsNoSlot: requests waiting on a slow image host hold none
+// of the node's slots for decoded images, and a URL given twice is fetched
+// once.
+func TestImageFetchHoldsNoSlot(t *testing.T) {
+	pic := encodeImage(t, 3, 3, color.RGBA{9, 8, 7, 255}, "png")
+	entered, release := make(chan struct{}, 8), make(chan struct{})
+	var hits atomic.Int32
+	mux := http.NewServeMux()
+	mux.HandleFunc("/slow.png", func(w http.ResponseWriter, r *http.Request) {
+		entered <- struct{}{}
+		<-release
+		w.Write(pic)
+	})
+	mux.HandleFunc("/pic.png", func(w http.ResponseWriter, r *http.Request) { hits.Add(1); w.Write(pic) })
+	web := httptest.NewServer(mux)
+	defer web.Close()
+	defer close(release)
+	s, p := newVisionServer(t, func(c *Config, _ *scheduler.Config) { c.AllowedMediaDomains = []string{"127.0.0.1"} })
+	chat := func(urls ...string) string {
+		var parts []string
+		for _, u := range urls {
+			parts = append(parts, `{"type":"image_url","image_url":{"url":"`+u+`"}}`)
+		}
+		return `{"max_tokens":1,"messages":[{"role":"user","content":[` + strings.Join(parts, ",") + `]}]}`
+	}
+	for range maxDecoding {
+		go s.do(t, "POST", "/v1/chat/completions", chat(web.URL+"/slow.png"))
+	}
+	for range maxDecoding {
+		<-entered
+	}
+	done := make(chan int, 1)
+	go func() {
+		done <- s.do(t, "POST", "/v1/chat/completions", chat(web.URL+"/pic.png", web.URL+"/pic.png")).Code
+	}()
+	select {
+	case code := <-done:
+		if code != 200 || hits.Load() != 1 || len(p.sizes) != 2 {
+			t.Errorf("beside slow fetches: %d, the URL fetched %d times, %d images", code, hits.Load(), len(p.sizes))
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("a request with images waited for requests fetching theirs")
 	}
 }

@@ -108,8 +108,8 @@ func (c Config) Validate() error {
 		}
 	}
 	for _, d := range c.AllowedMediaDomains {
-		if d == "" || strings.ContainsAny(d, "/:@ ") && d != "*" {
-			return fmt.Errorf("api: allowed media domain %q: want a host name (images.example.com) or *", d)
+		if d != "*" && (d == "" || strings.ContainsAny(d, "/:@ *") || d != strings.ToLower(d)) {
+			return fmt.Errorf("api: allowed media domain %q: want a host name in lower case (images.example.com), or * for any (no patterns)", d)
 		}
 	}
 	for _, o := range c.AllowedOrigins {

@@ -223,7 +223,7 @@ func TestResponsesCodexShapes(t *testing.T) {
 	}
 	tools := `"tools":[{"type":"custom","name":"apply_patch","description":"Patch files"},{"type":"web_search"}],"tool_choice":"required","parallel_tool_calls":false`
 	for _, stream := range []string{"false", "true"} {
-		status, b := to(tn, `{"model":"tools","input":"Fix it.","max_output_tokens":40,"stream":`+stream+`,`+tools+`}`)
+		status, b := to(tn, `{"model":"tools","input":"Fix it.","max_output_tokens":40,"temperature":0,"stream":`+stream+`,`+tools+`}`)
 		if status != 200 || !strings.Contains(b, `"type":"custom_tool_call"`) || !strings.Contains(b, `"name":"apply_patch"`) || stream == "true" && !strings.Contains(b, "response.custom_tool_call_input.done") {
 			t.Errorf("custom tool (stream %s): %d %s", stream, status, b)
 		}
