@@ -903,6 +903,9 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 			tooLong(0, long.Tokens)
 			return
 		} else if err != nil {
+			if errors.Is(err, scheduler.ErrQueueFull) {
+				s.metrics.rejected(err)
+			}
 			abort(c, err)
 			return
 		}

@@ -27,6 +27,7 @@ import (
 	_ "golang.org/x/image/webp"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // A request's images travel in its messages' text, each as a marker that
@@ -351,6 +352,11 @@ func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx in
 	param := p.param("messages")
 	if b.Projector == nil {
 		return s.errNoProjector(param)
+	}
+	// A full queue refuses it now, before its images are fetched, decoded
+	// and encoded for nothing (Submit would refuse it after).
+	if l := b.Generator.Load(); l.Waiting+max(p.n, 1) > l.MaxWaiting {
+		return scheduler.ErrQueueFull
 	}
 	return withImages(ctx, b, p.images, param, func(images []engine.Image) error {
 		start := time.Now()

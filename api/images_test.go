@@ -367,3 +367,29 @@ func TestImageFetchHoldsNoSlot(t *testing.T) {
 		t.Fatal("a request with images waited for requests fetching theirs")
 	}
 }
+
+// TestImagesQueueFull: a request with images that a full queue would refuse
+// is refused before its images are decoded or encoded.
+func TestImagesQueueFull(t *testing.T) {
+	s, p := newVisionServer(t, func(c *Config, sc *scheduler.Config) { sc.MaxWaiting, sc.MaxRunning, sc.MaxBatchTokens = 1, 1, 16 })
+	s.fake.Delay = 5 * time.Millisecond
+	// One runs, then one waits: the queue (of one) is full.
+	deadline := time.Now().Add(10 * time.Second)
+	for _, filled := range []func(scheduler.Load) bool{
+		func(l scheduler.Load) bool { return l.Running == 1 },
+		func(l scheduler.Load) bool { return l.Waiting == 1 },
+	} {
+		go s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":400,"ignore_eos":true}`)
+		for !filled(s.sched.Load()) {
+			if time.Now().After(deadline) {
+				t.Fatal("the queue did not fill")
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	img := base64.StdEncoding.EncodeToString(encodeImage(t, 2, 2, color.RGBA{5, 5, 5, 255}, "png"))
+	w := s.do(t, "POST", "/v1/chat/completions", `{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,`+img+`"}}]}]}`)
+	if w.Code != 429 || !strings.Contains(w.Body.String(), "queue_full") || p.text != "" {
+		t.Errorf("a full queue: %d %s; the projector was given %q", w.Code, w.Body, p.text)
+	}
+}
