@@ -363,7 +363,7 @@ func TestImageFetchHoldsNoSlot(t *testing.T) {
 		if code != 200 || hits.Load() != 1 || len(p.sizes) != 2 {
 			t.Errorf("beside slow fetches: %d, the URL fetched %d times, %d images", code, hits.Load(), len(p.sizes))
 		}
-	case <-time.After(20 * time.Second):
+	case <-time.After(fetchTimeout / 2): // before the slow fetches would time out
 		t.Fatal("a request with images waited for requests fetching theirs")
 	}
 }
