@@ -136,6 +136,18 @@ func TestVisionNode(t *testing.T) {
 		}
 	}
 
+	// Two choices of one request, forked after the prompt with its image.
+	two, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model: "v", MaxTokens: openai.Int(8), Temperature: openai.Float(0), N: openai.Int(2),
+		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{
+			openai.TextContentPart("What is in this picture?"),
+			openai.ImageContentPart(openai.ChatCompletionContentPartImageImageURLParam{URL: pics[3]}),
+		})},
+	})
+	if err != nil || len(two.Choices) != 2 || two.Choices[0].Message.Content != alone[3] || two.Choices[1].Message.Content != alone[3] {
+		t.Errorf("n=2: %v %+v, want %q twice", err, two, alone[3])
+	}
+
 	// Streamed.
 	st := c.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
 		Model: "v", MaxTokens: openai.Int(8), Temperature: openai.Float(0),
