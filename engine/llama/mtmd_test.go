@@ -340,6 +340,16 @@ func TestSchedulerImages(t *testing.T) {
 	}
 	t.Logf("cached through an image while computing together: %v; again: %d of %d", cachedAny, again.cached, len(prompts[0].toks))
 
+	// With n-gram proposals (whose lookups run over the prompt, placeholders
+	// included): the same output.
+	e3 := openVision(t)
+	s3 := startSched(t, e3, func(c *scheduler.Config) { c.MaxRunning, c.Spec.Tokens = 8, 4 })
+	for i, pr := range prompts {
+		if g := generate(ctx, s3, req(pr)); g.err != nil || !slices.Equal(g.tokens, alone[i].tokens) {
+			t.Errorf("with proposals, prompt %d: %v %v, want %v", i, g.err, g.tokens, alone[i].tokens)
+		}
+	}
+
 	// Refused: an image's rows out of place, or text missing after it.
 	bad := req(prompts[0])
 	bad.Media = []engine.Media{{Pos: m.Pos + 1, Len: m.Len, Embd: m.Embd}}
