@@ -160,6 +160,11 @@ type Capacity struct {
 	// PrefixReuse: what the last token computes does not change when the tokens
 	// before it come from a cached prefix, so a sequence computes only its tail.
 	PoolsLast bool
+	// WholeMedia: an image's rows must be decoded together, in one batch (its
+	// tokens attend to each other both ways: Gemma 3's projector), never
+	// some of them from the prefix cache; MicroBatchTokens bounds them.
+	WholeMedia       bool
+	MicroBatchTokens int
 	// CellBytes is the size of one cell's K and V over every layer (0: unknown).
 	CellBytes float64
 }

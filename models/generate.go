@@ -42,6 +42,17 @@ type Spec struct {
 	// architecture, rank pooling, a head scoring "yes" and "no" (softmax: the
 	// first score is the relevance) and a rerank prompt (RerankTemplate).
 	Reranker bool
+	// Gemma3 writes Gemma 3's architecture (q/k norms, norms after attention
+	// and the FFN, a sliding window of 256 on five layers of six, token
+	// embeddings scaled by √embd): at least 6 layers. Its projector
+	// (GenerateProjector) is Gemma 3's, whose image tokens attend both ways.
+	Gemma3 bool
+}
+
+// Gemma3Tiny is a ~0.4M-parameter Gemma 3 model for the tests of Gemma 3's
+// projector (six layers: the sliding window needs one global layer).
+func Gemma3Tiny() Spec {
+	return Spec{Name: "shoal-gemma3-tiny", Seed: 3, Vocab: 1024, Embd: 64, Layers: 6, Heads: 4, HeadsKV: 2, FFN: 192, ContextLen: 4096, Gemma3: true}
 }
 
 // RerankTemplate is the rerank prompt written into generated rerankers
@@ -67,7 +78,7 @@ func Bench100M() Spec {
 }
 
 // Presets maps the names accepted by `shoal gen-model --preset`.
-var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M}
+var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny}
 
 // ChatTemplate is the Jinja template written into generated models: ChatML, which
 // llama.cpp's built-in template matcher recognises by its markers.
@@ -310,6 +321,10 @@ func (s Spec) Validate() error {
 		return fmt.Errorf("head size %d must be even for RoPE", s.Embd/s.Heads)
 	case len(s.ControlTokens) > 64:
 		return fmt.Errorf("%d control tokens: at most 64", len(s.ControlTokens))
+	case s.Gemma3 && s.Layers < 6:
+		return fmt.Errorf("a Gemma 3 model of %d layers: llama.cpp's sliding window needs at least 6 (one global layer in six)", s.Layers)
+	case s.Gemma3 && s.Reranker:
+		return errors.New("a Gemma 3 reranker is not written")
 	}
 	return nil
 }
@@ -322,6 +337,9 @@ func (s Spec) Params() int64 {
 	n := 2*e*v + e + int64(s.Layers)*layer
 	if s.Reranker {
 		n += int64(s.Layers)*2*(e/int64(s.Heads)) + 2*e // q and k norms, the head
+	}
+	if s.Gemma3 {
+		n += int64(s.Layers) * (2*(e/int64(s.Heads)) + 2*e) // q and k norms, two more norms
 	}
 	return n
 }
@@ -349,8 +367,11 @@ func Generate(path string, spec Spec) error {
 	}
 	headDim := spec.Embd / spec.Heads
 	arch := "llama"
-	if spec.Reranker {
+	switch {
+	case spec.Reranker:
 		arch = "qwen3"
+	case spec.Gemma3:
+		arch = "gemma3"
 	}
 	kv := ggml.KV{
 		"general.architecture":                     arch,
@@ -381,6 +402,11 @@ func Generate(path string, spec Spec) error {
 		"tokenizer.chat_template":         cmp.Or(spec.ChatTemplate, ChatTemplate),
 	}
 
+	if spec.Gemma3 {
+		kv[arch+".attention.key_length"] = uint32(headDim)
+		kv[arch+".attention.value_length"] = uint32(headDim)
+		kv[arch+".attention.sliding_window"] = uint32(256)
+	}
 	if spec.Reranker {
 		kv[arch+".pooling_type"] = uint32(4) // LLAMA_POOLING_TYPE_RANK
 		kv[arch+".classifier.output_labels"] = []string{"yes", "no"}
@@ -403,7 +429,11 @@ func Generate(path string, spec Spec) error {
 	norm := func(name string) { add(name, 0, false, e) }
 	std := func(fanIn uint64) float32 { return float32(1 / math.Sqrt(float64(fanIn))) }
 
-	add("token_embd.weight", 1, true, e, v)
+	embdScale := float32(1)
+	if spec.Gemma3 {
+		embdScale = std(e) // Gemma scales token embeddings by √embd
+	}
+	add("token_embd.weight", embdScale, true, e, v)
 	norm("output_norm.weight")
 	// A larger output scale than 1/sqrt(fan-in) makes next-token distributions peaked, so
 	// greedy choices are far from ties and batched == sequential comparisons are robust.
@@ -415,9 +445,13 @@ func Generate(path string, spec Spec) error {
 		add(p+"attn_k.weight", std(e), true, e, ekv)
 		add(p+"attn_v.weight", std(e), true, e, ekv)
 		add(p+"attn_output.weight", std(e), true, e, e)
-		if spec.Reranker {
+		if spec.Reranker || spec.Gemma3 {
 			add(p+"attn_q_norm.weight", 0, false, uint64(headDim))
 			add(p+"attn_k_norm.weight", 0, false, uint64(headDim))
+		}
+		if spec.Gemma3 {
+			norm(p + "post_attention_norm.weight")
+			norm(p + "post_ffw_norm.weight")
 		}
 		norm(p + "ffn_norm.weight")
 		add(p+"ffn_gate.weight", std(e), true, e, ff)
@@ -616,7 +650,10 @@ const (
 // vision transformer over 8×8 patches of an image scaled to side×side
 // pixels (0: ProjectorImageSize; a multiple of 8), then two linear layers to
 // the model's embedding width; an image becomes (side/8)² tokens (LLaVA
-// 1.5's 576 with side 192). Its weights are seeded random numbers, so it
+// 1.5's 576 with side 192). For a Gemma 3 spec it is Gemma 3's projector
+// instead (the patch grid pooled 2×2, then an RMS norm and one projection;
+// its image tokens attend both ways): (side/16)² tokens, side a multiple of
+// 16. Its weights are seeded random numbers, so it
 // sees nothing, but different pictures give different embeddings, as
 // llama.cpp's mtmd loads and computes it.
 func GenerateProjector(path string, spec Spec, side int) error {
@@ -625,8 +662,12 @@ func GenerateProjector(path string, spec Spec, side int) error {
 	}
 	const d, ff, hidden, blocks, heads, patch = 32, 64, 64, 2, 4, ProjectorPatchSize
 	side = cmp.Or(side, ProjectorImageSize)
-	if side < patch || side%patch != 0 || side > 1024 {
-		return fmt.Errorf("generate projector %s: image side %d: want a multiple of %d up to 1024", path, side, patch)
+	unit := patch // Gemma 3's pools its patch grid by 2×2
+	if spec.Gemma3 {
+		unit = 2 * patch
+	}
+	if side < unit || side%unit != 0 || side > 1024 {
+		return fmt.Errorf("generate projector %s: image side %d: want a multiple of %d up to 1024", path, side, unit)
 	}
 	seed := spec.Seed ^ 0x636c6970 // "clip": not the model's draws
 	kv := ggml.KV{
@@ -655,6 +696,14 @@ func GenerateProjector(path string, spec Spec, side int) error {
 	n := uint64((side / patch) * (side / patch))
 	add("v.patch_embd.weight", std(3*patch*patch), patch, patch, 3, d)
 	add("v.position_embd.weight", 0.1, d, n)
+	if spec.Gemma3 {
+		// SigLIP's tower (as LLaVA's, here), the patch grid pooled 2×2, an
+		// RMS norm and one projection to the model's width.
+		kv["clip.projector_type"] = "gemma3"
+		kv["clip.vision.projector.scale_factor"] = uint32(2)
+		add("mm.soft_emb_norm.weight", 0, d)
+		add("mm.input_projection.weight", std(d), uint64(spec.Embd), d)
+	}
 	for i := range blocks {
 		p := fmt.Sprintf("v.blk.%d.", i)
 		add(p+"ln1.weight", 0, d)
@@ -665,11 +714,13 @@ func GenerateProjector(path string, spec Spec, side int) error {
 		add(p+"ffn_up.weight", std(d), d, ff)
 		add(p+"ffn_down.weight", std(ff), ff, d)
 	}
-	add("mm.0.weight", std(d), d, hidden)
-	add("mm.0.bias", 0.1, hidden)
-	// Embeddings about as large as the model's token embeddings (scale 1).
-	add("mm.2.weight", 2*std(hidden), hidden, uint64(spec.Embd))
-	add("mm.2.bias", 0.1, uint64(spec.Embd))
+	if !spec.Gemma3 {
+		add("mm.0.weight", std(d), d, hidden)
+		add("mm.0.bias", 0.1, hidden)
+		// Embeddings about as large as the model's token embeddings (scale 1).
+		add("mm.2.weight", 2*std(hidden), hidden, uint64(spec.Embd))
+		add("mm.2.bias", 0.1, uint64(spec.Embd))
+	}
 	if err := writeGGUF(path, kv, ts); err != nil {
 		return fmt.Errorf("generate projector %s: %w", path, err)
 	}

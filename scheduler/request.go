@@ -69,6 +69,18 @@ func (r *Request) mediaRow(p int) []float32 {
 	return r.Media[i].Row(p)
 }
 
+// mediaCut is to, or, when [from, to) would end within an image, the image's
+// start: an image computed whole (engine.Capacity.WholeMedia) is never cut
+// over steps. from itself is never within one.
+func (r *Request) mediaCut(from, to int) int {
+	for _, m := range r.Media {
+		if m.Pos < to && to < m.Pos+m.Len && m.Pos >= from {
+			return m.Pos
+		}
+	}
+	return to
+}
+
 func (r *Request) validate(vocab, adapters, width int) error {
 	if len(r.Prompt) == 0 {
 		return fmt.Errorf("%w: empty prompt", ErrInvalid)

@@ -276,6 +276,14 @@ func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
 	if req.Embed && len(req.Prompt) > s.cfg.MaxBatchTokens {
 		return nil, fmt.Errorf("%w: an embedding input of %d tokens exceeds the step budget of %d (--max-batch-tokens)", ErrPromptTooLong, len(req.Prompt), s.cfg.MaxBatchTokens)
 	}
+	if s.cap.WholeMedia {
+		most := min(s.cfg.MaxBatchTokens, max(s.cap.MicroBatchTokens, 1))
+		for k, m := range req.Media {
+			if m.Len > most {
+				return nil, fmt.Errorf("%w: image %d is %d tokens, computed in one step and micro-batch of at most %d (--max-batch-tokens, --ubatch-size)", ErrPromptTooLong, k, m.Len, most)
+			}
+		}
+	}
 	n := max(req.N, 1)
 	if s.waiting.Add(int64(n)) > int64(s.cfg.MaxWaiting) {
 		s.waiting.Add(-int64(n))
@@ -729,6 +737,9 @@ func (s *Scheduler) prefill(q *seq) {
 	to := min(end, from+s.budget())
 	if q.g.req.Embed && to < end {
 		return // a pooled sequence is computed in one pass: wait for a step with room
+	}
+	if s.cap.WholeMedia {
+		to = q.g.req.mediaCut(from, to)
 	}
 	if to <= from {
 		return

@@ -1589,3 +1589,16 @@ func TestAdaptersEqualSolo(t *testing.T) {
 		t.Errorf("adapter 3 of 2: %v", err)
 	}
 }
+
+// TestMediaCut: a step's chunk of a prompt never ends within an image that
+// is computed whole.
+func TestMediaCut(t *testing.T) {
+	r := &Request{Media: []engine.Media{{Pos: 5, Len: 10}, {Pos: 20, Len: 4}}}
+	for _, c := range []struct{ from, to, want int }{
+		{0, 5, 5}, {0, 6, 5}, {0, 14, 5}, {0, 15, 15}, {5, 12, 5}, {15, 22, 20}, {15, 30, 30}, {20, 24, 24}, {0, 3, 3},
+	} {
+		if got := r.mediaCut(c.from, c.to); got != c.want {
+			t.Errorf("mediaCut(%d, %d) = %d, want %d", c.from, c.to, got, c.want)
+		}
+	}
+}

@@ -429,6 +429,14 @@ func Open(cfg Config) (*Engine, error) {
 	if e.proj != nil {
 		e.proj.vocab = e.vocab
 		e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
+		e.cap.WholeMedia = e.proj.nonCausal
+		if e.cap.WholeMedia && e.cap.PrefixReuse {
+			// Its images could be taken from the cache in part; only
+			// Gemma 3's projector attends both ways, and Gemma 3's sliding
+			// window keeps its prompts from the cache anyway.
+			e.Close()
+			return nil, fmt.Errorf("open engine: this projector's image tokens attend both ways, which shoal computes only for models without cross-request prefix reuse (Gemma 3's sliding window): %w", engine.ErrUnsupported)
+		}
 	}
 	if e.vocab.unsupported {
 		logger.Load().Debug("llama.cpp's built-in formats do not recognise this model's chat template: Vocab.ApplyChatTemplate refuses chats (the API renders them with the template as Jinja unless --jinja=false; --chat-template chooses a built-in format)",
@@ -591,13 +599,14 @@ func (e *Engine) newContext(cfg Config) error {
 	swa := C.llama_model_n_swa(e.model) > 0
 	nctx := int(C.llama_n_ctx(ctx))
 	e.cap = engine.Capacity{
-		Cells:         nctx,
-		CellsPerSeq:   int(C.llama_n_ctx_seq(ctx)),
-		MaxSeqs:       int(C.llama_n_seq_max(ctx)),
-		BatchTokens:   int(C.llama_n_batch(ctx)),
-		Unified:       cfg.Unified,
-		PrefixReuse:   !recurrent && !swa && e.mem != nil,
-		PrefixSharing: cfg.Unified && !recurrent && !swa && e.mem != nil,
+		Cells:            nctx,
+		CellsPerSeq:      int(C.llama_n_ctx_seq(ctx)),
+		MaxSeqs:          int(C.llama_n_seq_max(ctx)),
+		BatchTokens:      int(C.llama_n_batch(ctx)),
+		Unified:          cfg.Unified,
+		PrefixReuse:      !recurrent && !swa && e.mem != nil,
+		MicroBatchTokens: int(C.llama_n_ubatch(ctx)),
+		PrefixSharing:    cfg.Unified && !recurrent && !swa && e.mem != nil,
 	}
 	e.cap.PoolsLast = e.cap.PrefixReuse && cfg.Embeddings && e.poolsLast()
 	if per, err := e.kvBytesPerCell(cfg.KVType); err == nil {
@@ -850,6 +859,21 @@ func (e *Engine) pass(ctx context.Context, b *engine.Batch, rows []int32, embd, 
 	return fmt.Errorf("decode %d tokens: llama.cpp failed with status %d", n, int(rc))
 }
 
+// wholePass decodes one image's embedding rows in a pass of their own, one
+// micro-batch attending both ways (WholeMedia).
+func (e *Engine) wholePass(ctx context.Context, b *engine.Batch, rows []int32, first bool) error {
+	if len(rows) > e.cap.MicroBatchTokens {
+		if !first {
+			e.undo(b)
+		}
+		return fmt.Errorf("decode: an image of %d rows: its tokens attend both ways and must fit a micro-batch of %d (--ubatch-size): %w",
+			len(rows), e.cap.MicroBatchTokens, engine.ErrInvalidInput)
+	}
+	C.llama_set_causal_attn(e.ctx, false)
+	defer C.llama_set_causal_attn(e.ctx, true)
+	return e.pass(ctx, b, rows, true, false, first)
+}
+
 // decodeEmbedded decodes a batch with embedding rows. llama.cpp reads a pass
 // from tokens or from embeddings, not both, and keeps the logits of its last
 // pass only: each sequence's rows up to its last embedding row go first, as
@@ -900,14 +924,27 @@ func (e *Engine) decodeEmbedded(ctx context.Context, b *engine.Batch) error {
 	}
 	next := map[engine.SeqID]int{}
 	first := true
+	// With WholeMedia, a sequence's image rows are one image (the scheduler
+	// cuts none, and text surrounds each) computed in a pass of its own,
+	// attending both ways within one micro-batch.
+	whole := e.cap.WholeMedia
 	for left := len(early); left > 0; {
 		for _, embd := range []bool{false, true} {
 			var rows []int32
 			for _, s := range order {
-				if k := next[s]; k < len(runs[s]) && runs[s][k].embd == embd {
-					rows = append(rows, runs[s][k].rows...)
-					next[s]++
+				k := next[s]
+				if k >= len(runs[s]) || runs[s][k].embd != embd {
+					continue
 				}
+				next[s]++
+				if !embd || !whole {
+					rows = append(rows, runs[s][k].rows...)
+					continue
+				}
+				if err := e.wholePass(ctx, b, runs[s][k].rows, first); err != nil {
+					return err
+				}
+				first, left = false, left-len(runs[s][k].rows)
 			}
 			if len(rows) == 0 {
 				continue

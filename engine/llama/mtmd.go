@@ -92,6 +92,10 @@ type Projector struct {
 	width  int // the model's input embedding width
 	vocab  *Vocab
 	cache  embdCache // recent images' embeddings, under mu
+	// nonCausal: an image's tokens attend to each other both ways (Gemma
+	// 3's), so an image is computed in one pass of its own
+	// (engine.Capacity.WholeMedia).
+	nonCausal bool
 }
 
 // embdCache keeps the embeddings of recently encoded images (each chunk's,
@@ -144,12 +148,12 @@ func (c *embdCache) put(key uint64, embd []float32) {
 
 var _ engine.Projector = (*Projector)(nil)
 
-// openProjector loads path for the engine's model. Projectors whose images
-// the scheduler cannot compute as it computes tokens are refused: those whose
-// image tokens attend to each other both ways (Gemma 3's: an image then must
-// be computed in one pass and never taken from the cache in part) and those
-// that place them with several position components (Qwen2-VL's M-RoPE, where
-// a token's position is not its index in the sequence).
+// openProjector loads path for the engine's model. Projectors that place
+// image tokens with several position components (Qwen2-VL's M-RoPE, where a
+// token's position is not its index in the sequence) are refused. One whose
+// image tokens attend to each other both ways (Gemma 3's) is noted: Open
+// then computes each image whole (engine.Capacity.WholeMedia) and takes it
+// only for a model without cross-request prefix reuse.
 func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) error {
 	C.shoal_mtmd_install_log()
 	var id [8]byte
@@ -176,9 +180,6 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 	case !bool(C.mtmd_support_vision(ctx)):
 		C.mtmd_free(ctx)
 		return fmt.Errorf("load projector %s: it reads no images (an audio projector): %w", path, engine.ErrUnsupported)
-	case bool(C.mtmd_decode_use_non_causal(ctx)):
-		C.mtmd_free(ctx)
-		return fmt.Errorf("load projector %s: its image tokens attend both ways (Gemma 3's), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
 	case bool(C.mtmd_decode_use_mrope(ctx)):
 		C.mtmd_free(ctx)
 		return fmt.Errorf("load projector %s: it places image tokens by M-RoPE (Qwen2-VL's and its successors'), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
@@ -186,7 +187,7 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 	// Open gives it the vocabulary and the batch of embedding rows once the
 	// context exists.
 	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)),
-		cache: embdCache{max: cacheBytes}}
+		cache: embdCache{max: cacheBytes}, nonCausal: bool(C.mtmd_decode_use_non_causal(ctx))}
 	return nil
 }
 

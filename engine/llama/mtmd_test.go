@@ -387,3 +387,94 @@ func TestEmbdCache(t *testing.T) {
 		t.Fatal("a cache of 0 bytes kept an entry")
 	}
 }
+
+// TestGemma3Images: Gemma 3's projector, whose image tokens attend to each
+// other both ways. Each image is decoded in a pass of its own, attending both
+// ways (the logits differ from a causal pass); the scheduler never cuts an
+// image over steps; requests answer alike alone and together; an image
+// larger than a step is refused.
+func TestGemma3Images(t *testing.T) {
+	spec := models.Gemma3Tiny()
+	proj := filepath.Join(t.TempDir(), "gemma3-mmproj.gguf")
+	if err := models.GenerateProjector(proj, spec, 64); err != nil {
+		t.Fatal(err)
+	}
+	e := openTest(t, spec, func(c *Config) { c.Projector = proj })
+	if c := e.Capacity(); !c.WholeMedia || c.PrefixReuse {
+		t.Fatalf("capacity %+v: want WholeMedia (and Gemma 3's sliding window, so no prefix reuse)", c)
+	}
+	p := e.Projector()
+	ctx := context.Background()
+	pics := []engine.Image{
+		picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0}),
+		picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255}),
+		picture(64, 64, [3]byte{20, 200, 20}, [3]byte{90, 0, 90}),
+	}
+	type prompt struct {
+		toks  []engine.Token
+		media []engine.Media
+	}
+	var prompts []prompt
+	for i, im := range pics {
+		toks, media, err := p.Prompt(ctx, fmt.Sprintf("USER: %s\nDescribe picture %d. ASSISTANT:", p.Marker(), i), []engine.Image{im}, 0, true, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(media) != 1 || media[0].Len != 16 {
+			t.Fatalf("media %+v: want one image of 16 tokens", media)
+		}
+		prompts = append(prompts, prompt{toks, media})
+	}
+	tol := max(4*kernelNoise(t, e), 1e-3)
+	if err := e.ClearMemory(); err != nil {
+		t.Fatal(err)
+	}
+	whole := lastLogits(t, e, prompts[0].toks, prompts[0].media, 0, 0, len(prompts[0].toks))
+	// The same rows decoded causally (as for LLaVA's projector): other logits.
+	e.cap.WholeMedia = false
+	causal := lastLogits(t, e, prompts[0].toks, prompts[0].media, 1, 0, len(prompts[0].toks))
+	e.cap.WholeMedia = true
+	if d := maxAbsDiff(whole, causal); d < 10*tol {
+		t.Errorf("decoded causally, the logits move by %.3g only: the image is not attending both ways", d)
+	}
+
+	req := func(pr prompt) *scheduler.Request {
+		return &scheduler.Request{Prompt: pr.toks, Media: pr.media, MaxTokens: 10, IgnoreEOS: true}
+	}
+	// Steps of 20 tokens: the text is cut, each image computed whole.
+	if err := e.ClearMemory(); err != nil {
+		t.Fatal(err)
+	}
+	s := startSched(t, e, func(c *scheduler.Config) { c.MaxBatchTokens, c.MaxRunning = 20, 4 })
+	var alone []genResult
+	for _, pr := range prompts {
+		g := generate(ctx, s, req(pr))
+		if g.err != nil {
+			t.Fatal(g.err)
+		}
+		alone = append(alone, g)
+	}
+	var wg sync.WaitGroup
+	together := make([]genResult, len(prompts))
+	for i := range together {
+		wg.Go(func() { together[i] = generate(ctx, s, req(prompts[i])) })
+	}
+	wg.Wait()
+	for i, g := range together {
+		if g.err != nil || !slices.Equal(g.tokens, alone[i].tokens) {
+			t.Errorf("prompt %d together: %v %v, alone %v", i, g.err, g.tokens, alone[i].tokens)
+		}
+	}
+	if slices.Equal(alone[0].tokens, alone[1].tokens) {
+		t.Errorf("two pictures, one answer %v", alone[0].tokens)
+	}
+	// In steps of 20 the first token is the one the whole prompt decoded in
+	// one batch gives.
+	if got, want := alone[0].tokens[0], engine.Token(argmax(whole)); got != want {
+		t.Errorf("first token in steps of 20: %d, in one batch %d", got, want)
+	}
+	s2 := startSched(t, openTest(t, spec, func(c *Config) { c.Projector = proj }), func(c *scheduler.Config) { c.MaxBatchTokens, c.MaxRunning = 8, 4 })
+	if _, err := s2.Submit(ctx, req(prompts[0])); err == nil {
+		t.Error("an image of 16 tokens in steps of 8: want it refused")
+	}
+}
