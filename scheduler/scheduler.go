@@ -97,6 +97,7 @@ type Scheduler struct {
 	stepAccepted     int            // proposals of this step the model drew the same
 	specPause        int            // steps without proposals after a batch with them did not fit
 	adapter          int            // the LoRA adapter of the last step (Config.Adapters)
+	mediaWait        bool           // this step, a running prompt's whole image did not fit: no admissions
 	eog              []engine.Token // the vocabulary's end tokens, once listed (endTokens)
 	ended            int            // sequences that left the running batch since the last step
 	endedAny         bool           // one has: the finish rate is measured, not predicted
@@ -451,6 +452,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.batch.Adapter = s.adapter
 	s.rows = s.rows[:0]
 	s.decodeRows, s.draftTokens, s.stepAccepted = 0, 0, 0
+	s.mediaWait = false
 	s.building = true
 	for _, q := range s.running {
 		q.sampleRow, q.decoding = -1, false
@@ -482,7 +484,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	// 3. Admit waiting requests while budget, sequence slots and KV allow. One
 	// whose prompt starts with what a running sequence is computing waits for it
 	// (see sharesInProgress); those behind it may go first.
-	for i := 0; s.budget() > 0 && i < min(len(s.queue), maxPassedOver+1) && len(s.running) < s.maxRunning(); {
+	for i := 0; s.budget() > 0 && !s.mediaWait && i < min(len(s.queue), maxPassedOver+1) && len(s.running) < s.maxRunning(); {
 		q := s.queue[i]
 		if s.sharesInProgress(q) {
 			i++ // it stays in the queue, in its place
@@ -739,7 +741,11 @@ func (s *Scheduler) prefill(q *seq) {
 		return // a pooled sequence is computed in one pass: wait for a step with room
 	}
 	if s.cap.WholeMedia {
-		to = q.g.req.mediaCut(from, to)
+		if to = q.g.req.mediaCut(from, to); to <= from {
+			// Its next image does not fit this step: admit no one more
+			// until one has room (the decode rows drain as sequences end).
+			s.mediaWait = true
+		}
 	}
 	if to <= from {
 		return

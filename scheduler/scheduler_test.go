@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -1601,4 +1602,78 @@ func TestMediaCut(t *testing.T) {
 			t.Errorf("mediaCut(%d, %d) = %d, want %d", c.from, c.to, got, c.want)
 		}
 	}
+}
+
+// wholeMedia is the fake engine reporting images computed whole (Gemma 3's
+// projector): no prefix reuse, micro-batches of 64 rows.
+type wholeMedia struct{ *enginetest.Fake }
+
+func (w wholeMedia) Capacity() engine.Capacity {
+	c := w.Fake.Capacity()
+	c.PrefixReuse, c.PrefixSharing, c.WholeMedia, c.MicroBatchTokens = false, false, true, 64
+	return c
+}
+
+// TestWholeImageNotStarved: an image computed whole waits for a step with
+// room for it, and meanwhile no one else is admitted, so the running
+// sequences' decode rows drain and it runs once they have ended, not once
+// the queue has.
+func TestWholeImageNotStarved(t *testing.T) {
+	synctest.Test(t, wholeImageNotStarved)
+}
+
+func wholeImageNotStarved(t *testing.T) {
+	f := enginetest.New(8192, 32, 512)
+	f.Delay = time.Millisecond
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens, cfg.MaxRunning, cfg.MaxWaiting = 20, 8, 1000
+	s, err := New(cfg, wholeMedia{f}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	const n = 60
+	var textDone atomic.Int64
+	var wg sync.WaitGroup
+	for k := range n {
+		// Lengths that end at different steps: the batch never empties at once.
+		st, err := s.Submit(ctx, &Request{Prompt: prompt(k, 4), MaxTokens: 10 + (k*7)%23, IgnoreEOS: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() { collect(ctx, st, 1); textDone.Add(1) })
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for s.Load().Running < cfg.MaxRunning && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	p := prompt(999, 25)
+	m := engine.Media{Pos: 3, Len: 16, Embd: make([]float32, 16*f.EmbdWidth)}
+	for i := range m.Len {
+		p[m.Pos+i] = engine.Placeholder(42, i)
+	}
+	st, err := s.Submit(ctx, &Request{Prompt: p, Media: []engine.Media{m}, MaxTokens: 2, IgnoreEOS: true, Priority: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := collect(ctx, st, 1); r.err != nil {
+		t.Fatal(r.err)
+	}
+	if d := textDone.Load(); d > 3*int64(cfg.MaxRunning) {
+		t.Errorf("the image ran after %d of %d text requests had ended: it waited for the queue, not for the running batch", d, n)
+	}
+	big := p
+	big2 := engine.Media{Pos: 3, Len: 21, Embd: make([]float32, 21*f.EmbdWidth)}
+	big = append(slices.Clone(big[:3]), make([]engine.Token, 21)...)
+	for i := range big2.Len {
+		big[3+i] = engine.Placeholder(43, i)
+	}
+	big = append(big, 5)
+	if _, err := s.Submit(ctx, &Request{Prompt: big, Media: []engine.Media{big2}, MaxTokens: 1}); !errors.Is(err, ErrPromptTooLong) {
+		t.Errorf("an image of 21 tokens in steps of 20: %v, want ErrPromptTooLong", err)
+	}
+	wg.Wait()
 }

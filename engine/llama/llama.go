@@ -430,6 +430,8 @@ func Open(cfg Config) (*Engine, error) {
 		e.proj.vocab = e.vocab
 		e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
 		e.cap.WholeMedia = e.proj.nonCausal
+		arch := metaString(model, "general.architecture")
+		e.proj.causal = metaString(model, arch+".attention.causal") != "false" // what wholePass restores
 		if e.cap.WholeMedia && e.cap.PrefixReuse {
 			// Its images could be taken from the cache in part; only
 			// Gemma 3's projector attends both ways, and Gemma 3's sliding
@@ -870,7 +872,7 @@ func (e *Engine) wholePass(ctx context.Context, b *engine.Batch, rows []int32, f
 			len(rows), e.cap.MicroBatchTokens, engine.ErrInvalidInput)
 	}
 	C.llama_set_causal_attn(e.ctx, false)
-	defer C.llama_set_causal_attn(e.ctx, true)
+	defer C.llama_set_causal_attn(e.ctx, C.bool(e.proj.causal))
 	return e.pass(ctx, b, rows, true, false, first)
 }
 

@@ -96,6 +96,7 @@ type Projector struct {
 	// 3's), so an image is computed in one pass of its own
 	// (engine.Capacity.WholeMedia).
 	nonCausal bool
+	causal    bool // the model's own attention, outside images
 }
 
 // embdCache keeps the embeddings of recently encoded images (each chunk's,
