@@ -67,7 +67,7 @@ stop_serve() {
 	serve=
 }
 build_s=- serve= serve_name= gpu=unknown watchdog=
-tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestQuantizedModels|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory|TestSelectedAdapters|TestRegexGrammarMatches'
+tests='TestBatchedGreedyEqualsSequential|TestSharedPrefixEqualsRecomputed|TestQuantizedModels|TestSchedulerConcurrentEqualsSolo|TestSchedulerCachedPrefixEqualsUncached|TestStories260K|TestDevicesAndKVMemory|TestSelectedAdapters|TestRegexGrammarMatches|TestImages|TestGemma3Images'
 
 # layout NAME: the KV pool serve NAME reported (cells, cells per sequence, unified).
 layout() { grep -o 'context=[0-9]*\|per_seq=[0-9]*\|unified=[a-z]*' "$work/serve-$1.log" 2>/dev/null | head -3 | paste -sd' '; }
