@@ -26,6 +26,7 @@ import (
 	xdraw "golang.org/x/image/draw"
 	_ "golang.org/x/image/webp"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
 )
@@ -254,11 +255,13 @@ func (s *Server) imageTokens(c *gin.Context, b *Backend, p *plan) (ok bool) {
 	return true
 }
 
-// errNoProjector refuses a request with images on a node without a
-// projector: for good (400) outside a cluster, for now (503) in one, where
-// the nodes reading images were tried first (failed, busy or gone).
-func (s *Server) errNoProjector(param string) error {
-	if s.node() != nil {
+// errNoProjector refuses a request with images for model on a node without
+// a projector: for now (503) in a cluster with a member that reads images for
+// the model (it was tried first: busy, failing or gone), else for good (400).
+func (s *Server) errNoProjector(param, model string) error {
+	if n := s.node(); n != nil && slices.ContainsFunc(n.Members(), func(m cluster.Member) bool {
+		return m.Vision && slices.Contains(m.Models, model)
+	}) {
 		return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "no_vision_node", RetryAfter: 1,
 			Message: "no node of the cluster that reads images for this model (shoal serve --mmproj) could take the request now"}
 	}
@@ -351,7 +354,7 @@ const maxFetchBytes = 64 << 20
 func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx int) error {
 	param := p.param("messages")
 	if b.Projector == nil {
-		return s.errNoProjector(param)
+		return s.errNoProjector(param, p.model)
 	}
 	// A full queue refuses it now, before its images are fetched, decoded
 	// and encoded for nothing (Submit would refuse it after).

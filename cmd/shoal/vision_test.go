@@ -389,3 +389,15 @@ func TestGemma3VisionNode(t *testing.T) {
 		t.Errorf("answers %q, %q, then %q: want the pictures read apart, the same picture alike", a, b, ask(red))
 	}
 }
+
+// TestVisionClusterWithoutReaders: in a cluster where no node has read
+// images for the model, a request with images is refused for good (400),
+// not for now.
+func TestVisionClusterWithoutReaders(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--model-name", "v", "--gossip-addr", freeAddr(t), "--gossip-key", "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=")
+	pic := dataURL("png", testImage(t, 8, 8, color.RGBA{1, 2, 3, 255}, "png"))
+	body := fmt.Sprintf(`{"model":"v","max_tokens":2,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":%q}}]}]}`, pic)
+	if resp, out := post(t, n.url+"/v1/chat/completions", body); resp.StatusCode != 400 || !strings.Contains(out, "--mmproj") {
+		t.Errorf("no node reads images: %d %s, want 400 naming --mmproj", resp.StatusCode, out)
+	}
+}
