@@ -44,12 +44,13 @@ var (
 		_, _ = rand.Read(b[:])
 		return hex.EncodeToString(b[:])
 	}()
-	imageRE = regexp.MustCompile(`<__image_` + imageNonce + `:(u:)?([A-Za-z0-9+/=]*)__>`)
+	imagePrefix = "<__image_" + imageNonce + ":" // every marker's start
+	imageRE     = regexp.MustCompile(regexp.QuoteMeta(imagePrefix) + `(u:)?([A-Za-z0-9+/=]*)__>`)
 )
 
 // imageMarker is the marker of an image of bytes data.
 func imageMarker(data []byte) string {
-	return "<__image_" + imageNonce + ":" + base64.StdEncoding.EncodeToString(data) + "__>"
+	return imagePrefix + base64.StdEncoding.EncodeToString(data) + "__>"
 }
 
 // imageSource is an image of a request: its bytes, or the web URL to fetch
@@ -64,7 +65,7 @@ type imageSource struct {
 // allowed there.
 func imageURLMarker(url string) (string, error) {
 	if strings.HasPrefix(url, "http://") || strings.HasPrefix(url, "https://") {
-		return "<__image_" + imageNonce + ":u:" + base64.StdEncoding.EncodeToString([]byte(url)) + "__>", nil
+		return imagePrefix + "u:" + base64.StdEncoding.EncodeToString([]byte(url)) + "__>", nil
 	}
 	data, err := imageURL(url)
 	if err != nil {
@@ -74,23 +75,28 @@ func imageURLMarker(url string) (string, error) {
 }
 
 // hasImages reports whether text holds an image marker.
-func hasImages(text string) bool { return strings.Contains(text, "<__image_"+imageNonce+":") }
+func hasImages(text string) bool { return strings.Contains(text, imagePrefix) }
 
 // takeImages replaces each image marker in text by marker and returns the
-// images' bytes in the order they appear.
+// images' bytes in the order they appear. The text is matched once (a
+// marker holds a whole image in base64).
 func takeImages(text, marker string) (string, []imageSource) {
 	var images []imageSource
-	out := imageRE.ReplaceAllStringFunc(text, func(m string) string {
-		sub := imageRE.FindStringSubmatch(m)
-		data, _ := base64.StdEncoding.DecodeString(sub[2])
-		if sub[1] != "" {
+	var out strings.Builder
+	at := 0
+	for _, m := range imageRE.FindAllStringSubmatchIndex(text, -1) {
+		out.WriteString(text[at:m[0]])
+		out.WriteString(marker)
+		at = m[1]
+		data, _ := base64.StdEncoding.DecodeString(text[m[4]:m[5]])
+		if m[2] >= 0 { // u: a web URL
 			images = append(images, imageSource{url: string(data)})
 		} else {
 			images = append(images, imageSource{data: data})
 		}
-		return marker
-	})
-	return out, images
+	}
+	out.WriteString(text[at:])
+	return out.String(), images
 }
 
 // imageURL reads a data: URL of base64 bytes (as OpenAI's clients send a
@@ -197,8 +203,8 @@ func (s *Server) chatTokens(b *Backend, p *plan, text string) ([]engine.Token, e
 		return nil, invalid("prompt_logprobs", "a prompt with images is not scored (prompt_logprobs)")
 	}
 	text, srcs := takeImages(text, imageSlot)
-	if len(srcs) > maxImages {
-		return nil, invalid(param, "%d images: at most %d are read per request", len(srcs), maxImages)
+	if err := checkImageCount(len(srcs), param); err != nil {
+		return nil, err
 	}
 	// Only where the images may be read: a node without a projector
 	// forwards them to one, which checks them against its own list.
@@ -213,6 +219,13 @@ func (s *Server) chatTokens(b *Backend, p *plan, text string) ([]engine.Token, e
 
 // maxImages bounds a request's images.
 const maxImages = 64
+
+func checkImageCount(n int, param string) error {
+	if n > maxImages {
+		return invalid(param, "%d images: at most %d are read per request", n, maxImages)
+	}
+	return nil
+}
 
 // countWithImages is how many tokens a rendered chat prompt with images
 // makes on b: its images are decoded and laid out, not encoded.
@@ -282,8 +295,8 @@ const maxDecoding = 2
 // calls fn with them, holding one of b's slots for decoded images; it waits
 // for one, or for ctx.
 func withImages(ctx context.Context, b *Backend, ip *imagePlan, param string, fn func([]engine.Image) error) error {
-	if len(ip.data) > maxImages {
-		return invalid(param, "%d images: at most %d are read per request", len(ip.data), maxImages)
+	if err := checkImageCount(len(ip.data), param); err != nil {
+		return err
 	}
 	data, err := ip.bytes(ctx, param)
 	if err != nil {
@@ -313,15 +326,6 @@ const fetchBudget = 30 * time.Second
 // within fetchBudget and, together, maxFetchBytes.
 func (ip *imagePlan) bytes(ctx context.Context, param string) ([][]byte, error) {
 	out := make([][]byte, len(ip.data))
-	if !ip.fetches() {
-		for i, src := range ip.data {
-			out[i] = src.data
-		}
-		return out, nil
-	}
-	if ip.fetch == nil {
-		return nil, invalid(param, "web image URLs are fetched for generation only: send the images as data: URLs")
-	}
 	ctx, cancel := context.WithTimeout(ctx, fetchBudget)
 	defer cancel()
 	got := map[string][]byte{}
@@ -330,6 +334,9 @@ func (ip *imagePlan) bytes(ctx context.Context, param string) ([][]byte, error) 
 		out[i] = src.data
 		if src.url == "" {
 			continue
+		}
+		if ip.fetch == nil {
+			return nil, invalid(param, "web image URLs are fetched for generation only: send the images as data: URLs")
 		}
 		if d, ok := got[src.url]; ok {
 			out[i] = d
@@ -347,8 +354,8 @@ func (ip *imagePlan) bytes(ctx context.Context, param string) ([][]byte, error) 
 // maxFetchBytes bounds the bytes of a request's fetched images together.
 const maxFetchBytes = 64 << 20
 
-// imagePrompt lays out p's prompt with its images (decoded, unless they were
-// to route it, and their embeddings computed by the projector), or returns
+// imagePrompt lays out p's prompt with its images (fetched and decoded here,
+// and their embeddings computed by the projector), or returns
 // the *engine.PromptTooLongError of a prompt of maxCtx tokens or more before
 // computing any.
 func (s *Server) imagePrompt(ctx context.Context, b *Backend, p *plan, maxCtx int) error {

@@ -834,20 +834,16 @@ func (e *Engine) pass(ctx context.Context, b *engine.Batch, rows []int32, embd, 
 	}
 	C.shoal_abort_store(e.abort, 0)
 
-	n := len(rows)
-	switch {
-	case rc == 0:
+	if rc == 0 {
 		return nil
-	case rc == 1 && first:
-		return fmt.Errorf("decode %d tokens: %w", n, engine.ErrNoKVSpace)
-	case rc == -1 && first:
-		// Refused before any micro-batch ran (e.g. positions that do not follow
-		// the sequence's): memory is untouched, and undo would cut what it holds.
-		return fmt.Errorf("decode: llama.cpp rejected the batch: %w", engine.ErrInvalidInput)
 	}
-	// A later pass of a batch with embedding rows: earlier passes wrote
-	// cells, which undo removes.
-	e.undo(b)
+	// No space (1) and a refusal (-1, e.g. positions that do not follow the
+	// sequence's) leave memory untouched, and undo would cut what it holds;
+	// unless an earlier pass of a batch with embedding rows wrote cells.
+	if !first || rc != 1 && rc != -1 {
+		e.undo(b)
+	}
+	n := len(rows)
 	switch {
 	case rc == 1:
 		return fmt.Errorf("decode %d tokens: %w", n, engine.ErrNoKVSpace)

@@ -41,6 +41,33 @@ func picture(w, h int, bg, line [3]byte) engine.Image {
 	return im
 }
 
+// imagePrompt is a prompt laid out with its image.
+type imagePrompt struct {
+	toks  []engine.Token
+	media []engine.Media
+}
+
+// picturePrompts lays out three chat prompts, each with a picture of its own
+// and the text "Describe picture n" with n = number(i).
+func picturePrompts(t *testing.T, p *Projector, number func(i int) int) []imagePrompt {
+	t.Helper()
+	pics := []engine.Image{
+		picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0}),
+		picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255}),
+		picture(64, 64, [3]byte{20, 200, 20}, [3]byte{90, 0, 90}),
+	}
+	var out []imagePrompt
+	for i, im := range pics {
+		text := fmt.Sprintf("USER: %s\nDescribe picture %d. ASSISTANT:", p.Marker(), number(i))
+		toks, media, err := p.Prompt(context.Background(), text, []engine.Image{im}, 0, true, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, imagePrompt{toks, media})
+	}
+	return out
+}
+
 // promptRows adds rows [from, to) of a prompt with media to b for sequence s.
 func promptRows(b *engine.Batch, toks []engine.Token, media []engine.Media, s engine.SeqID, from, to int) {
 	for p := from; p < to; p++ {
@@ -276,27 +303,10 @@ func TestImageRefusals(t *testing.T) {
 // answers otherwise.
 func TestSchedulerImages(t *testing.T) {
 	e := openVision(t)
-	p := e.Projector()
 	ctx := context.Background()
-	pics := []engine.Image{
-		picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0}),
-		picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255}),
-		picture(64, 64, [3]byte{20, 200, 20}, [3]byte{90, 0, 90}),
-	}
-	type prompt struct {
-		toks  []engine.Token
-		media []engine.Media
-	}
-	var prompts []prompt
-	for i, im := range pics {
-		text := fmt.Sprintf("USER: %s\nDescribe picture %d. ASSISTANT:", p.Marker(), i%2)
-		toks, media, err := p.Prompt(ctx, text, []engine.Image{im}, 0, true, false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		prompts = append(prompts, prompt{toks, media})
-	}
-	req := func(pr prompt) *scheduler.Request {
+	// Two prompts of one text, with other pictures.
+	prompts := picturePrompts(t, e.Projector(), func(i int) int { return i % 2 })
+	req := func(pr imagePrompt) *scheduler.Request {
 		return &scheduler.Request{Prompt: pr.toks, Media: pr.media, MaxTokens: 12, IgnoreEOS: true}
 	}
 	// Alone, with a step budget of 7 tokens: every image is cut over steps.
@@ -403,27 +413,12 @@ func TestGemma3Images(t *testing.T) {
 	if c := e.Capacity(); !c.WholeMedia || c.PrefixReuse {
 		t.Fatalf("capacity %+v: want WholeMedia (and Gemma 3's sliding window, so no prefix reuse)", c)
 	}
-	p := e.Projector()
 	ctx := context.Background()
-	pics := []engine.Image{
-		picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0}),
-		picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255}),
-		picture(64, 64, [3]byte{20, 200, 20}, [3]byte{90, 0, 90}),
-	}
-	type prompt struct {
-		toks  []engine.Token
-		media []engine.Media
-	}
-	var prompts []prompt
-	for i, im := range pics {
-		toks, media, err := p.Prompt(ctx, fmt.Sprintf("USER: %s\nDescribe picture %d. ASSISTANT:", p.Marker(), i), []engine.Image{im}, 0, true, false)
-		if err != nil {
-			t.Fatal(err)
+	prompts := picturePrompts(t, e.Projector(), func(i int) int { return i })
+	for _, pr := range prompts {
+		if len(pr.media) != 1 || pr.media[0].Len != 16 {
+			t.Fatalf("media %+v: want one image of 16 tokens", pr.media)
 		}
-		if len(media) != 1 || media[0].Len != 16 {
-			t.Fatalf("media %+v: want one image of 16 tokens", media)
-		}
-		prompts = append(prompts, prompt{toks, media})
 	}
 	tol := max(4*kernelNoise(t, e), 1e-3)
 	if err := e.ClearMemory(); err != nil {
@@ -438,7 +433,7 @@ func TestGemma3Images(t *testing.T) {
 		t.Errorf("decoded causally, the logits move by %.3g only: the image is not attending both ways", d)
 	}
 
-	req := func(pr prompt) *scheduler.Request {
+	req := func(pr imagePrompt) *scheduler.Request {
 		return &scheduler.Request{Prompt: pr.toks, Media: pr.media, MaxTokens: 10, IgnoreEOS: true}
 	}
 	// Steps of 24 tokens: the text is cut, and the first step's would cut the
