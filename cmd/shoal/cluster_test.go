@@ -9,7 +9,6 @@ import (
 	"math"
 	"net"
 	"net/http"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -443,11 +442,7 @@ func TestKeylessNodeForwards(t *testing.T) {
 // (--lora-modules) is listed by the others, and a request for it sent to
 // another node is answered by the node that has it, as it answers itself.
 func TestAdapterRoutedToItsNode(t *testing.T) {
-	var out, errb bytes.Buffer
-	adapter := filepath.Join(t.TempDir(), "lora.gguf")
-	if code := run([]string{"gen-model", "--preset", "small", "--lora", "8", "--out", adapter}, &out, &errb); code != 0 {
-		t.Fatalf("gen-model --lora: %d %s", code, errb.String())
-	}
+	adapter := genFile(t, "lora.gguf", "--preset", "small", "--lora", "8")
 	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 	g1 := freeAddr(t)
 	a := startNode(t, "--model", smallModel(t), "--model-name", "base", "--node-name", "a", "--gossip-addr", g1, "--gossip-key", gk, "--lora-modules", "tuned="+adapter)
@@ -532,11 +527,7 @@ func getBody(url string) string {
 // rerank request for it sent to another node is answered by the reranker, with
 // the scores it gives itself.
 func TestRerankerInCluster(t *testing.T) {
-	model := filepath.Join(t.TempDir(), "rr.gguf")
-	var out, errb bytes.Buffer
-	if code := run([]string{"gen-model", "--preset", "tiny", "--reranker", "--out", model}, &out, &errb); code != 0 {
-		t.Fatalf("gen-model --reranker: exit %d: %s", code, errb.String())
-	}
+	model := genFile(t, "rr.gguf", "--preset", "tiny", "--reranker")
 	gk := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 	g1 := freeAddr(t)
 	rr := startNode(t, "--model", model, "--reranking", "--gossip-addr", g1, "--gossip-key", gk)
@@ -565,11 +556,7 @@ func TestRerankerInCluster(t *testing.T) {
 // TestRerankersSpread: rerank requests sent to one of two nodes serving the same
 // reranker are spread over both, as generation is: adding a node adds capacity.
 func TestRerankersSpread(t *testing.T) {
-	model := filepath.Join(t.TempDir(), "rr.gguf")
-	var out, errb bytes.Buffer
-	if code := run([]string{"gen-model", "--preset", "small", "--reranker", "--out", model}, &out, &errb); code != 0 {
-		t.Fatalf("gen-model --reranker: exit %d: %s", code, errb.String())
-	}
+	model := genFile(t, "rr.gguf", "--preset", "small", "--reranker")
 	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 	g1 := freeAddr(t)
 	common := []string{"--model", model, "--reranking", "--gossip-key", key, "--threads", "1"}

@@ -17,11 +17,7 @@ import (
 // --fim) serves llama-server's /infill, whole and streamed, and the OpenAI
 // SDK's suffix, laid out with those tokens; the plain model refuses both.
 func TestInfill(t *testing.T) {
-	var out, errb bytes.Buffer
-	path := filepath.Join(t.TempDir(), "fim.gguf")
-	if code := run([]string{"gen-model", "--preset", "small", "--fim", "--out", path}, &out, &errb); code != 0 {
-		t.Fatalf("gen-model --fim: %d %s", code, errb.String())
-	}
+	path := genFile(t, "fim.gguf", "--preset", "small", "--fim")
 	n := startNode(t, "--model", path)
 	const body = `{"input_prefix":"def add(a, b):\n","input_suffix":"\n\nprint(add(1, 2))\n","input_extra":[{"filename":"util.py","text":"import math\n"}],"n_predict":8,"temperature":0,"seed":1`
 	var whole struct {

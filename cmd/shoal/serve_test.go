@@ -65,6 +65,18 @@ func smallModel(t testing.TB) string {
 	return smallPath
 }
 
+// genFile runs `shoal gen-model` with args, writing a file named name in a
+// temporary directory, and returns its path.
+func genFile(t testing.TB, name string, args ...string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	var out, errb strings.Builder
+	if code := run(append(append([]string{"gen-model"}, args...), "--out", p), &out, &errb); code != 0 {
+		t.Fatalf("gen-model %v: exit %d: %s", args, code, errb.String())
+	}
+	return p
+}
+
 // node is a running `shoal serve` process.
 type node struct {
 	cmd  *exec.Cmd
@@ -942,11 +954,7 @@ func completionText(t *testing.T, url, body string) string {
 // top_n, documents as strings or objects), TEI's, and vLLM's score, with the same
 // score for a pair whichever way it is asked, and refuses what it cannot do.
 func TestRerankerNode(t *testing.T) {
-	model := filepath.Join(t.TempDir(), "reranker.gguf")
-	var out, errb strings.Builder
-	if code := run([]string{"gen-model", "--preset", "tiny", "--reranker", "--out", model}, &out, &errb); code != 0 {
-		t.Fatalf("gen-model --reranker: exit %d: %s", code, errb.String())
-	}
+	model := genFile(t, "reranker.gguf", "--preset", "tiny", "--reranker")
 	n := startNode(t, "--model", model, "--reranking", "--max-waiting", "8")
 	docs := make([]string, 40) // more than the queue holds: submitted as a window
 	for i := range docs {

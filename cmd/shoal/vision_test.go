@@ -14,7 +14,6 @@ import (
 	"image/jpeg"
 	"image/png"
 	"net/http"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -28,15 +27,9 @@ import (
 	"github.com/shoal-ai/shoal/models"
 )
 
-// visionModel writes a projector for smallModel and returns its path.
+// visionProjector writes a projector for smallModel and returns its path.
 func visionProjector(t *testing.T) string {
-	t.Helper()
-	p := filepath.Join(t.TempDir(), "mmproj.gguf")
-	var out, errb strings.Builder
-	if code := run([]string{"gen-model", "--preset", "small", "--mmproj", "--out", p}, &out, &errb); code != 0 {
-		t.Fatalf("gen-model --mmproj: exit %d: %s", code, errb.String())
-	}
-	return p
+	return genFile(t, "mmproj.gguf", "--preset", "small", "--mmproj")
 }
 
 // testImage encodes a w×h picture of colour c with a stripe, as PNG or JPEG.
@@ -356,17 +349,8 @@ func postHop(t *testing.T, url, body, secret string) (*http.Response, string) {
 // TestGemma3VisionNode: a Gemma 3 model with its projector (image tokens
 // attending both ways) reads pictures through the API.
 func TestGemma3VisionNode(t *testing.T) {
-	dir := t.TempDir()
-	model, proj := filepath.Join(dir, "g.gguf"), filepath.Join(dir, "g-mmproj.gguf")
-	for _, args := range [][]string{
-		{"gen-model", "--preset", "gemma3-tiny", "--out", model},
-		{"gen-model", "--preset", "gemma3-tiny", "--mmproj", "--image-size", "64", "--out", proj},
-	} {
-		var out, errb strings.Builder
-		if code := run(args, &out, &errb); code != 0 {
-			t.Fatalf("%v: exit %d: %s", args, code, errb.String())
-		}
-	}
+	model := genFile(t, "g.gguf", "--preset", "gemma3-tiny")
+	proj := genFile(t, "g-mmproj.gguf", "--preset", "gemma3-tiny", "--mmproj", "--image-size", "64")
 	n := startNode(t, "--model", model, "--model-name", "g", "--mmproj", proj, "--max-batch-tokens", "64")
 	c := n.client("")
 	ask := func(pic string) string {
