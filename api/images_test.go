@@ -393,3 +393,38 @@ func TestImagesQueueFull(t *testing.T) {
 		t.Errorf("a full queue: %d %s; the projector was given %q", w.Code, w.Body, p.text)
 	}
 }
+
+// TestVisionBodyLimit: bodies beyond MaxBodyBytes, up to VisionBodyBytes,
+// are taken only where images are read; declared or not (chunked).
+func TestVisionBodyLimit(t *testing.T) {
+	limits := func(c *Config, _ *scheduler.Config) { c.MaxBodyBytes, c.VisionBodyBytes = 1024, 64<<10 }
+	pic := "data:image/png;base64," + base64.StdEncoding.EncodeToString(encodeImage(t, 6, 4, color.RGBA{255, 0, 0, 255}, "png"))
+	body := fmt.Sprintf(`{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"text","text":%q},{"type":"image_url","image_url":{"url":%q}}]}]}`,
+		strings.Repeat("a", 1500), pic)
+	huge := strings.Replace(body, `"a`, `"`+strings.Repeat("b", 64<<10), 1)
+	send := func(s *testServer, body string, chunked bool) int {
+		req := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
+		if chunked {
+			req.ContentLength = -1
+		}
+		w := httptest.NewRecorder()
+		s.Handler().ServeHTTP(w, req)
+		if w.Code != http.StatusOK && w.Code != http.StatusRequestEntityTooLarge {
+			t.Logf("%d: %s", w.Code, w.Body)
+		}
+		return w.Code
+	}
+	blind := newTestServer(t, limits)
+	eyes, _ := newVisionServer(t, limits)
+	for _, chunked := range []bool{false, true} {
+		if code := send(blind, body, chunked); code != http.StatusRequestEntityTooLarge {
+			t.Errorf("no projector, chunked %v: %d, want 413", chunked, code)
+		}
+		if code := send(eyes, body, chunked); code != http.StatusOK {
+			t.Errorf("projector, chunked %v: %d, want 200", chunked, code)
+		}
+		if code := send(eyes, huge, chunked); code != http.StatusRequestEntityTooLarge {
+			t.Errorf("projector, beyond VisionBodyBytes, chunked %v: %d, want 413", chunked, code)
+		}
+	}
+}

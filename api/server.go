@@ -53,7 +53,12 @@ type Config struct {
 	ModelName    string
 	APIKeys      []string
 	MaxBodyBytes int64
-	MaxTokensCap int
+	// VisionBodyBytes, when above MaxBodyBytes, bounds the bodies of requests
+	// that may carry pictures in base64 (a phone's photo is 4-7 MB) while the
+	// node or a member of its cluster reads images for a model; 0: MaxBodyBytes
+	// always.
+	VisionBodyBytes int64
+	MaxTokensCap    int
 	// SchemaToGrammar converts a JSON schema to GBNF (response_format json_schema).
 	SchemaToGrammar func(schema []byte) (string, error)
 	// CacheInfo labels vllm:cache_config_info (block_size, cache_dtype, ...).
@@ -93,6 +98,8 @@ func (c Config) Validate() error {
 	switch {
 	case c.MaxBodyBytes < 1024:
 		return fmt.Errorf("api: max body bytes %d is too small", c.MaxBodyBytes)
+	case c.VisionBodyBytes < 0:
+		return fmt.Errorf("api: vision body bytes %d must not be negative", c.VisionBodyBytes)
 	case c.MaxTokensCap < 0:
 		return fmt.Errorf("api: max tokens cap %d must not be negative", c.MaxTokensCap)
 	case c.ModelName == "":
@@ -368,9 +375,25 @@ func (s *Server) readyBackend(c *gin.Context) (*Backend, bool) {
 
 func (s *Server) limitBody(c *gin.Context) {
 	if c.Request.Body != nil {
-		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, s.cfg.MaxBodyBytes)
+		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, s.bodyLimit(c.Request.ContentLength))
 	}
 	c.Next()
+}
+
+// bodyLimit is the largest body accepted for a request declaring length
+// bytes (-1: unknown): VisionBodyBytes where images are read, on this node or
+// another that a request reaching this one may be forwarded to.
+func (s *Server) bodyLimit(length int64) int64 {
+	if s.cfg.VisionBodyBytes <= s.cfg.MaxBodyBytes || (length >= 0 && length <= s.cfg.MaxBodyBytes) {
+		return s.cfg.MaxBodyBytes
+	}
+	if b := s.backend.Load(); b != nil && b.Projector != nil {
+		return s.cfg.VisionBodyBytes
+	}
+	if n := s.node(); n != nil && slices.ContainsFunc(n.Members(), func(m cluster.Member) bool { return m.Vision }) {
+		return s.cfg.VisionBodyBytes
+	}
+	return s.cfg.MaxBodyBytes
 }
 
 func (s *Server) auth(c *gin.Context) {

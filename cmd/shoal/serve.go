@@ -228,7 +228,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.caching, "prefix-caching", true, "reuse the KV cache of common prompt prefixes")
 	fs.Float64Var(&f.cacheFloor, "prefix-cache-floor", sc.KV.CacheFloor, "with one KV pool: share of the pool (or, when fewer, of the cells whose KV is as large as the model's weights) that cached prefixes nobody is using always keep; beyond it they are kept as far as reuse shows it pays: misses on recently evicted prefixes, first hits on cached ones (1: keep until the pool is full)")
 	fs.Uint64Var(&f.hashSeed, "hash-seed", 0, "seed of the prefix block hashes (equal on every node of a cluster)")
-	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond)")
+	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond); default 8 MiB, or 64 MiB where images are read (by the node, --mmproj, or a member of its cluster)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
 	fs.Var(&f.mediaDomains, "allowed-media-domains", "hosts (images.example.com, or *) whose http(s) image URLs in requests the node fetches, as vLLM's; none by default: images come as data: URLs")
 	fs.Var(&f.allowedOrigins, "allowed-origins", "web origins (https://app.example.com, or *) whose pages may call the API from a browser (CORS); none by default")
@@ -398,9 +398,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
 	ac.AllowedOrigins, ac.AllowedMediaDomains = f.allowedOrigins, f.mediaDomains
-	if f.mmproj != "" && !setFlags["max-body-bytes"] && os.Getenv("SHOAL_MAX_BODY_BYTES") == "" {
-		// Requests carry pictures in base64: a phone's photo is 4-7 MB.
-		ac.MaxBodyBytes = max(ac.MaxBodyBytes, visionBodyBytes)
+	if !setFlags["max-body-bytes"] && os.Getenv("SHOAL_MAX_BODY_BYTES") == "" {
+		ac.VisionBodyBytes = visionBodyBytes
 	}
 	ac.PriorityScheduling = f.schedulingPolicy == "priority"
 	ac.ReasoningFormat = f.reasoningFormat
@@ -617,8 +616,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	return nil
 }
 
-// visionBodyBytes is the largest request body by default on a node reading
-// images (--mmproj).
+// visionBodyBytes is the largest request body by default where images are
+// read, by the node (--mmproj) or a member of its cluster that a request may
+// be forwarded to: requests carry pictures in base64, a phone's photo 4-7 MB.
 const visionBodyBytes = 64 << 20
 
 // parseKVMemory reads --kv-memory: auto (-1), a fraction in (0,1], 0, or bytes with

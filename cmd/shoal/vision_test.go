@@ -265,6 +265,11 @@ func TestVisionInCluster(t *testing.T) {
 	if resp, out := post(t, blind.url+"/api/chat", ollama); resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("X-Shoal-Served-By"), "eyes") {
 		t.Fatalf("Ollama's chat with an image to blind: %d served by %q: %s", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
 	}
+	// Beyond blind's own 8 MiB (a phone's photo in base64, here padding
+	// JSON allows): taken, as its cluster reads images.
+	if resp, out := post(t, blind.url+"/v1/chat/completions", chat("look")+strings.Repeat(" ", 9<<20)); resp.StatusCode != 200 || answer(out) != answer(direct) {
+		t.Fatalf("a 9 MiB image request to blind: %d served by %q: %.300s", resp.StatusCode, resp.Header.Get("X-Shoal-Served-By"), out)
+	}
 
 	// A long chat about a picture, computed on eyes2 (sent as a peer's hop,
 	// so that eyes2 computes it): sent to eyes, it goes where its prefix
