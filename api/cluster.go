@@ -111,8 +111,11 @@ func streamFailure(c *gin.Context) func(peer string) string {
 // should be served here; then the caller calls done when the local request ends, so
 // that the router counts it until the node's gossiped load shows it. tokens may be
 // nil (model served only elsewhere); uncached: the request reads nothing from the
-// prefix cache (Node.RouteUncached).
-func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, priority int, uncached bool) (answered bool, done func()) {
+// prefix cache (Node.RouteUncached). more are the request's other prompts (a
+// batch's other inputs, a completion request's other prompts) and choices the
+// sequences it runs besides tokens' (n): the router counts them all against
+// the node it is sent to.
+func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more [][]engine.Token, choices, priority int, uncached bool) (answered bool, done func()) {
 	noop := func() {}
 	cs := s.cluster.Load()
 	if cs == nil {
@@ -145,12 +148,17 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, prio
 	}
 	body, _ := c.Get(bodyKey)
 	raw, _ := body.([]byte)
+	seqs, moreTok := (1+len(more))*max(choices, 1)-1, 0
+	for _, m := range more {
+		moreTok += len(m)
+	}
 	var lastErr error
 	busy, broken, refused := 0, 0, 0 // peers that answered 429 (queue full), that failed, that answered 401
 	for i, t := range targets {
 		if i == maxForwardTries {
 			break
 		}
+		t = t.With(seqs, moreTok)
 		if t.Local {
 			return false, cs.node.Sent(t)
 		}

@@ -683,7 +683,7 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool)
 	}
 	if !forwarded {
 		// A scored prompt reads nothing from the cache: placed by load alone.
-		answered, done := s.route(c, p.model, p.prompts[0], p.req.Priority, p.req.PromptLogprobs)
+		answered, done := s.route(c, p.model, p.prompts[0], p.prompts[1:], p.n, p.req.Priority, p.req.PromptLogprobs)
 		defer done()
 		if answered {
 			return
@@ -839,7 +839,7 @@ func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, pr
 	if here {
 		tokens = []engine.Token{}
 	}
-	answered, done := s.route(c, model, tokens, priority, false)
+	answered, done := s.route(c, model, tokens, nil, 1, priority, false)
 	done()
 	return !answered
 }

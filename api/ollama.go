@@ -1059,7 +1059,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			c.JSON(http.StatusOK, gin.H{"embedding": []float32{}}) // as Ollama answers an empty prompt
 			return
 		}
-		answered, done := s.spread(c, b, req.Model, inputs[0])
+		answered, done := s.spread(c, b, req.Model, inputs)
 		defer done()
 		if answered {
 			return

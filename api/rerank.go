@@ -291,7 +291,7 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 		}
 		inputs[i] = toks
 	}
-	answered, done := s.spread(c, b, model, inputs[0])
+	answered, done := s.spread(c, b, model, inputs)
 	defer done()
 	if answered {
 		return nil, 0, false

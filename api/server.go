@@ -598,7 +598,7 @@ func (s *Server) embeddings(c *gin.Context) {
 		abort(c, invalid("input", "at most %d inputs per request", maxInputs))
 		return
 	}
-	answered, done := s.spread(c, b, req.Model, inputs[0])
+	answered, done := s.spread(c, b, req.Model, inputs)
 	defer done()
 	if answered {
 		return
@@ -652,14 +652,15 @@ func TaskOf(info engine.ModelInfo) string {
 // spread routes an embedding, rerank or score request as generation is routed,
 // among the nodes that serve model for its task: where inputs start from a
 // cached prefix (Capacity.PoolsLast: a rerank request's pairs share the query)
-// by where first is cached, else as a request without blocks (in turn).
+// by where the first input is cached, else as a request without blocks (in
+// turn); the router counts all inputs against the node it is sent to.
 // answered: it was forwarded (or refused); else the caller serves it and calls
 // done when it ends. A forwarded request has made its one hop.
-func (s *Server) spread(c *gin.Context, b *Backend, model string, first []engine.Token) (answered bool, done func()) {
-	if _, forwarded := c.Get(forwardedByKey); forwarded {
+func (s *Server) spread(c *gin.Context, b *Backend, model string, inputs [][]engine.Token) (answered bool, done func()) {
+	if _, forwarded := c.Get(forwardedByKey); forwarded || len(inputs) == 0 {
 		return false, func() {}
 	}
-	return s.route(c, cmp.Or(model, s.cfg.ModelName), first, 0, !b.Capacity.PoolsLast)
+	return s.route(c, cmp.Or(model, s.cfg.ModelName), inputs[0], inputs[1:], 1, 0, !b.Capacity.PoolsLast)
 }
 
 // taskUse names what a node of each task serves and the endpoints that ask for

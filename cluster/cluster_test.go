@@ -378,6 +378,17 @@ func TestRoundRobinAndInflight(t *testing.T) {
 	if reqs, toks := n.peers["self"].unreflected(); reqs != 2 || toks != 200 {
 		t.Fatalf("unreflected = %d requests, %d tokens; want 2, 200", reqs, toks)
 	}
+	// A batch of 8 inputs counts as 8 sequences, with all their tokens; a
+	// saturated node is passed over.
+	batch := n.Sent(Target{Name: "b", compute: 10}.With(7, 300))
+	if reqs, toks := n.peers["b"].unreflected(); reqs != 8 || toks != 310 {
+		t.Fatalf("a batch's flight = %d sequences, %d tokens; want 8, 310", reqs, toks)
+	}
+	n.peers["b"].load.MaxWaiting = 8
+	if ts, _ := n.Route("m", prompt, 0); slices.ContainsFunc(ts, func(t Target) bool { return t.Name == "b" }) {
+		t.Fatalf("a node with a full queue's worth of sequences in flight is a candidate: %+v", ts)
+	}
+	batch()
 	// Two load updates later the node's own load shows them: they stop counting twice.
 	n.peers["self"].load.Seq += 2
 	if reqs, toks := n.peers["self"].unreflected(); reqs != 0 || toks != 0 {

@@ -171,18 +171,19 @@ type peer struct {
 // flight is a request this node routed to a peer, until it ends.
 type flight struct {
 	cost int    // uncached prompt tokens: prefill it costs the peer
+	seqs int    // sequences it runs there (a batch's inputs, n choices)
 	seq  uint64 // the peer's load sequence number when it was sent
 }
 
-// unreflected counts p's flights that its gossiped load cannot show yet, and their
-// prefill tokens. A load update shows a request once it was published after the
+// unreflected counts the sequences of p's flights that its gossiped load cannot
+// show yet, and their prefill tokens. A load update shows a request once it was published after the
 // request arrived; the second update after sending is (updates go out every
 // LoadInterval, and gossip delivers within about one). Counting every flight until it
 // ends would count each twice once the peer's load shows it. Caller holds n.mu.
 func (p *peer) unreflected() (reqs, tokens int) {
 	for _, f := range p.flights {
 		if p.load.Seq < f.seq+2 {
-			reqs++
+			reqs += f.seqs
 			tokens += f.cost
 		}
 	}

@@ -55,6 +55,17 @@ type Target struct {
 
 	hashes  []kvcache.Hash // the prompt's block hashes (prefix policies), for Sent
 	compute int            // prompt tokens not in its summary: the prefill it costs there
+	more    int            // sequences the request runs besides its routed prompt's
+	moreTok int            // their prompt tokens, all to compute
+}
+
+// With returns t for a request that runs seqs sequences besides the prompt it
+// was routed by, with tokens prompt tokens among them to compute (the other
+// inputs of a batch, the other prompts of a completion request): Sent counts
+// them all against t until its load shows them.
+func (t Target) With(seqs, tokens int) Target {
+	t.more, t.moreTok = max(seqs, 0), max(tokens, 0)
+	return t
 }
 
 // minPrefillTPS keeps the estimate finite for a node that has not prefilled yet.
@@ -574,7 +585,7 @@ func (n *Node) saturated(p *peer, reqs int) bool {
 // summary does not show) against that node, so that gossip that has not seen it yet
 // cannot send a herd there, while requests that hit the node's cache weigh little.
 func (n *Node) Sent(t Target) func() {
-	f := &flight{cost: t.compute}
+	f := &flight{cost: t.compute + t.moreTok, seqs: 1 + t.more}
 	n.mu.Lock()
 	if p := n.peers[t.Name]; p != nil {
 		f.seq = p.load.Seq
