@@ -942,7 +942,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	}
 	switch {
 	case p.infill != nil:
-		s.infillAnswer(c, b, p, subs[0])
+		s.infillAnswer(c, b, p, subs)
 	case p.ollama != nil:
 		s.ollamaAnswer(c, b, p, subs[0])
 	case p.anthropic && p.stream:

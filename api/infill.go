@@ -163,6 +163,7 @@ type InfillRequest struct {
 // event of their streams: Content is the new text and Stop false until the last
 // event, which carries the rest.
 type InfillResponse struct {
+	Index           int            `json:"index"` // the prompt's, among /completion's several
 	Content         string         `json:"content"`
 	Stop            bool           `json:"stop"`
 	Model           string         `json:"model,omitempty"`
@@ -275,13 +276,40 @@ func (s *Server) infill(c *gin.Context) {
 
 // infillAnswer answers an /infill or /completion request in llama-server's
 // format, whole or streamed (data events without [DONE], as llama-server's own
-// endpoints).
-func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted) {
+// endpoints): several prompts' answers as an array, and their events one
+// prompt after another, each with its index.
+func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, subs []submitted) {
 	var w *sseWriter
 	if p.stream {
 		w = &sseWriter{c: c}
 		w.start()
 	}
+	outs := make([]any, 0, len(subs))
+	for i, sub := range subs {
+		out, err := s.infillOne(c, b, p, sub, i, w)
+		if err != nil {
+			if w == nil {
+				abort(c, err)
+			} else if c.Request.Context().Err() == nil {
+				w.data(toAPIError(err).body())
+			}
+			return
+		}
+		outs = append(outs, out)
+	}
+	switch {
+	case w != nil:
+	case len(outs) == 1:
+		c.JSON(http.StatusOK, outs[0])
+	default:
+		c.JSON(http.StatusOK, outs)
+	}
+}
+
+// infillOne reads sub, the answer to prompt index, sending its events to w
+// when streaming: the last one carries out, the answer's end (whole, without
+// w).
+func (s *Server) infillOne(c *gin.Context, b *Backend, p *plan, sub submitted, index int, w *sseWriter) (out any, err error) {
 	var content strings.Builder
 	var probs []LlamaProb   // not yet sent
 	var emitted, pieces int // bytes of the answer's text, of its tokens'
@@ -291,7 +319,7 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 			return
 		}
 		if w != nil {
-			w.data(InfillResponse{Content: text, CompletionProbabilities: probs})
+			w.data(InfillResponse{Index: index, Content: text, CompletionProbabilities: probs})
 			probs = nil
 			return
 		}
@@ -329,19 +357,14 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 		}
 	})
 	if err != nil {
-		if w == nil {
-			abort(c, err)
-		} else if c.Request.Context().Err() == nil {
-			w.data(toAPIError(err).body())
-		}
-		return
+		return nil, err
 	}
 	// The tokens whose text a stop string (or a cut) took out of the answer are
 	// not listed, as llama-server does not list them: those not yet sent.
 	for excess := pieces - emitted; excess > 0 && len(probs) > 0; probs = probs[:len(probs)-1] {
 		excess -= len(probs[len(probs)-1].Bytes)
 	}
-	r := InfillResponse{Content: content.String(), Stop: true, Model: p.model, TokensPredicted: u.CompletionTokens,
+	r := InfillResponse{Index: index, Content: content.String(), Stop: true, Model: p.model, TokensPredicted: u.CompletionTokens,
 		TokensEvaluated: u.PromptTokens, TokensCached: u.CachedTokens, CompletionProbabilities: probs}
 	switch {
 	case p.warm || cut.stopped || fin.Finish == scheduler.FinishLength:
@@ -358,15 +381,14 @@ func (s *Server) infillAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 	if w != nil {
 		r.Content = ""
 	}
-	var out any = r
+	out = r
 	if len(p.infill.fields) > 0 {
 		out = selectFields(r, p.infill.fields)
 	}
 	if w != nil {
 		w.data(out)
-		return
 	}
-	c.JSON(http.StatusOK, out)
+	return out, nil
 }
 
 // selectFields is v as JSON with only the fields at paths, each under its path

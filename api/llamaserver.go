@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"net/http"
 	"slices"
@@ -14,19 +15,21 @@ import (
 	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/sample"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // llama-server's own endpoints beside /infill, for clients written against it
 // (SillyTavern's and text-generation front ends' llama.cpp connections, scripts):
 // /completion, /props and /apply-template.
 
-// LlamaCompletionRequest is llama-server's /completion request: one prompt, the
-// sampling fields under llama-server's names as well as OpenAI's, and the
-// answer in llama-server's shape (InfillResponse).
+// LlamaCompletionRequest is llama-server's /completion request: a prompt or
+// several, the sampling fields under llama-server's names as well as OpenAI's,
+// and the answer in llama-server's shape (InfillResponse; an array of them,
+// each with its index, for several prompts).
 type LlamaCompletionRequest struct {
 	SamplingFields
 	LlamaFields
-	Prompt *LlamaPrompt `json:"prompt"`
+	Prompt *LlamaPrompts `json:"prompt"`
 }
 
 // LlamaFields are what llama-server's own endpoints (/completion, /infill) take
@@ -57,24 +60,53 @@ type LlamaFields struct {
 // tokenize_mixed adds it).
 type LlamaPrompt []any // string or int64
 
-// UnmarshalJSON takes a string or an array of strings and token ids.
-func (p *LlamaPrompt) UnmarshalJSON(b []byte) error {
-	if t := bytes.TrimSpace(b); len(t) > 0 && t[0] == '"' {
-		var s string
-		if err := json.Unmarshal(t, &s); err != nil {
-			return err
-		}
-		*p = LlamaPrompt{s}
+// LlamaPrompts are /completion's prompts, read as llama-server reads them: a
+// string, or an array of token ids with or without strings among them, is one
+// prompt; any other array lists prompts, each a string or such an array
+// (["a", "b"] is two prompts, [[1, 2], "c"] two as well).
+type LlamaPrompts []LlamaPrompt
+
+// UnmarshalJSON takes a prompt or an array of prompts.
+func (p *LlamaPrompts) UnmarshalJSON(b []byte) error {
+	if one, ok := llamaPrompt(b, false); ok {
+		*p = LlamaPrompts{one}
 		return nil
 	}
 	var parts []json.RawMessage
 	if err := json.Unmarshal(b, &parts); err != nil {
-		return errors.New("prompt must be a string, or an array of strings and token ids")
+		return errors.New("prompt must be a string, an array of strings and token ids, or an array of such prompts")
+	}
+	out := make(LlamaPrompts, 0, len(parts))
+	for i, raw := range parts {
+		one, ok := llamaPrompt(raw, true)
+		if !ok {
+			return fmt.Errorf("prompt %d must be a string, or an array of token ids and strings", i)
+		}
+		out = append(out, one)
+	}
+	*p = out
+	return nil
+}
+
+// llamaPrompt reads b as one prompt: a string, or an array of token ids and
+// strings, with at least one id unless listed (an array of strings alone
+// lists prompts).
+func llamaPrompt(b []byte, listed bool) (LlamaPrompt, bool) {
+	b = bytes.TrimSpace(b)
+	var s string
+	if len(b) > 0 && b[0] == '"' {
+		if json.Unmarshal(b, &s) != nil {
+			return nil, false
+		}
+		return LlamaPrompt{s}, true
+	}
+	var parts []json.RawMessage
+	if json.Unmarshal(b, &parts) != nil {
+		return nil, false
 	}
 	out := make(LlamaPrompt, 0, len(parts))
 	ids := false
 	for _, raw := range parts {
-		var s string
 		var id int64
 		switch {
 		case json.Unmarshal(raw, &s) == nil:
@@ -82,15 +114,10 @@ func (p *LlamaPrompt) UnmarshalJSON(b []byte) error {
 		case json.Unmarshal(raw, &id) == nil:
 			out, ids = append(out, id), true
 		default:
-			return errors.New("prompt must be one prompt: a string, or an array of strings and token ids (several prompts are answered by /v1/completions)")
+			return nil, false
 		}
 	}
-	if len(out) > 1 && !ids {
-		// llama-server reads strings alone as several prompts, each answered.
-		return errors.New("prompt must be one prompt: an array of strings is several prompts, which /v1/completions answers")
-	}
-	*p = out
-	return nil
+	return out, ids || listed
 }
 
 // unsupported refuses samplers turned on that shoal does not have.
@@ -212,17 +239,28 @@ func (s *Server) llamaCompletion(c *gin.Context) {
 		abort(c, invalid("prompt", "prompt is required"))
 		return
 	}
-	toks, err := req.Prompt.tokens(b.Vocab)
-	if err != nil {
-		abort(c, err)
-		return
-	}
-	if len(toks) == 0 {
+	switch n := len(*req.Prompt); {
+	case n == 0:
 		abort(c, invalid("prompt", "prompt is empty"))
 		return
+	case n > scheduler.MaxChoices*4:
+		abort(c, invalid("prompt", "%d prompts are too many for one request (at most %d)", n, scheduler.MaxChoices*4))
+		return
+	}
+	for i, one := range *req.Prompt {
+		toks, err := one.tokens(b.Vocab)
+		if err != nil {
+			abort(c, err)
+			return
+		}
+		if len(toks) == 0 {
+			abort(c, invalid("prompt", "%s is empty", which("prompt", i, len(*req.Prompt))))
+			return
+		}
+		p.prompts = append(p.prompts, toks)
 	}
 	// n_predict is a most: the context ends the completion, as llama-server's.
-	p.prompts, p.warm, p.maxTokensAsked = [][]engine.Token{toks}, warm, false
+	p.warm, p.maxTokensAsked = warm, false
 	p.infill = &infillPlan{fields: req.ResponseFields}
 	s.routeOrRun(c, b, &p, forwarded)
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -92,6 +93,38 @@ func TestLlamaCompletion(t *testing.T) {
 	if strings.Count(w.Body.String(), `"completion_probabilities"`) != 3 {
 		t.Fatalf("n_probs streamed: %s", w.Body)
 	}
+	// Several prompts, as llama-server reads them: an array of answers, each
+	// as the prompt alone gets it, with its index; streamed, each event says
+	// whose it is.
+	xy, _ := s.fake.Vocab().Tokenize("xy", true, false)
+	idList, _ := json.Marshal(xy)
+	alone := []InfillResponse{answer(`{"prompt":"abc","n_predict":4,"temperature":0}`), answer(`{"prompt":"q","n_predict":4,"temperature":0}`),
+		answer(`{"prompt":` + string(idList) + `,"n_predict":4,"temperature":0}`), answer(`{"prompt":[` + strconv.Itoa(int(xy[0])) + `,"k"],"n_predict":4,"temperature":0}`)}
+	w = s.do(t, "POST", "/completion", `{"prompt":["abc","q",`+string(idList)+`,[`+strconv.Itoa(int(xy[0]))+`,"k"]],"n_predict":4,"temperature":0}`)
+	var several []InfillResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &several); err != nil || w.Code != 200 || len(several) != len(alone) {
+		t.Fatalf("several prompts: %d %s", w.Code, w.Body)
+	}
+	for i, r := range several {
+		if r.Index != i || r.Content != alone[i].Content || r.TokensEvaluated != alone[i].TokensEvaluated {
+			t.Errorf("prompt %d of several: %+v, alone: %+v", i, r, alone[i])
+		}
+	}
+	if r := answer(`{"prompt":["q"],"n_predict":4,"temperature":0}`); r.Content != alone[1].Content {
+		t.Errorf("a list of one prompt: %+v, want the prompt's answer", r)
+	}
+	w = s.do(t, "POST", "/completion", `{"prompt":["abc","q"],"n_predict":4,"temperature":0,"stream":true}`)
+	got := map[int]string{}
+	for _, e := range strings.Split(strings.TrimSpace(w.Body.String()), "\n\n") {
+		var r InfillResponse
+		if err := json.Unmarshal([]byte(strings.TrimPrefix(e, "data: ")), &r); err != nil {
+			t.Fatalf("several prompts streamed: %q: %v", e, err)
+		}
+		got[r.Index] += r.Content
+	}
+	if w.Code != 200 || len(got) != 2 || got[0] != alone[0].Content || got[1] != alone[1].Content {
+		t.Fatalf("several prompts streamed: %v, alone %q %q", got, alone[0].Content, alone[1].Content)
+	}
 	w = s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":2,"response_fields":["content","timings/predicted_n"]}`)
 	if w.Code != 200 || !strings.Contains(w.Body.String(), `"timings/predicted_n":2`) || strings.Contains(w.Body.String(), "tokens_evaluated") {
 		t.Fatalf("response_fields: %s", w.Body)
@@ -106,8 +139,11 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"prompt":"a","dynatemp_range":0.5}`, "dynatemp_range"},
 		{`{"prompt":"a","n":2}`, "n"},
 		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
-		{`{"prompt":[["a"],"b"]}`, ""},
-		{`{"prompt":["a","b"]}`, ""},
+		{`{"prompt":[[["a"]],"b"]}`, ""},
+		{`{"prompt":["a",{"b":1}]}`, ""},
+		{`{"prompt":["a",[]]}`, "prompt"},
+		{`{"prompt":["a",[99999]]}`, "prompt"},
+		{`{"prompt":[` + strings.Repeat(`"a",`, 4*scheduler.MaxChoices) + `"a"]}`, "prompt"},
 	} {
 		w := s.do(t, "POST", "/completion", c.body)
 		var e struct{ Error *Error }
@@ -143,7 +179,8 @@ func FuzzLlamaServerRequests(f *testing.F) {
 	fuzzOpenAIErrors(f, s, "/completion", "/apply-template",
 		`{"prompt":"abc","n_predict":3,"stop":["x"],"stream":true}`, `{"prompt":["a",3,"b"],"n_predict":0}`,
 		`{"prompt":[1,2],"n_predict":-1,"repeat_penalty":1.1}`, `{"prompt":"a","grammar":"root ::= \"x\""}`,
-		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`)
+		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`,
+		`{"prompt":["a",[1,"b"],[2]],"n_predict":2,"stream":true}`, `{"prompt":["a","b"],"n_predict":1,"response_fields":["index"]}`)
 }
 
 // fuzzOpenAIErrors fuzzes bodies posted to s at path a or b (seeded with

@@ -180,6 +180,17 @@ func TestLlamaServerCompletion(t *testing.T) {
 	if err != nil || c.Choices[0].Text != native.Content || int(c.Usage.PromptTokens) != native.TokensEvaluated {
 		t.Fatalf("/v1/completions %+v (%v), /completion %+v", c, err, native)
 	}
+	// Several prompts in one request, computed together: each answered as alone.
+	resp, body = post(t, n.url+"/completion", `{"prompt":["Once upon a time",[1,"The cat sat on the"]],"n_predict":8,"temperature":0}`)
+	var several []struct {
+		Index   int
+		Content string
+	}
+	_, once := post(t, n.url+"/completion", `{"prompt":"Once upon a time","n_predict":8,"temperature":0}`)
+	if err := json.Unmarshal([]byte(body), &several); err != nil || resp.StatusCode != 200 || len(several) != 2 ||
+		several[1].Index != 1 || several[1].Content != native.Content || !strings.Contains(once, fmt.Sprintf(`"content":%q`, several[0].Content)) {
+		t.Fatalf("/completion with two prompts: %d %s; alone: %s and %q", resp.StatusCode, body, once, native.Content)
+	}
 	// n_probs on the real engine: greedy picks the likeliest of the alternatives.
 	resp, body = post(t, n.url+"/completion", `{"prompt":"The cat sat on the","n_predict":4,"temperature":0,"n_probs":3}`)
 	var withProbs struct {
