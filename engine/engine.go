@@ -165,6 +165,19 @@ type Capacity struct {
 	// some of them from the prefix cache; MicroBatchTokens bounds them.
 	WholeMedia       bool
 	MicroBatchTokens int
+	// MRoPE: the model places tokens by M-RoPE (Qwen2-VL's and its
+	// successors'). A text row's position is one number, as elsewhere; an
+	// image's rows share one position, each at its line and column within
+	// the image (Batch.Grid), and the image spans Media.Positions positions,
+	// fewer than its rows, so a sequence's positions are no longer its
+	// tokens' indices. A text row must be placed after every position its
+	// sequence holds, an image row not before (llama.cpp's rule), and an
+	// image's cells can only be removed or copied together.
+	MRoPE bool
+	// MediaWidth is the width of an image's embedding rows when it is not
+	// the model's EmbeddingSize (Qwen3-VL's carry features for several
+	// layers); 0: EmbeddingSize.
+	MediaWidth int
 	// CellBytes is the size of one cell's K and V over every layer (0: unknown).
 	CellBytes float64
 }
@@ -186,6 +199,11 @@ type Batch struct {
 	// from a Projector), or nil for a token row. An embedding row's token is
 	// its placeholder (Media), which only names it.
 	Embd [][]float32
+	// Grid, when not empty, has a row for every row of the batch: with
+	// Capacity.MRoPE, an image row's line and column within its image,
+	// added to its position for the height and width of M-RoPE ({0, 0} for
+	// text rows).
+	Grid [][2]Pos
 }
 
 // Add appends one row.
@@ -197,11 +215,31 @@ func (b *Batch) Add(t Token, p Pos, s SeqID, output bool) {
 	if len(b.Embd) > 0 {
 		b.Embd = append(b.Embd, nil)
 	}
+	if len(b.Grid) > 0 {
+		b.Grid = append(b.Grid, [2]Pos{})
+	}
 }
 
 // AddEmbd appends a row that reads embedding e (of the model's width) in
 // place of a token; placeholder is its token in the prompt (Media).
 func (b *Batch) AddEmbd(placeholder Token, e []float32, p Pos, s SeqID, output bool) {
+	if len(b.Grid) > 0 {
+		b.Grid = append(b.Grid, [2]Pos{})
+	}
+	b.addEmbd(placeholder, e, p, s, output)
+}
+
+// AddEmbdAt is AddEmbd for an M-RoPE image row (Capacity.MRoPE) at line y
+// and column x of its image.
+func (b *Batch) AddEmbdAt(placeholder Token, e []float32, p, y, x Pos, s SeqID, output bool) {
+	for len(b.Grid) < b.Len() {
+		b.Grid = append(b.Grid, [2]Pos{})
+	}
+	b.Grid = append(b.Grid, [2]Pos{y, x})
+	b.addEmbd(placeholder, e, p, s, output)
+}
+
+func (b *Batch) addEmbd(placeholder Token, e []float32, p Pos, s SeqID, output bool) {
 	for len(b.Embd) < b.Len() {
 		b.Embd = append(b.Embd, nil)
 	}
@@ -210,6 +248,14 @@ func (b *Batch) AddEmbd(placeholder Token, e []float32, p Pos, s SeqID, output b
 	b.Seq = append(b.Seq, s)
 	b.Output = append(b.Output, output)
 	b.Embd = append(b.Embd, e)
+}
+
+// At returns row i's line and column within its image (Grid).
+func (b *Batch) At(i int) (y, x Pos) {
+	if i < len(b.Grid) {
+		return b.Grid[i][0], b.Grid[i][1]
+	}
+	return 0, 0
 }
 
 // Embedded reports whether row i reads an embedding instead of its token.
@@ -230,7 +276,7 @@ func (b *Batch) Check(c Capacity, vocab, width int, last func(SeqID) (Pos, bool)
 	switch {
 	case n == 0:
 		return fmt.Errorf("empty batch: %w", ErrInvalidInput)
-	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n || len(b.Embd) != 0 && len(b.Embd) != n:
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n || len(b.Embd) != 0 && len(b.Embd) != n || len(b.Grid) != 0 && len(b.Grid) != n:
 		return fmt.Errorf("ragged batch: %w", ErrInvalidInput)
 	case n > c.BatchTokens:
 		return fmt.Errorf("batch of %d rows exceeds %d: %w", n, c.BatchTokens, ErrInvalidInput)
@@ -254,8 +300,14 @@ func (b *Batch) Check(c Capacity, vocab, width int, last func(SeqID) (Pos, bool)
 				want = hi + 1
 			}
 		}
-		if p != want {
+		switch {
+		case !c.MRoPE && p != want:
 			return fmt.Errorf("row %d: sequence %d at position %d, want %d: %w", i, s, p, want, ErrInvalidInput)
+		case c.MRoPE && (p < want-1 || p == want-1 && !b.Embedded(i)):
+			// An image's rows share its first position; text moves on.
+			return fmt.Errorf("row %d: sequence %d at position %d, want %d or more: %w", i, s, p, want, ErrInvalidInput)
+		case !c.MRoPE && len(b.Grid) > 0 && b.Grid[i] != [2]Pos{}:
+			return fmt.Errorf("row %d: a line and column for an engine without M-RoPE: %w", i, ErrInvalidInput)
 		}
 		next[s] = p + 1
 	}
@@ -266,7 +318,7 @@ func (b *Batch) Check(c Capacity, vocab, width int, last func(SeqID) (Pos, bool)
 func (b *Batch) Reset() {
 	b.Tokens, b.Pos, b.Seq, b.Output = b.Tokens[:0], b.Pos[:0], b.Seq[:0], b.Output[:0]
 	clear(b.Embd)
-	b.Embd = b.Embd[:0]
+	b.Embd, b.Grid = b.Embd[:0], b.Grid[:0]
 }
 
 // LogitsViewer is implemented by engines whose logits can be read by several
@@ -450,12 +502,25 @@ type Image struct {
 }
 
 // Media is a non-text input of a prompt (an image) that the model reads as
-// embeddings in place of tokens: prompt positions [Pos, Pos+Len) hold its
-// placeholder tokens (Placeholder), and Embd holds Len rows of the model's
-// embedding width, one per position.
+// embeddings in place of tokens: the prompt's tokens [Pos, Pos+Len) are its
+// placeholders (Placeholder), and Embd holds Len rows of the model's
+// embedding width, one per token. (Pos is an index in the prompt, which is
+// also the model's position except with Capacity.MRoPE.)
 type Media struct {
 	Pos, Len int
 	Embd     []float32
+	// Cols and Rows are, with Capacity.MRoPE, the image's grid: row i of
+	// the media is at line i/Cols, column i%Cols (Batch.Grid); 0 otherwise.
+	Cols, Rows int
+}
+
+// Positions is how far the media moves a sequence's positions on: its rows,
+// or with M-RoPE the longer side of its grid.
+func (m Media) Positions() int {
+	if m.Cols > 0 {
+		return max(m.Cols, m.Rows)
+	}
+	return m.Len
 }
 
 // Row returns the embedding read at prompt position p, which the media covers.

@@ -47,6 +47,12 @@ type Config struct {
 	// use, so the floor's cells cost at most CacheFloor of that traffic however
 	// large the pool.
 	WeightCells int
+	// PrivateMedia keeps every block from a sequence's first block holding a
+	// negative token (an image's placeholder) on private, never cached: an
+	// M-RoPE model's image shares one position over all its cells, which
+	// can only be removed or copied together (engine.Capacity.MRoPE), never
+	// cut at a block's edge.
+	PrivateMedia bool
 }
 
 // DefaultCacheFloor is measured in docs/benchmarks.md ("A one-pool node's cache").
@@ -144,6 +150,16 @@ type Seq struct {
 	parent Hash    // hash of the last sealed block
 	cached int
 	hasher Hasher // its model's: the adapter's, under a LoRA adapter
+	media  bool   // a sealed block held a placeholder (Config.PrivateMedia)
+}
+
+// private reports whether block toks of s stays private under
+// Config.PrivateMedia, noting a placeholder in it.
+func (s *Seq) private(c Config, toks []int32) bool {
+	if c.PrivateMedia && !s.media && slices.ContainsFunc(toks, func(t int32) bool { return t < 0 }) {
+		s.media = true
+	}
+	return s.media
 }
 
 // Len is the number of positions accounted to the sequence.
@@ -531,7 +547,7 @@ func (p *Pool) Commit(s *Seq) {
 func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	h := s.hasher.Block(s.parent, toks)
 	s.parent = h
-	if !p.cfg.Caching {
+	if !p.cfg.Caching || s.private(p.cfg, toks) {
 		return
 	}
 	if _, dup := p.index[h]; dup {

@@ -706,3 +706,53 @@ func TestModelsCacheApart(t *testing.T) {
 		}
 	}
 }
+
+// TestPrivateMedia: with Config.PrivateMedia, no block from a sequence's first
+// block holding a placeholder (a negative token) on is cached, in either
+// pool: a prompt with an image is taken from the cache only up to the block
+// before it.
+func TestPrivateMedia(t *testing.T) {
+	prompt := seqPrompt(1, 30)
+	for i := 9; i < 14; i++ {
+		prompt[i] = -int32(i) // an image at [9, 14): in the third block
+	}
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.PrivateMedia = 64, 4, 4, 1, true
+	p, _ := New(cfg)
+	sim := newSim(cfg.Cells)
+	a := computeSeq(t, p, sim, prompt)
+	sim.apply(t, p.Release(a))
+	b := computeSeq(t, p, sim, prompt)
+	if b.Cached() != 8 {
+		t.Errorf("one pool: %d cached, want the 8 before the image's block", b.Cached())
+	}
+	checkInvariants(t, p, sim, []*running{{seq: b}})
+
+	s, err := NewSplit(cfg, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func() *Seq {
+		q, _, err := s.Start("", prompt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Grow(q, prompt[q.Len():]); err != nil {
+			t.Fatal(err)
+		}
+		s.Commit(q)
+		return q
+	}
+	s.Release(run())
+	if c := run(); c.Cached() != 8 {
+		t.Errorf("streams: %d cached, want 8", c.Cached())
+	}
+	// Without it, the image's blocks are cached as any.
+	cfg.PrivateMedia = false
+	p, _ = New(cfg)
+	sim = newSim(cfg.Cells)
+	sim.apply(t, p.Release(computeSeq(t, p, sim, prompt)))
+	if c := computeSeq(t, p, sim, prompt); c.Cached() != 28 {
+		t.Errorf("without PrivateMedia: %d cached, want 28", c.Cached())
+	}
+}

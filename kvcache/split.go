@@ -272,9 +272,13 @@ func (p *SplitPool) Commit(s *Seq) {
 	st := &p.streams[s.ID]
 	for len(s.tail) >= B {
 		h := s.hasher.Block(s.parent, s.tail[:B])
-		s.parent = h
 		s.sealed++
+		private := s.private(p.cfg, s.tail[:B]) // nothing from an image on is chained (Config.PrivateMedia)
 		s.tail = s.tail[B:]
+		if private {
+			continue
+		}
+		s.parent = h
 		st.chain = append(st.chain, h)
 		if p.cfg.Caching {
 			p.track(h, s.ID)

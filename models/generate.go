@@ -47,6 +47,18 @@ type Spec struct {
 	// embeddings scaled by √embd): at least 6 layers. Its projector
 	// (GenerateProjector) is Gemma 3's, whose image tokens attend both ways.
 	Gemma3 bool
+	// QwenVL writes Qwen2-VL's architecture (qwen2vl: a llama block whose
+	// RoPE is M-RoPE, its rotary dimensions in sections for a token's time,
+	// height and width). Its projector (GenerateProjector) is Qwen2-VL's,
+	// which gives each image token a height and width: an image of any size
+	// becomes a grid of tokens, over fewer positions than tokens.
+	QwenVL bool
+}
+
+// QwenVLTiny is a ~0.4M-parameter Qwen2-VL model for the tests of M-RoPE
+// projectors.
+func QwenVLTiny() Spec {
+	return Spec{Name: "shoal-qwen2vl-tiny", Seed: 4, Vocab: 1024, Embd: 64, Layers: 2, Heads: 4, HeadsKV: 2, FFN: 192, ContextLen: 4096, QwenVL: true}
 }
 
 // Gemma3Tiny is a ~0.4M-parameter Gemma 3 model for the tests of Gemma 3's
@@ -78,7 +90,7 @@ func Bench100M() Spec {
 }
 
 // Presets maps the names accepted by `shoal gen-model --preset`.
-var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny}
+var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny, "qwen2vl-tiny": QwenVLTiny}
 
 // ChatTemplate is the Jinja template written into generated models: ChatML, which
 // llama.cpp's built-in template matcher recognises by its markers.
@@ -325,6 +337,10 @@ func (s Spec) Validate() error {
 		return fmt.Errorf("a Gemma 3 model of %d layers: llama.cpp's sliding window needs at least 6 (one global layer in six)", s.Layers)
 	case s.Gemma3 && s.Reranker:
 		return errors.New("a Gemma 3 reranker is not written")
+	case s.QwenVL && (s.Gemma3 || s.Reranker):
+		return errors.New("a Qwen2-VL model is neither Gemma 3 nor a reranker")
+	case s.QwenVL && s.Embd/s.Heads < 8:
+		return fmt.Errorf("head size %d: Qwen2-VL's M-RoPE needs at least 8", s.Embd/s.Heads)
 	}
 	return nil
 }
@@ -340,6 +356,9 @@ func (s Spec) Params() int64 {
 	}
 	if s.Gemma3 {
 		n += int64(s.Layers) * (2*(e/int64(s.Heads)) + 2*e) // q and k norms, two more norms
+	}
+	if s.QwenVL {
+		n += int64(s.Layers) * (e + 2*kv) // q, k and v biases
 	}
 	return n
 }
@@ -372,6 +391,8 @@ func Generate(path string, spec Spec) error {
 		arch = "qwen3"
 	case spec.Gemma3:
 		arch = "gemma3"
+	case spec.QwenVL:
+		arch = "qwen2vl"
 	}
 	kv := ggml.KV{
 		"general.architecture":                     arch,
@@ -406,6 +427,13 @@ func Generate(path string, spec Spec) error {
 		kv[arch+".attention.key_length"] = uint32(headDim)
 		kv[arch+".attention.value_length"] = uint32(headDim)
 		kv[arch+".attention.sliding_window"] = uint32(256)
+	}
+	if spec.QwenVL {
+		// The rotary pairs (half the head) in sections for time, height and
+		// width, as Qwen2-VL's 16, 24, 24 of 64.
+		pairs := headDim / 2
+		t := pairs / 4
+		kv[arch+".rope.dimension_sections"] = []int32{int32(t), int32((pairs - t) / 2), int32(pairs - t - (pairs-t)/2), 0}
 	}
 	if spec.Reranker {
 		kv[arch+".pooling_type"] = uint32(4) // LLAMA_POOLING_TYPE_RANK
@@ -445,6 +473,11 @@ func Generate(path string, spec Spec) error {
 		add(p+"attn_k.weight", std(e), true, e, ekv)
 		add(p+"attn_v.weight", std(e), true, e, ekv)
 		add(p+"attn_output.weight", std(e), true, e, e)
+		if spec.QwenVL { // Qwen 2's q, k and v have biases
+			add(p+"attn_q.bias", 0.1, false, e)
+			add(p+"attn_k.bias", 0.1, false, ekv)
+			add(p+"attn_v.bias", 0.1, false, ekv)
+		}
 		if spec.Reranker || spec.Gemma3 {
 			add(p+"attn_q_norm.weight", 0, false, uint64(headDim))
 			add(p+"attn_k_norm.weight", 0, false, uint64(headDim))
@@ -653,7 +686,11 @@ const (
 // 1.5's 576 with side 192). For a Gemma 3 spec it is Gemma 3's projector
 // instead (the patch grid pooled 2×2, then an RMS norm and one projection;
 // its image tokens attend both ways): (side/16)² tokens, side a multiple of
-// 16. Its weights are seeded random numbers, so it
+// 16. For a Qwen2-VL spec it is Qwen2-VL's (two patch kernels, q/k/v
+// biases, M-RoPE over each patch's height and width, then 2×2 patches merged
+// by two linear layers): an image of any size becomes a grid of tokens, one
+// per 16×16 pixels of it scaled to between 8 and 4096 tokens, side unused
+// but written. Its weights are seeded random numbers, so it
 // sees nothing, but different pictures give different embeddings, as
 // llama.cpp's mtmd loads and computes it.
 func GenerateProjector(path string, spec Spec, side int) error {
@@ -662,8 +699,8 @@ func GenerateProjector(path string, spec Spec, side int) error {
 	}
 	const d, ff, hidden, blocks, heads, patch = 32, 64, 64, 2, 4, ProjectorPatchSize
 	side = cmp.Or(side, ProjectorImageSize)
-	unit := patch // Gemma 3's pools its patch grid by 2×2
-	if spec.Gemma3 {
+	unit := patch // Gemma 3's pools its patch grid by 2×2, Qwen2-VL's merges it
+	if spec.Gemma3 || spec.QwenVL {
 		unit = 2 * patch
 	}
 	if side < unit || side%unit != 0 || side > 1024 {
@@ -695,7 +732,19 @@ func GenerateProjector(path string, spec Spec, side int) error {
 	std := func(fanIn uint64) float32 { return float32(1 / math.Sqrt(float64(fanIn))) }
 	n := uint64((side / patch) * (side / patch))
 	add("v.patch_embd.weight", std(3*patch*patch), patch, patch, 3, d)
-	add("v.position_embd.weight", 0.1, d, n)
+	if spec.QwenVL {
+		// A second kernel (Qwen2-VL's two frames of a video; one image is
+		// both), no learned positions (M-RoPE places the patches), and the
+		// 2×2 merger to the model's width.
+		kv["clip.projector_type"] = "qwen2vl_merger"
+		add("v.patch_embd.weight.1", std(3*patch*patch), patch, patch, 3, d)
+		add("mm.0.weight", std(4*d), 4*d, 4*d)
+		add("mm.0.bias", 0.1, 4*d)
+		add("mm.2.weight", 2*std(4*d), 4*d, uint64(spec.Embd))
+		add("mm.2.bias", 0.1, uint64(spec.Embd))
+	} else {
+		add("v.position_embd.weight", 0.1, d, n)
+	}
 	if spec.Gemma3 {
 		// SigLIP's tower (as LLaVA's, here), the patch grid pooled 2×2, an
 		// RMS norm and one projection to the model's width.
@@ -710,11 +759,14 @@ func GenerateProjector(path string, spec Spec, side int) error {
 		add(p+"ln2.weight", 0, d)
 		for _, w := range []string{"attn_q", "attn_k", "attn_v", "attn_out"} {
 			add(p+w+".weight", std(d), d, d)
+			if spec.QwenVL && w != "attn_out" {
+				add(p+w+".bias", 0.1, d)
+			}
 		}
 		add(p+"ffn_up.weight", std(d), d, ff)
 		add(p+"ffn_down.weight", std(ff), ff, d)
 	}
-	if !spec.Gemma3 {
+	if !spec.Gemma3 && !spec.QwenVL {
 		add("mm.0.weight", std(d), d, hidden)
 		add("mm.0.bias", 0.1, hidden)
 		// Embeddings about as large as the model's token embeddings (scale 1).

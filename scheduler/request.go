@@ -69,9 +69,30 @@ func (r *Request) mediaRow(p int) []float32 {
 	return r.Media[i].Row(p)
 }
 
+// position is where token p of r's sequence (its prompt, then its output)
+// stands for the model: p itself, except after M-RoPE images
+// (engine.Media.Cols), which span fewer positions than tokens. An M-RoPE
+// image's rows share its first position, each at line y and column x of it;
+// within is true for its rows but the first.
+func (r *Request) position(p int) (pos, y, x engine.Pos, within bool) {
+	shift := 0
+	for _, m := range r.Media {
+		if p < m.Pos {
+			break
+		}
+		if i := p - m.Pos; i < m.Len && m.Cols > 0 {
+			return engine.Pos(m.Pos - shift), engine.Pos(i / m.Cols), engine.Pos(i % m.Cols), i > 0
+		}
+		shift += m.Len - m.Positions()
+	}
+	return engine.Pos(p - shift), 0, 0, false
+}
+
 // mediaCut is to, or, when [from, to) would end within an image, the image's
 // start: an image computed whole (engine.Capacity.WholeMedia) is never cut
-// over steps. from itself is never within one.
+// over steps. from itself is never within one. (An M-RoPE image is cut like
+// text: a failed step requeues its sequences, which drops every cell from
+// their first image on, kvcache.Config.PrivateMedia.)
 func (r *Request) mediaCut(from, to int) int {
 	for _, m := range r.Media {
 		if m.Pos < to && to < m.Pos+m.Len && m.Pos >= from {
@@ -92,6 +113,8 @@ func (r *Request) validate(vocab, adapters, width int) error {
 			return fmt.Errorf("%w: image %d at prompt positions [%d, %d): want them in order, apart, and text after the last", ErrInvalid, k, m.Pos, m.Pos+m.Len)
 		case len(m.Embd) != m.Len*width:
 			return fmt.Errorf("%w: image %d: %d values for %d rows of %d", ErrInvalid, k, len(m.Embd), m.Len, width)
+		case m.Cols < 0 || m.Rows < 0 || (m.Cols > 0 || m.Rows > 0) && m.Cols*m.Rows != m.Len:
+			return fmt.Errorf("%w: image %d: a grid of %d×%d for %d rows", ErrInvalid, k, m.Cols, m.Rows, m.Len)
 		}
 		next = m.Pos + m.Len
 	}

@@ -92,19 +92,23 @@ type Scheduler struct {
 	// failure, a quarter more after every capRecoverSteps successful steps (0: no
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
-	decodeRows       int            // rows of this step that decode a generated token
-	draftTokens      int            // rows of this step that check a proposed token
-	stepAccepted     int            // proposals of this step the model drew the same
-	specPause        int            // steps without proposals after a batch with them did not fit
-	adapter          int            // the LoRA adapter of the last step (Config.Adapters)
-	mediaWait        bool           // this step, a running prompt's whole image did not fit: no admissions
-	eog              []engine.Token // the vocabulary's end tokens, once listed (endTokens)
-	ended            int            // sequences that left the running batch since the last step
-	endedAny         bool           // one has: the finish rate is measured, not predicted
-	stats            Load
-	prefillPS        rate // feeds stats.PrefillTokensPS, and so on
-	decodePS         rate
-	finishPS         rate
+	decodeRows       int  // rows of this step that decode a generated token
+	draftTokens      int  // rows of this step that check a proposed token
+	stepAccepted     int  // proposals of this step the model drew the same
+	specPause        int  // steps without proposals after a batch with them did not fit
+	adapter          int  // the LoRA adapter of the last step (Config.Adapters)
+	mediaWait        bool // this step, a running prompt's whole image did not fit: no admissions
+	// placed are the running sequences with images placed by M-RoPE
+	// (engine.Capacity.MRoPE): their KV ranges go to the engine as
+	// positions (Request.position), not indices.
+	placed    map[kvcache.SeqID]*Request
+	eog       []engine.Token // the vocabulary's end tokens, once listed (endTokens)
+	ended     int            // sequences that left the running batch since the last step
+	endedAny  bool           // one has: the finish rate is measured, not predicted
+	stats     Load
+	prefillPS rate // feeds stats.PrefillTokensPS, and so on
+	decodePS  rate
+	finishPS  rate
 }
 
 // group is one request and its n choices.
@@ -221,6 +225,9 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 			}
 		}
 	}
+	// An M-RoPE image's cells share one position: never cut at a block's
+	// edge, so never cached (a chat's later turns compute it again).
+	cfg.KV.PrivateMedia = c.MRoPE
 	if cfg.MaxModelLen == 0 {
 		cfg.MaxModelLen = eng.Info().TrainedContext // 0 when unknown: the cells cap it
 	}
@@ -241,7 +248,7 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Scheduler{cfg: cfg, eng: eng, vocab: eng.Vocab(), pool: pool, cap: c, width: eng.Info().EmbeddingSize, log: log, wake: make(chan struct{}, 1)}
+	s := &Scheduler{cfg: cfg, eng: eng, vocab: eng.Vocab(), pool: pool, cap: c, width: cmp.Or(c.MediaWidth, eng.Info().EmbeddingSize), log: log, wake: make(chan struct{}, 1)}
 	s.publish()
 	return s, nil
 }
@@ -276,6 +283,11 @@ func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
 	}
 	if req.Embed && len(req.Prompt) > s.cfg.MaxBatchTokens {
 		return nil, fmt.Errorf("%w: an embedding input of %d tokens exceeds the step budget of %d (--max-batch-tokens)", ErrPromptTooLong, len(req.Prompt), s.cfg.MaxBatchTokens)
+	}
+	for k, m := range req.Media {
+		if (m.Cols > 0) != s.cap.MRoPE {
+			return nil, fmt.Errorf("%w: image %d: a grid of %d×%d for an engine that places images by M-RoPE: %v", ErrInvalid, k, m.Cols, m.Rows, s.cap.MRoPE)
+		}
 	}
 	if s.cap.WholeMedia {
 		most := min(s.cfg.MaxBatchTokens, max(s.cap.MicroBatchTokens, 1))
@@ -517,6 +529,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		s.queue = slices.Delete(s.queue, i, i+1)
 		s.waiting.Add(-1)
 		q.kv = kv
+		s.place(q)
 		q.running, q.suspended = true, false
 		if q.gen == 0 && q.index == 0 && q.firstStart {
 			q.g.usage.CachedTokens = kv.Cached()
@@ -642,7 +655,8 @@ func (s *Scheduler) propose() {
 		q.draft, q.draftRows, q.draftAt = d, q.draftRows[:0], len(q.tokens)
 		for j, t := range d {
 			q.draftRows = append(q.draftRows, s.batch.Len())
-			s.batch.Add(t, engine.Pos(len(q.tokens)+j), engine.SeqID(q.kv.ID), true)
+			pos, _, _, _ := q.g.req.position(len(q.tokens) + j)
+			s.batch.Add(t, pos, engine.SeqID(q.kv.ID), true)
 			s.rows = append(s.rows, nil)
 		}
 		s.draftTokens += len(d)
@@ -767,11 +781,15 @@ func (s *Scheduler) addRows(q *seq, from, to int) {
 			q.sampleRow = s.batch.Len()
 		}
 		score := scoring && p >= len(q.scores) && p < len(q.g.req.Prompt)-1
-		if t := q.tokens[p]; t < 0 {
+		pos, y, x, _ := q.g.req.position(p)
+		switch t := q.tokens[p]; {
+		case t < 0 && s.cap.MRoPE:
+			s.batch.AddEmbdAt(t, q.g.req.mediaRow(p), pos, y, x, engine.SeqID(q.kv.ID), sample || score)
+		case t < 0:
 			// An image's row (Request.Media), in the prompt only.
-			s.batch.AddEmbd(t, q.g.req.mediaRow(p), engine.Pos(p), engine.SeqID(q.kv.ID), sample || score)
-		} else {
-			s.batch.Add(t, engine.Pos(p), engine.SeqID(q.kv.ID), sample || score)
+			s.batch.AddEmbd(t, q.g.req.mediaRow(p), pos, engine.SeqID(q.kv.ID), sample || score)
+		default:
+			s.batch.Add(t, pos, engine.SeqID(q.kv.ID), sample || score)
 		}
 		s.rows = append(s.rows, nil)
 		if sample {
@@ -877,6 +895,7 @@ func (s *Scheduler) release(q *seq, resume bool) {
 	if err := s.apply(free(q.kv)); err != nil {
 		s.log.Error("release KV", "resume", resume, "err", err)
 	}
+	delete(s.placed, q.kv.ID)
 	q.kv, q.suspended = nil, resume
 }
 
@@ -890,14 +909,50 @@ func (s *Scheduler) requeue(q *seq) {
 	s.waiting.Add(1)
 }
 
+// place notes q, just given its KV, when its images are placed by M-RoPE.
+func (s *Scheduler) place(q *seq) {
+	if s.cap.MRoPE && len(q.g.req.Media) > 0 {
+		if s.placed == nil {
+			s.placed = map[kvcache.SeqID]*Request{}
+		}
+		s.placed[q.kv.ID] = q.g.req
+	}
+}
+
+// positions are KV range [p0, p1) of sequence id (-1: its end) as the
+// engine's positions; ok is false when an end falls within an M-RoPE image,
+// whose cells can only be taken together (kvcache.Config.PrivateMedia keeps
+// that from happening).
+func (s *Scheduler) positions(id kvcache.SeqID, p0, p1 int32) (q0, q1 engine.Pos, ok bool) {
+	r := s.placed[id]
+	at := func(p int32) (engine.Pos, bool) {
+		if r == nil || p < 0 {
+			return engine.Pos(p), true
+		}
+		pos, _, _, within := r.position(int(p))
+		return pos, !within
+	}
+	q0, ok0 := at(p0)
+	q1, ok1 := at(p1)
+	return q0, q1, ok0 && ok1
+}
+
 func (s *Scheduler) apply(ops []kvcache.Op) error {
 	for _, o := range ops {
 		var err error
 		switch o.Kind {
 		case kvcache.OpRemove:
-			err = s.eng.SeqRemove(engine.SeqID(o.Seq), engine.Pos(o.P0), engine.Pos(o.P1))
+			p0, p1, ok := s.positions(o.Seq, o.P0, o.P1)
+			if !ok {
+				return fmt.Errorf("%v: the range cuts an image placed by M-RoPE", o)
+			}
+			err = s.eng.SeqRemove(engine.SeqID(o.Seq), p0, p1)
 		case kvcache.OpCopy:
-			err = s.eng.SeqCopy(engine.SeqID(o.Src), engine.SeqID(o.Seq), engine.Pos(o.P0), engine.Pos(o.P1))
+			p0, p1, ok := s.positions(o.Src, o.P0, o.P1)
+			if !ok {
+				return fmt.Errorf("%v: the range cuts an image placed by M-RoPE", o)
+			}
+			err = s.eng.SeqCopy(engine.SeqID(o.Src), engine.SeqID(o.Seq), p0, p1)
 		}
 		if err != nil {
 			return fmt.Errorf("%v: %w", o, err)
@@ -1069,6 +1124,7 @@ func (s *Scheduler) fork(q, c *seq) {
 		return
 	}
 	c.kv = kv
+	s.place(c)
 	c.running = true
 	c.sampleRow = q.sampleRow
 	s.running = append(s.running, c)

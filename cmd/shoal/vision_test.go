@@ -390,3 +390,64 @@ func TestVisionClusterWithoutReaders(t *testing.T) {
 		t.Errorf("no node reads images: %d %s, want 400 naming --mmproj", resp.StatusCode, out)
 	}
 }
+
+// TestQwenVLNode: a node serving a Qwen2-VL model (images placed by M-RoPE,
+// as grids of the picture's own shape) answers chats with pictures: apart
+// for other pictures, alike for the same, the same whether alone or 8 at
+// once, streamed, with the prefix before the picture from the cache.
+func TestQwenVLNode(t *testing.T) {
+	model := genFile(t, "q.gguf", "--preset", "qwen2vl-tiny")
+	proj := genFile(t, "q-mmproj.gguf", "--preset", "qwen2vl-tiny", "--mmproj")
+	n := startNode(t, "--model", model, "--model-name", "q", "--mmproj", proj, "--max-batch-tokens", "32", "--max-running", "8")
+	c := n.client("")
+	params := func(pic string) openai.ChatCompletionNewParams {
+		return openai.ChatCompletionNewParams{
+			Model: "q", MaxTokens: openai.Int(8), Temperature: openai.Float(0),
+			Messages: []openai.ChatCompletionMessageParamUnion{
+				openai.SystemMessage("You are a careful assistant who describes pictures in a few words."),
+				openai.UserMessage([]openai.ChatCompletionContentPartUnionParam{
+					openai.TextContentPart("What is this?"),
+					openai.ImageContentPart(openai.ChatCompletionContentPartImageImageURLParam{URL: pic}),
+				})},
+		}
+	}
+	ask := func(pic string) (string, int64) {
+		r, err := c.Chat.Completions.New(context.Background(), params(pic))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Choices[0].Message.Content, r.Usage.PromptTokensDetails.CachedTokens
+	}
+	wide := dataURL("png", testImage(t, 96, 40, color.RGBA{220, 20, 20, 255}, "png"))
+	tall := dataURL("jpeg", testImage(t, 36, 90, color.RGBA{20, 20, 220, 255}, "jpeg"))
+	a, _ := ask(wide)
+	b, _ := ask(tall)
+	again, cached := ask(wide)
+	if a == b || again != a {
+		t.Errorf("answers %q, %q, then %q: want the pictures read apart, the same picture alike", a, b, again)
+	}
+	if cached == 0 {
+		t.Errorf("the same chat again: nothing cached, want the system prompt before the picture")
+	}
+	var wg sync.WaitGroup
+	got := make([]string, 8)
+	for i := range got {
+		wg.Go(func() { got[i], _ = ask([]string{wide, tall}[i%2]) })
+	}
+	wg.Wait()
+	for i, g := range got {
+		if want := []string{a, b}[i%2]; g != want {
+			t.Errorf("request %d of 8 at once: %q, alone %q", i, g, want)
+		}
+	}
+	st := c.Chat.Completions.NewStreaming(context.Background(), params(tall))
+	var streamed string
+	for st.Next() {
+		if ch := st.Current(); len(ch.Choices) > 0 {
+			streamed += ch.Choices[0].Delta.Content
+		}
+	}
+	if st.Err() != nil || streamed != b {
+		t.Errorf("streamed %q (%v), want %q", streamed, st.Err(), b)
+	}
+}

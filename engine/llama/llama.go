@@ -317,6 +317,9 @@ type Engine struct {
 	// maps each batch row to its row in the last pass (-1: another pass).
 	proj   *Projector
 	ebatch C.struct_llama_batch
+	// mpos holds, with M-RoPE, an embedding pass's positions: four per row
+	// (time, height, width, unused), as llama.cpp reads them.
+	mpos   *C.llama_pos
 	rowMap []int32
 	rows   []int32 // 0, 1, 2, ...: the rows of a batch of tokens only
 
@@ -429,7 +432,13 @@ func Open(cfg Config) (*Engine, error) {
 	if e.proj != nil {
 		e.proj.vocab = e.vocab
 		e.ebatch = C.llama_batch_init(C.int32_t(e.cap.BatchTokens), C.int32_t(e.proj.width), 1)
-		e.cap.WholeMedia = e.proj.nonCausal
+		e.cap.WholeMedia, e.cap.MRoPE = e.proj.nonCausal, e.proj.mrope
+		if w := e.proj.width; w != int(C.llama_model_n_embd(model)) {
+			e.cap.MediaWidth = w
+		}
+		if e.proj.mrope {
+			e.mpos = (*C.llama_pos)(C.malloc(C.size_t(4 * e.cap.BatchTokens * C.sizeof_llama_pos)))
+		}
 		arch := metaString(model, "general.architecture")
 		e.proj.causal = metaString(model, arch+".attention.causal") != "false" // what wholePass restores
 		if e.cap.WholeMedia && e.cap.PrefixReuse {
@@ -818,6 +827,17 @@ func (e *Engine) pass(ctx context.Context, b *engine.Batch, rows []int32, embd, 
 	if embd {
 		e.ebatch.n_tokens = C.int32_t(len(rows))
 		cb = e.ebatch
+		if e.mpos != nil {
+			// M-RoPE: an image row's time is its position, its height and
+			// width its position plus its line and column in the image.
+			n := len(rows)
+			mp := unsafe.Slice(e.mpos, 4*n)
+			for r, i := range rows {
+				y, x := b.At(int(i))
+				mp[r], mp[n+r], mp[2*n+r], mp[3*n+r] = C.llama_pos(b.Pos[i]), C.llama_pos(b.Pos[i]+y), C.llama_pos(b.Pos[i]+x), 0
+			}
+			cb.pos = e.mpos
+		}
 	} else {
 		e.batch.n_tokens = C.int32_t(len(rows))
 		cb = e.batch
@@ -981,7 +1001,7 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 		return fmt.Errorf("empty batch: %w", engine.ErrInvalidInput)
 	case n > e.cap.BatchTokens:
 		return fmt.Errorf("batch of %d tokens exceeds n_batch %d: %w", n, e.cap.BatchTokens, engine.ErrInvalidInput)
-	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n || len(b.Embd) != 0 && len(b.Embd) != n:
+	case len(b.Pos) != n || len(b.Seq) != n || len(b.Output) != n || len(b.Embd) != 0 && len(b.Embd) != n || len(b.Grid) != 0 && len(b.Grid) != n:
 		return fmt.Errorf("batch columns differ in length: %w", engine.ErrInvalidInput)
 	case b.Adapter < 0 || b.Adapter > len(e.adapters):
 		return fmt.Errorf("adapter %d: this engine has %d: %w", b.Adapter, len(e.adapters), engine.ErrInvalidInput)
@@ -1000,6 +1020,9 @@ func (e *Engine) checkBatch(b *engine.Batch) error {
 		}
 		if p := b.Pos[i]; p < 0 || int(p) >= e.cap.CellsPerSeq {
 			return fmt.Errorf("row %d: position %d outside the context of %d tokens per sequence: %w", i, p, e.cap.CellsPerSeq, engine.ErrInvalidInput)
+		}
+		if y, x := b.At(i); y < 0 || x < 0 || (y > 0 || x > 0) && (!e.cap.MRoPE || !b.Embedded(i)) || int(b.Pos[i]+max(y, x)) >= e.cap.CellsPerSeq {
+			return fmt.Errorf("row %d: line %d, column %d: only an M-RoPE engine's image rows have them, within the context: %w", i, y, x, engine.ErrInvalidInput)
 		}
 	}
 	return nil
@@ -1085,6 +1108,10 @@ func (e *Engine) Close() error {
 		e.proj.close()
 		C.llama_batch_free(e.ebatch)
 		e.proj = nil
+	}
+	if e.mpos != nil {
+		C.free(unsafe.Pointer(e.mpos))
+		e.mpos = nil
 	}
 	if e.ctx != nil {
 		C.llama_batch_free(e.batch)

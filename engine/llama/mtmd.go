@@ -16,6 +16,7 @@ typedef struct mtmd_context mtmd_context;
 typedef struct mtmd_bitmap mtmd_bitmap;
 typedef struct mtmd_input_chunk mtmd_input_chunk;
 typedef struct mtmd_input_chunks mtmd_input_chunks;
+typedef struct mtmd_image_tokens mtmd_image_tokens;
 typedef struct mtmd_input_text {
 	const char *text;
 	bool add_special;
@@ -52,10 +53,14 @@ int mtmd_input_chunk_get_type(const mtmd_input_chunk *chunk);
 const llama_token *mtmd_input_chunk_get_tokens_text(const mtmd_input_chunk *chunk, size_t *n_tokens_output);
 size_t mtmd_input_chunk_get_n_tokens(const mtmd_input_chunk *chunk);
 llama_pos mtmd_input_chunk_get_n_pos(const mtmd_input_chunk *chunk);
+const mtmd_image_tokens *mtmd_input_chunk_get_tokens_image(const mtmd_input_chunk *chunk);
+size_t mtmd_image_tokens_get_nx(const mtmd_image_tokens *image_tokens);
+size_t mtmd_image_tokens_get_ny(const mtmd_image_tokens *image_tokens);
 int32_t mtmd_tokenize(mtmd_context *ctx, mtmd_input_chunks *output, const mtmd_input_text *text, const mtmd_bitmap **bitmaps, size_t n_bitmaps);
 int32_t mtmd_encode_chunk(mtmd_context *ctx, const mtmd_input_chunk *chunk);
 float *mtmd_get_output_embd(mtmd_context *ctx);
 void mtmd_log_set(ggml_log_callback log_callback, void *user_data);
+int32_t mtmd_helper_eval_chunks(mtmd_context *ctx, struct llama_context *lctx, const mtmd_input_chunks *chunks, llama_pos n_past, llama_seq_id seq_id, int32_t n_batch, bool logits_last, llama_pos *new_n_past);
 
 extern void shoalLog(int level, char *text, void *user_data);
 
@@ -97,6 +102,9 @@ type Projector struct {
 	// (engine.Capacity.WholeMedia).
 	nonCausal bool
 	causal    bool // the model's own attention, outside images
+	// mrope: image tokens are placed by M-RoPE (Qwen2-VL's and its
+	// successors'), each image a grid (engine.Capacity.MRoPE).
+	mrope bool
 }
 
 // embdCache keeps the embeddings of recently encoded images (each chunk's,
@@ -149,12 +157,12 @@ func (c *embdCache) put(key uint64, embd []float32) {
 
 var _ engine.Projector = (*Projector)(nil)
 
-// openProjector loads path for the engine's model. Projectors that place
-// image tokens with several position components (Qwen2-VL's M-RoPE, where a
-// token's position is not its index in the sequence) are refused. One whose
-// image tokens attend to each other both ways (Gemma 3's) is noted: Open
-// then computes each image whole (engine.Capacity.WholeMedia) and takes it
-// only for a model without cross-request prefix reuse.
+// openProjector loads path for the engine's model. One whose image tokens
+// attend to each other both ways (Gemma 3's) is noted: Open then computes
+// each image whole (engine.Capacity.WholeMedia) and takes it only for a
+// model without cross-request prefix reuse. So is one that places image
+// tokens by M-RoPE (Qwen2-VL's: an image's tokens share a position, each at
+// its line and column; engine.Capacity.MRoPE).
 func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) error {
 	C.shoal_mtmd_install_log()
 	var id [8]byte
@@ -181,14 +189,11 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 	case !bool(C.mtmd_support_vision(ctx)):
 		C.mtmd_free(ctx)
 		return fmt.Errorf("load projector %s: it reads no images (an audio projector): %w", path, engine.ErrUnsupported)
-	case bool(C.mtmd_decode_use_mrope(ctx)):
-		C.mtmd_free(ctx)
-		return fmt.Errorf("load projector %s: it places image tokens by M-RoPE (Qwen2-VL's and its successors'), which shoal's scheduler does not compute yet: %w", path, engine.ErrUnsupported)
 	}
 	// Open gives it the vocabulary and the batch of embedding rows once the
 	// context exists.
 	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)),
-		cache: embdCache{max: cacheBytes}, nonCausal: bool(C.mtmd_decode_use_non_causal(ctx))}
+		cache: embdCache{max: cacheBytes}, nonCausal: bool(C.mtmd_decode_use_non_causal(ctx)), mrope: bool(C.mtmd_decode_use_mrope(ctx))}
 	return nil
 }
 
@@ -376,11 +381,15 @@ func (p *Projector) walk(segs []segment, image func(*C.mtmd_input_chunk, *chunkM
 				return nil, nil, fmt.Errorf("image chunk %d: llama.cpp lost its id %q", len(media), id)
 			}
 			seen[id]++
-			nt := int(C.mtmd_input_chunk_get_n_tokens(ch))
-			if int(C.mtmd_input_chunk_get_n_pos(ch)) != nt {
-				return nil, nil, fmt.Errorf("image chunk %d: %d tokens over %d positions: %w", len(media), nt, int(C.mtmd_input_chunk_get_n_pos(ch)), engine.ErrUnsupported)
-			}
+			nt, np := int(C.mtmd_input_chunk_get_n_tokens(ch)), int(C.mtmd_input_chunk_get_n_pos(ch))
 			m := chunkMedia{engine.Media{Pos: len(toks), Len: nt}, binary.LittleEndian.Uint64(raw) + uint64(seen[id]-1)*0x632be59bd9b4e019}
+			if p.mrope {
+				it := C.mtmd_input_chunk_get_tokens_image(ch)
+				m.Cols, m.Rows = int(C.mtmd_image_tokens_get_nx(it)), int(C.mtmd_image_tokens_get_ny(it))
+			}
+			if p.mrope && m.Cols*m.Rows != nt || m.Positions() != np {
+				return nil, nil, fmt.Errorf("image chunk %d: %d tokens (a grid of %d×%d) over %d positions: %w", len(media), nt, m.Cols, m.Rows, np, engine.ErrUnsupported)
+			}
 			if err := image(ch, &m); err != nil {
 				return nil, nil, err
 			}
@@ -391,6 +400,40 @@ func (p *Projector) walk(segs []segment, image func(*C.mtmd_input_chunk, *chunkM
 		}
 	}
 	return toks, media, nil
+}
+
+// reference decodes text with images on sequence s as llama.cpp's own
+// helper does (mtmd_helper_eval_chunks: mtmd's layout, positions and
+// passes), for the tests to hold the engine's own path against. It returns
+// the last row's logits and the position after the prompt. Only for tests:
+// it bypasses Decode's checks and the rows' mapping.
+func (p *Projector) reference(e *Engine, text string, images []engine.Image, s engine.SeqID) (logits []float32, next engine.Pos, err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ct := C.CString(text)
+	defer C.free(unsafe.Pointer(ct))
+	in := C.mtmd_input_text{text: ct, add_special: true, parse_special: false}
+	bitmaps := make([]*C.mtmd_bitmap, len(images))
+	for i, im := range images {
+		bitmaps[i] = C.mtmd_bitmap_init(C.uint32_t(im.Width), C.uint32_t(im.Height), (*C.uchar)(unsafe.Pointer(&im.RGB[0])))
+		defer C.mtmd_bitmap_free(bitmaps[i])
+	}
+	chunks := C.mtmd_input_chunks_init()
+	defer C.mtmd_input_chunks_free(chunks)
+	cb := (**C.mtmd_bitmap)(C.malloc(C.size_t(len(images)) * C.size_t(unsafe.Sizeof(uintptr(0)))))
+	defer C.free(unsafe.Pointer(cb))
+	copy(unsafe.Slice(cb, len(images)), bitmaps)
+	if rc := C.mtmd_tokenize(p.ctx, chunks, &in, cb, C.size_t(len(images))); rc != 0 {
+		return nil, 0, fmt.Errorf("reference: tokenize: status %d", int(rc))
+	}
+	var np C.llama_pos
+	if rc := C.mtmd_helper_eval_chunks(p.ctx, e.ctx, chunks, 0, C.llama_seq_id(s), C.int32_t(e.cap.BatchTokens), true, &np); rc != 0 {
+		return nil, 0, fmt.Errorf("reference: eval: status %d", int(rc))
+	}
+	out := C.llama_get_logits_ith(e.ctx, -1)
+	return append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), e.vocab.Size())...), engine.Pos(np), nil
 }
 
 // close frees the projector; Engine.Close calls it.
