@@ -6,6 +6,7 @@ import (
 	"math"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 
@@ -166,6 +167,27 @@ func TestQwenVLImages(t *testing.T) {
 	}
 	if _, hi, ok := e.SeqPosRange(1); !ok || hi != next-1 {
 		t.Errorf("sequence 1 holds up to %d (%v), want %d", hi, ok, next-1)
+	}
+
+	// A projector placing images by M-RoPE for a model that does not (of
+	// the same width), and the other way round: refused at start.
+	qwenProj := filepath.Join(t.TempDir(), "qwen-mmproj.gguf")
+	llavaProj := filepath.Join(t.TempDir(), "llava-mmproj.gguf")
+	if err := models.GenerateProjector(qwenProj, models.QwenVLTiny(), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := models.GenerateProjector(llavaProj, models.Tiny(), 0); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ model, proj string }{{genModel(t, models.Tiny()), qwenProj}, {genModel(t, models.QwenVLTiny()), llavaProj}} {
+		cfg := DefaultConfig(c.model)
+		cfg.ContextCells, cfg.MaxSeqs, cfg.Threads, cfg.Projector = 1024, 4, 2, c.proj
+		if e, err := Open(cfg); err == nil || !strings.Contains(err.Error(), "M-RoPE") {
+			if e != nil {
+				e.Close()
+			}
+			t.Errorf("%s with %s: %v, want refused for M-RoPE", filepath.Base(c.model), filepath.Base(c.proj), err)
+		}
 	}
 }
 

@@ -185,10 +185,16 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 		return fmt.Errorf("load projector %s: %s", path,
 			cmp.Or(lastLlamaError(), "llama.cpp could not load it (not a multimodal projector GGUF, or one for another model)"))
 	}
-	switch {
+	switch rt := C.llama_model_rope_type(e.model); {
 	case !bool(C.mtmd_support_vision(ctx)):
 		C.mtmd_free(ctx)
 		return fmt.Errorf("load projector %s: it reads no images (an audio projector): %w", path, engine.ErrUnsupported)
+	case bool(C.mtmd_decode_use_mrope(ctx)) != (rt == C.LLAMA_ROPE_TYPE_MROPE || rt == C.LLAMA_ROPE_TYPE_IMROPE):
+		// One would place images by M-RoPE and the other read them by
+		// index (llama.cpp would read positions past the batch's).
+		C.mtmd_free(ctx)
+		return fmt.Errorf("load projector %s: it places images by M-RoPE (Qwen2-VL's and its successors') and the model does not, or the other way round: a projector for another model: %w",
+			path, engine.ErrInvalidInput)
 	}
 	// Open gives it the vocabulary and the batch of embedding rows once the
 	// context exists.

@@ -18,27 +18,40 @@ import (
 // questions about one image turn after turn, several users at once: the 100M
 // model with a projector that makes an image LLaVA 1.5's 576 tokens. With
 // the prefix cache a turn computes only what follows the last turn's cached
-// blocks; without it, the image and the whole history again. (The
-// projector's encoder is tiny: its own cost is not what is measured.)
+// blocks; without it, the image and the whole history again. The same model
+// as Qwen2-VL's architecture, its projector making each picture a 24×24 grid
+// (576 tokens) placed by M-RoPE, caches the text before the picture only: a
+// turn computes the picture and what follows it again. (The projectors'
+// encoders are tiny: their own cost is not what is measured.)
 func BenchmarkSchedulerImages(b *testing.B) {
 	const users, turns, answer = 4, 4, 16
-	spec := models.Bench100M()
-	path := genModel(b, spec)
-	proj := filepath.Join(b.TempDir(), "mmproj-576.gguf")
-	if err := models.GenerateProjector(proj, spec, 192); err != nil {
-		b.Fatal(err)
-	}
-	e := openFile(b, path, func(c *Config) {
-		c.Projector, c.ContextCells, c.MaxSeqs, c.BatchTokens = proj, 8192, 16, 2048
-	})
-	p := e.Projector()
-	ctx := context.Background()
-	pics := make([]engine.Image, users)
-	for u := range pics {
-		pics[u] = picture(320+u, 240, [3]byte{byte(60 * u), 90, 200}, [3]byte{255, 255, 0})
-	}
-	for _, caching := range []bool{false, true} {
-		b.Run(fmt.Sprintf("model=100m/image=576/caching=%v", caching), func(b *testing.B) {
+	for _, c := range []struct {
+		layout  string
+		caching bool
+	}{{"llava", false}, {"llava", true}, {"qwen2vl", true}} {
+		spec, side := models.Bench100M(), 192
+		if c.layout == "qwen2vl" {
+			spec.Name, spec.QwenVL, side = spec.Name+"-qwen2vl", true, 0
+		}
+		path := genModel(b, spec)
+		proj := filepath.Join(b.TempDir(), "mmproj-576.gguf")
+		if err := models.GenerateProjector(proj, spec, side); err != nil {
+			b.Fatal(err)
+		}
+		e := openFile(b, path, func(cfg *Config) {
+			cfg.Projector, cfg.ContextCells, cfg.MaxSeqs, cfg.BatchTokens = proj, 8192, 16, 2048
+		})
+		p := e.Projector()
+		ctx := context.Background()
+		pics := make([]engine.Image, users)
+		for u := range pics {
+			pics[u] = picture(320+u, 240, [3]byte{byte(60 * u), 90, 200}, [3]byte{255, 255, 0})
+			if c.layout == "qwen2vl" {
+				pics[u] = picture(384+u, 384, [3]byte{byte(60 * u), 90, 200}, [3]byte{255, 255, 0}) // 24×24 tokens
+			}
+		}
+		caching := c.caching
+		b.Run(fmt.Sprintf("model=100m/layout=%s/image=576/caching=%v", c.layout, caching), func(b *testing.B) {
 			var ttft []time.Duration // of the turns after the first
 			var wall time.Duration
 			var cached, prompt int
@@ -61,6 +74,10 @@ func BenchmarkSchedulerImages(b *testing.B) {
 								b.Error(err)
 								return
 							}
+							if media[0].Len != 576 {
+								b.Errorf("an image of %d tokens, want 576", media[0].Len)
+								return
+							}
 							asked := time.Now()
 							g := generate(ctx, s, &scheduler.Request{Prompt: toks, Media: media, MaxTokens: answer, IgnoreEOS: true})
 							if g.err != nil {
@@ -79,6 +96,9 @@ func BenchmarkSchedulerImages(b *testing.B) {
 				}
 				wg.Wait()
 				wall += time.Since(start)
+			}
+			if len(ttft) == 0 {
+				return
 			}
 			slices.Sort(ttft)
 			b.ReportMetric(wall.Seconds()/float64(b.N), "s/run")
