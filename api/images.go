@@ -448,7 +448,7 @@ func (s *Server) fetchImage(ctx context.Context, raw string, limit int64) ([]byt
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("fetch %s: status %d", raw, resp.StatusCode)
 	}
-	limit = min(limit, s.cfg.MaxBodyBytes)
+	limit = min(limit, max(s.cfg.MaxBodyBytes, s.cfg.VisionBodyBytes)) // this node reads images
 	data, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
 	switch {
 	case err != nil:

@@ -89,35 +89,36 @@ func (p *LlamaPrompts) UnmarshalJSON(b []byte) error {
 }
 
 // llamaPrompt reads b as one prompt: a string, or an array of token ids and
-// strings, with at least one id unless listed (an array of strings alone
-// lists prompts).
+// strings with at least one id (as llama-server reads one: an array of
+// strings alone lists prompts), or empty when listed.
 func llamaPrompt(b []byte, listed bool) (LlamaPrompt, bool) {
 	b = bytes.TrimSpace(b)
-	var s string
 	if len(b) > 0 && b[0] == '"' {
+		var s string
 		if json.Unmarshal(b, &s) != nil {
 			return nil, false
 		}
 		return LlamaPrompt{s}, true
 	}
 	var parts []json.RawMessage
-	if json.Unmarshal(b, &parts) != nil {
+	if json.Unmarshal(b, &parts) != nil || parts == nil {
 		return nil, false
 	}
 	out := make(LlamaPrompt, 0, len(parts))
 	ids := false
 	for _, raw := range parts {
+		var s string
 		var id int64
-		switch {
-		case json.Unmarshal(raw, &s) == nil:
+		switch raw = bytes.TrimSpace(raw); {
+		case len(raw) > 0 && raw[0] == '"' && json.Unmarshal(raw, &s) == nil:
 			out = append(out, s)
-		case json.Unmarshal(raw, &id) == nil:
+		case len(raw) > 0 && (raw[0] == '-' || raw[0] >= '0' && raw[0] <= '9') && json.Unmarshal(raw, &id) == nil:
 			out, ids = append(out, id), true
 		default:
-			return nil, false
+			return nil, false // null, true, an object, a nested array, a fraction
 		}
 	}
-	return out, ids || listed
+	return out, ids || listed && len(out) == 0
 }
 
 // unsupported refuses samplers turned on that shoal does not have.
@@ -142,7 +143,7 @@ func (r *LlamaFields) unsupported() error {
 }
 
 // tokens lays out p as llama-server does.
-func (p LlamaPrompt) tokens(v engine.Vocab) ([]engine.Token, error) {
+func (p LlamaPrompt) tokens(v engine.Vocab, where string) ([]engine.Token, error) {
 	var out []engine.Token
 	for i, part := range p {
 		switch x := part.(type) {
@@ -154,7 +155,7 @@ func (p LlamaPrompt) tokens(v engine.Vocab) ([]engine.Token, error) {
 			out = append(out, toks...)
 		case int64:
 			if x < 0 || x >= int64(v.Size()) {
-				return nil, invalid("prompt", "prompt element %d: token id %d is outside the vocabulary (0..%d)", i, x, v.Size()-1)
+				return nil, invalid("prompt", "%s, element %d: token id %d is outside the vocabulary (0..%d)", where, i, x, v.Size()-1)
 			}
 			out = append(out, engine.Token(x))
 		}
@@ -248,7 +249,7 @@ func (s *Server) llamaCompletion(c *gin.Context) {
 		return
 	}
 	for i, one := range *req.Prompt {
-		toks, err := one.tokens(b.Vocab)
+		toks, err := one.tokens(b.Vocab, which("prompt", i, len(*req.Prompt)))
 		if err != nil {
 			abort(c, err)
 			return

@@ -140,12 +140,18 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"prompt":"a","n":2}`, "n"},
 		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
 		{`{"prompt":[[["a"]],"b"]}`, ""},
+		{`{"prompt":["abc",null,5]}`, ""},
+		{`{"prompt":[["a","b"],"c"]}`, ""},
+		{`{"prompt":[1.5,"c"]}`, ""},
 		{`{"prompt":["a",{"b":1}]}`, ""},
 		{`{"prompt":["a",[]]}`, "prompt"},
 		{`{"prompt":["a",[99999]]}`, "prompt"},
 		{`{"prompt":[` + strings.Repeat(`"a",`, 4*scheduler.MaxChoices) + `"a"]}`, "prompt"},
 	} {
 		w := s.do(t, "POST", "/completion", c.body)
+		if strings.Contains(c.body, "99999]]") && !strings.Contains(w.Body.String(), "prompt 1, element 0") {
+			t.Errorf("%s: %s, want the error to name prompt 1", c.body, w.Body)
+		}
 		var e struct{ Error *Error }
 		if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || w.Code != 400 || e.Error == nil || e.Error.Param != c.param {
 			t.Errorf("%s: %d %s", c.body, w.Code, w.Body)

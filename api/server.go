@@ -375,26 +375,31 @@ func (s *Server) readyBackend(c *gin.Context) (*Backend, bool) {
 
 func (s *Server) limitBody(c *gin.Context) {
 	if c.Request.Body != nil {
-		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, s.bodyLimit(c.Request.ContentLength))
+		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, s.bodyLimit(c.Request.URL.Path, c.Request.ContentLength))
 	}
 	c.Next()
 }
 
-// bodyLimit is the largest body accepted for a request declaring length
-// bytes (-1: unknown): VisionBodyBytes where images are read, on this node or
-// another that a request reaching this one may be forwarded to.
-func (s *Server) bodyLimit(length int64) int64 {
-	if s.cfg.VisionBodyBytes <= s.cfg.MaxBodyBytes || (length >= 0 && length <= s.cfg.MaxBodyBytes) {
+// bodyLimit is the largest body accepted for a request to path declaring
+// length bytes (-1: unknown): VisionBodyBytes for the endpoints that take
+// images where images are read, on this node or on an alive member that a
+// request reaching this one may be forwarded to.
+func (s *Server) bodyLimit(path string, length int64) int64 {
+	if s.cfg.VisionBodyBytes <= s.cfg.MaxBodyBytes || (length >= 0 && length <= s.cfg.MaxBodyBytes) || !imagePaths[path] {
 		return s.cfg.MaxBodyBytes
 	}
 	if b := s.backend.Load(); b != nil && b.Projector != nil {
 		return s.cfg.VisionBodyBytes
 	}
-	if n := s.node(); n != nil && slices.ContainsFunc(n.Members(), func(m cluster.Member) bool { return m.Vision }) {
+	if n := s.node(); n != nil && slices.ContainsFunc(n.Members(), func(m cluster.Member) bool { return m.Vision && m.State == "alive" }) {
 		return s.cfg.VisionBodyBytes
 	}
 	return s.cfg.MaxBodyBytes
 }
+
+// imagePaths are the endpoints whose requests may carry images.
+var imagePaths = map[string]bool{"/v1/chat/completions": true, "/v1/responses": true, "/v1/messages": true,
+	"/v1/messages/count_tokens": true, "/api/chat": true, "/api/generate": true}
 
 func (s *Server) auth(c *gin.Context) {
 	if len(s.cfg.APIKeys) == 0 {

@@ -306,12 +306,35 @@ func (b *Batch) Check(c Capacity, vocab, width int, last func(SeqID) (Pos, bool)
 		case c.MRoPE && (p < want-1 || p == want-1 && !b.Embedded(i)):
 			// An image's rows share its first position; text moves on.
 			return fmt.Errorf("row %d: sequence %d at position %d, want %d or more: %w", i, s, p, want, ErrInvalidInput)
-		case !c.MRoPE && len(b.Grid) > 0 && b.Grid[i] != [2]Pos{}:
-			return fmt.Errorf("row %d: a line and column for an engine without M-RoPE: %w", i, ErrInvalidInput)
+		case len(b.Grid) > 0 && b.Grid[i] != [2]Pos{} && (!c.MRoPE || !b.Embedded(i)):
+			return fmt.Errorf("row %d: a line and column, which only an M-RoPE engine's image rows have: %w", i, ErrInvalidInput)
 		}
 		next[s] = p + 1
 	}
 	return nil
+}
+
+// Keep keeps the rows i for which keep(i) is true, in order, dropping the
+// others from every column. keep sees each row in order, before any row at
+// or after it moves.
+func (b *Batch) Keep(keep func(i int) bool) {
+	n := 0
+	for i := range b.Len() {
+		if !keep(i) {
+			continue
+		}
+		b.Tokens[n], b.Pos[n], b.Seq[n], b.Output[n] = b.Tokens[i], b.Pos[i], b.Seq[i], b.Output[i]
+		if len(b.Embd) > 0 {
+			b.Embd[n] = b.Embd[i]
+		}
+		if len(b.Grid) > 0 {
+			b.Grid[n] = b.Grid[i]
+		}
+		n++
+	}
+	clear(b.Embd[min(n, len(b.Embd)):])
+	b.Tokens, b.Pos, b.Seq, b.Output = b.Tokens[:n], b.Pos[:n], b.Seq[:n], b.Output[:n]
+	b.Embd, b.Grid = b.Embd[:min(n, len(b.Embd))], b.Grid[:min(n, len(b.Grid))]
 }
 
 // Reset empties the batch, keeping its memory.

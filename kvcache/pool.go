@@ -805,7 +805,7 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 	if private > len(p.free)+p.EvictableBlocks() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, media: s.media}
 	for _, b := range s.blocks {
 		if b.state == stateIndexed {
 			p.ref(b)

@@ -4,6 +4,7 @@ import (
 	"container/list"
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
 )
 
@@ -717,7 +718,7 @@ func TestPrivateMedia(t *testing.T) {
 		prompt[i] = -int32(i) // an image at [9, 14): in the third block
 	}
 	cfg := DefaultConfig()
-	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.PrivateMedia = 64, 4, 4, 1, true
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.PrivateMedia = 128, 4, 4, 1, true
 	p, _ := New(cfg)
 	sim := newSim(cfg.Cells)
 	a := computeSeq(t, p, sim, prompt)
@@ -728,7 +729,7 @@ func TestPrivateMedia(t *testing.T) {
 	}
 	checkInvariants(t, p, sim, []*running{{seq: b}})
 
-	s, err := NewSplit(cfg, 32)
+	s, err := NewSplit(cfg, 64)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -746,6 +747,30 @@ func TestPrivateMedia(t *testing.T) {
 	s.Release(run())
 	if c := run(); c.Cached() != 8 {
 		t.Errorf("streams: %d cached, want 8", c.Cached())
+	}
+	// A fork (n > 1) stays private past the image too: its output blocks
+	// would otherwise chain onto the prefix before the image.
+	out := seqPrompt(500, 8)
+	// The blocks a fork commits after the prompt's 7 start at token 28.
+	probe := slices.Concat(prompt[:8], prompt[28:], out, []int32{1})
+	forkOut := func(a Allocator, parent *Seq) *Seq {
+		f, _, err := a.Fork(parent)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.Grow(f, out); err != nil {
+			t.Fatal(err)
+		}
+		a.Commit(f)
+		return f
+	}
+	sim.apply(t, p.Release(forkOut(p, b)))
+	if got := p.CachedPrefix("", probe); got > 8 {
+		t.Errorf("one pool: a fork's output cached after the prefix before the image (%d tokens)", got)
+	}
+	s.Release(forkOut(s, run()))
+	if got := s.CachedPrefix("", probe); got > 8 {
+		t.Errorf("streams: a fork's output cached after the prefix before the image (%d tokens)", got)
 	}
 	// Without it, the image's blocks are cached as any.
 	cfg.PrivateMedia = false

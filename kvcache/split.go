@@ -328,7 +328,7 @@ func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 			p.track(h, id)
 		}
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, media: s.media}
 	st.state, st.seq = seqRunning, f
 	return f, ops, nil
 }

@@ -581,8 +581,8 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 			continue // not computing a prompt, or another adapter's KV
 		}
 		n := 0
-		for n < min(len(q.tokens), len(r.tokens)-1) && q.tokens[n] == r.tokens[n] {
-			n++
+		for n < min(len(q.tokens), len(r.tokens)-1) && q.tokens[n] == r.tokens[n] && (q.tokens[n] >= 0 || !s.cfg.KV.PrivateMedia) {
+			n++ // (an image's blocks are never cached with PrivateMedia: nothing to wait for)
 		}
 		n = n / B * B // only whole blocks are shared
 		if n < B {
@@ -851,23 +851,18 @@ func (s *Scheduler) removeFromBatch(q *seq) {
 		return // after the decode, row numbers must stay those of the decoded batch
 	}
 	id := engine.SeqID(q.kv.ID)
-	nb := engine.Batch{Adapter: s.batch.Adapter}
 	var nr []*seq
 	for i := range s.batch.Len() {
 		if s.batch.Seq[i] == id {
 			continue
 		}
 		if r := s.rows[i]; r != nil {
-			r.sampleRow = nb.Len()
-		}
-		if s.batch.Embedded(i) {
-			nb.AddEmbd(s.batch.Tokens[i], s.batch.Embd[i], s.batch.Pos[i], s.batch.Seq[i], s.batch.Output[i])
-		} else {
-			nb.Add(s.batch.Tokens[i], s.batch.Pos[i], s.batch.Seq[i], s.batch.Output[i])
+			r.sampleRow = len(nr)
 		}
 		nr = append(nr, s.rows[i])
 	}
-	s.batch, s.rows = nb, nr
+	s.batch.Keep(func(i int) bool { return s.batch.Seq[i] != id })
+	s.rows = nr
 	q.sampleRow = -1
 	if q.decoding {
 		s.decodeRows--

@@ -1677,3 +1677,89 @@ func wholeImageNotStarved(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// mropeRequest is a prompt of seed with images placed by M-RoPE: grids of
+// cols×rows at the given prompt indices, text around them.
+func mropeRequest(seed, n int, width int, images ...[3]int) *Request {
+	p := prompt(seed, n)
+	r := &Request{Prompt: p}
+	for k, im := range images {
+		m := engine.Media{Pos: im[0], Len: im[1] * im[2], Cols: im[1], Rows: im[2], Embd: make([]float32, im[1]*im[2]*width)}
+		for i := range m.Len {
+			p[m.Pos+i] = engine.Placeholder(uint64(seed*10+k), i)
+		}
+		r.Media = append(r.Media, m)
+	}
+	return r
+}
+
+// TestMRoPEImages: requests with images placed by M-RoPE (on the fake
+// engine that models them: its logits depend on each cell's position, line
+// and column, and it fails a sequence holding two cells at one place) give
+// the same tokens alone and together under KV pressure, with preemptions,
+// forks, proposals, cached prefixes before their images, small steps that
+// cut their images, and unified or per-stream pools.
+func TestMRoPEImages(t *testing.T) {
+	mk := func(i int) *Request {
+		var r *Request
+		switch i % 3 {
+		case 0:
+			r = mropeRequest(1, 40, 8, [3]int{20, 4, 3}) // an image of 4×3 after a shared text
+		case 1:
+			r = mropeRequest(1, 48, 8, [3]int{20, 3, 5}, [3]int{38, 2, 2})
+		default:
+			r = mropeRequest(2, 30, 8, [3]int{1, 5, 2})
+		}
+		r.MaxTokens, r.IgnoreEOS = 20+i*7%30, true
+		if i%4 == 3 {
+			r.N = 2
+		}
+		return r
+	}
+	var reqs []*Request
+	for i := range 14 {
+		reqs = append(reqs, mk(i))
+	}
+	var want []result
+	for _, r := range reqs {
+		f := enginetest.New(4096, 32, 512)
+		f.MRoPE, f.Period = true, 7
+		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
+		st, err := s.Submit(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want = append(want, collect(context.Background(), st, max(r.N, 1)))
+	}
+	for _, unified := range []bool{true, false} {
+		f := enginetest.New(256, 64, 512)
+		if !unified {
+			f = enginetest.NewSplit(120, 16, 512)
+		}
+		f.MRoPE, f.Period = true, 7
+		cfg := DefaultConfig()
+		cfg.MaxBatchTokens, cfg.MaxRunning, cfg.Spec.Tokens = 24, 8, 3
+		s, err := New(cfg, f, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); s.Run(ctx) }()
+		got := runConcurrently(t, s, reqs)
+		for i := range reqs {
+			for k := range want[i].tokens {
+				if got[i].err != nil || !slices.Equal(got[i].tokens[k], want[i].tokens[k]) {
+					t.Errorf("unified %v, request %d choice %d: %v (%v), alone %v", unified, i, k, got[i].tokens[k], got[i].err, want[i].tokens[k])
+				}
+			}
+		}
+		l := s.Load()
+		t.Logf("unified %v: %d preemptions, %d of %d prompt tokens cached, %d proposals accepted", unified, l.Preemptions, l.PrefixHits, l.PrefixQueries, l.SpecAccepted)
+		if l.PrefixHits == 0 || l.SpecAccepted == 0 || unified && l.Preemptions == 0 {
+			t.Errorf("unified %v: %d preemptions, %d cached tokens, %d proposals accepted: want all", unified, l.Preemptions, l.PrefixHits, l.SpecAccepted)
+		}
+		cancel()
+		<-done
+	}
+}

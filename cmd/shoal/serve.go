@@ -228,7 +228,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.BoolVar(&f.caching, "prefix-caching", true, "reuse the KV cache of common prompt prefixes")
 	fs.Float64Var(&f.cacheFloor, "prefix-cache-floor", sc.KV.CacheFloor, "with one KV pool: share of the pool (or, when fewer, of the cells whose KV is as large as the model's weights) that cached prefixes nobody is using always keep; beyond it they are kept as far as reuse shows it pays: misses on recently evicted prefixes, first hits on cached ones (1: keep until the pool is full)")
 	fs.Uint64Var(&f.hashSeed, "hash-seed", 0, "seed of the prefix block hashes (equal on every node of a cluster)")
-	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond); default 8 MiB, or 64 MiB where images are read (by the node, --mmproj, or a member of its cluster)")
+	fs.Int64Var(&f.maxBody, "max-body-bytes", ac.MaxBodyBytes, "largest request body accepted (413 beyond); default 8 MiB, or 64 MiB on the endpoints that take images where images are read (by the node, --mmproj, or a member of its cluster)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM/SIGINT, how long in-flight requests may finish before they are cancelled")
 	fs.Var(&f.mediaDomains, "allowed-media-domains", "hosts (images.example.com, or *) whose http(s) image URLs in requests the node fetches, as vLLM's; none by default: images come as data: URLs")
 	fs.Var(&f.allowedOrigins, "allowed-origins", "web origins (https://app.example.com, or *) whose pages may call the API from a browser (CORS); none by default")

@@ -3,9 +3,11 @@
 package enginetest
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"sync"
 	"time"
 
@@ -40,7 +42,13 @@ type Fake struct {
 	EmbdWidth int
 	// Rerank, when set, makes the fake a reranker (ModelInfo.Rerank): Embeddings
 	// gives one score in (0, 1), a hash of the tokens the sequence holds.
-	Rerank  *engine.RerankLayout
+	Rerank *engine.RerankLayout
+	// MRoPE makes the fake place images as an M-RoPE engine does
+	// (engine.Capacity.MRoPE): an image's rows share a position, each at its
+	// line and column (Batch.Grid), which a row's logits depend on; a
+	// sequence's positions jump past its images. Two cells of a sequence at
+	// one place (position, line, column) fail the Decode.
+	MRoPE   bool
 	mu      sync.Mutex
 	batches []BatchStats
 	Failing func(b *engine.Batch) error
@@ -49,6 +57,7 @@ type Fake struct {
 
 type cell struct {
 	pos     engine.Pos
+	y, x    engine.Pos // with MRoPE, an image row's line and column
 	tok     engine.Token
 	adapter int
 	seqs    map[engine.SeqID]bool
@@ -73,10 +82,14 @@ func (f *Fake) Info() engine.ModelInfo {
 	return engine.ModelInfo{Name: "fake", VocabSize: f.vocab.n, EmbeddingSize: f.EmbdWidth, Rerank: f.Rerank,
 		Devices: []engine.Device{{Name: "CPU", Description: "fake", Kind: "cpu"}}}
 }
-func (f *Fake) Capacity() engine.Capacity { return f.cap }
-func (f *Fake) Vocab() engine.Vocab       { return f.vocab }
-func (f *Fake) Abort()                    { f.mu.Lock(); f.aborted = true; f.mu.Unlock() }
-func (f *Fake) Close() error              { return nil }
+func (f *Fake) Capacity() engine.Capacity {
+	c := f.cap
+	c.MRoPE = f.MRoPE
+	return c
+}
+func (f *Fake) Vocab() engine.Vocab { return f.vocab }
+func (f *Fake) Abort()              { f.mu.Lock(); f.aborted = true; f.mu.Unlock() }
+func (f *Fake) Close() error        { return nil }
 
 // Embeddings is a reranker's score (Rerank); the fake pools no embedding.
 func (f *Fake) Embeddings(s engine.SeqID) ([]float32, error) {
@@ -112,7 +125,7 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 	if b.Adapter < 0 || b.Adapter > f.Adapters {
 		return fmt.Errorf("fake: adapter %d of %d: %w", b.Adapter, f.Adapters, engine.ErrInvalidInput)
 	}
-	if err := b.Check(f.cap, f.vocab.n, f.EmbdWidth, func(s engine.SeqID) (engine.Pos, bool) {
+	if err := b.Check(f.Capacity(), f.vocab.n, f.EmbdWidth, func(s engine.SeqID) (engine.Pos, bool) {
 		_, hi, ok := f.SeqPosRange(s)
 		return hi, ok
 	}); err != nil {
@@ -146,9 +159,11 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 		}
 	}
 	fb := BatchStats{Rows: b.Len(), Seqs: map[engine.SeqID]int{}}
+	n := len(f.cells)
 	for i := range b.Len() {
 		s := b.Seq[i]
-		f.cells = append(f.cells, &cell{pos: b.Pos[i], tok: b.Tokens[i], adapter: b.Adapter, seqs: map[engine.SeqID]bool{s: true}})
+		y, x := b.At(i)
+		f.cells = append(f.cells, &cell{pos: b.Pos[i], y: y, x: x, tok: b.Tokens[i], adapter: b.Adapter, seqs: map[engine.SeqID]bool{s: true}})
 		fb.Seqs[s]++
 	}
 	f.logits = map[int][]float32{}
@@ -157,6 +172,15 @@ func (f *Fake) Decode(ctx context.Context, b *engine.Batch) error {
 			continue
 		}
 		fb.Outputs++
+		if f.MRoPE {
+			l, err := f.nextPlaced(b.Seq[i], b.Pos[i], b.Adapter)
+			if err != nil {
+				f.cells = f.cells[:n]
+				return err
+			}
+			f.logits[i] = l
+			continue
+		}
 		f.logits[i] = f.next(b.Seq[i], b.Pos[i], b.Adapter)
 	}
 	f.mu.Lock()
@@ -206,6 +230,40 @@ func (f *Fake) next(s engine.SeqID, pos engine.Pos, adapter int) []float32 {
 	}
 	l[next] = 10
 	return l
+}
+
+// nextPlaced is next for MRoPE: from the cells seq s holds at positions
+// 0..pos, in the order of their places (position, line, column).
+func (f *Fake) nextPlaced(s engine.SeqID, pos engine.Pos, adapter int) ([]float32, error) {
+	var held []*cell
+	for _, c := range f.cells {
+		if c.seqs[s] && c.pos <= pos {
+			held = append(held, c)
+		}
+	}
+	slices.SortStableFunc(held, func(a, b *cell) int {
+		return cmp.Or(cmp.Compare(a.pos, b.pos), cmp.Compare(a.y, b.y), cmp.Compare(a.x, b.x))
+	})
+	h := fnv.New32a()
+	for i, c := range held {
+		if i > 0 && c.pos == held[i-1].pos && c.y == held[i-1].y && c.x == held[i-1].x {
+			return nil, fmt.Errorf("fake: sequence %d holds two cells at position %d, line %d, column %d: %w", s, c.pos, c.y, c.x, engine.ErrInvalidInput)
+		}
+		fmt.Fprint(h, c.tok, "@", c.pos, ":", c.y, ":", c.x, "/", c.adapter, ",")
+	}
+	fmt.Fprint(h, "under ", adapter)
+	l := make([]float32, f.vocab.n)
+	next := 3 + int(h.Sum32()%uint32(f.vocab.n-3))
+	if f.Period > 0 && len(held)+1 >= f.Period {
+		if t := held[len(held)+1-f.Period].tok; t >= 0 { // a placeholder is no token
+			next = int(t)
+		}
+	}
+	if f.EOSAt > 0 && len(held)+1 >= f.EOSAt {
+		next = 2
+	}
+	l[next] = 10
+	return l, nil
 }
 
 func (f *Fake) Logits(i int, fn func([]float32)) error {
