@@ -1763,3 +1763,27 @@ func TestMRoPEImages(t *testing.T) {
 		<-done
 	}
 }
+
+// TestSharesInProgressStopsAtImages: with images that are never cached
+// (kvcache PrivateMedia), a request does not wait for another computing the
+// same picture: nothing of it will be in the cache.
+func TestSharesInProgressStopsAtImages(t *testing.T) {
+	for _, mrope := range []bool{false, true} {
+		f := enginetest.New(4096, 64, 512)
+		f.MRoPE = mrope
+		s, err := New(DefaultConfig(), f, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req := mropeRequest(2, 40, 8, [3]int{1, 5, 2})
+		if !mrope {
+			for i := range req.Media {
+				req.Media[i].Cols, req.Media[i].Rows = 0, 0
+			}
+		}
+		s.running = []*seq{{g: &group{req: req}, tokens: req.Prompt}}
+		if waits := s.sharesInProgress(&seq{g: &group{req: req}, tokens: req.Prompt}); waits == mrope {
+			t.Errorf("M-RoPE %v: waits %v for a request computing the same picture", mrope, waits)
+		}
+	}
+}
