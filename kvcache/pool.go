@@ -47,12 +47,13 @@ type Config struct {
 	// use, so the floor's cells cost at most CacheFloor of that traffic however
 	// large the pool.
 	WeightCells int
-	// PrivateMedia keeps every block from a sequence's first block holding a
-	// negative token (an image's placeholder) on private, never cached: an
-	// M-RoPE model's image shares one position over all its cells, which
-	// can only be removed or copied together (engine.Capacity.MRoPE), never
-	// cut at a block's edge.
-	PrivateMedia bool
+	// UncutMedia never cuts a run of negative tokens (an image's
+	// placeholders) at a block's edge: an M-RoPE model's image shares one
+	// position over all its cells, which the engine can only remove or copy
+	// together (engine.Capacity.MRoPE). A cached prefix never ends within
+	// one; the blocks an image spans are indexed together, once the last of
+	// them is full, by one holder; and they are evicted together.
+	UncutMedia bool
 }
 
 // DefaultCacheFloor is measured in docs/benchmarks.md ("A one-pool node's cache").
@@ -131,8 +132,11 @@ type block struct {
 	parent   *block // indexed parent (nil for the first block)
 	children int32  // indexed blocks whose parent this is
 	holder   SeqID  // indexed: the sequence that physically keeps it
-	ref      int32  // running sequences using it
-	reused   bool   // taken by a sequence other than the one that computed it
+	// glued: it goes on with an image its parent holds (Config.UncutMedia):
+	// the two have one holder and are evicted together.
+	glued  bool
+	ref    int32 // running sequences using it
+	reused bool  // taken by a sequence other than the one that computed it
 	// suspended: unreferenced since its sequence was preempted (Suspend); kept
 	// past the budget until taken again or its space is needed.
 	suspended bool
@@ -150,16 +154,30 @@ type Seq struct {
 	parent Hash    // hash of the last sealed block
 	cached int
 	hasher Hasher // its model's: the adapter's, under a LoRA adapter
-	media  bool   // a sealed block held a placeholder (Config.PrivateMedia)
+	// lastNeg: the last token of its sealed blocks is an image's placeholder
+	// (Config.UncutMedia).
+	lastNeg bool
 }
 
-// private reports whether block toks of s stays private under
-// Config.PrivateMedia, noting a placeholder in it.
-func (s *Seq) private(c Config, toks []int32) bool {
-	if c.PrivateMedia && !s.media && slices.ContainsFunc(toks, func(t int32) bool { return t < 0 }) {
-		s.media = true
+// sealable is how many of the n full blocks at the start of tail may be
+// sealed now: under Config.UncutMedia, not those of an image that goes on
+// past them (into the rest of tail, or beyond it, unknown yet).
+func sealable(c Config, tail []int32, n int) int {
+	B := c.BlockTokens
+	for c.UncutMedia && n > 0 && tail[n*B-1] < 0 && (n*B == len(tail) || tail[n*B] < 0) {
+		n--
 	}
-	return s.media
+	return n
+}
+
+// uncut is n blocks of prefix cut back, under Config.UncutMedia, so that they
+// do not end within an image of tokens.
+func uncut(c Config, tokens []int32, n int) int {
+	B := c.BlockTokens
+	for c.UncutMedia && n > 0 && n*B < len(tokens) && tokens[n*B-1] < 0 && tokens[n*B] < 0 {
+		n--
+	}
+	return n
 }
 
 // Len is the number of positions accounted to the sequence.
@@ -302,7 +320,7 @@ func (p *Pool) match(h Hasher, tokens []int32) []*block {
 		out = append(out, b)
 		parent = hb
 	}
-	return out
+	return out[:uncut(p.cfg, tokens, len(out))]
 }
 
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
@@ -368,6 +386,7 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	s.len = len(m) * p.cfg.BlockTokens
 	s.sealed = len(m)
 	s.cached = s.len
+	s.lastNeg = s.len > 0 && prompt[s.len-1] < 0
 	if len(m) > 0 {
 		s.parent = m[len(m)-1].hash
 	}
@@ -464,9 +483,15 @@ func (p *Pool) evictHolder(h SeqID, ops []Op) []Op {
 	}
 	slices.SortFunc(victims, func(x, y *block) int { return int(y.index - x.index) })
 	for _, b := range victims {
-		ops = p.evict(b, ops)
+		switch {
+		case b.state != stateIndexed: // evicted with a block glued to it
+		case b.holder == h:
+			p.unindex(b) // all of h's cells go at once, below
+		default:
+			ops = p.evict(b, ops)
+		}
 	}
-	return ops
+	return append(ops, Op{Kind: OpRemove, Seq: h, P0: 0, P1: -1})
 }
 
 // Grow accounts more positions of s whose tokens are toks. It allocates blocks as
@@ -534,7 +559,7 @@ func (s *Seq) checkTrim(n int) error {
 // has not written yet would copy nothing).
 func (p *Pool) Commit(s *Seq) {
 	B := p.cfg.BlockTokens
-	for len(s.tail) >= B {
+	for range sealable(p.cfg, s.tail, len(s.tail)/B) {
 		p.seal(s, s.blocks[s.sealed], s.tail[:B])
 		s.sealed++
 		s.tail = s.tail[B:]
@@ -547,7 +572,9 @@ func (p *Pool) Commit(s *Seq) {
 func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	h := s.hasher.Block(s.parent, toks)
 	s.parent = h
-	if !p.cfg.Caching || s.private(p.cfg, toks) {
+	glued := p.cfg.UncutMedia && s.lastNeg && toks[0] < 0
+	s.lastNeg = toks[len(toks)-1] < 0
+	if !p.cfg.Caching {
 		return
 	}
 	if _, dup := p.index[h]; dup {
@@ -556,12 +583,14 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	var parent *block
 	if b.index > 0 {
 		parent = s.blocks[b.index-1]
-		if parent.state != stateIndexed {
-			return // the chain is broken by a private duplicate: keep this one private
+		if parent.state != stateIndexed || glued && parent.holder != s.ID {
+			// The chain is broken by a private duplicate, or an image would
+			// have two holders: keep this one private.
+			return
 		}
 	}
 	p.ghosts.forget(h)
-	b.state, b.hash, b.holder, b.parent = stateIndexed, h, s.ID, parent
+	b.state, b.hash, b.holder, b.parent, b.glued = stateIndexed, h, s.ID, parent, glued
 	if parent != nil {
 		parent.children++
 	}
@@ -604,14 +633,26 @@ func (p *Pool) evictFrom(ops []Op, lists ...*list.List) ([]Op, bool) {
 	return ops, false
 }
 
-// evictLeaf evicts the least recently used block of l that no other block extends.
+// evictLeaf evicts the least recently used block of l that no other block
+// extends (with the blocks of an image it ends, Config.UncutMedia).
 func (p *Pool) evictLeaf(l *list.List, ops []Op) ([]Op, bool) {
 	for e := l.Front(); e != nil; e = e.Next() {
-		if b := e.Value.(*block); b.children == 0 {
+		if b := e.Value.(*block); b.children == 0 && evictable(b) {
 			return p.evict(b, ops), true
 		}
 	}
 	return ops, false
+}
+
+// evictable reports whether the blocks leaf b is glued to are unreferenced
+// and extended by nothing else.
+func evictable(b *block) bool {
+	for ; b.glued; b = b.parent {
+		if a := b.parent; a.ref > 0 || a.children != 1 {
+			return false
+		}
+	}
+	return true
 }
 
 // lruOf is the list that holds b while it is unreferenced.
@@ -674,10 +715,29 @@ func (p *Pool) missedGhosts(h Hasher, tokens []int32, cached int, parent Hash) {
 	}
 }
 
-// evict removes an unreferenced leaf from the index and trims it from its holder.
+// evict removes an unreferenced leaf from the index and trims it from its
+// holder, with the blocks of an image it is glued to (evictable): one range
+// of their holder's, never cut within an image.
 func (p *Pool) evict(b *block, ops []Op) []Op {
 	B := int32(p.cfg.BlockTokens)
-	p.lruOf(b).Remove(b.lru)
+	h, end := b.holder, (b.index+1)*B
+	for {
+		glued, parent := b.glued, b.parent
+		top := b.index * B
+		p.unindex(b)
+		if !glued {
+			return append(ops, Op{Kind: OpRemove, Seq: h, P0: top, P1: end})
+		}
+		b = parent
+	}
+}
+
+// unindex takes leaf b out of the index and frees it; the caller removes its
+// cells from its holder.
+func (p *Pool) unindex(b *block) {
+	if b.lru != nil {
+		p.lruOf(b).Remove(b.lru)
+	}
 	b.lru = nil
 	delete(p.index, b.hash)
 	p.evictions++
@@ -689,7 +749,6 @@ func (p *Pool) evict(b *block, ops []Op) []Op {
 		b.parent.children--
 	}
 	h := b.holder
-	ops = append(ops, Op{Kind: OpRemove, Seq: h, P0: b.index * B, P1: (b.index + 1) * B})
 	if p.holders[h]--; p.holders[h] == 0 {
 		delete(p.holders, h)
 		if p.seqs[h] == seqHolder {
@@ -699,7 +758,6 @@ func (p *Pool) evict(b *block, ops []Op) []Op {
 	*b = block{id: b.id}
 	p.free = append(p.free, b.id)
 	p.generation++
-	return ops
 }
 
 func (p *Pool) ref(b *block) {
@@ -805,7 +863,7 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 	if private > len(p.free)+p.EvictableBlocks() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, media: s.media}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, lastNeg: s.lastNeg}
 	for _, b := range s.blocks {
 		if b.state == stateIndexed {
 			p.ref(b)

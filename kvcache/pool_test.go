@@ -708,76 +708,148 @@ func TestModelsCacheApart(t *testing.T) {
 	}
 }
 
-// TestPrivateMedia: with Config.PrivateMedia, no block from a sequence's first
-// block holding a placeholder (a negative token) on is cached, in either
-// pool: a prompt with an image is taken from the cache only up to the block
-// before it.
-func TestPrivateMedia(t *testing.T) {
-	prompt := seqPrompt(1, 30)
-	for i := 9; i < 14; i++ {
-		prompt[i] = -int32(i) // an image at [9, 14): in the third block
+// TestUncutMedia: with Config.UncutMedia, a run of negative tokens (an
+// image's placeholders) is never cut at a block's edge, in either pool: a
+// cached prefix never ends within one, an image's blocks are cached together
+// once the last is full, and evicted together; no op's range starts or ends
+// within one.
+func TestUncutMedia(t *testing.T) {
+	image := func(seed int) []int32 {
+		p := seqPrompt(seed, 30)
+		for i := 9; i < 14; i++ {
+			p[i] = -int32(seed*100 + i) // an image at [9, 14): blocks 2 and 3 of 4 tokens
+		}
+		return p
+	}
+	prompt := image(1)
+	other := slices.Clone(prompt) // the same picture, other text after it
+	for i := 14; i < len(other); i++ {
+		other[i] = 900 + int32(i)
+	}
+	cuts := func(ops []Op) {
+		t.Helper()
+		for _, o := range ops {
+			if o.P0 == 12 || o.P1 == 12 {
+				t.Errorf("%v cuts the image at [9, 14)", o)
+			}
+		}
 	}
 	cfg := DefaultConfig()
-	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.PrivateMedia = 128, 4, 4, 1, true
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.UncutMedia = 128, 16, 4, 1, true
 	p, _ := New(cfg)
 	sim := newSim(cfg.Cells)
-	a := computeSeq(t, p, sim, prompt)
-	sim.apply(t, p.Release(a))
-	b := computeSeq(t, p, sim, prompt)
-	if b.Cached() != 8 {
-		t.Errorf("one pool: %d cached, want the 8 before the image's block", b.Cached())
+	run := func(pr []int32) *Seq {
+		s, ops, err := p.Start("", pr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cuts(ops)
+		sim.apply(t, ops)
+		from := s.Len()
+		// In steps of 5 tokens: a step ending within the image seals nothing
+		// of it.
+		for at := from; at < len(pr); at += 5 {
+			to := min(at+5, len(pr))
+			gops, err := p.Grow(s, pr[at:to])
+			if err != nil {
+				t.Fatal(err)
+			}
+			cuts(gops)
+			sim.apply(t, gops)
+			sim.decode(t, s.ID, at, to)
+			p.Commit(s)
+		}
+		return s
+	}
+	release := func(s *Seq) {
+		ops := p.Release(s)
+		cuts(ops)
+		sim.apply(t, ops)
+	}
+	// Cancelled within its image (computed to 15): nothing of the image is
+	// cached, and its release cuts nothing.
+	a, ops, err := p.Start("", prompt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim.apply(t, ops)
+	for _, to := range []int{10, 15} {
+		from := a.Len()
+		gops, err := p.Grow(a, prompt[from:to])
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, gops)
+		sim.decode(t, a.ID, from, to)
+		p.Commit(a)
+	}
+	release(a)
+	if got := p.CachedPrefix("", prompt); got != 8 {
+		t.Errorf("one pool, cancelled within the image: %d cached, want 8", got)
+	}
+	release(run(prompt))
+	b := run(prompt)
+	if b.Cached() != 28 {
+		t.Errorf("one pool: %d cached, want 28, through the image", b.Cached())
+	}
+	if got := p.CachedPrefix("", other); got != 8 {
+		t.Errorf("one pool: the same picture with other text after: %d cached, want the 8 before the image's first block", got)
 	}
 	checkInvariants(t, p, sim, []*running{{seq: b}})
+	release(b)
+	// Filled with prompts with other pictures, the pool evicts an image's
+	// blocks together.
+	for k := range 6 {
+		release(run(image(10 + k)))
+	}
+	p.Publish()
+	t.Logf("after filling: %d of the prompt cached, %d evictions", p.CachedPrefix("", prompt), p.Stats().Evictions)
+	if got := p.CachedPrefix("", prompt); got != 0 && got != 8 && got < 16 {
+		t.Errorf("one pool after evictions: %d of the prompt cached: within its image", got)
+	}
+	checkInvariants(t, p, sim, nil)
 
+	// A sequence id taken from a holder of an image: all its cells at once.
+	cfg.MaxSeqs = 2
+	p, _ = New(cfg)
+	sim = newSim(cfg.Cells)
+	release(run(prompt))
+	release(run(image(2)))
+	c := run(image(3))
+	checkInvariants(t, p, sim, []*running{{seq: c}})
+
+	cfg.MaxSeqs = 4
 	s, err := NewSplit(cfg, 64)
 	if err != nil {
 		t.Fatal(err)
 	}
-	run := func() *Seq {
-		q, _, err := s.Start("", prompt)
+	srun := func(pr []int32) *Seq {
+		q, ops, err := s.Start("", pr)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := s.Grow(q, prompt[q.Len():]); err != nil {
-			t.Fatal(err)
+		cuts(ops)
+		for at := q.Len(); at < len(pr); at += 5 {
+			if _, err := s.Grow(q, pr[at:min(at+5, len(pr))]); err != nil {
+				t.Fatal(err)
+			}
+			s.Commit(q)
 		}
-		s.Commit(q)
 		return q
 	}
-	s.Release(run())
-	if c := run(); c.Cached() != 8 {
-		t.Errorf("streams: %d cached, want 8", c.Cached())
+	cuts(s.Release(srun(prompt)))
+	if c := srun(prompt); c.Cached() != 28 {
+		t.Errorf("streams: %d cached, want 28", c.Cached())
 	}
-	// A fork (n > 1) stays private past the image too: its output blocks
-	// would otherwise chain onto the prefix before the image.
-	out := seqPrompt(500, 8)
-	// The blocks a fork commits after the prompt's 7 start at token 28.
-	probe := slices.Concat(prompt[:8], prompt[28:], out, []int32{1})
-	forkOut := func(a Allocator, parent *Seq) *Seq {
-		f, _, err := a.Fork(parent)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := a.Grow(f, out); err != nil {
-			t.Fatal(err)
-		}
-		a.Commit(f)
-		return f
+	if got := s.CachedPrefix("", other); got != 8 {
+		t.Errorf("streams: the same picture with other text after: %d cached, want 8", got)
 	}
-	sim.apply(t, p.Release(forkOut(p, b)))
-	if got := p.CachedPrefix("", probe); got > 8 {
-		t.Errorf("one pool: a fork's output cached after the prefix before the image (%d tokens)", got)
-	}
-	s.Release(forkOut(s, run()))
-	if got := s.CachedPrefix("", probe); got > 8 {
-		t.Errorf("streams: a fork's output cached after the prefix before the image (%d tokens)", got)
-	}
-	// Without it, the image's blocks are cached as any.
-	cfg.PrivateMedia = false
+	// Without it, blocks are cut anywhere.
+	cfg.UncutMedia = false
 	p, _ = New(cfg)
 	sim = newSim(cfg.Cells)
-	sim.apply(t, p.Release(computeSeq(t, p, sim, prompt)))
-	if c := computeSeq(t, p, sim, prompt); c.Cached() != 28 {
-		t.Errorf("without PrivateMedia: %d cached, want 28", c.Cached())
+	release(run(prompt))
+	if got := p.CachedPrefix("", other); got != 12 {
+		t.Errorf("without UncutMedia: %d cached, want 12", got)
 	}
 }

@@ -84,6 +84,15 @@ func (p *SplitPool) match(h Hasher, prompt []int32) (int, map[SeqID]struct{}) {
 		}
 		parent, holders, n = hb, hs, i+1
 	}
+	if m := uncut(p.cfg, prompt, n); m < n {
+		// Ends within an image: its holders are those of the shorter prefix.
+		n, holders = m, nil
+		parent = 0
+		for i := range n {
+			parent = h.Block(parent, prompt[i*B:(i+1)*B])
+			holders = p.index[parent]
+		}
+	}
 	return n, holders
 }
 
@@ -270,14 +279,10 @@ func (p *SplitPool) Trim(s *Seq, n int) ([]Op, error) {
 func (p *SplitPool) Commit(s *Seq) {
 	B := p.cfg.BlockTokens
 	st := &p.streams[s.ID]
-	for len(s.tail) >= B {
+	for range sealable(p.cfg, s.tail, len(s.tail)/B) {
 		h := s.hasher.Block(s.parent, s.tail[:B])
 		s.sealed++
-		private := s.private(p.cfg, s.tail[:B]) // nothing from an image on is chained (Config.PrivateMedia)
 		s.tail = s.tail[B:]
-		if private {
-			continue
-		}
 		s.parent = h
 		st.chain = append(st.chain, h)
 		if p.cfg.Caching {
@@ -328,7 +333,7 @@ func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 			p.track(h, id)
 		}
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, media: s.media}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher}
 	st.state, st.seq = seqRunning, f
 	return f, ops, nil
 }

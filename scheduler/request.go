@@ -75,8 +75,13 @@ func (r *Request) mediaRow(p int) []float32 {
 // image's rows share its first position, each at line y and column x of it;
 // within is true for its rows but the first.
 func (r *Request) position(p int) (pos, y, x engine.Pos, within bool) {
+	return position(r.Media, p)
+}
+
+// position is Request.position for a sequence whose images are media.
+func position(media []engine.Media, p int) (pos, y, x engine.Pos, within bool) {
 	shift := 0
-	for _, m := range r.Media {
+	for _, m := range media {
 		if p < m.Pos {
 			break
 		}
@@ -91,8 +96,8 @@ func (r *Request) position(p int) (pos, y, x engine.Pos, within bool) {
 // mediaCut is to, or, when [from, to) would end within an image, the image's
 // start: an image computed whole (engine.Capacity.WholeMedia) is never cut
 // over steps. from itself is never within one. (An M-RoPE image is cut like
-// text: a failed step requeues its sequences, which drops every cell from
-// their first image on, kvcache.Config.PrivateMedia.)
+// text: a failed step requeues its sequences, which drops every cell of an
+// image not yet cached whole, kvcache.Config.UncutMedia.)
 func (r *Request) mediaCut(from, to int) int {
 	for _, m := range r.Media {
 		if m.Pos < to && to < m.Pos+m.Len && m.Pos >= from {

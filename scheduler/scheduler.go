@@ -98,10 +98,11 @@ type Scheduler struct {
 	specPause        int  // steps without proposals after a batch with them did not fit
 	adapter          int  // the LoRA adapter of the last step (Config.Adapters)
 	mediaWait        bool // this step, a running prompt's whole image did not fit: no admissions
-	// placed are the running sequences with images placed by M-RoPE
-	// (engine.Capacity.MRoPE): their KV ranges go to the engine as
-	// positions (Request.position), not indices.
-	placed    map[kvcache.SeqID]*Request
+	// placed are the images placed by M-RoPE (engine.Capacity.MRoPE) of
+	// the sequences whose cells each KV sequence id holds, running or
+	// cached (their embeddings dropped): KV ranges go to the engine as
+	// positions (position), not indices.
+	placed    map[kvcache.SeqID][]engine.Media
 	eog       []engine.Token // the vocabulary's end tokens, once listed (endTokens)
 	ended     int            // sequences that left the running batch since the last step
 	endedAny  bool           // one has: the finish rate is measured, not predicted
@@ -226,8 +227,8 @@ func New(cfg Config, eng engine.Engine, log *slog.Logger) (*Scheduler, error) {
 		}
 	}
 	// An M-RoPE image's cells share one position: never cut at a block's
-	// edge, so never cached (a chat's later turns compute it again).
-	cfg.KV.PrivateMedia = c.MRoPE
+	// edge.
+	cfg.KV.UncutMedia = c.MRoPE
 	if cfg.MaxModelLen == 0 {
 		cfg.MaxModelLen = eng.Info().TrainedContext // 0 when unknown: the cells cap it
 	}
@@ -520,6 +521,7 @@ func (s *Scheduler) step(ctx context.Context) {
 		if err != nil {
 			break // no sequence id: wait for one to finish
 		}
+		s.place(kv.ID, q.g.req)
 		if err := s.apply(ops); err != nil {
 			s.pool.Release(kv)
 			s.building = false
@@ -529,7 +531,6 @@ func (s *Scheduler) step(ctx context.Context) {
 		s.queue = slices.Delete(s.queue, i, i+1)
 		s.waiting.Add(-1)
 		q.kv = kv
-		s.place(q)
 		q.running, q.suspended = true, false
 		if q.gen == 0 && q.index == 0 && q.firstStart {
 			q.g.usage.CachedTokens = kv.Cached()
@@ -581,8 +582,8 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 			continue // not computing a prompt, or another adapter's KV
 		}
 		n := 0
-		for n < min(len(q.tokens), len(r.tokens)-1) && q.tokens[n] == r.tokens[n] && (q.tokens[n] >= 0 || !s.cfg.KV.PrivateMedia) {
-			n++ // (an image's blocks are never cached with PrivateMedia: nothing to wait for)
+		for n < min(len(q.tokens), len(r.tokens)-1) && q.tokens[n] == r.tokens[n] {
+			n++
 		}
 		n = n / B * B // only whole blocks are shared
 		if n < B {
@@ -890,7 +891,6 @@ func (s *Scheduler) release(q *seq, resume bool) {
 	if err := s.apply(free(q.kv)); err != nil {
 		s.log.Error("release KV", "resume", resume, "err", err)
 	}
-	delete(s.placed, q.kv.ID)
 	q.kv, q.suspended = nil, resume
 }
 
@@ -904,27 +904,38 @@ func (s *Scheduler) requeue(q *seq) {
 	s.waiting.Add(1)
 }
 
-// place notes q, just given its KV, when its images are placed by M-RoPE.
-func (s *Scheduler) place(q *seq) {
-	if s.cap.MRoPE && len(q.g.req.Media) > 0 {
-		if s.placed == nil {
-			s.placed = map[kvcache.SeqID]*Request{}
-		}
-		s.placed[q.kv.ID] = q.g.req
+// place notes that KV sequence id holds r's cells from now on (before the
+// ops that give it them are applied), when r's images are placed by M-RoPE.
+func (s *Scheduler) place(id kvcache.SeqID, r *Request) {
+	if !s.cap.MRoPE {
+		return
 	}
+	if len(r.Media) == 0 {
+		delete(s.placed, id)
+		return
+	}
+	if s.placed == nil {
+		s.placed = map[kvcache.SeqID][]engine.Media{}
+	}
+	layout := make([]engine.Media, len(r.Media))
+	for i, m := range r.Media {
+		m.Embd = nil
+		layout[i] = m
+	}
+	s.placed[id] = layout
 }
 
 // positions are KV range [p0, p1) of sequence id (-1: its end) as the
 // engine's positions; ok is false when an end falls within an M-RoPE image,
-// whose cells can only be taken together (kvcache.Config.PrivateMedia keeps
+// whose cells can only be taken together (kvcache.Config.UncutMedia keeps
 // that from happening).
 func (s *Scheduler) positions(id kvcache.SeqID, p0, p1 int32) (q0, q1 engine.Pos, ok bool) {
-	r := s.placed[id]
+	media := s.placed[id]
 	at := func(p int32) (engine.Pos, bool) {
-		if r == nil || p < 0 {
+		if media == nil || p < 0 {
 			return engine.Pos(p), true
 		}
-		pos, _, _, within := r.position(int(p))
+		pos, _, _, within := position(media, int(p))
 		return pos, !within
 	}
 	q0, ok0 := at(p0)
@@ -1103,6 +1114,7 @@ func (s *Scheduler) fork(q, c *seq) {
 	err := errRunningFull
 	if len(s.running) < s.maxRunning() {
 		if kv, ops, err = s.pool.Fork(q.kv); err == nil {
+			s.place(kv.ID, q.g.req)
 			if err = s.apply(ops); err != nil {
 				if rerr := s.apply(s.pool.Release(kv)); rerr != nil {
 					s.log.Error("release a failed fork", "err", rerr)
@@ -1119,7 +1131,6 @@ func (s *Scheduler) fork(q, c *seq) {
 		return
 	}
 	c.kv = kv
-	s.place(c)
 	c.running = true
 	c.sampleRow = q.sampleRow
 	s.running = append(s.running, c)

@@ -1702,7 +1702,9 @@ func mropeRequest(seed, n int, width int, images ...[3]int) *Request {
 func TestMRoPEImages(t *testing.T) {
 	mk := func(i int) *Request {
 		var r *Request
-		switch i % 3 {
+		switch i % 4 {
+		case 3:
+			r = &Request{Prompt: prompt(1, 44)} // text only, among sequences with images
 		case 0:
 			r = mropeRequest(1, 40, 8, [3]int{20, 4, 3}) // an image of 4×3 after a shared text
 		case 1:
@@ -1711,7 +1713,7 @@ func TestMRoPEImages(t *testing.T) {
 			r = mropeRequest(2, 30, 8, [3]int{1, 5, 2})
 		}
 		r.MaxTokens, r.IgnoreEOS = 20+i*7%30, true
-		if i%4 == 3 {
+		if i%5 == 3 {
 			r.N = 2
 		}
 		return r
@@ -1761,29 +1763,5 @@ func TestMRoPEImages(t *testing.T) {
 		}
 		cancel()
 		<-done
-	}
-}
-
-// TestSharesInProgressStopsAtImages: with images that are never cached
-// (kvcache PrivateMedia), a request does not wait for another computing the
-// same picture: nothing of it will be in the cache.
-func TestSharesInProgressStopsAtImages(t *testing.T) {
-	for _, mrope := range []bool{false, true} {
-		f := enginetest.New(4096, 64, 512)
-		f.MRoPE = mrope
-		s, err := New(DefaultConfig(), f, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		req := mropeRequest(2, 40, 8, [3]int{1, 5, 2})
-		if !mrope {
-			for i := range req.Media {
-				req.Media[i].Cols, req.Media[i].Rows = 0, 0
-			}
-		}
-		s.running = []*seq{{g: &group{req: req}, tokens: req.Prompt}}
-		if waits := s.sharesInProgress(&seq{g: &group{req: req}, tokens: req.Prompt}); waits == mrope {
-			t.Errorf("M-RoPE %v: waits %v for a request computing the same picture", mrope, waits)
-		}
 	}
 }

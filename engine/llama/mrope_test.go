@@ -195,8 +195,7 @@ func TestQwenVLImages(t *testing.T) {
 // M-RoPE: its answer is the one llama.cpp's helper computes, requests
 // answer alike alone, together (with choices forked from one prompt and
 // proposals, whose rejected rows are cut back after an image), in steps that
-// cut images, and repeated (their images computed again: an image's cells
-// are never cached).
+// cut images, and repeated (their images from the cache, whole).
 func TestSchedulerQwenVL(t *testing.T) {
 	e := openQwenVL(t)
 	p := e.Projector()
@@ -276,8 +275,8 @@ func TestSchedulerQwenVL(t *testing.T) {
 		t.Errorf("two pictures, one answer %v: the image is not read", alone[0].tokens)
 	}
 	again := generate(ctx, s, req(prompts[0]))
-	if m := prompts[0].media[0]; again.err != nil || !slices.Equal(again.tokens, alone[0].tokens) || again.cached > m.Pos {
-		t.Errorf("again: %v %v with %d cached, want %v with at most the %d tokens before the image", again.err, again.tokens, again.cached, alone[0].tokens, m.Pos)
+	if m := prompts[0].media[0]; again.err != nil || !slices.Equal(again.tokens, alone[0].tokens) || again.cached < m.Pos+m.Len {
+		t.Errorf("again: %v %v with %d cached, want %v with the prefix through the image (%d) cached", again.err, again.tokens, again.cached, alone[0].tokens, m.Pos+m.Len)
 	}
 
 	e2 := openQwenVL(t)

@@ -20,8 +20,8 @@ import (
 // the prefix cache a turn computes only what follows the last turn's cached
 // blocks; without it, the image and the whole history again. The same model
 // as Qwen2-VL's architecture, its projector making each picture a 24×24 grid
-// (576 tokens) placed by M-RoPE, caches the text before the picture only: a
-// turn computes the picture and what follows it again. (The projectors'
+// (576 tokens) placed by M-RoPE, whose cells share one position: cached too,
+// an image's blocks taken, kept and dropped together. (The projectors'
 // encoders are tiny: their own cost is not what is measured.)
 func BenchmarkSchedulerImages(b *testing.B) {
 	const users, turns, answer = 4, 4, 16
