@@ -1739,15 +1739,7 @@ func TestMRoPEImages(t *testing.T) {
 			f = enginetest.NewSplit(120, 16, 512)
 		}
 		f.MRoPE, f.Period = true, 7
-		cfg := DefaultConfig()
-		cfg.MaxBatchTokens, cfg.MaxRunning, cfg.Spec.Tokens = 24, 8, 3
-		s, err := New(cfg, f, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { defer close(done); s.Run(ctx) }()
+		s, _ := startScheduler(t, f, func(c *Config) { c.MaxBatchTokens, c.MaxRunning, c.Spec.Tokens = 24, 8, 3 })
 		got := runConcurrently(t, s, reqs)
 		for i := range reqs {
 			for k := range want[i].tokens {
@@ -1761,7 +1753,5 @@ func TestMRoPEImages(t *testing.T) {
 		if l.PrefixHits == 0 || l.SpecAccepted == 0 || unified && l.Preemptions == 0 {
 			t.Errorf("unified %v: %d preemptions, %d cached tokens, %d proposals accepted: want all", unified, l.Preemptions, l.PrefixHits, l.SpecAccepted)
 		}
-		cancel()
-		<-done
 	}
 }

@@ -19,12 +19,7 @@ import (
 // images are placed by M-RoPE.
 func openQwenVL(t *testing.T) *Engine {
 	t.Helper()
-	spec := models.QwenVLTiny()
-	proj := filepath.Join(t.TempDir(), "mmproj.gguf")
-	if err := models.GenerateProjector(proj, spec, 0); err != nil {
-		t.Fatal(err)
-	}
-	return openTest(t, spec, func(c *Config) { c.Projector = proj })
+	return openWithProjector(t, models.QwenVLTiny())
 }
 
 // mropeRows adds rows [from, to) of a prompt with M-RoPE media to b for

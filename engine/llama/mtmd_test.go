@@ -18,7 +18,12 @@ import (
 // openVision opens models.Small() with a generated projector.
 func openVision(t *testing.T) *Engine {
 	t.Helper()
-	spec := models.Small()
+	return openWithProjector(t, models.Small())
+}
+
+// openWithProjector opens spec's model with a projector generated for it.
+func openWithProjector(t *testing.T, spec models.Spec) *Engine {
+	t.Helper()
 	proj := filepath.Join(t.TempDir(), "mmproj.gguf")
 	if err := models.GenerateProjector(proj, spec, 0); err != nil {
 		t.Fatal(err)
