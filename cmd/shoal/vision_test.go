@@ -394,7 +394,7 @@ func TestVisionClusterWithoutReaders(t *testing.T) {
 // TestQwenVLNode: a node serving a Qwen2-VL model (images placed by M-RoPE,
 // as grids of the picture's own shape) answers chats with pictures: apart
 // for other pictures, alike for the same, the same whether alone or 8 at
-// once, streamed, with the prefix before the picture from the cache.
+// once, streamed, with the prefix through the picture from the cache.
 func TestQwenVLNode(t *testing.T) {
 	model := genFile(t, "q.gguf", "--preset", "qwen2vl-tiny")
 	proj := genFile(t, "q-mmproj.gguf", "--preset", "qwen2vl-tiny", "--mmproj")
@@ -411,11 +411,13 @@ func TestQwenVLNode(t *testing.T) {
 				})},
 		}
 	}
+	var prompt int64
 	ask := func(pic string) (string, int64) {
 		r, err := c.Chat.Completions.New(context.Background(), params(pic))
 		if err != nil {
 			t.Fatal(err)
 		}
+		prompt = r.Usage.PromptTokens
 		return r.Choices[0].Message.Content, r.Usage.PromptTokensDetails.CachedTokens
 	}
 	wide := dataURL("png", testImage(t, 96, 40, color.RGBA{220, 20, 20, 255}, "png"))
@@ -426,8 +428,8 @@ func TestQwenVLNode(t *testing.T) {
 	if a == b || again != a {
 		t.Errorf("answers %q, %q, then %q: want the pictures read apart, the same picture alike", a, b, again)
 	}
-	if cached == 0 {
-		t.Errorf("the same chat again: nothing cached, want the system prompt before the picture")
+	if cached+32 < prompt {
+		t.Errorf("the same chat again: %d of %d prompt tokens cached, want all but the last block or two, the picture among them", cached, prompt)
 	}
 	var wg sync.WaitGroup
 	got := make([]string, 8)
