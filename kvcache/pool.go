@@ -725,10 +725,14 @@ func (p *Pool) evict(b *block, ops []Op) []Op {
 		glued, parent := b.glued, b.parent
 		top := b.index * B
 		p.unindex(b)
-		if !glued {
-			return append(ops, Op{Kind: OpRemove, Seq: h, P0: top, P1: end})
+		if glued {
+			b = parent
+			continue
 		}
-		b = parent
+		if p.seqs[h] == seqFree {
+			return append(ops, Op{Kind: OpRemove, Seq: h, P0: 0, P1: -1}) // its last block: nothing is left in it
+		}
+		return append(ops, Op{Kind: OpRemove, Seq: h, P0: top, P1: end})
 	}
 }
 
@@ -803,6 +807,9 @@ func (p *Pool) release(s *Seq, trim bool) []Op {
 	B := int32(p.cfg.BlockTokens)
 	drop := func(b *block) {
 		p0, p1 := b.index*B, (b.index+1)*B
+		if int(b.index) == len(s.blocks)-1 {
+			p1 = -1 // its last block: nothing of s lies beyond (its tail may end within an image)
+		}
 		if n := len(ops); n > 0 && ops[n-1].P0 == p1 {
 			ops[n-1].P0 = p0 // runs are walked backwards
 			return

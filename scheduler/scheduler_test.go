@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"slices"
 	"strings"
@@ -1693,6 +1694,24 @@ func mropeRequest(seed, n int, width int, images ...[3]int) *Request {
 	return r
 }
 
+// soloMRoPE is solo on the fake engine placing images by M-RoPE, whose
+// sequences repeat themselves every period tokens (0: never).
+func soloMRoPE(t *testing.T, reqs []*Request, period int) []result {
+	t.Helper()
+	var out []result
+	for _, r := range reqs {
+		f := enginetest.New(4096, 32, 512)
+		f.MRoPE, f.Period = true, period
+		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
+		st, err := s.Submit(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, collect(context.Background(), st, max(r.N, 1)))
+	}
+	return out
+}
+
 // TestMRoPEImages: requests with images placed by M-RoPE (on the fake
 // engine that models them: its logits depend on each cell's position, line
 // and column, and it fails a sequence holding two cells at one place) give
@@ -1722,17 +1741,7 @@ func TestMRoPEImages(t *testing.T) {
 	for i := range 14 {
 		reqs = append(reqs, mk(i))
 	}
-	var want []result
-	for _, r := range reqs {
-		f := enginetest.New(4096, 32, 512)
-		f.MRoPE, f.Period = true, 7
-		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
-		st, err := s.Submit(context.Background(), r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want = append(want, collect(context.Background(), st, max(r.N, 1)))
-	}
+	want := soloMRoPE(t, reqs, 7)
 	for _, unified := range []bool{true, false} {
 		f := enginetest.New(256, 64, 512)
 		if !unified {
@@ -1752,6 +1761,83 @@ func TestMRoPEImages(t *testing.T) {
 		t.Logf("unified %v: %d preemptions, %d of %d prompt tokens cached, %d proposals accepted", unified, l.Preemptions, l.PrefixHits, l.PrefixQueries, l.SpecAccepted)
 		if l.PrefixHits == 0 || l.SpecAccepted == 0 || unified && l.Preemptions == 0 {
 			t.Errorf("unified %v: %d preemptions, %d cached tokens, %d proposals accepted: want all", unified, l.Preemptions, l.PrefixHits, l.SpecAccepted)
+		}
+	}
+}
+
+// errorLog records what a scheduler logs at warning level and above.
+type errorLog struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+func (h *errorLog) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelWarn }
+func (h *errorLog) WithAttrs([]slog.Attr) slog.Handler           { return h }
+func (h *errorLog) WithGroup(string) slog.Handler                { return h }
+func (h *errorLog) Handle(_ context.Context, r slog.Record) error {
+	m := r.Message
+	r.Attrs(func(a slog.Attr) bool { m += " " + a.String(); return true })
+	h.mu.Lock()
+	h.msgs = append(h.msgs, m)
+	h.mu.Unlock()
+	return nil
+}
+
+// TestMRoPEStepFailsWithinImage: a step that fails while an M-RoPE image is
+// half computed fails its request, and every range its release gives back
+// ends outside the image: the requests that then take its sequence ids
+// answer as alone.
+func TestMRoPEStepFailsWithinImage(t *testing.T) {
+	f := enginetest.New(4096, 2, 512)
+	f.MRoPE = true
+	steps := 0
+	f.Failing = func(*engine.Batch) error {
+		if steps++; steps == 5 { // within the 36-token image, computed 8 tokens a step
+			return errors.New("a failing step")
+		}
+		return nil
+	}
+	log := &errorLog{}
+	cfg := DefaultConfig()
+	cfg.MaxBatchTokens, cfg.MaxRunning = 8, 2
+	s, err := New(cfg, f, slog.New(log))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	r := mropeRequest(3, 70, 8, [3]int{24, 6, 6})
+	r.MaxTokens = 4
+	st, err := s.Submit(ctx, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res := collect(ctx, st, 1); res.err == nil {
+		t.Fatalf("a request whose step failed: %v, want the failure", res.tokens)
+	}
+	var reqs []*Request
+	for i := range 6 {
+		q := mropeRequest(10+i, 60, 8, [3]int{20, 4, 4})
+		q.MaxTokens = 5
+		reqs = append(reqs, q)
+	}
+	want := soloMRoPE(t, reqs, 0)
+	for i, q := range reqs {
+		st, err := s.Submit(ctx, q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := collect(ctx, st, 1); got.err != nil || !slices.Equal(got.tokens[0], want[i].tokens[0]) {
+			t.Errorf("request %d after the failure: %v (%v), alone %v", i, got.tokens[0], got.err, want[i].tokens[0])
+		}
+	}
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	for _, m := range log.msgs {
+		if !strings.Contains(m, "a failing step") {
+			t.Errorf("logged: %s", m)
 		}
 	}
 }

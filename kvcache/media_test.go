@@ -1,0 +1,255 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// cutSim wraps an engine sim: it keeps the tokens of the sequence whose cells
+// each id holds and fails any op whose range ends strictly within a run of
+// negative tokens (an image) of that layout (Config.UncutMedia).
+type cutSim struct {
+	engineSim
+	layout map[SeqID][]int32
+}
+
+func (c *cutSim) place(id SeqID, toks []int32) { c.layout[id] = toks }
+
+func (c *cutSim) apply(t *testing.T, ops []Op) {
+	t.Helper()
+	for _, o := range ops {
+		id := o.Seq
+		if o.Kind == OpCopy {
+			id = o.Src
+		}
+		l := c.layout[id]
+		for _, p := range []int32{o.P0, o.P1} {
+			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 {
+				t.Fatalf("%v cuts an image of %d's layout at %d", o, id, p)
+			}
+		}
+	}
+	c.engineSim.apply(t, ops)
+}
+
+// mediaSeq is a running sequence of the workload.
+type mediaSeq struct {
+	seq    *Seq
+	tokens []int32 // prompt, then generated
+	plen   int
+}
+
+// mediaPrompt is a random prompt of text and images (six pictures of 1 to 20
+// tokens).
+func mediaPrompt(rng *rand.Rand, step int) []int32 {
+	var p []int32
+	img := func(k int) {
+		n := []int{1, 3, 6, 9, 13, 20}[k%6]
+		for i := range n {
+			p = append(p, -int32(1000*(k+1)+i)) // image k
+		}
+	}
+	text := func(seed, n int) {
+		for i := range n {
+			p = append(p, int32(seed*100+i))
+		}
+	}
+	text(rng.IntN(3), 1+rng.IntN(10))
+	for range rng.IntN(3) {
+		if rng.IntN(3) > 0 {
+			text(3+rng.IntN(3), rng.IntN(6)+1)
+		}
+		img(rng.IntN(6))
+	}
+	if rng.IntN(3) == 0 {
+		text(50000+step, 1+rng.IntN(8))
+	} else {
+		text(9, 1+rng.IntN(4))
+	}
+	return p
+}
+
+// TestMediaWorkloads: random workloads of prompts with images (runs of
+// negative tokens) under Config.UncutMedia, in both pools (chunked prefill,
+// releases within an image, forks, suspensions resumed or abandoned,
+// proposals turned down, evictions): no op's range ends within an image of
+// the layout its sequence id holds, and accounting and cells agree.
+func TestMediaWorkloads(t *testing.T) {
+	for seed := range 100 {
+		for _, split := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%d-split%v", seed, split), func(t *testing.T) { mediaWorkload(t, uint64(seed), split) })
+		}
+	}
+}
+
+func mediaWorkload(t *testing.T, seed uint64, split bool) {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	cfg := DefaultConfig()
+	cfg.UncutMedia = true
+	cfg.BlockTokens = []int{2, 4, 8}[rng.IntN(3)]
+	cfg.Cells = cfg.BlockTokens * (10 + rng.IntN(30))
+	cfg.MaxSeqs = 2 + rng.IntN(6)
+	cfg.CacheFloor = floors[rng.IntN(3)]
+	var p Allocator
+	var sim *cutSim
+	var check func([]*mediaSeq)
+	if split {
+		sp, err := NewSplit(cfg, 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ss := newSplitSim(64)
+		p, sim = sp, &cutSim{ss, map[SeqID][]int32{}}
+		check = func(live []*mediaSeq) {
+			var r []*running
+			for _, l := range live {
+				r = append(r, &running{seq: l.seq})
+			}
+			checkSplit(t, sp, ss, r)
+		}
+	} else {
+		pp, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		us := newSim(cfg.Cells)
+		p, sim = pp, &cutSim{us, map[SeqID][]int32{}}
+		check = func(live []*mediaSeq) {
+			var r []*running
+			for _, l := range live {
+				r = append(r, &running{seq: l.seq})
+			}
+			checkInvariants(t, pp, us, r)
+		}
+	}
+	var live []*mediaSeq
+	// advance computes up to n more tokens of l (its prompt, then generated).
+	advance := func(l *mediaSeq, n int) bool {
+		from := l.seq.Len()
+		if from >= len(l.tokens) {
+			for i := range n {
+				l.tokens = append(l.tokens, int32(70000+i+from))
+			}
+		}
+		to := min(len(l.tokens), from+n)
+		ops, err := p.Grow(l.seq, l.tokens[from:to])
+		if errors.Is(err, ErrNoSpace) {
+			return false
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		sim.decode(t, l.seq.ID, from, to)
+		p.Commit(l.seq)
+		return true
+	}
+	start := func(f func(string, []int32) (*Seq, []Op, error), toks []int32, plen int) {
+		s, ops, err := f("", toks)
+		if errors.Is(err, ErrNoSeq) {
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.place(s.ID, toks)
+		sim.apply(t, ops)
+		l := &mediaSeq{seq: s, tokens: slices.Clone(toks), plen: plen}
+		sim.layout[s.ID] = l.tokens
+		live = append(live, l)
+	}
+	for step := range 300 {
+		switch rng.IntN(7) {
+		case 0:
+			pr := mediaPrompt(rng, step)
+			if !p.Fits("", pr, 4) {
+				continue
+			}
+			start(p.Start, pr, len(pr))
+		case 1, 2: // a chunk
+			if len(live) == 0 {
+				continue
+			}
+			l := live[rng.IntN(len(live))]
+			advance(l, 1+rng.IntN(12))
+		case 3: // release
+			if len(live) == 0 {
+				continue
+			}
+			i := rng.IntN(len(live))
+			sim.apply(t, p.Release(live[i].seq))
+			live = slices.Delete(live, i, i+1)
+		case 4: // fork, prompt computed
+			if len(live) == 0 {
+				continue
+			}
+			l := live[rng.IntN(len(live))]
+			if l.seq.Len() < l.plen {
+				continue
+			}
+			f, ops, err := p.Fork(l.seq)
+			if errors.Is(err, ErrNoSpace) || errors.Is(err, ErrNoSeq) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			toks := slices.Clone(l.tokens[:l.seq.Len()])
+			sim.place(f.ID, toks)
+			sim.apply(t, ops)
+			live = append(live, &mediaSeq{seq: f, tokens: toks, plen: l.plen})
+		case 5: // suspend, then resume or abandon
+			if len(live) == 0 {
+				continue
+			}
+			i := rng.IntN(len(live))
+			l := live[i]
+			sim.apply(t, p.Suspend(l.seq))
+			live = slices.Delete(live, i, i+1)
+			check(live)
+			toks := l.tokens[:max(l.seq.Len(), l.plen)]
+			if rng.IntN(4) == 0 {
+				sim.apply(t, p.Abandon("", toks))
+			} else if p.Fits("", toks, 1) {
+				start(p.Resume, toks, l.plen)
+			}
+		case 6: // drafts turned down after a generated token
+			if len(live) == 0 {
+				continue
+			}
+			l := live[rng.IntN(len(live))]
+			if l.seq.Len() < l.plen {
+				continue
+			}
+			from := l.seq.Len()
+			var toks []int32
+			for i := range 1 + rng.IntN(6) {
+				toks = append(toks, int32(80000+i))
+			}
+			ops, err := p.Grow(l.seq, toks)
+			if errors.Is(err, ErrNoSpace) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			sim.decode(t, l.seq.ID, from, l.seq.Len())
+			ops, err = p.Trim(l.seq, from+1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sim.apply(t, ops)
+			l.tokens = append(l.tokens[:from], toks[0])
+			p.Commit(l.seq)
+		}
+		check(live)
+	}
+	for _, l := range live {
+		sim.apply(t, p.Release(l.seq))
+	}
+	check(nil)
+}
