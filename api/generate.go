@@ -34,6 +34,9 @@ func decodeBody(c *gin.Context, v any) error {
 		return err // MaxBytesError maps to 413
 	}
 	c.Set(bodyKey, body)
+	if limit := c.GetInt64(imageBodyKey); limit > 0 && int64(len(body)) > limit && !mayCarryImages(body) {
+		return &http.MaxBytesError{Limit: limit} // the larger limit is for pictures
+	}
 	if len(body) == 0 {
 		return invalid("", "request body is empty; expected a JSON object")
 	}

@@ -426,5 +426,18 @@ func TestVisionBodyLimit(t *testing.T) {
 		if code := send(eyes, huge, chunked); code != http.StatusRequestEntityTooLarge {
 			t.Errorf("projector, beyond VisionBodyBytes, chunked %v: %d, want 413", chunked, code)
 		}
+		// Beyond MaxBodyBytes without a picture: refused before decoding.
+		text := fmt.Sprintf(`{"max_tokens":2,"messages":[{"role":"user","content":%q}]}`, strings.Repeat("a", 1500))
+		if code := send(eyes, text, chunked); code != http.StatusRequestEntityTooLarge {
+			t.Errorf("projector, text only beyond MaxBodyBytes, chunked %v: %d, want 413", chunked, code)
+		}
+	}
+	if mayCarryImages([]byte(`{"messages":[{"role":"user","content":"plain"}]}`)) {
+		t.Errorf("a chat without images may carry images")
+	}
+	for _, b := range []string{`{"images":[]}`, `[{"type":"image_url"}]`, `{"type":"input_image"}`, `{"type":"image","source":{}}`} {
+		if !mayCarryImages([]byte(b)) {
+			t.Errorf("%s: may carry no images", b)
+		}
 	}
 }

@@ -375,9 +375,25 @@ func (s *Server) readyBackend(c *gin.Context) (*Backend, bool) {
 
 func (s *Server) limitBody(c *gin.Context) {
 	if c.Request.Body != nil {
-		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, s.bodyLimit(c.Request.URL.Path, c.Request.ContentLength))
+		limit := s.bodyLimit(c.Request.URL.Path, c.Request.ContentLength)
+		if limit > s.cfg.MaxBodyBytes {
+			c.Set(imageBodyKey, s.cfg.MaxBodyBytes) // decodeBody refuses more without images
+		}
+		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, limit)
 	}
 	c.Next()
+}
+
+// imageBodyKey holds, when a request may send more than MaxBodyBytes for its
+// images, MaxBodyBytes: a body beyond it with no image in it is refused
+// before it is decoded (a large body costs many times its size to decode).
+const imageBodyKey = "shoal.imageBody"
+
+// mayCarryImages reports whether a JSON body could hold an image, in any of
+// the shapes the API takes them ("image_url", "images", Anthropic's "image"
+// blocks, "input_image"): false means it surely holds none.
+func mayCarryImages(body []byte) bool {
+	return bytes.Contains(body, []byte(`"image`)) || bytes.Contains(body, []byte(`_image"`))
 }
 
 // bodyLimit is the largest body accepted for a request to path declaring
