@@ -53,12 +53,23 @@ type Spec struct {
 	// which gives each image token a height and width: an image of any size
 	// becomes a grid of tokens, over fewer positions than tokens.
 	QwenVL bool
+	// QwenVL25 (with QwenVL) makes its projector Qwen2.5-VL's: RMS norms, a
+	// gated SiLU feed-forward, and window attention in all but every second
+	// block of its encoder.
+	QwenVL25 bool
 }
 
 // QwenVLTiny is a ~0.4M-parameter Qwen2-VL model for the tests of M-RoPE
 // projectors.
 func QwenVLTiny() Spec {
 	return Spec{Name: "shoal-qwen2vl-tiny", Seed: 4, Vocab: 1024, Embd: 64, Layers: 2, Heads: 4, HeadsKV: 2, FFN: 192, ContextLen: 4096, QwenVL: true}
+}
+
+// QwenVL25Tiny is QwenVLTiny with Qwen2.5-VL's projector.
+func QwenVL25Tiny() Spec {
+	s := QwenVLTiny()
+	s.Name, s.QwenVL25 = "shoal-qwen25vl-tiny", true
+	return s
 }
 
 // Gemma3Tiny is a ~0.4M-parameter Gemma 3 model for the tests of Gemma 3's
@@ -90,7 +101,7 @@ func Bench100M() Spec {
 }
 
 // Presets maps the names accepted by `shoal gen-model --preset`.
-var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny, "qwen2vl-tiny": QwenVLTiny}
+var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny, "qwen2vl-tiny": QwenVLTiny, "qwen25vl-tiny": QwenVL25Tiny}
 
 // ChatTemplate is the Jinja template written into generated models: ChatML, which
 // llama.cpp's built-in template matcher recognises by its markers.
@@ -339,6 +350,8 @@ func (s Spec) Validate() error {
 		return errors.New("a Gemma 3 reranker is not written")
 	case s.QwenVL && (s.Gemma3 || s.Reranker):
 		return errors.New("a Qwen2-VL model is neither Gemma 3 nor a reranker")
+	case s.QwenVL25 && !s.QwenVL:
+		return errors.New("Qwen2.5-VL's projector is for a Qwen2-VL model (QwenVL)")
 	case s.QwenVL && s.Embd/s.Heads < 8:
 		return fmt.Errorf("head size %d: Qwen2-VL's M-RoPE needs at least 8", s.Embd/s.Heads)
 	}
@@ -737,6 +750,10 @@ func GenerateProjector(path string, spec Spec, side int) error {
 		// both), no learned positions (M-RoPE places the patches), and the
 		// 2×2 merger to the model's width.
 		kv["clip.projector_type"] = "qwen2vl_merger"
+		if spec.QwenVL25 {
+			kv["clip.projector_type"], kv["clip.vision.n_wa_pattern"] = "qwen2.5vl_merger", uint32(2)
+			kv["clip.use_gelu"], kv["clip.use_silu"] = false, true
+		}
 		add("v.patch_embd.weight.1", std(3*patch*patch), patch, patch, 3, d)
 		add("mm.0.weight", std(4*d), 4*d, 4*d)
 		add("mm.0.bias", 0.1, 4*d)
@@ -765,6 +782,9 @@ func GenerateProjector(path string, spec Spec, side int) error {
 		}
 		add(p+"ffn_up.weight", std(d), d, ff)
 		add(p+"ffn_down.weight", std(ff), ff, d)
+		if spec.QwenVL25 {
+			add(p+"ffn_gate.weight", std(d), d, ff)
+		}
 	}
 	if !spec.Gemma3 && !spec.QwenVL {
 		add("mm.0.weight", std(d), d, hidden)

@@ -62,13 +62,19 @@ func maxDiff(a, b []float32) float64 {
 	return d
 }
 
-// TestQwenVLImages: a Qwen2-VL projector's images are grids placed by
-// M-RoPE, and the engine computes a prompt with them as llama.cpp's own
+// TestQwenVLImages: a Qwen2-VL or Qwen2.5-VL projector's images are grids
+// placed by M-RoPE, and the engine computes a prompt with them as llama.cpp's own
 // helper does (mtmd_helper_eval_chunks), whole, in chunks that end at an
 // image's edges, and beside other sequences; placed as plain indices they
 // would give other logits.
 func TestQwenVLImages(t *testing.T) {
-	e := openQwenVL(t)
+	for _, spec := range []models.Spec{models.QwenVLTiny(), models.QwenVL25Tiny()} {
+		t.Run(spec.Name, func(t *testing.T) { qwenVLImages(t, spec) })
+	}
+}
+
+func qwenVLImages(t *testing.T, spec models.Spec) {
+	e := openWithProjector(t, spec)
 	p := e.Projector()
 	ctx := context.Background()
 	if c := e.Capacity(); !c.MRoPE || c.WholeMedia {
@@ -162,6 +168,31 @@ func TestQwenVLImages(t *testing.T) {
 	}
 	if _, hi, ok := e.SeqPosRange(1); !ok || hi != next-1 {
 		t.Errorf("sequence 1 holds up to %d (%v), want %d", hi, ok, next-1)
+	}
+
+	// A picture of several attention windows of Qwen2.5-VL's encoder (7×7
+	// tokens each): 10×8 tokens.
+	big := []engine.Image{picture(160, 128, [3]byte{90, 160, 30}, [3]byte{10, 10, 10})}
+	text2 := "USER: " + p.Marker() + " Describe it. ASSISTANT:"
+	ref2, _, err := p.reference(e, text2, big, 6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	toks2, media2, err := p.Prompt(ctx, text2, big, 0, true, false)
+	if err != nil || len(media2) != 1 || media2[0].Cols != 10 || media2[0].Rows != 8 {
+		t.Fatalf("a 160×128 picture: %+v (%v), want a grid of 10×8", media2, err)
+	}
+	b.Reset()
+	mropeRows(&b, toks2, media2, 7, 0, len(toks2))
+	if err := e.Decode(ctx, &b); err != nil {
+		t.Fatal(err)
+	}
+	var big2 []float32
+	if err := e.Logits(b.Len()-1, func(l []float32) { big2 = slices.Clone(l) }); err != nil {
+		t.Fatal(err)
+	}
+	if d := maxDiff(big2, ref2); d > 1e-3 {
+		t.Errorf("a picture of several windows: logits differ from llama.cpp's helper's by %g", d)
 	}
 
 	// A projector placing images by M-RoPE for a model that does not (of
