@@ -57,12 +57,25 @@ type Spec struct {
 	// gated SiLU feed-forward, and window attention in all but every second
 	// block of its encoder.
 	QwenVL25 bool
+	// QwenVL3 (with QwenVL) writes Qwen3-VL's architecture instead (Qwen 3's
+	// q/k norms, no biases) with two "deepstack" layers: its projector
+	// (Qwen3-VL's: learned positions, fused q/k/v, a merger per deepstack
+	// layer) gives each image token features for the first two layers
+	// besides its embedding, rows three times the model's width.
+	QwenVL3 bool
 }
 
 // QwenVLTiny is a ~0.4M-parameter Qwen2-VL model for the tests of M-RoPE
 // projectors.
 func QwenVLTiny() Spec {
 	return Spec{Name: "shoal-qwen2vl-tiny", Seed: 4, Vocab: 1024, Embd: 64, Layers: 2, Heads: 4, HeadsKV: 2, FFN: 192, ContextLen: 4096, QwenVL: true}
+}
+
+// QwenVL3Tiny is QwenVLTiny as Qwen3-VL, with its projector.
+func QwenVL3Tiny() Spec {
+	s := QwenVLTiny()
+	s.Name, s.QwenVL3 = "shoal-qwen3vl-tiny", true
+	return s
 }
 
 // QwenVL25Tiny is QwenVLTiny with Qwen2.5-VL's projector.
@@ -101,7 +114,7 @@ func Bench100M() Spec {
 }
 
 // Presets maps the names accepted by `shoal gen-model --preset`.
-var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny, "qwen2vl-tiny": QwenVLTiny, "qwen25vl-tiny": QwenVL25Tiny}
+var Presets = map[string]func() Spec{"tiny": Tiny, "small": Small, "100m": Bench100M, "gemma3-tiny": Gemma3Tiny, "qwen2vl-tiny": QwenVLTiny, "qwen25vl-tiny": QwenVL25Tiny, "qwen3vl-tiny": QwenVL3Tiny}
 
 // ChatTemplate is the Jinja template written into generated models: ChatML, which
 // llama.cpp's built-in template matcher recognises by its markers.
@@ -350,6 +363,8 @@ func (s Spec) Validate() error {
 		return errors.New("a Gemma 3 reranker is not written")
 	case s.QwenVL && (s.Gemma3 || s.Reranker):
 		return errors.New("a Qwen2-VL model is neither Gemma 3 nor a reranker")
+	case (s.QwenVL25 || s.QwenVL3) && !s.QwenVL, s.QwenVL25 && s.QwenVL3:
+		return errors.New("Qwen2.5-VL's and Qwen3-VL's projectors are for a Qwen2-VL model (QwenVL), one of them")
 	case s.QwenVL25 && !s.QwenVL:
 		return errors.New("Qwen2.5-VL's projector is for a Qwen2-VL model (QwenVL)")
 	case s.QwenVL && s.Embd/s.Heads < 8:
@@ -404,6 +419,8 @@ func Generate(path string, spec Spec) error {
 		arch = "qwen3"
 	case spec.Gemma3:
 		arch = "gemma3"
+	case spec.QwenVL3:
+		arch = "qwen3vl"
 	case spec.QwenVL:
 		arch = "qwen2vl"
 	}
@@ -448,6 +465,9 @@ func Generate(path string, spec Spec) error {
 		t := pairs / 4
 		kv[arch+".rope.dimension_sections"] = []int32{int32(t), int32((pairs - t) / 2), int32(pairs - t - (pairs-t)/2), 0}
 	}
+	if spec.QwenVL3 {
+		kv[arch+".n_deepstack_layers"] = uint32(qwen3Deepstack)
+	}
 	if spec.Reranker {
 		kv[arch+".pooling_type"] = uint32(4) // LLAMA_POOLING_TYPE_RANK
 		kv[arch+".classifier.output_labels"] = []string{"yes", "no"}
@@ -486,12 +506,12 @@ func Generate(path string, spec Spec) error {
 		add(p+"attn_k.weight", std(e), true, e, ekv)
 		add(p+"attn_v.weight", std(e), true, e, ekv)
 		add(p+"attn_output.weight", std(e), true, e, e)
-		if spec.QwenVL { // Qwen 2's q, k and v have biases
+		if spec.QwenVL && !spec.QwenVL3 { // Qwen 2's q, k and v have biases
 			add(p+"attn_q.bias", 0.1, false, e)
 			add(p+"attn_k.bias", 0.1, false, ekv)
 			add(p+"attn_v.bias", 0.1, false, ekv)
 		}
-		if spec.Reranker || spec.Gemma3 {
+		if spec.Reranker || spec.Gemma3 || spec.QwenVL3 {
 			add(p+"attn_q_norm.weight", 0, false, uint64(headDim))
 			add(p+"attn_k_norm.weight", 0, false, uint64(headDim))
 		}
@@ -684,6 +704,11 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) error {
 	return nil
 }
 
+// qwen3Deepstack is how many layers of a generated Qwen3-VL model read an
+// image token's deepstack features: as many as its projector's encoder has
+// blocks.
+const qwen3Deepstack = 2
+
 // ProjectorImageSize and ProjectorPatchSize are a generated projector's
 // image and patch sides by default: an image becomes (32/8)² = 16 tokens.
 const (
@@ -755,6 +780,22 @@ func GenerateProjector(path string, spec Spec, side int) error {
 			kv["clip.use_gelu"], kv["clip.use_silu"] = false, true
 		}
 		add("v.patch_embd.weight.1", std(3*patch*patch), patch, patch, 3, d)
+		if spec.QwenVL3 {
+			// Learned positions on a 4×4 grid (interpolated to the
+			// picture's), a patch bias, and a merger per deepstack layer.
+			kv["clip.projector_type"] = "qwen3vl_merger"
+			add("v.patch_embd.bias", 0.1, d)
+			add("v.position_embd.weight", 0.1, d, 16)
+			for i := range qwen3Deepstack {
+				p := fmt.Sprintf("v.deepstack.%d.", i)
+				add(p+"norm.weight", 0, 4*d)
+				add(p+"norm.bias", 0, 4*d)
+				add(p+"fc1.weight", std(4*d), 4*d, 4*d)
+				add(p+"fc1.bias", 0.1, 4*d)
+				add(p+"fc2.weight", 2*std(4*d), 4*d, uint64(spec.Embd))
+				add(p+"fc2.bias", 0.1, uint64(spec.Embd))
+			}
+		}
 		add("mm.0.weight", std(4*d), 4*d, 4*d)
 		add("mm.0.bias", 0.1, 4*d)
 		add("mm.2.weight", 2*std(4*d), 4*d, uint64(spec.Embd))
@@ -774,7 +815,15 @@ func GenerateProjector(path string, spec Spec, side int) error {
 		p := fmt.Sprintf("v.blk.%d.", i)
 		add(p+"ln1.weight", 0, d)
 		add(p+"ln2.weight", 0, d)
+		if spec.QwenVL3 { // q, k and v fused
+			add(p+"attn_qkv.weight", std(d), d, 3*d)
+			add(p+"attn_qkv.bias", 0.1, 3*d)
+			add(p+"attn_out.weight", std(d), d, d)
+		}
 		for _, w := range []string{"attn_q", "attn_k", "attn_v", "attn_out"} {
+			if spec.QwenVL3 {
+				break
+			}
 			add(p+w+".weight", std(d), d, d)
 			if spec.QwenVL && w != "attn_out" {
 				add(p+w+".bias", 0.1, d)

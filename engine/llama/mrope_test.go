@@ -15,13 +15,6 @@ import (
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
-// openQwenVL opens a generated Qwen2-VL model with its projector, whose
-// images are placed by M-RoPE.
-func openQwenVL(t *testing.T) *Engine {
-	t.Helper()
-	return openWithProjector(t, models.QwenVLTiny())
-}
-
 // mropeRows adds rows [from, to) of a prompt with M-RoPE media to b for
 // sequence s, placed as llama.cpp places them: an image's rows share its
 // first position, each at its line and column, and the image spans the
@@ -68,7 +61,7 @@ func maxDiff(a, b []float32) float64 {
 // image's edges, and beside other sequences; placed as plain indices they
 // would give other logits.
 func TestQwenVLImages(t *testing.T) {
-	for _, spec := range []models.Spec{models.QwenVLTiny(), models.QwenVL25Tiny()} {
+	for _, spec := range []models.Spec{models.QwenVLTiny(), models.QwenVL25Tiny(), models.QwenVL3Tiny()} {
 		t.Run(spec.Name, func(t *testing.T) { qwenVLImages(t, spec) })
 	}
 }
@@ -223,7 +216,14 @@ func qwenVLImages(t *testing.T, spec models.Spec) {
 // proposals, whose rejected rows are cut back after an image), in steps that
 // cut images, and repeated (their images from the cache, whole).
 func TestSchedulerQwenVL(t *testing.T) {
-	e := openQwenVL(t)
+	for _, spec := range []models.Spec{models.QwenVLTiny(), models.QwenVL3Tiny()} {
+		t.Run(spec.Name, func(t *testing.T) { schedulerQwenVL(t, spec) })
+	}
+}
+
+func schedulerQwenVL(t *testing.T, spec models.Spec) {
+	open := func(t *testing.T) *Engine { return openWithProjector(t, spec) }
+	e := open(t)
 	p := e.Projector()
 	ctx := context.Background()
 	type prompt struct {
@@ -305,7 +305,7 @@ func TestSchedulerQwenVL(t *testing.T) {
 		t.Errorf("again: %v %v with %d cached, want %v with the prefix through the image (%d) cached", again.err, again.tokens, again.cached, alone[0].tokens, m.Pos+m.Len)
 	}
 
-	e2 := openQwenVL(t)
+	e2 := open(t)
 	s2 := startSched(t, e2, func(c *scheduler.Config) { c.MaxRunning, c.Spec.Tokens = 8, 3 })
 	var wg sync.WaitGroup
 	together := make([][][]engine.Token, 2*len(prompts))
@@ -329,7 +329,7 @@ func TestSchedulerQwenVL(t *testing.T) {
 		}
 	}
 	// In steps of 5 tokens, which cut every image.
-	s3 := startSched(t, openQwenVL(t), func(c *scheduler.Config) { c.MaxBatchTokens, c.MaxRunning = 5, 4 })
+	s3 := startSched(t, open(t), func(c *scheduler.Config) { c.MaxBatchTokens, c.MaxRunning = 5, 4 })
 	for i, pr := range prompts {
 		if g := generate(ctx, s3, req(pr)); g.err != nil || !slices.Equal(g.tokens, alone[i].tokens) {
 			t.Errorf("prompt %d in steps of 5: %v %v, want %v", i, g.err, g.tokens, alone[i].tokens)
