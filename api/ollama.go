@@ -329,7 +329,7 @@ var ollamaGenerateParams = func() map[string]string {
 
 // ollamaChat serves POST /api/chat.
 func (s *Server) ollamaChat(c *gin.Context) {
-	start := time.Now()
+	start := s.now() // the clock total_duration is read on
 	var req OllamaChatRequest
 	b, forwarded, ok := s.beginGeneration(c, &ollamaBody{&req, &req.Model}, &req.Model, nil)
 	if !ok {
@@ -447,7 +447,7 @@ func (s *Server) ollamaFit(ctx context.Context, b *Backend, req *OllamaChatReque
 
 // ollamaGenerate serves POST /api/generate.
 func (s *Server) ollamaGenerate(c *gin.Context) {
-	start := time.Now()
+	start := s.now()
 	var req OllamaGenerateRequest
 	b, forwarded, ok := s.beginGeneration(c, &ollamaBody{&req, &req.Model}, &req.Model, nil)
 	if !ok {

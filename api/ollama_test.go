@@ -60,7 +60,8 @@ func TestOllamaShapes(t *testing.T) {
 		}
 		text.WriteString(*r.Response)
 	}
-	if w.Header().Get("Content-Type") != "application/x-ndjson" || len(lines) != 4 || text.Len() == 0 {
+	// A line per token that has text (a sampled token may have none), then the last.
+	if w.Header().Get("Content-Type") != "application/x-ndjson" || len(lines) < 2 || len(lines) > 4 || text.Len() == 0 {
 		t.Fatalf("generate stream: %s", w.Body)
 	}
 	// Integer options as JSON floats, roles in capitals, as Ollama reads them.

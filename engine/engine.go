@@ -553,10 +553,11 @@ func (m Media) Row(p int) []float32 {
 	return m.Embd[i*w : (i+1)*w : (i+1)*w]
 }
 
-// Placeholder is the token standing for row i of a media whose content
-// hashes to h: negative, so no vocabulary token, and a different one per row
-// and content, so that the prefix cache, which keys blocks by their tokens,
-// tells pictures apart as it tells texts apart.
+// Placeholder is the token standing for row i of a media whose content (and
+// shape) hashes to h: negative, so no vocabulary token, and a different one
+// per row and content, so that the prefix cache, which keys blocks by their
+// tokens, tells pictures apart as it tells texts apart, and takes the first
+// rows of an image for all of it.
 func Placeholder(h uint64, i int) Token {
 	x := h + uint64(i+1)*0x9e3779b97f4a7c15 // splitmix64
 	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9

@@ -9,8 +9,11 @@ import (
 )
 
 // cutSim wraps an engine sim: it keeps the tokens of the sequence whose cells
-// each id holds and fails any op whose range ends strictly within a run of
-// negative tokens (an image) of that layout (Config.UncutMedia).
+// each id holds and fails any op whose range ends strictly within an image of
+// that layout (Config.UncutMedia): within a run of negative tokens, not at
+// the first row of an image (mediaPrompt's -1000(k+1)) that follows another
+// at once. (The pool keeps such a run whole itself; a prompt that has only
+// the first image of it may take that image from the cache.)
 type cutSim struct {
 	engineSim
 	layout map[SeqID][]int32
@@ -27,7 +30,7 @@ func (c *cutSim) apply(t *testing.T, ops []Op) {
 		}
 		l := c.layout[id]
 		for _, p := range []int32{o.P0, o.P1} {
-			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 {
+			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 && l[p]%1000 != 0 {
 				t.Fatalf("%v cuts an image of %d's layout at %d", o, id, p)
 			}
 		}
@@ -78,7 +81,7 @@ func mediaPrompt(rng *rand.Rand, step int) []int32 {
 // proposals turned down, evictions): no op's range ends within an image of
 // the layout its sequence id holds, and accounting and cells agree.
 func TestMediaWorkloads(t *testing.T) {
-	for seed := range 100 {
+	for seed := range 300 {
 		for _, split := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%d-split%v", seed, split), func(t *testing.T) { mediaWorkload(t, uint64(seed), split) })
 		}

@@ -50,9 +50,13 @@ type Config struct {
 	// UncutMedia never cuts a run of negative tokens (an image's
 	// placeholders) at a block's edge: an M-RoPE model's image shares one
 	// position over all its cells, which the engine can only remove or copy
-	// together (engine.Capacity.MRoPE). A cached prefix never ends within
-	// one; the blocks an image spans are indexed together, once the last of
-	// them is full, by one holder; and they are evicted together.
+	// together (engine.Capacity.MRoPE). The blocks an image spans are
+	// indexed together, once the last of them is full, by one holder; and
+	// they are evicted together. A cached prefix ends before an image, or
+	// after it: one that matches into an image's blocks takes the rest of
+	// the image too, from that holder, when a block is free for it. So a run
+	// of placeholders must name its image: equal first rows, the same image
+	// to its end (engine.Placeholder hashes the image's content and grid).
 	UncutMedia bool
 }
 
@@ -157,6 +161,10 @@ type Seq struct {
 	// lastNeg: the last token of its sealed blocks is an image's placeholder
 	// (Config.UncutMedia).
 	lastNeg bool
+	// pin: the block of another holder where the image s's blocks end
+	// within ends (across), referenced while s runs so that it is not
+	// evicted apart from the image's other blocks.
+	pin *block
 }
 
 // sealable is how many of the n full blocks at the start of tail may be
@@ -304,6 +312,12 @@ func (p *Pool) blocksFor(tokens int) int {
 // match returns the indexed blocks of the longest cached prefix of tokens, leaving at
 // least one token to compute (its logits start generation).
 func (p *Pool) match(h Hasher, tokens []int32) []*block {
+	out := p.matchBlocks(h, tokens)
+	return out[:uncut(p.cfg, tokens, len(out))]
+}
+
+// matchBlocks is match, which may end within an image.
+func (p *Pool) matchBlocks(h Hasher, tokens []int32) []*block {
 	if !p.cfg.Caching || len(tokens) == 0 {
 		return nil
 	}
@@ -320,13 +334,52 @@ func (p *Pool) match(h Hasher, tokens []int32) []*block {
 		out = append(out, b)
 		parent = hb
 	}
-	return out[:uncut(p.cfg, tokens, len(out))]
+	return out
+}
+
+// across is, under Config.UncutMedia, where the image ends within which n
+// matched blocks of tokens end, when it ends within the next block, before
+// tokens' last: the holder of the image's blocks holds its rows up to there
+// (an image's blocks are cached together), so a prefix may take them, in
+// part of a block, rather than end before the image. 0 otherwise.
+func across(c Config, tokens []int32, n int) int {
+	B := c.BlockTokens
+	if !c.UncutMedia || n == 0 || uncut(c, tokens, n) == n {
+		return 0
+	}
+	e := n * B
+	for e < len(tokens) && tokens[e] < 0 {
+		e++
+	}
+	if e >= (n+1)*B || e >= len(tokens) {
+		return 0
+	}
+	return e
+}
+
+// gluedChild is the indexed block glued to b (which goes on with the image b
+// ends within), or nil. There is at most one: both have one holder, whose
+// sequence has one block after b.
+func (p *Pool) gluedChild(b *block) *block {
+	if b.children == 0 {
+		return nil
+	}
+	for i := range p.blocks {
+		if c := &p.blocks[i]; c.state == stateIndexed && c.glued && c.parent == b {
+			return c
+		}
+	}
+	return nil
 }
 
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
 // a query.
 func (p *Pool) CachedPrefix(model string, prompt []int32) int {
-	return len(p.match(p.hasher.For(model), prompt)) * p.cfg.BlockTokens
+	m := p.matchBlocks(p.hasher.For(model), prompt)
+	if end := across(p.cfg, prompt, len(m)); end > 0 && len(p.free) > 0 && p.gluedChild(m[len(m)-1]) != nil {
+		return end
+	}
+	return uncut(p.cfg, prompt, len(m)) * p.cfg.BlockTokens
 }
 
 // Fits reports whether a sequence with this prompt and up to maxNew generated tokens
@@ -365,7 +418,13 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 		return nil, nil, err
 	}
 	s := &Seq{ID: id, hasher: p.hasher.For(model)}
-	m := p.match(s.hasher, prompt)
+	m := p.matchBlocks(s.hasher, prompt)
+	end := across(p.cfg, prompt, len(m))
+	if end == 0 || len(p.free) == 0 || p.gluedChild(m[len(m)-1]) == nil {
+		// (The rows of the image in its last block take a block of their
+		// own, a free one.)
+		m, end = m[:uncut(p.cfg, prompt, len(m))], 0
+	}
 	for i, b := range m {
 		if b.lru != nil && !b.reused && !resume {
 			// Kept unused until a later sequence asked for it: keeping paid, and a
@@ -385,11 +444,23 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	}
 	s.len = len(m) * p.cfg.BlockTokens
 	s.sealed = len(m)
-	s.cached = s.len
 	s.lastNeg = s.len > 0 && prompt[s.len-1] < 0
 	if len(m) > 0 {
 		s.parent = m[len(m)-1].hash
 	}
+	if end > 0 {
+		// The image's rows in the next block, from the holder of the
+		// image's blocks (the last copy's source): a private block.
+		s.pin = p.gluedChild(m[len(m)-1])
+		p.ref(s.pin)
+		b, _, _ := p.alloc(nil) // a free one: evicts nothing
+		b.state, b.ref, b.index = statePrivate, 1, int32(len(m))
+		s.blocks = append(s.blocks, b)
+		ops[len(ops)-1].P1 = int32(end)
+		s.tail = slices.Clone(prompt[s.len:end])
+		s.len = end
+	}
+	s.cached = s.len
 	if !resume {
 		if p.cfg.Caching {
 			p.missedGhosts(s.hasher, prompt, len(m), s.parent)
@@ -816,6 +887,18 @@ func (p *Pool) release(s *Seq, trim bool) []Op {
 		}
 		ops = append(ops, Op{Kind: OpRemove, Seq: s.ID, P0: p0, P1: p1})
 	}
+	unref := func(b *block) {
+		p.clock++
+		b.lastUse = p.clock
+		if b.ref--; b.ref == 0 {
+			b.suspended = !trim
+			b.lru = p.lruOf(b).PushBack(b)
+		}
+	}
+	if s.pin != nil {
+		unref(s.pin)
+		s.pin = nil
+	}
 	// Walk backwards so that deeper blocks enter the LRU first and leave it first.
 	for i := len(s.blocks) - 1; i >= 0; i-- {
 		b := s.blocks[i]
@@ -828,12 +911,7 @@ func (p *Pool) release(s *Seq, trim bool) []Op {
 			if b.holder != s.ID {
 				drop(b)
 			}
-			p.clock++
-			b.lastUse = p.clock
-			if b.ref--; b.ref == 0 {
-				b.suspended = !trim
-				b.lru = p.lruOf(b).PushBack(b)
-			}
+			unref(b)
 		}
 	}
 	p.running--
@@ -870,7 +948,10 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 	if private > len(p.free)+p.EvictableBlocks() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, lastNeg: s.lastNeg}
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, lastNeg: s.lastNeg, pin: s.pin}
+	if f.pin != nil {
+		p.ref(f.pin)
+	}
 	for _, b := range s.blocks {
 		if b.state == stateIndexed {
 			p.ref(b)

@@ -87,6 +87,9 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 		for _, b := range r.seq.blocks {
 			refs[b]++
 		}
+		if r.seq.pin != nil {
+			refs[r.seq.pin]++
+		}
 	}
 	for i := range p.blocks {
 		b := &p.blocks[i]
@@ -154,6 +157,12 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 	for _, b := range p.index {
 		if children[b] != b.children {
 			t.Fatalf("block %d: %d children counted, %d found", b.id, b.children, children[b])
+		}
+		// Evictable with its image: an unreferenced block glued to its
+		// parent leaves it unreferenced too (else the LRU lists could hold
+		// blocks and no leaf to evict).
+		if b.glued && b.ref == 0 && b.parent.ref > 0 {
+			t.Fatalf("block %d: unreferenced, glued to block %d referenced %d times", b.id, b.parent.id, b.parent.ref)
 		}
 	}
 	// Every running sequence sees exactly positions [0, len) once each.
@@ -792,10 +801,18 @@ func TestUncutMedia(t *testing.T) {
 	if b.Cached() != 28 {
 		t.Errorf("one pool: %d cached, want 28, through the image", b.Cached())
 	}
-	if got := p.CachedPrefix("", other); got != 8 {
-		t.Errorf("one pool: the same picture with other text after: %d cached, want the 8 before the image's first block", got)
+	// The same picture with other text after takes the picture's rows in its
+	// last block too, from the image's holder: 14 tokens, not the 8 before
+	// the image's first block.
+	if got := p.CachedPrefix("", other); got != 14 {
+		t.Errorf("one pool: the same picture with other text after: %d cached, want 14, to the image's end", got)
 	}
-	checkInvariants(t, p, sim, []*running{{seq: b}})
+	o := run(other)
+	if o.Cached() != 14 {
+		t.Errorf("one pool: the same picture with other text after started with %d cached, want 14, to the image's end", o.Cached())
+	}
+	checkInvariants(t, p, sim, []*running{{seq: b}, {seq: o}})
+	release(o)
 	release(b)
 	// Filled with prompts with other pictures, the pool evicts an image's
 	// blocks together.
@@ -841,8 +858,11 @@ func TestUncutMedia(t *testing.T) {
 	if c := srun(prompt); c.Cached() != 28 {
 		t.Errorf("streams: %d cached, want 28", c.Cached())
 	}
-	if got := s.CachedPrefix("", other); got != 8 {
-		t.Errorf("streams: the same picture with other text after: %d cached, want 8", got)
+	if got := s.CachedPrefix("", other); got != 14 {
+		t.Errorf("streams: the same picture with other text after: %d cached, want 14", got)
+	}
+	if c := srun(other); c.Cached() != 14 {
+		t.Errorf("streams: the same picture with other text after started with %d cached, want 14", c.Cached())
 	}
 	// Without it, blocks are cut anywhere.
 	cfg.UncutMedia = false

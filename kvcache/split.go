@@ -34,6 +34,11 @@ type stream struct {
 	chain []Hash // hashes of the stream's committed full blocks, from position 0
 	seq   *Seq   // running sequence
 	lru   *list.Element
+	// glued: the chain ends within an image (a prefix taken to the image's
+	// end, Config.UncutMedia) until the block that ends it is committed;
+	// only its first safe blocks, before the image, are tracked and kept.
+	glued bool
+	safe  int
 }
 
 // NewSplit returns a SplitPool of cfg.MaxSeqs streams of streamTokens cells each.
@@ -69,13 +74,18 @@ func (p *SplitPool) StreamTokens() int { return p.perStream * p.cfg.BlockTokens 
 // match returns the number of leading blocks of prompt held by some stream (leaving
 // at least one token to compute) and the streams holding the deepest of them.
 func (p *SplitPool) match(h Hasher, prompt []int32) (int, map[SeqID]struct{}) {
+	n, holders, _ := p.matchAcross(h, prompt)
+	return p.uncut(h, prompt, n, holders)
+}
+
+// matchAcross is match, which may end within an image that ends in the next
+// block (across): then end is where it ends, else 0.
+func (p *SplitPool) matchAcross(h Hasher, prompt []int32) (n int, holders map[SeqID]struct{}, end int) {
 	if !p.cfg.Caching || len(prompt) == 0 {
-		return 0, nil
+		return 0, nil, 0
 	}
 	B := p.cfg.BlockTokens
 	var parent Hash
-	var holders map[SeqID]struct{}
-	n := 0
 	for i := range (len(prompt) - 1) / B {
 		hb := h.Block(parent, prompt[i*B:(i+1)*B])
 		hs, ok := p.index[hb]
@@ -84,21 +94,35 @@ func (p *SplitPool) match(h Hasher, prompt []int32) (int, map[SeqID]struct{}) {
 		}
 		parent, holders, n = hb, hs, i+1
 	}
-	if m := uncut(p.cfg, prompt, n); m < n {
-		// Ends within an image: its holders are those of the shorter prefix.
-		n, holders = m, nil
-		parent = 0
-		for i := range n {
-			parent = h.Block(parent, prompt[i*B:(i+1)*B])
-			holders = p.index[parent]
-		}
+	return n, holders, across(p.cfg, prompt, n)
+}
+
+// uncut is n blocks matched of prompt and their holders, cut back so that
+// they do not end within an image (Config.UncutMedia).
+func (p *SplitPool) uncut(h Hasher, prompt []int32, n int, holders map[SeqID]struct{}) (int, map[SeqID]struct{}) {
+	m := uncut(p.cfg, prompt, n)
+	if m == n {
+		return n, holders
 	}
-	return n, holders
+	// Its holders are those of the shorter prefix.
+	B := p.cfg.BlockTokens
+	var parent Hash
+	holders = nil
+	for i := range m {
+		parent = h.Block(parent, prompt[i*B:(i+1)*B])
+		holders = p.index[parent]
+	}
+	return m, holders
 }
 
 // CachedPrefix is how many leading tokens of prompt are cached.
 func (p *SplitPool) CachedPrefix(model string, prompt []int32) int {
-	n, _ := p.match(p.hasher.For(model), prompt)
+	h := p.hasher.For(model)
+	n, holders, end := p.matchAcross(h, prompt)
+	if end > 0 {
+		return end
+	}
+	n, _ = p.uncut(h, prompt, n, holders)
 	return n * p.cfg.BlockTokens
 }
 
@@ -130,8 +154,17 @@ func (p *SplitPool) Start(model string, prompt []int32) (*Seq, []Op, error) {
 // Resume is Start for a preempted sequence, not counted as a cache lookup.
 func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
 	h := p.hasher.For(model)
-	n, holders := p.match(h, prompt)
+	n, holders, end := p.matchAcross(h, prompt)
+	if end == 0 {
+		n, holders = p.uncut(h, prompt, n, holders)
+	}
 	B := int32(p.cfg.BlockTokens)
+	keep := int32(n) * B // the prefix's positions a stream keeps
+	if end > 0 {
+		// And the rows of the image it ends within, to its end: the
+		// prefix's holders hold them (an image's blocks are chained together).
+		keep = int32(end)
+	}
 	var ops []Op
 	id, free := p.freeStream()
 	var src SeqID = -1
@@ -150,7 +183,7 @@ func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
 		p.lru.Remove(p.streams[id].lru)
 		p.streams[id].lru = nil
 		p.streams[id].chain = p.streams[id].chain[:n]
-		ops = append(ops, Op{Kind: OpRemove, Seq: id, P0: int32(n) * B, P1: -1})
+		ops = append(ops, Op{Kind: OpRemove, Seq: id, P0: keep, P1: -1})
 	} else {
 		if !free {
 			v, ok := p.victim()
@@ -162,15 +195,19 @@ func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
 		}
 		p.streams[id].chain = nil
 		if n > 0 {
-			ops = append(ops, Op{Kind: OpCopy, Src: src, Seq: id, P0: -1, P1: -1}, Op{Kind: OpRemove, Seq: id, P0: int32(n) * B, P1: -1})
+			ops = append(ops, Op{Kind: OpCopy, Src: src, Seq: id, P0: -1, P1: -1}, Op{Kind: OpRemove, Seq: id, P0: keep, P1: -1})
 			p.streams[id].chain = slices.Clone(p.streams[src].chain[:n])
 		}
 	}
 	st := &p.streams[id]
-	for _, h := range st.chain {
+	st.glued, st.safe = end > 0, len(st.chain)
+	if st.glued {
+		st.safe = uncut(p.cfg, prompt, n)
+	}
+	for _, h := range st.chain[:st.safe] {
 		p.track(h, id)
 	}
-	s := &Seq{ID: id, len: n * p.cfg.BlockTokens, sealed: n, cached: n * p.cfg.BlockTokens, hasher: h}
+	s := &Seq{ID: id, len: int(keep), sealed: n, cached: int(keep), hasher: h, tail: slices.Clone(prompt[int(B)*n : keep])}
 	if n > 0 {
 		s.parent = st.chain[n-1]
 	}
@@ -285,6 +322,12 @@ func (p *SplitPool) Commit(s *Seq) {
 		s.tail = s.tail[B:]
 		s.parent = h
 		st.chain = append(st.chain, h)
+		if st.glued { // past the image now: its blocks are kept too
+			st.glued = false
+			for _, g := range st.chain[st.safe : len(st.chain)-1] {
+				p.track(g, s.ID)
+			}
+		}
 		if p.cfg.Caching {
 			p.track(h, s.ID)
 		}
@@ -297,6 +340,9 @@ func (p *SplitPool) Release(s *Seq) []Op {
 	st := &p.streams[s.ID]
 	st.seq = nil
 	B := int32(p.cfg.BlockTokens)
+	if st.glued { // the chain ends within an image: kept to before it
+		st.chain, st.glued = st.chain[:st.safe], false
+	}
 	if !p.cfg.Caching || len(st.chain) == 0 {
 		p.untrack(s.ID)
 		*st = stream{}
@@ -328,8 +374,13 @@ func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 	ops = append(ops, Op{Kind: OpCopy, Src: s.ID, Seq: id, P0: -1, P1: -1})
 	st := &p.streams[id]
 	st.chain = slices.Clone(p.streams[s.ID].chain)
+	st.glued, st.safe = p.streams[s.ID].glued, p.streams[s.ID].safe
 	if p.cfg.Caching {
-		for _, h := range st.chain {
+		tracked := st.chain
+		if st.glued {
+			tracked = st.chain[:st.safe]
+		}
+		for _, h := range tracked {
 			p.track(h, id)
 		}
 	}

@@ -1687,7 +1687,7 @@ func mropeRequest(seed, n int, width int, images ...[3]int) *Request {
 	for k, im := range images {
 		m := engine.Media{Pos: im[0], Len: im[1] * im[2], Cols: im[1], Rows: im[2], Embd: make([]float32, im[1]*im[2]*width)}
 		for i := range m.Len {
-			p[m.Pos+i] = engine.Placeholder(uint64(seed*10+k), i)
+			p[m.Pos+i] = engine.Placeholder(uint64(seed*10+k)^uint64(m.Cols)<<20^uint64(m.Rows), i) // content and shape, as the projector's
 		}
 		r.Media = append(r.Media, m)
 	}
@@ -1761,6 +1761,42 @@ func TestMRoPEImages(t *testing.T) {
 		t.Logf("unified %v: %d preemptions, %d of %d prompt tokens cached, %d proposals accepted", unified, l.Preemptions, l.PrefixHits, l.PrefixQueries, l.SpecAccepted)
 		if l.PrefixHits == 0 || l.SpecAccepted == 0 || unified && l.Preemptions == 0 {
 			t.Errorf("unified %v: %d preemptions, %d cached tokens, %d proposals accepted: want all", unified, l.Preemptions, l.PrefixHits, l.SpecAccepted)
+		}
+	}
+}
+
+// TestMRoPEImageThenOtherText: a prompt with the picture another one ended
+// with mid-block, then other text, takes the picture's cells to its end from
+// the cache (not only the blocks before it), in both pools, and generates as
+// alone.
+func TestMRoPEImageThenOtherText(t *testing.T) {
+	first := mropeRequest(1, 40, 8, [3]int{20, 4, 4}) // the picture ends at 36, within the third block
+	other := mropeRequest(1, 44, 8, [3]int{20, 4, 4})
+	copy(other.Prompt[36:], prompt(3, 8))
+	for _, r := range []*Request{first, other} {
+		r.MaxTokens, r.IgnoreEOS = 24, true // the first fills its third block
+	}
+	want := soloMRoPE(t, []*Request{other}, 7)[0]
+	for _, unified := range []bool{true, false} {
+		f := enginetest.New(256, 64, 512)
+		if !unified {
+			f = enginetest.NewSplit(120, 16, 512)
+		}
+		f.MRoPE, f.Period = true, 7
+		s, _ := startScheduler(t, f, func(c *Config) { c.KV.CacheFloor = 1 }) // keeps what nobody reused yet
+		var got result
+		for _, r := range []*Request{first, other} {
+			st, err := s.Submit(context.Background(), r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = collect(context.Background(), st, 1)
+		}
+		if got.err != nil || !slices.Equal(got.tokens[0], want.tokens[0]) {
+			t.Errorf("unified %v: %v (%v), alone %v", unified, got.tokens[0], got.err, want.tokens[0])
+		}
+		if got.usage.CachedTokens != 36 {
+			t.Errorf("unified %v: %d prompt tokens cached, want 36 (the text and the whole picture)", unified, got.usage.CachedTokens)
 		}
 	}
 }

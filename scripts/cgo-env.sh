@@ -51,6 +51,12 @@ if [ "${PORTABLE:-0}" = 1 ]; then
 	arch="-march=x86-64-v3"
 else
 	arch="-march=native"
+	# On a CPU with AMX, ggml-cpu.cpp then asks for the AMX buffer type,
+	# whose source (ggml-cpu/amx) the ollama package does not compile: the
+	# link fails. Without AMX the CPU kernels still use AVX-512 (VNNI).
+	if echo 'int x;' | ${CC:-gcc} $arch -mno-amx-int8 -x c -c -o /dev/null - 2>/dev/null; then
+		arch="$arch -mno-amx-int8"
+	fi
 fi
 
 echo "export CGO_ENABLED=1"

@@ -396,6 +396,9 @@ func (p *Projector) walk(segs []segment, image func(*C.mtmd_input_chunk, *chunkM
 			if p.mrope && m.Cols*m.Rows != nt || m.Positions() != np {
 				return nil, nil, fmt.Errorf("image chunk %d: %d tokens (a grid of %d×%d) over %d positions: %w", len(media), nt, m.Cols, m.Rows, np, engine.ErrUnsupported)
 			}
+			// Its shape too: the prefix cache takes an image's first rows
+			// for the whole image (kvcache.Config.UncutMedia).
+			m.hash ^= uint64(nt)<<40 ^ uint64(m.Cols)<<20 ^ uint64(m.Rows)
 			if err := image(ch, &m); err != nil {
 				return nil, nil, err
 			}

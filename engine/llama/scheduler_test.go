@@ -39,11 +39,14 @@ func startSched(t testing.TB, e *Engine, mod func(*scheduler.Config)) *scheduler
 
 type genResult struct {
 	tokens []engine.Token
-	text   string
-	cached int
-	err    error
-	finish scheduler.FinishReason
-	first  time.Time // when the first token came
+	// margins: each token's lead over the next best, when the request asked
+	// for two top logprobs or more (a numerical tie below tieMargin).
+	margins []float64
+	text    string
+	cached  int
+	err     error
+	finish  scheduler.FinishReason
+	first   time.Time // when the first token came
 }
 
 func generate(ctx context.Context, s *scheduler.Scheduler, r *scheduler.Request) genResult {
@@ -64,6 +67,9 @@ func generate(ctx context.Context, s *scheduler.Scheduler, r *scheduler.Request)
 			}
 			g.tokens = append(g.tokens, ev.Token)
 			g.text += ev.Text
+			if len(ev.Top) >= 2 {
+				g.margins = append(g.margins, float64(ev.Top[0].Logprob-ev.Top[1].Logprob))
+			}
 		case scheduler.EventFinish:
 			g.text += ev.Text
 			g.finish = ev.Finish
@@ -140,6 +146,28 @@ func sameGreedy(t *testing.T, name string, got []engine.Token, want reference, t
 		}
 	}
 	return false
+}
+
+// likeAlone reports whether got is want's greedy output up to its first
+// divergence, accepted only at a numerical tie of want's (a lead under tie;
+// want asked for two top logprobs), and says what differs otherwise.
+func likeAlone(t *testing.T, name string, got []engine.Token, want genResult, tie float64) bool {
+	t.Helper()
+	for i, w := range want.tokens {
+		switch {
+		case i >= len(got):
+			t.Errorf("%s: %d tokens %v, alone %d %v", name, len(got), got, len(want.tokens), want.tokens)
+			return false
+		case got[i] == w:
+			continue
+		case i < len(want.margins) && want.margins[i] < tie:
+			t.Logf("%s: token %d is %d, alone %d: a tie (margin %.3g under %.3g)", name, i, got[i], w, want.margins[i], tie)
+			return true
+		}
+		t.Errorf("%s: token %d is %d, alone %d (ties below %.3g)\ngot   %v\nalone %v", name, i, got[i], w, tie, got, want.tokens)
+		return false
+	}
+	return true
 }
 
 // sameAsSolo runs prompts at once on a scheduler over e (configured by mod)
