@@ -9,11 +9,8 @@ import (
 )
 
 // cutSim wraps an engine sim: it keeps the tokens of the sequence whose cells
-// each id holds and fails any op whose range ends strictly within an image of
-// that layout (Config.UncutMedia): within a run of negative tokens, not at
-// the first row of an image (mediaPrompt's -1000(k+1)) that follows another
-// at once. (The pool keeps such a run whole itself; a prompt that has only
-// the first image of it may take that image from the cache.)
+// each id holds and fails any op whose range ends strictly within a run of
+// negative tokens (an image) of that layout (Config.UncutMedia).
 type cutSim struct {
 	engineSim
 	layout map[SeqID][]int32
@@ -30,7 +27,7 @@ func (c *cutSim) apply(t *testing.T, ops []Op) {
 		}
 		l := c.layout[id]
 		for _, p := range []int32{o.P0, o.P1} {
-			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 && l[p]%1000 != 0 {
+			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 {
 				t.Fatalf("%v cuts an image of %d's layout at %d", o, id, p)
 			}
 		}
@@ -255,4 +252,116 @@ func mediaWorkload(t *testing.T, seed uint64, split bool) {
 		sim.apply(t, p.Release(l.seq))
 	}
 	check(nil)
+}
+
+// acrossPool is a one-pool allocator of blocks of 4 under UncutMedia that
+// keeps what nobody reused, with run and release on its engine sim.
+func acrossPool(t *testing.T, cells int) (p *Pool, run func([]int32) *Seq, release func(*Seq)) {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.UncutMedia = cells, 4, 4, 1, true
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim := newSim(cells)
+	run = func(prompt []int32) *Seq {
+		t.Helper()
+		s, ops, err := p.Start("", prompt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		from := s.Len()
+		ops, err = p.Grow(s, prompt[from:])
+		if err != nil {
+			t.Fatalf("grow: %v", err)
+		}
+		sim.apply(t, ops)
+		sim.decode(t, s.ID, from, len(prompt))
+		p.Commit(s)
+		checkInvariants(t, p, sim, []*running{{seq: s}})
+		return s
+	}
+	release = func(s *Seq) { sim.apply(t, p.Release(s)) }
+	return p, run, release
+}
+
+// TestAcrossImageChain: the holder's block that ends the picture a prompt
+// takes to its end also starts another picture, which goes on into the next
+// block: the whole chain is pinned, so the LRU lists never count a block
+// that cannot be evicted, and a pool that is full says ErrNoSpace.
+func TestAcrossImageChain(t *testing.T) {
+	// Text, picture A into block 1, text, picture B from block 1 into block 2.
+	holder := []int32{1, 2, -101, -102, -103, -104, 50, -201, -202, -203, 60, 61, 62, 63}
+	other := append(slices.Clone(holder[:6]), 70, 71, 72, 73, 74, 75)
+	p, run, release := acrossPool(t, 64)
+	release(run(holder))
+	if s := run(other); s.Cached() != 6 || len(s.pins) != 2 {
+		t.Errorf("cached %d with %d blocks pinned, want 6 (through A) and 2 (the blocks of B)", s.Cached(), len(s.pins))
+	}
+	p, run, release = acrossPool(t, 16) // 4 blocks
+	release(run(holder))
+	s, _, err := p.Start("", other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Grow(s, other[s.Len():]); err != nil && !errors.Is(err, ErrNoSpace) {
+		t.Errorf("grow in a full pool: %v, want ErrNoSpace", err)
+	}
+}
+
+// TestAcrossAbandon: a suspended sequence that took a picture to its end
+// gives back, when abandoned, the picture's blocks and the holder's pinned
+// ones too, not only those before the picture.
+func TestAcrossAbandon(t *testing.T) {
+	holder := []int32{1, 2, -101, -102, -103, -104, 50, 51, 52, 53, 54, 55, 56}
+	other := append(slices.Clone(holder[:6]), 80, 81, 82, 83, 84, 85)
+	p, run, release := acrossPool(t, 64)
+	release(run(holder))
+	s := run(other)
+	if s.Cached() != 6 {
+		t.Fatalf("cached %d, want 6", s.Cached())
+	}
+	p.Suspend(s)
+	p.Abandon("", other)
+	if n := p.suspended.Len(); n != 0 {
+		t.Errorf("abandoned: %d blocks still kept past the budget", n)
+	}
+}
+
+// TestAcrossAdjacentImages: the holder has picture A then picture B at once,
+// the prompt A then C: the prompt's run of placeholders ends where C ends,
+// but B's cells are not C's: only the blocks before the pictures are taken,
+// in both pools.
+func TestAcrossAdjacentImages(t *testing.T) {
+	holder := []int32{1, 2, 3, -1000, -1001, -1002, -1003, -1004, -1005, -2000, -2001, 60, 61, 62, 63, 64}
+	other := slices.Clone(holder)
+	other[9], other[10] = -3000, -3001
+	_, run, release := acrossPool(t, 64)
+	release(run(holder))
+	if s := run(other); s.Cached() != 0 {
+		t.Errorf("one pool: %d cached, want 0 (C's rows are not B's)", s.Cached())
+	}
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.UncutMedia = 64, 4, 4, 1, true
+	sp, err := NewSplit(cfg, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srun := func(prompt []int32) *Seq {
+		s, _, err := sp.Start("", prompt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := sp.Grow(s, prompt[s.Len():]); err != nil {
+			t.Fatal(err)
+		}
+		sp.Commit(s)
+		return s
+	}
+	sp.Release(srun(holder))
+	if s := srun(other); s.Cached() != 0 {
+		t.Errorf("streams: %d cached, want 0", s.Cached())
+	}
 }

@@ -137,8 +137,10 @@ type block struct {
 	children int32  // indexed blocks whose parent this is
 	holder   SeqID  // indexed: the sequence that physically keeps it
 	// glued: it goes on with an image its parent holds (Config.UncutMedia):
-	// the two have one holder and are evicted together.
+	// the two have one holder and are evicted together. toks are its tokens
+	// then: a prompt that takes the image's rows in it checks them (across).
 	glued  bool
+	toks   []int32
 	ref    int32 // running sequences using it
 	reused bool  // taken by a sequence other than the one that computed it
 	// suspended: unreferenced since its sequence was preempted (Suspend); kept
@@ -161,10 +163,10 @@ type Seq struct {
 	// lastNeg: the last token of its sealed blocks is an image's placeholder
 	// (Config.UncutMedia).
 	lastNeg bool
-	// pin: the block of another holder where the image s's blocks end
-	// within ends (across), referenced while s runs so that it is not
-	// evicted apart from the image's other blocks.
-	pin *block
+	// pins: the blocks of another holder that go on with the image s's
+	// blocks end within (across, the glued chain below them), referenced
+	// while s runs so that none is evicted apart from the image's blocks.
+	pins []*block
 }
 
 // sealable is how many of the n full blocks at the start of tail may be
@@ -372,11 +374,46 @@ func (p *Pool) gluedChild(b *block) *block {
 	return nil
 }
 
+// acrossTo is across for matched blocks m of prompt, checked against the
+// block of m's holder that goes on with the image: its rows are the
+// prompt's, and the image ends there where it ends in the prompt (so that
+// another picture right after it is never taken for the prompt's). It
+// returns where the image ends and the glued chain from that block down
+// (pinned while the prompt's sequence runs), or 0 and nil.
+func (p *Pool) acrossTo(prompt []int32, m []*block) (int, []*block) {
+	n := len(m)
+	end := across(p.cfg, prompt, n)
+	if end == 0 {
+		return 0, nil
+	}
+	c := p.gluedChild(m[n-1])
+	off := end - n*p.cfg.BlockTokens
+	if c == nil || !slices.Equal(c.toks[:off], prompt[n*p.cfg.BlockTokens:end]) || c.toks[off] < 0 {
+		return 0, nil
+	}
+	var chain []*block
+	for ; c != nil; c = p.gluedChild(c) {
+		chain = append(chain, c)
+	}
+	return end, chain
+}
+
+// unsuspend returns blocks Suspend kept past the budget to the cache.
+func (p *Pool) unsuspend(bs ...*block) {
+	for i := len(bs) - 1; i >= 0; i-- { // deepest first
+		if b := bs[i]; b.suspended && b.lru != nil {
+			p.suspended.Remove(b.lru)
+			b.suspended = false
+			b.lru = p.lruOf(b).PushFront(b)
+		}
+	}
+}
+
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
 // a query.
 func (p *Pool) CachedPrefix(model string, prompt []int32) int {
 	m := p.matchBlocks(p.hasher.For(model), prompt)
-	if end := across(p.cfg, prompt, len(m)); end > 0 && len(p.free) > 0 && p.gluedChild(m[len(m)-1]) != nil {
+	if end, _ := p.acrossTo(prompt, m); end > 0 && len(p.free) > 0 {
 		return end
 	}
 	return uncut(p.cfg, prompt, len(m)) * p.cfg.BlockTokens
@@ -419,11 +456,16 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	}
 	s := &Seq{ID: id, hasher: p.hasher.For(model)}
 	m := p.matchBlocks(s.hasher, prompt)
-	end := across(p.cfg, prompt, len(m))
-	if end == 0 || len(p.free) == 0 || p.gluedChild(m[len(m)-1]) == nil {
+	end, pins := p.acrossTo(prompt, m)
+	if end == 0 || len(p.free) == 0 {
 		// (The rows of the image in its last block take a block of their
 		// own, a free one.)
-		m, end = m[:uncut(p.cfg, prompt, len(m))], 0
+		u := uncut(p.cfg, prompt, len(m))
+		if resume { // what Suspend kept of the image goes back to the budget
+			p.unsuspend(m[u:]...)
+			p.unsuspend(pins...)
+		}
+		m, end, pins = m[:u], 0, nil
 	}
 	for i, b := range m {
 		if b.lru != nil && !b.reused && !resume {
@@ -451,8 +493,10 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	if end > 0 {
 		// The image's rows in the next block, from the holder of the
 		// image's blocks (the last copy's source): a private block.
-		s.pin = p.gluedChild(m[len(m)-1])
-		p.ref(s.pin)
+		s.pins = pins
+		for _, b := range pins {
+			p.ref(b)
+		}
 		b, _, _ := p.alloc(nil) // a free one: evicts nothing
 		b.state, b.ref, b.index = statePrivate, 1, int32(len(m))
 		s.blocks = append(s.blocks, b)
@@ -662,6 +706,9 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	}
 	p.ghosts.forget(h)
 	b.state, b.hash, b.holder, b.parent, b.glued = stateIndexed, h, s.ID, parent, glued
+	if glued {
+		b.toks = slices.Clone(toks)
+	}
 	if parent != nil {
 		parent.children++
 	}
@@ -862,14 +909,9 @@ func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
 // prefix another suspended sequence shares goes back too: it is cached, only no
 // longer kept past the budget.
 func (p *Pool) Abandon(model string, tokens []int32) []Op {
-	m := p.match(p.hasher.For(model), tokens)
-	for i := len(m) - 1; i >= 0; i-- {
-		if b := m[i]; b.suspended && b.lru != nil {
-			p.suspended.Remove(b.lru)
-			b.suspended = false
-			b.lru = p.lruOf(b).PushFront(b)
-		}
-	}
+	m := p.matchBlocks(p.hasher.For(model), tokens)
+	_, pins := p.acrossTo(tokens, m)
+	p.unsuspend(append(m, pins...)...)
 	return p.trim(nil)
 }
 
@@ -895,10 +937,10 @@ func (p *Pool) release(s *Seq, trim bool) []Op {
 			b.lru = p.lruOf(b).PushBack(b)
 		}
 	}
-	if s.pin != nil {
-		unref(s.pin)
-		s.pin = nil
+	for i := len(s.pins) - 1; i >= 0; i-- {
+		unref(s.pins[i])
 	}
+	s.pins = nil
 	// Walk backwards so that deeper blocks enter the LRU first and leave it first.
 	for i := len(s.blocks) - 1; i >= 0; i-- {
 		b := s.blocks[i]
@@ -948,9 +990,9 @@ func (p *Pool) Fork(s *Seq) (*Seq, []Op, error) {
 	if private > len(p.free)+p.EvictableBlocks() { // taking the id may not free blocks, but check again
 		return nil, nil, ErrNoSpace
 	}
-	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, lastNeg: s.lastNeg, pin: s.pin}
-	if f.pin != nil {
-		p.ref(f.pin)
+	f := &Seq{ID: id, len: s.len, tail: slices.Clone(s.tail), sealed: s.sealed, parent: s.parent, cached: s.cached, hasher: s.hasher, lastNeg: s.lastNeg, pins: s.pins}
+	for _, b := range f.pins {
+		p.ref(b)
 	}
 	for _, b := range s.blocks {
 		if b.state == stateIndexed {

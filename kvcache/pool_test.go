@@ -87,8 +87,8 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 		for _, b := range r.seq.blocks {
 			refs[b]++
 		}
-		if r.seq.pin != nil {
-			refs[r.seq.pin]++
+		for _, b := range r.seq.pins {
+			refs[b]++
 		}
 	}
 	for i := range p.blocks {

@@ -31,8 +31,9 @@ type SplitPool struct {
 
 type stream struct {
 	state seqState
-	chain []Hash // hashes of the stream's committed full blocks, from position 0
-	seq   *Seq   // running sequence
+	chain []Hash  // hashes of the stream's committed full blocks, from position 0
+	toks  []int32 // their tokens, under Config.UncutMedia (across checks them)
+	seq   *Seq    // running sequence
 	lru   *list.Element
 	// glued: the chain ends within an image (a prefix taken to the image's
 	// end, Config.UncutMedia) until the block that ends it is committed;
@@ -94,7 +95,27 @@ func (p *SplitPool) matchAcross(h Hasher, prompt []int32) (n int, holders map[Se
 		}
 		parent, holders, n = hb, hs, i+1
 	}
-	return n, holders, across(p.cfg, prompt, n)
+	end = across(p.cfg, prompt, n)
+	if end == 0 {
+		return n, holders, 0
+	}
+	// The holders whose rows of the image are the prompt's, the image ending
+	// there where it ends in the prompt (not another picture right after).
+	off := n * B
+	var same map[SeqID]struct{}
+	for id := range holders {
+		t := p.streams[id].toks
+		if len(t) > end && slices.Equal(t[off:end], prompt[off:end]) && t[end] >= 0 {
+			if same == nil {
+				same = map[SeqID]struct{}{}
+			}
+			same[id] = struct{}{}
+		}
+	}
+	if same == nil {
+		return n, holders, 0
+	}
+	return n, same, end
 }
 
 // uncut is n blocks matched of prompt and their holders, cut back so that
@@ -183,6 +204,7 @@ func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
 		p.lru.Remove(p.streams[id].lru)
 		p.streams[id].lru = nil
 		p.streams[id].chain = p.streams[id].chain[:n]
+		p.streams[id].toks = p.streams[id].toks[:min(len(p.streams[id].toks), n*int(B))]
 		ops = append(ops, Op{Kind: OpRemove, Seq: id, P0: keep, P1: -1})
 	} else {
 		if !free {
@@ -193,10 +215,12 @@ func (p *SplitPool) Resume(model string, prompt []int32) (*Seq, []Op, error) {
 			id = v
 			ops = p.evict(id, ops) // not a holder of the prefix: those are all running
 		}
-		p.streams[id].chain = nil
+		p.streams[id].chain, p.streams[id].toks = nil, nil
 		if n > 0 {
 			ops = append(ops, Op{Kind: OpCopy, Src: src, Seq: id, P0: -1, P1: -1}, Op{Kind: OpRemove, Seq: id, P0: keep, P1: -1})
 			p.streams[id].chain = slices.Clone(p.streams[src].chain[:n])
+			t := p.streams[src].toks
+			p.streams[id].toks = slices.Clone(t[:min(len(t), n*int(B))])
 		}
 	}
 	st := &p.streams[id]
@@ -318,6 +342,9 @@ func (p *SplitPool) Commit(s *Seq) {
 	st := &p.streams[s.ID]
 	for range sealable(p.cfg, s.tail, len(s.tail)/B) {
 		h := s.hasher.Block(s.parent, s.tail[:B])
+		if p.cfg.UncutMedia {
+			st.toks = append(st.toks, s.tail[:B]...)
+		}
 		s.sealed++
 		s.tail = s.tail[B:]
 		s.parent = h
@@ -342,6 +369,7 @@ func (p *SplitPool) Release(s *Seq) []Op {
 	B := int32(p.cfg.BlockTokens)
 	if st.glued { // the chain ends within an image: kept to before it
 		st.chain, st.glued = st.chain[:st.safe], false
+		st.toks = st.toks[:min(len(st.toks), st.safe*int(B))]
 	}
 	if !p.cfg.Caching || len(st.chain) == 0 {
 		p.untrack(s.ID)
@@ -374,6 +402,7 @@ func (p *SplitPool) Fork(s *Seq) (*Seq, []Op, error) {
 	ops = append(ops, Op{Kind: OpCopy, Src: s.ID, Seq: id, P0: -1, P1: -1})
 	st := &p.streams[id]
 	st.chain = slices.Clone(p.streams[s.ID].chain)
+	st.toks = slices.Clone(p.streams[s.ID].toks)
 	st.glued, st.safe = p.streams[s.ID].glued, p.streams[s.ID].safe
 	if p.cfg.Caching {
 		tracked := st.chain

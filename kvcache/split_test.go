@@ -83,6 +83,9 @@ func checkSplit(t *testing.T, p *SplitPool, sim *splitSim, live []*running) {
 	}
 	for i, st := range p.streams {
 		id := SeqID(i)
+		if p.cfg.UncutMedia && len(st.toks) != len(st.chain)*B {
+			t.Fatalf("stream %d: %d tokens for %d blocks", id, len(st.toks), len(st.chain))
+		}
 		switch st.state {
 		case seqRunning:
 			if !running[id] {
