@@ -238,6 +238,8 @@ type Pool struct {
 	seqs                 []seqState
 	holders              map[SeqID]int // indexed blocks held per sequence id
 	running              int
+	// plain: Fits chose for the next Start of this prompt a plain plan.
+	plain []int32
 
 	queries, hits, evictions uint64
 	generation               uint64
@@ -311,14 +313,9 @@ func (p *Pool) blocksFor(tokens int) int {
 	return (tokens + p.cfg.BlockTokens - 1) / p.cfg.BlockTokens
 }
 
-// match returns the indexed blocks of the longest cached prefix of tokens, leaving at
-// least one token to compute (its logits start generation).
-func (p *Pool) match(h Hasher, tokens []int32) []*block {
-	out := p.matchBlocks(h, tokens)
-	return out[:uncut(p.cfg, tokens, len(out))]
-}
-
-// matchBlocks is match, which may end within an image.
+// matchBlocks returns the indexed blocks of the longest cached prefix of tokens,
+// leaving at least one token to compute (its logits start generation). It may
+// end within an image (see plan).
 func (p *Pool) matchBlocks(h Hasher, tokens []int32) []*block {
 	if !p.cfg.Caching || len(tokens) == 0 {
 		return nil
@@ -374,12 +371,21 @@ func (p *Pool) gluedChild(b *block) *block {
 	return nil
 }
 
+// gluedChain is the glued chain below b: its glued child, that block's, and
+// so on (one holder's blocks of the images that go on past b).
+func (p *Pool) gluedChain(b *block) []*block {
+	var chain []*block
+	for c := p.gluedChild(b); c != nil; c = p.gluedChild(c) {
+		chain = append(chain, c)
+	}
+	return chain
+}
+
 // acrossTo is across for matched blocks m of prompt, checked against the
 // block of m's holder that goes on with the image: its rows are the
 // prompt's, and the image ends there where it ends in the prompt (so that
 // another picture right after it is never taken for the prompt's). It
-// returns where the image ends and the glued chain from that block down
-// (pinned while the prompt's sequence runs), or 0 and nil.
+// returns where the image ends and the glued chain below m, or 0 and nil.
 func (p *Pool) acrossTo(prompt []int32, m []*block) (int, []*block) {
 	n := len(m)
 	end := across(p.cfg, prompt, n)
@@ -391,46 +397,90 @@ func (p *Pool) acrossTo(prompt []int32, m []*block) (int, []*block) {
 	if c == nil || !slices.Equal(c.toks[:off], prompt[n*p.cfg.BlockTokens:end]) || c.toks[off] < 0 {
 		return 0, nil
 	}
-	var chain []*block
-	for ; c != nil; c = p.gluedChild(c) {
-		chain = append(chain, c)
-	}
-	return end, chain
+	return end, p.gluedChain(m[n-1])
 }
 
-// unsuspend returns blocks Suspend kept past the budget to the cache.
-func (p *Pool) unsuspend(bs ...*block) {
+// plan is what a sequence for prompt takes of the cache: the blocks m it
+// references, where the image they end within ends when it takes the rest
+// of that image too (across, when a free block is there for those rows; 0
+// otherwise), and the glued chain below m's last block, another holder's
+// image going on past it, which it pins. plain takes neither: only blocks
+// before any image that goes on past them.
+func (p *Pool) plan(h Hasher, prompt []int32, plain bool) (m []*block, end int, pins []*block) {
+	m = p.matchBlocks(h, prompt)
+	if !plain && len(p.free) > 0 {
+		if end, pins = p.acrossTo(prompt, m); end > 0 {
+			return m, end, pins
+		}
+	}
+	m = m[:uncut(p.cfg, prompt, len(m))]
+	for p.cfg.UncutMedia && len(m) > 0 {
+		// A picture right after m's last one, at a block's edge.
+		if pins = p.gluedChain(m[len(m)-1]); pins == nil || !plain {
+			break
+		}
+		pins, m = nil, m[:uncut(p.cfg, prompt, len(m)-1)]
+	}
+	return m, 0, pins
+}
+
+// unsuspend returns blocks Suspend kept past the budget to the cache, and
+// how many.
+func (p *Pool) unsuspend(bs ...*block) int {
+	n := 0
 	for i := len(bs) - 1; i >= 0; i-- { // deepest first
 		if b := bs[i]; b.suspended && b.lru != nil {
 			p.suspended.Remove(b.lru)
 			b.suspended = false
 			b.lru = p.lruOf(b).PushFront(b)
+			n++
 		}
 	}
+	return n
 }
 
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
 // a query.
 func (p *Pool) CachedPrefix(model string, prompt []int32) int {
-	m := p.matchBlocks(p.hasher.For(model), prompt)
-	if end, _ := p.acrossTo(prompt, m); end > 0 && len(p.free) > 0 {
+	m, end, _ := p.plan(p.hasher.For(model), prompt, false)
+	if end > 0 {
 		return end
 	}
-	return uncut(p.cfg, prompt, len(m)) * p.cfg.BlockTokens
+	return len(m) * p.cfg.BlockTokens
 }
 
 // Fits reports whether a sequence with this prompt and up to maxNew generated tokens
 // fits into free and evictable blocks, counting its cached prefix as already resident.
+//
+// Under Config.UncutMedia it also chooses for the Start (or Resume) of this
+// prompt that follows: one that would fit only without the blocks of
+// another holder it would pin (see plan) takes only the blocks before the
+// picture they go on with.
 func (p *Pool) Fits(model string, prompt []int32, maxNew int) bool {
-	m := p.match(p.hasher.For(model), prompt)
-	reusable := 0
-	for _, b := range m {
-		if b.ref == 0 {
-			reusable++ // resident and evictable now, but would be referenced
+	h := p.hasher.For(model)
+	total := p.blocksFor(len(prompt) + maxNew)
+	fits := func(m, pins []*block) bool {
+		taken := 0
+		for _, b := range append(m[:len(m):len(m)], pins...) {
+			if b.ref == 0 {
+				taken++ // resident and evictable now, but would be referenced
+			}
 		}
+		return total-len(m) <= len(p.free)+p.EvictableBlocks()-taken
 	}
-	need := p.blocksFor(len(prompt)+maxNew) - len(m)
-	return need <= len(p.free)+p.EvictableBlocks()-reusable
+	p.plain = nil
+	m, _, pins := p.plan(h, prompt, false)
+	if fits(m, pins) {
+		return true
+	}
+	if len(pins) == 0 {
+		return false
+	}
+	if m, _, pins = p.plan(h, prompt, true); fits(m, pins) {
+		p.plain = slices.Clone(prompt)
+		return true
+	}
+	return false
 }
 
 // Start begins a sequence for prompt: it takes a sequence id and the longest cached
@@ -455,17 +505,29 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 		return nil, nil, err
 	}
 	s := &Seq{ID: id, hasher: p.hasher.For(model)}
-	m := p.matchBlocks(s.hasher, prompt)
-	end, pins := p.acrossTo(prompt, m)
-	if end == 0 || len(p.free) == 0 {
-		// (The rows of the image in its last block take a block of their
-		// own, a free one.)
-		u := uncut(p.cfg, prompt, len(m))
-		if resume { // what Suspend kept of the image goes back to the budget
-			p.unsuspend(m[u:]...)
-			p.unsuspend(pins...)
+	m, end, pins := p.plan(s.hasher, prompt, slices.Equal(prompt, p.plain))
+	p.plain = nil
+	unsuspended := false
+	if resume && p.cfg.UncutMedia {
+		// What Suspend kept of an image it took and does not take now (the
+		// blocks, and the chains glued below them it pinned) goes back to the
+		// budget.
+		raw := p.matchBlocks(s.hasher, prompt)
+		for i := max(len(m)-1, 0); i < len(raw); i++ {
+			if i >= len(m) && p.unsuspend(raw[i]) > 0 {
+				unsuspended = true
+			}
+			if !(i == len(m)-1 && len(pins) > 0) && p.unsuspend(p.gluedChain(raw[i])...) > 0 {
+				unsuspended = true
+			}
 		}
-		m, end, pins = m[:u], 0, nil
+	}
+	// The glued chain below its last block, held by another sequence, cannot
+	// be evicted while s references that block (the chain's image would be
+	// cut): s pins it.
+	s.pins = pins
+	for _, b := range pins {
+		p.ref(b)
 	}
 	for i, b := range m {
 		if b.lru != nil && !b.reused && !resume {
@@ -493,10 +555,6 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	if end > 0 {
 		// The image's rows in the next block, from the holder of the
 		// image's blocks (the last copy's source): a private block.
-		s.pins = pins
-		for _, b := range pins {
-			p.ref(b)
-		}
 		b, _, _ := p.alloc(nil) // a free one: evicts nothing
 		b.state, b.ref, b.index = statePrivate, 1, int32(len(m))
 		s.blocks = append(s.blocks, b)
@@ -514,6 +572,9 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	}
 	p.seqs[id] = seqRunning
 	p.running++
+	if unsuspended {
+		ops = p.trim(ops)
+	}
 	return s, ops, nil
 }
 
@@ -938,7 +999,7 @@ func (p *Pool) release(s *Seq, trim bool) []Op {
 		}
 	}
 	for i := len(s.pins) - 1; i >= 0; i-- {
-		unref(s.pins[i])
+		unref(s.pins[i]) // glued to s's last block: kept (or not) with it
 	}
 	s.pins = nil
 	// Walk backwards so that deeper blocks enter the LRU first and leave it first.

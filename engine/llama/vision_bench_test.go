@@ -25,11 +25,12 @@ import (
 // encoders are tiny: their own cost is not what is measured.)
 //
 // workload=questions: each turn a new prompt, the same picture and another
-// question about it, not the history: a cached prefix that ends within the
-// picture's blocks takes the rest of the picture too (for Qwen2-VL's
-// uncut images: not only the blocks before it).
+// question about it right after it, not the history: the cached prefix ends
+// within the picture's last block, and takes the rest of the picture too
+// (for Qwen2-VL's uncut images: not only the blocks before it).
 func BenchmarkSchedulerImages(b *testing.B) {
 	const users, turns, answer = 4, 4, 16
+	questions := []string{"Which colours are in it?", "How many shapes are there?", "Where is the yellow part?", "Is it a photograph?"}
 	for _, c := range []struct {
 		layout  string
 		caching bool
@@ -99,7 +100,8 @@ func BenchmarkSchedulerImages(b *testing.B) {
 								if workload == "chat" {
 									history += g.text + fmt.Sprintf("\nUSER: And what about part %d of it? ASSISTANT:", turn)
 								} else {
-									history = "USER: " + p.Marker() + fmt.Sprintf("\nWhat is in part %d of this picture? ASSISTANT:", turn)
+									// Other words right after the picture, within its last block.
+									history = "USER: " + p.Marker() + questions[turn%len(questions)] + " ASSISTANT:"
 								}
 							}
 						})
