@@ -270,19 +270,7 @@ func acrossPool(t *testing.T, cells int) (p *Pool, run func([]int32) *Seq, relea
 	sim := newSim(cells)
 	run = func(prompt []int32) *Seq {
 		t.Helper()
-		s, ops, err := p.Start("", prompt)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sim.apply(t, ops)
-		from := s.Len()
-		ops, err = p.Grow(s, prompt[from:])
-		if err != nil {
-			t.Fatalf("grow: %v", err)
-		}
-		sim.apply(t, ops)
-		sim.decode(t, s.ID, from, len(prompt))
-		p.Commit(s)
+		s := computeSeq(t, p, sim, prompt)
 		checkInvariants(t, p, sim, []*running{{seq: s}})
 		return s
 	}
@@ -416,21 +404,7 @@ func TestAcrossResumeFallback(t *testing.T) {
 		t.Fatal(err)
 	}
 	sim := newSim(cfg.Cells)
-	run := func(prompt []int32) *Seq {
-		s, ops, err := p.Start("", prompt)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sim.apply(t, ops)
-		from := s.Len()
-		if ops, err = p.Grow(s, prompt[from:]); err != nil {
-			t.Fatal(err)
-		}
-		sim.apply(t, ops)
-		sim.decode(t, s.ID, from, len(prompt))
-		p.Commit(s)
-		return s
-	}
+	run := func(prompt []int32) *Seq { return computeSeq(t, p, sim, prompt) }
 	sim.apply(t, p.Release(run([]int32{1, 2, -101, -102, -103, -104, 50, 51, 52})))
 	other := []int32{1, 2, -101, -102, -103, -104, 70, 71, 72}
 	s := run(other)
@@ -452,4 +426,90 @@ func TestAcrossResumeFallback(t *testing.T) {
 		t.Errorf("resumed with %d cached, want the blocks before the picture (no block free for its rows)", r.Cached())
 	}
 	checkInvariants(t, p, sim, []*running{{seq: u}, {seq: r}})
+}
+
+// Picture A ends at block 0's edge and picture B starts block 1 (glued to
+// block 0) in the holder's prompt; edgeAsk has A, then text.
+var (
+	edgeHolder = []int32{1, 2, -101, -102, -201, -202, 50, 51, 52}
+	edgeAsk    = []int32{1, 2, -101, -102, 60, 61, 62, 63, 64}
+)
+
+// TestPictureAtEdgeThenText: a prompt with A then text pins B's block while
+// it runs; its own text block is not indexed beside B's (a block another
+// picture goes on from has no other child), so a later prompt that goes on
+// as it did, its own resume, or its abandonment never leave B's block
+// unreferenced while block 0 is referenced, nor kept past the budget.
+func TestPictureAtEdgeThenText(t *testing.T) {
+	longer := append(slices.Clone(edgeAsk), 65, 66, 67, 68)
+	p, run, release := acrossPool(t, 64) // run checks the invariants
+	release(run(edgeHolder))
+	s := run(edgeAsk)
+	if s.Cached() != 4 || len(s.pins) != 1 {
+		t.Errorf("%d cached with %d pinned, want 4 and 1", s.Cached(), len(s.pins))
+	}
+	release(s)
+	release(run(longer))
+	// Its own resume.
+	s = run(longer)
+	p.Suspend(s)
+	r, _, err := p.Resume("", longer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Cached() != 4 || len(r.pins) != 1 {
+		t.Errorf("resumed with %d cached and %d pinned, want 4 and 1", r.Cached(), len(r.pins))
+	}
+	p.Suspend(r)
+	p.Abandon("", longer)
+	for e := p.suspended.Front(); e != nil; e = e.Next() {
+		t.Errorf("abandoned: block %d still kept past the budget", e.Value.(*block).id)
+	}
+	// In a full pool: Fits, then it grows by what Fits counted.
+	p, run, release = acrossPool(t, 16)
+	release(run(edgeHolder))
+	release(run(edgeAsk))
+	if !p.Fits("", longer, 3) {
+		t.Fatal("does not fit")
+	}
+	s, _, err = p.Start("", longer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, toks := range [][]int32{longer[s.Len():], {90}, {91}, {92}} {
+		if _, err := p.Grow(s, toks); err != nil {
+			t.Fatalf("grow %d, alone in the pool: %v", i, err)
+		}
+		p.Commit(s)
+	}
+}
+
+// TestFitsChoosesForStart: Fits finds no block free for a picture's last
+// rows and chooses the blocks before it; Start, which frees blocks taking a
+// sequence id, keeps that choice (a picture to its end, and the holder's
+// block it pins, would not leave room for what Fits counted).
+func TestFitsChoosesForStart(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.UncutMedia = 16, 2, 4, 1, true
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim := newSim(cfg.Cells)
+	sim.apply(t, p.Release(computeSeq(t, p, sim, []int32{5, 6, 7, 8, 9, 10, 11, 12})))
+	sim.apply(t, p.Release(computeSeq(t, p, sim, []int32{1, 2, -101, -102, -103, -104, 50, 51})))
+	a := []int32{1, 2, -101, -102, -103, -104, 70, 71, 72, 73, 74, 75, 76}
+	if !p.Fits("", a, 3) {
+		t.Fatal("does not fit")
+	}
+	s, _, err := p.Start("", a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, toks := range [][]int32{a[s.Len():], {90}, {91}, {92}} {
+		if _, err := p.Grow(s, toks); err != nil {
+			t.Fatalf("grow %d, alone in the pool (%d cached, %d pinned): %v", i, s.Cached(), len(s.pins), err)
+		}
+		p.Commit(s)
+	}
 }

@@ -141,8 +141,9 @@ type block struct {
 	// then: a prompt that takes the image's rows in it checks them (across).
 	glued  bool
 	toks   []int32
-	ref    int32 // running sequences using it
-	reused bool  // taken by a sequence other than the one that computed it
+	glue   *block // the indexed block glued to this one, if any (at most one)
+	ref    int32  // running sequences using it
+	reused bool   // taken by a sequence other than the one that computed it
 	// suspended: unreferenced since its sequence was preempted (Suspend); kept
 	// past the budget until taken again or its space is needed.
 	suspended bool
@@ -238,8 +239,11 @@ type Pool struct {
 	seqs                 []seqState
 	holders              map[SeqID]int // indexed blocks held per sequence id
 	running              int
-	// plain: Fits chose for the next Start of this prompt a plain plan.
-	plain []int32
+	// chose: what Fits chose for the next Start of its prompt (see plan).
+	chose struct {
+		prompt []int32
+		mode   planMode
+	}
 
 	queries, hits, evictions uint64
 	generation               uint64
@@ -359,17 +363,7 @@ func across(c Config, tokens []int32, n int) int {
 // gluedChild is the indexed block glued to b (which goes on with the image b
 // ends within), or nil. There is at most one: both have one holder, whose
 // sequence has one block after b.
-func (p *Pool) gluedChild(b *block) *block {
-	if b.children == 0 {
-		return nil
-	}
-	for i := range p.blocks {
-		if c := &p.blocks[i]; c.state == stateIndexed && c.glued && c.parent == b {
-			return c
-		}
-	}
-	return nil
-}
+func (p *Pool) gluedChild(b *block) *block { return b.glue }
 
 // gluedChain is the glued chain below b: its glued child, that block's, and
 // so on (one holder's blocks of the images that go on past b).
@@ -400,15 +394,25 @@ func (p *Pool) acrossTo(prompt []int32, m []*block) (int, []*block) {
 	return end, p.gluedChain(m[n-1])
 }
 
+// planMode is what a plan may take under Config.UncutMedia.
+type planMode uint8
+
+const (
+	planAcross planMode = iota // the rest of an image the cached prefix ends within
+	planPinned                 // the blocks before it, pinning what another holder's image glues to the last
+	planPlain                  // only blocks before any image that goes on past them: no pins
+)
+
 // plan is what a sequence for prompt takes of the cache: the blocks m it
 // references, where the image they end within ends when it takes the rest
-// of that image too (across, when a free block is there for those rows; 0
-// otherwise), and the glued chain below m's last block, another holder's
-// image going on past it, which it pins. plain takes neither: only blocks
-// before any image that goes on past them.
-func (p *Pool) plan(h Hasher, prompt []int32, plain bool) (m []*block, end int, pins []*block) {
+// of that image too (across, planAcross, when a free block is there for
+// those rows; 0 otherwise), and the glued chain below m's last block,
+// another holder's image going on past it, which it pins (not planPlain).
+// (A block with a glued child has no other child, seal: only m's last block
+// can have a glued chain m does not take.)
+func (p *Pool) plan(h Hasher, prompt []int32, mode planMode) (m []*block, end int, pins []*block) {
 	m = p.matchBlocks(h, prompt)
-	if !plain && len(p.free) > 0 {
+	if mode == planAcross && len(p.free) > 0 {
 		if end, pins = p.acrossTo(prompt, m); end > 0 {
 			return m, end, pins
 		}
@@ -416,7 +420,7 @@ func (p *Pool) plan(h Hasher, prompt []int32, plain bool) (m []*block, end int, 
 	m = m[:uncut(p.cfg, prompt, len(m))]
 	for p.cfg.UncutMedia && len(m) > 0 {
 		// A picture right after m's last one, at a block's edge.
-		if pins = p.gluedChain(m[len(m)-1]); pins == nil || !plain {
+		if pins = p.gluedChain(m[len(m)-1]); pins == nil || mode != planPlain {
 			break
 		}
 		pins, m = nil, m[:uncut(p.cfg, prompt, len(m)-1)]
@@ -442,7 +446,7 @@ func (p *Pool) unsuspend(bs ...*block) int {
 // CachedPrefix returns how many leading tokens of prompt are cached, without counting
 // a query.
 func (p *Pool) CachedPrefix(model string, prompt []int32) int {
-	m, end, _ := p.plan(p.hasher.For(model), prompt, false)
+	m, end, _ := p.plan(p.hasher.For(model), prompt, planAcross)
 	if end > 0 {
 		return end
 	}
@@ -452,10 +456,11 @@ func (p *Pool) CachedPrefix(model string, prompt []int32) int {
 // Fits reports whether a sequence with this prompt and up to maxNew generated tokens
 // fits into free and evictable blocks, counting its cached prefix as already resident.
 //
-// Under Config.UncutMedia it also chooses for the Start (or Resume) of this
-// prompt that follows: one that would fit only without the blocks of
-// another holder it would pin (see plan) takes only the blocks before the
-// picture they go on with.
+// Under Config.UncutMedia it also chooses the plan of the Start (or Resume)
+// of this prompt that follows (which may find other blocks free, having
+// evicted a holder for its sequence id): one that would fit only without
+// the blocks of another holder it would pin takes only the blocks before
+// the picture they go on with (see plan).
 func (p *Pool) Fits(model string, prompt []int32, maxNew int) bool {
 	h := p.hasher.For(model)
 	total := p.blocksFor(len(prompt) + maxNew)
@@ -468,17 +473,24 @@ func (p *Pool) Fits(model string, prompt []int32, maxNew int) bool {
 		}
 		return total-len(m) <= len(p.free)+p.EvictableBlocks()-taken
 	}
-	p.plain = nil
-	m, _, pins := p.plan(h, prompt, false)
-	if fits(m, pins) {
+	p.chose.prompt = nil
+	choose := func(mode planMode) bool {
+		p.chose.prompt, p.chose.mode = slices.Clone(prompt), mode
 		return true
 	}
-	if len(pins) == 0 {
+	m, end, pins := p.plan(h, prompt, planAcross)
+	switch {
+	case fits(m, pins) && end > 0:
+		return choose(planAcross)
+	case fits(m, pins):
+		return choose(planPinned)
+	case len(pins) == 0:
 		return false
 	}
-	if m, _, pins = p.plan(h, prompt, true); fits(m, pins) {
-		p.plain = slices.Clone(prompt)
-		return true
+	for _, mode := range []planMode{planPinned, planPlain} {
+		if m, _, pins = p.plan(h, prompt, mode); fits(m, pins) {
+			return choose(mode)
+		}
 	}
 	return false
 }
@@ -505,19 +517,23 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 		return nil, nil, err
 	}
 	s := &Seq{ID: id, hasher: p.hasher.For(model)}
-	m, end, pins := p.plan(s.hasher, prompt, slices.Equal(prompt, p.plain))
-	p.plain = nil
+	mode := planAcross
+	if slices.Equal(prompt, p.chose.prompt) {
+		mode = p.chose.mode
+	}
+	p.chose.prompt = nil
+	m, end, pins := p.plan(s.hasher, prompt, mode)
 	unsuspended := false
 	if resume && p.cfg.UncutMedia {
 		// What Suspend kept of an image it took and does not take now (the
 		// blocks, and the chains glued below them it pinned) goes back to the
 		// budget.
 		raw := p.matchBlocks(s.hasher, prompt)
-		for i := max(len(m)-1, 0); i < len(raw); i++ {
-			if i >= len(m) && p.unsuspend(raw[i]) > 0 {
+		for i, b := range raw {
+			if i >= len(m) && p.unsuspend(b) > 0 {
 				unsuspended = true
 			}
-			if !(i == len(m)-1 && len(pins) > 0) && p.unsuspend(p.gluedChain(raw[i])...) > 0 {
+			if !(i == len(m)-1 && len(pins) > 0) && p.unsuspend(p.gluedChain(b)...) > 0 {
 				unsuspended = true
 			}
 		}
@@ -759,9 +775,11 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	var parent *block
 	if b.index > 0 {
 		parent = s.blocks[b.index-1]
-		if parent.state != stateIndexed || glued && parent.holder != s.ID {
+		if parent.state != stateIndexed || glued && parent.holder != s.ID || !glued && parent.glue != nil {
 			// The chain is broken by a private duplicate, or an image would
-			// have two holders: keep this one private.
+			// have two holders, or another picture goes on from the parent
+			// in its holder's block (the parent is evicted with it, never
+			// with another child): keep this one private.
 			return
 		}
 	}
@@ -769,6 +787,7 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	b.state, b.hash, b.holder, b.parent, b.glued = stateIndexed, h, s.ID, parent, glued
 	if glued {
 		b.toks = slices.Clone(toks)
+		parent.glue = b // (b.index > 0: s has a parent block)
 	}
 	if parent != nil {
 		parent.children++
@@ -930,6 +949,9 @@ func (p *Pool) unindex(b *block) {
 	}
 	if b.parent != nil {
 		b.parent.children--
+		if b.parent.glue == b {
+			b.parent.glue = nil
+		}
 	}
 	h := b.holder
 	if p.holders[h]--; p.holders[h] == 0 {
@@ -971,8 +993,10 @@ func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
 // longer kept past the budget.
 func (p *Pool) Abandon(model string, tokens []int32) []Op {
 	m := p.matchBlocks(p.hasher.For(model), tokens)
-	_, pins := p.acrossTo(tokens, m)
-	p.unsuspend(append(m, pins...)...)
+	for i := len(m) - 1; i >= 0; i-- {
+		p.unsuspend(p.gluedChain(m[i])...) // what it pinned (see plan)
+		p.unsuspend(m[i])
+	}
 	return p.trim(nil)
 }
 

@@ -161,6 +161,12 @@ func checkInvariants(t *testing.T, p *Pool, sim *simCells, live []*running) {
 		// Evictable with its image: an unreferenced block glued to its
 		// parent leaves it unreferenced too (else the LRU lists could hold
 		// blocks and no leaf to evict).
+		if b.glued && b.parent.glue != b {
+			t.Fatalf("block %d: glued to block %d, which names another as its glued child", b.id, b.parent.id)
+		}
+		if c := b.glue; c != nil && (c.parent != b || !c.glued || c.state != stateIndexed) {
+			t.Fatalf("block %d names block %d as its glued child: its parent %p, glued %v, state %d", b.id, c.id, c.parent, c.glued, c.state)
+		}
 		if b.glued && b.ref == 0 && b.parent.ref > 0 {
 			t.Fatalf("block %d: unreferenced, glued to block %d referenced %d times", b.id, b.parent.id, b.parent.ref)
 		}
