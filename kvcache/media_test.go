@@ -96,37 +96,14 @@ func mediaWorkload(t *testing.T, seed uint64, split bool) {
 	cfg.Cells = cfg.BlockTokens * (10 + rng.IntN(30))
 	cfg.MaxSeqs = 2 + rng.IntN(6)
 	cfg.CacheFloor = floors[rng.IntN(3)]
-	var p Allocator
-	var sim *cutSim
-	var check func([]*mediaSeq)
-	if split {
-		sp, err := NewSplit(cfg, 64)
-		if err != nil {
-			t.Fatal(err)
+	p, _, inner, checkSeqs := poolUnderTest(t, cfg, split, 64)
+	sim := &cutSim{inner, map[SeqID][]int32{}}
+	check := func(live []*mediaSeq) {
+		var r []*Seq
+		for _, l := range live {
+			r = append(r, l.seq)
 		}
-		ss := newSplitSim(64)
-		p, sim = sp, &cutSim{ss, map[SeqID][]int32{}}
-		check = func(live []*mediaSeq) {
-			var r []*running
-			for _, l := range live {
-				r = append(r, &running{seq: l.seq})
-			}
-			checkSplit(t, sp, ss, r)
-		}
-	} else {
-		pp, err := New(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		us := newSim(cfg.Cells)
-		p, sim = pp, &cutSim{us, map[SeqID][]int32{}}
-		check = func(live []*mediaSeq) {
-			var r []*running
-			for _, l := range live {
-				r = append(r, &running{seq: l.seq})
-			}
-			checkInvariants(t, pp, us, r)
-		}
+		checkSeqs(r)
 	}
 	var live []*mediaSeq
 	// advance computes up to n more tokens of l (its prompt, then generated).
@@ -512,4 +489,32 @@ func TestFitsChoosesForStart(t *testing.T) {
 		}
 		p.Commit(s)
 	}
+}
+
+// poolUnderTest is a new pool of cfg, per-stream (of streamTokens each) when
+// split, with the engine sim its ops go to and a check of the invariants
+// with the live sequences. pp is the one pool, when not split.
+func poolUnderTest(t *testing.T, cfg Config, split bool, streamTokens int) (p Allocator, pp *Pool, sim engineSim, check func([]*Seq)) {
+	t.Helper()
+	live := func(seqs []*Seq) []*running {
+		var r []*running
+		for _, s := range seqs {
+			r = append(r, &running{seq: s})
+		}
+		return r
+	}
+	if split {
+		sp, err := NewSplit(cfg, streamTokens)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ss := newSplitSim(streamTokens)
+		return sp, nil, ss, func(seqs []*Seq) { checkSplit(t, sp, ss, live(seqs)) }
+	}
+	pp, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	us := newSim(cfg.Cells)
+	return pp, pp, us, func(seqs []*Seq) { checkInvariants(t, pp, us, live(seqs)) }
 }

@@ -321,11 +321,19 @@ func (p *Pool) blocksFor(tokens int) int {
 // leaving at least one token to compute (its logits start generation). It may
 // end within an image (see plan).
 func (p *Pool) matchBlocks(h Hasher, tokens []int32) []*block {
-	if !p.cfg.Caching || len(tokens) == 0 {
+	if len(tokens) == 0 {
+		return nil
+	}
+	return p.matchUpTo(h, tokens, (len(tokens)-1)/p.cfg.BlockTokens)
+}
+
+// matchUpTo is matchBlocks up to limit blocks: every full block of tokens
+// for what Suspend kept of them, which may end with the last token.
+func (p *Pool) matchUpTo(h Hasher, tokens []int32, limit int) []*block {
+	if !p.cfg.Caching {
 		return nil
 	}
 	B := p.cfg.BlockTokens
-	limit := (len(tokens) - 1) / B
 	var out []*block
 	var parent Hash
 	for i := range limit {
@@ -524,11 +532,11 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	p.chose.prompt = nil
 	m, end, pins := p.plan(s.hasher, prompt, mode)
 	unsuspended := false
-	if resume && p.cfg.UncutMedia {
-		// What Suspend kept of an image it took and does not take now (the
-		// blocks, and the chains glued below them it pinned) goes back to the
-		// budget.
-		raw := p.matchBlocks(s.hasher, prompt)
+	if resume {
+		// What Suspend kept and it does not take now (the last block, which
+		// may end with the last token; an image's blocks, and the chains
+		// glued below them it pinned) goes back to the budget.
+		raw := p.matchUpTo(s.hasher, prompt, len(prompt)/p.cfg.BlockTokens)
 		for i, b := range raw {
 			if i >= len(m) && p.unsuspend(b) > 0 {
 				unsuspended = true
@@ -992,7 +1000,7 @@ func (p *Pool) Suspend(s *Seq) []Op { return p.release(s, false) }
 // prefix another suspended sequence shares goes back too: it is cached, only no
 // longer kept past the budget.
 func (p *Pool) Abandon(model string, tokens []int32) []Op {
-	m := p.matchBlocks(p.hasher.For(model), tokens)
+	m := p.matchUpTo(p.hasher.For(model), tokens, len(tokens)/p.cfg.BlockTokens)
 	for i := len(m) - 1; i >= 0; i-- {
 		p.unsuspend(p.gluedChain(m[i])...) // what it pinned (see plan)
 		p.unsuspend(m[i])

@@ -879,3 +879,36 @@ func TestUncutMedia(t *testing.T) {
 		t.Errorf("without UncutMedia: %d cached, want 12", got)
 	}
 }
+
+// TestSuspendedLastBlockGivenBack: tokens a whole number of blocks long,
+// suspended, then abandoned or resumed: what Suspend kept goes back to the
+// budget, the last block too (which a prefix match, leaving a token to
+// compute, never reaches).
+func TestSuspendedLastBlockGivenBack(t *testing.T) {
+	for _, uncut := range []bool{false, true} {
+		cfg := DefaultConfig()
+		cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor, cfg.UncutMedia = 64, 4, 4, 1, uncut
+		p, _ := New(cfg)
+		sim := newSim(cfg.Cells)
+		toks := []int32{1, 2, 3, 4, 5, 6, 7, 8} // prompt 6 + 2 generated
+		s := computeSeq(t, p, sim, toks)
+		sim.apply(t, p.Suspend(s))
+		sim.apply(t, p.Abandon("", toks))
+		if n := p.suspended.Len(); n != 0 {
+			t.Errorf("uncut %v: abandoned: %d blocks still kept past the budget (budget %d, cached %d)", uncut, n, p.budget, p.EvictableBlocks())
+		}
+		// Resume of the same leaves it suspended too.
+		p, _ = New(cfg)
+		sim = newSim(cfg.Cells)
+		s = computeSeq(t, p, sim, toks)
+		sim.apply(t, p.Suspend(s))
+		r, ops, err := p.Resume("", toks)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		if n := p.suspended.Len(); n != 0 {
+			t.Errorf("uncut %v: resumed with %d cached: %d blocks still kept past the budget", uncut, r.Cached(), n)
+		}
+	}
+}
