@@ -19,6 +19,12 @@ type cutSim struct {
 	layout map[SeqID][]int32
 }
 
+// cutsImage reports whether position p falls strictly within an image of
+// layout l (see cutSim).
+func cutsImage(l []int32, p int32) bool {
+	return p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 && l[p]%1000 != 0
+}
+
 func (c *cutSim) place(id SeqID, toks []int32) { c.layout[id] = toks }
 
 func (c *cutSim) apply(t *testing.T, ops []Op) {
@@ -28,9 +34,8 @@ func (c *cutSim) apply(t *testing.T, ops []Op) {
 		if o.Kind == OpCopy {
 			id = o.Src
 		}
-		l := c.layout[id]
 		for _, p := range []int32{o.P0, o.P1} {
-			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 && l[p]%1000 != 0 {
+			if cutsImage(c.layout[id], p) {
 				t.Fatalf("%v cuts an image of %d's layout at %d", o, id, p)
 			}
 		}

@@ -141,7 +141,7 @@ type block struct {
 	// then: a prompt that takes the image's rows in it checks them (across).
 	glued  bool
 	toks   []int32
-	glue   *block // the indexed block glued to this one, if any (at most one)
+	glue   *block // the indexed block glued to this one, if any (one at most: both have one holder, whose sequence has one block after this)
 	ref    int32  // running sequences using it
 	reused bool   // taken by a sequence other than the one that computed it
 	// suspended: unreferenced since its sequence was preempted (Suspend); kept
@@ -368,16 +368,11 @@ func across(c Config, tokens []int32, n int) int {
 	return e
 }
 
-// gluedChild is the indexed block glued to b (which goes on with the image b
-// ends within), or nil. There is at most one: both have one holder, whose
-// sequence has one block after b.
-func (p *Pool) gluedChild(b *block) *block { return b.glue }
-
 // gluedChain is the glued chain below b: its glued child, that block's, and
 // so on (one holder's blocks of the images that go on past b).
 func (p *Pool) gluedChain(b *block) []*block {
 	var chain []*block
-	for c := p.gluedChild(b); c != nil; c = p.gluedChild(c) {
+	for c := b.glue; c != nil; c = c.glue {
 		chain = append(chain, c)
 	}
 	return chain
@@ -394,7 +389,7 @@ func (p *Pool) acrossTo(prompt []int32, m []*block) (int, []*block) {
 	if end == 0 {
 		return 0, nil
 	}
-	c := p.gluedChild(m[n-1])
+	c := m[n-1].glue
 	off := end - n*p.cfg.BlockTokens
 	if c == nil || !slices.Equal(c.toks[:off], prompt[n*p.cfg.BlockTokens:end]) || c.toks[off] < 0 {
 		return 0, nil

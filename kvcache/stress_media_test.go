@@ -28,7 +28,7 @@ func (e *stressEngine) apply(t *testing.T, ops []Op) {
 		}
 		l := e.layout[id]
 		for _, p := range []int32{o.P0, o.P1} {
-			if p > 0 && int(p) < len(l) && l[p-1] < 0 && l[p] < 0 && l[p]%1000 != 0 {
+			if cutsImage(l, p) {
 				e.fail("CUT: %v cuts an image of %d's layout at %d (layout %v)", o, id, p, l)
 			}
 		}
@@ -97,8 +97,8 @@ type segment struct {
 // stressWorkload drives a pool as the scheduler does, in a small pool with
 // prompts that share text and pictures (adjacent pictures, pictures ending
 // at block edges, the same picture followed by other text).
-func stressWorkload(t *testing.T, seed uint64, split bool, steps int, verbose bool) {
-	stressProbe(t, seed, split, steps, verbose, -1)
+func stressWorkload(t *testing.T, seed uint64, split bool, steps int) {
+	stressProbe(t, seed, split, steps, -1)
 }
 
 var errProbeDone = errors.New("probe done")
@@ -106,7 +106,7 @@ var errProbeDone = errors.New("probe done")
 // stressProbe is stressWorkload; with probe >= 0, right after the probe'th
 // admission the admitted sequence grows by all Fits promised, every other
 // sequence frozen, and the run ends. It returns how many admissions it made.
-func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool, probe int) (admissions int) {
+func stressProbe(t *testing.T, seed uint64, split bool, steps int, probe int) (admissions int) {
 	rng := rand.New(rand.NewPCG(seed, 77))
 	cfg := DefaultConfig()
 	cfg.UncutMedia = true
@@ -131,17 +131,9 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 			panic(r)
 		}
 	}()
-	var failed bool
 	fail := func(format string, args ...any) {
 		t.Helper()
-		failed = true
 		t.Fatalf("seed %d split %v (B=%d N=%d seqs=%d floor=%v): "+format, append([]any{seed, split, B, N, cfg.MaxSeqs, cfg.CacheFloor}, args...)...)
-	}
-	_ = failed
-	logf := func(format string, args ...any) {
-		if verbose {
-			t.Logf(format, args...)
-		}
 	}
 	p, pp, inner, checkSeqs := poolUnderTest(t, cfg, split, N*B)
 	eng := &stressEngine{inner: inner, split: split, layout: map[SeqID][]int32{}, view: map[SeqID]map[int32]int32{}, fail: fail}
@@ -291,7 +283,6 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 		live = slices.Delete(live, i, i+1)
 	}
 	suspend := func(l *stressSeq) {
-		logf("suspend %d len %d plen %d tokens %v", l.seq.ID, l.seq.Len(), l.plen, l.tokens)
 		eng.apply(t, p.Suspend(l.seq))
 		removeLive(l)
 		check(live)
@@ -329,7 +320,6 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 		if s.Len() >= len(toks) {
 			fail("START: %d cached of %d", s.Len(), len(toks))
 		}
-		logf("start(resume %v) id %d cached %d of %v maxNew %d pins %d", resume, s.ID, s.Len(), toks, maxNew, len(s.pins))
 		live = append(live, l)
 		checkTokens()
 		if admissions++; admissions-1 == probe {
@@ -405,7 +395,6 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 				continue
 			}
 			i := rng.IntN(len(susp))
-			logf("abandon %v", susp[i].tokens)
 			eng.apply(t, p.Abandon(susp[i].model, susp[i].tokens))
 			susp = slices.Delete(susp, i, i+1)
 		case r < 13: // a step of a running sequence
@@ -420,7 +409,6 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 			} else if at < l.limit {
 				toks = []int32{nextTok()}
 			} else {
-				logf("finish %d", l.seq.ID)
 				done = append(done, slices.Clone(l.tokens[:l.seq.Len()]))
 				eng.apply(t, p.Release(l.seq))
 				removeLive(l)
@@ -486,13 +474,11 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 			place(c)
 			eng.apply(t, ops)
 			live = append(live, c)
-			logf("fork %d -> %d len %d tokens %v", l.seq.ID, f.ID, f.Len(), c.tokens)
 		case r < 17: // cancelled while running
 			if len(live) == 0 {
 				continue
 			}
 			l := live[rng.IntN(len(live))]
-			logf("release %d", l.seq.ID)
 			eng.apply(t, p.Release(l.seq))
 			removeLive(l)
 		case r < 18: // preempted
@@ -533,21 +519,12 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, verbose bool,
 	}
 	live = nil
 	for _, s := range susp {
-		if pp != nil && verbose {
-			t.Logf("final abandon %q %v: matches %d", s.model, s.tokens, len(pp.matchBlocks(pp.hasher.For(s.model), s.tokens)))
-		}
 		eng.apply(t, p.Abandon(s.model, s.tokens))
 	}
 	check(nil)
 	p.Publish()
 	if st := p.Stats(); st.Used != 0 || st.Running != 0 || st.Free+st.Cached != st.Blocks {
 		fail("after releasing everything: %+v", st)
-	}
-	if pp != nil && verbose {
-		for e := pp.suspended.Front(); e != nil; e = e.Next() {
-			b := e.Value.(*block)
-			t.Logf("suspended block %d index %d holder %d glued %v children %d toks %v", b.id, b.index, b.holder, b.glued, b.children, b.toks)
-		}
 	}
 	if pp != nil && pp.suspended.Len() != 0 {
 		fail("after abandoning everything: %d blocks still suspended", pp.suspended.Len())
@@ -561,7 +538,7 @@ func TestStressMedia(t *testing.T) {
 	const seeds, steps = 300, 400
 	for seed := range seeds {
 		for _, split := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%d-split%v", seed, split), func(t *testing.T) { stressWorkload(t, uint64(seed), split, steps, false) })
+			t.Run(fmt.Sprintf("%d-split%v", seed, split), func(t *testing.T) { stressWorkload(t, uint64(seed), split, steps) })
 		}
 	}
 }
@@ -573,9 +550,9 @@ func TestStressFitsProbe(t *testing.T) {
 	for seed := range seeds {
 		for _, split := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%d-split%v", seed, split), func(t *testing.T) {
-				n := stressProbe(t, uint64(seed), split, steps, false, -1)
+				n := stressProbe(t, uint64(seed), split, steps, -1)
 				for k := range n {
-					stressProbe(t, uint64(seed), split, steps, false, k)
+					stressProbe(t, uint64(seed), split, steps, k)
 				}
 			})
 		}

@@ -94,11 +94,17 @@ func prompt(seed, n int) []engine.Token {
 }
 
 // solo runs each request alone on a fresh engine and scheduler: the reference output.
-func solo(t *testing.T, reqs []*Request) []result {
+func solo(t *testing.T, reqs []*Request) []result { t.Helper(); return soloOn(t, reqs, nil) }
+
+// soloOn is solo on fake engines that mod sets up.
+func soloOn(t *testing.T, reqs []*Request, mod func(*enginetest.Fake)) []result {
 	t.Helper()
 	var out []result
 	for _, r := range reqs {
 		f := enginetest.New(4096, 32, 512)
+		if mod != nil {
+			mod(f)
+		}
 		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
 		st, err := s.Submit(context.Background(), r)
 		if err != nil {
@@ -1698,18 +1704,7 @@ func mropeRequest(seed, n int, width int, images ...[3]int) *Request {
 // sequences repeat themselves every period tokens (0: never).
 func soloMRoPE(t *testing.T, reqs []*Request, period int) []result {
 	t.Helper()
-	var out []result
-	for _, r := range reqs {
-		f := enginetest.New(4096, 32, 512)
-		f.MRoPE, f.Period = true, period
-		s, _ := startScheduler(t, f, func(c *Config) { c.KV.Caching = false })
-		st, err := s.Submit(context.Background(), r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, collect(context.Background(), st, max(r.N, 1)))
-	}
-	return out
+	return soloOn(t, reqs, func(f *enginetest.Fake) { f.MRoPE, f.Period = true, period })
 }
 
 // TestMRoPEImages: requests with images placed by M-RoPE (on the fake

@@ -148,27 +148,8 @@ func sameGreedy(t *testing.T, name string, got []engine.Token, want reference, t
 	return false
 }
 
-// likeAlone reports whether got is want's greedy output up to its first
-// divergence, accepted only at a numerical tie of want's (a lead under tie;
-// want asked for two top logprobs), and says what differs otherwise.
-func likeAlone(t *testing.T, name string, got []engine.Token, want genResult, tie float64) bool {
-	t.Helper()
-	for i, w := range want.tokens {
-		switch {
-		case i >= len(got):
-			t.Errorf("%s: %d tokens %v, alone %d %v", name, len(got), got, len(want.tokens), want.tokens)
-			return false
-		case got[i] == w:
-			continue
-		case i < len(want.margins) && want.margins[i] < tie:
-			t.Logf("%s: token %d is %d, alone %d: a tie (margin %.3g under %.3g)", name, i, got[i], w, want.margins[i], tie)
-			return true
-		}
-		t.Errorf("%s: token %d is %d, alone %d (ties below %.3g)\ngot   %v\nalone %v", name, i, got[i], w, tie, got, want.tokens)
-		return false
-	}
-	return true
-}
+// ref is g as a reference for sameGreedy (g asked for two top logprobs).
+func (g genResult) ref() reference { return reference{tokens: g.tokens, margins: g.margins} }
 
 // sameAsSolo runs prompts at once on a scheduler over e (configured by mod)
 // and checks each greedy output against the prompt's alone, up to numerical
