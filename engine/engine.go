@@ -569,8 +569,10 @@ func Placeholder(h uint64, i int) Token {
 // Projector reads images for a model: a multimodal projector (llama.cpp's
 // mtmd) turns each into embeddings that the model reads in place of tokens.
 //
-// Concurrency: safe for concurrent use; it encodes one prompt at a time, on
+// Concurrency: safe for concurrent use; it encodes one image at a time, on
 // its own compute context, so encoding runs beside the engine's decoding.
+// Layout, and a Prompt whose images are all in its cache, never wait for
+// another prompt's encoding.
 type Projector interface {
 	// Marker is the text that stands for the next image in a prompt.
 	Marker() string

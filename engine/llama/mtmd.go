@@ -91,12 +91,19 @@ import (
 // engine's model through llama.cpp's mtmd. See engine.Projector for the
 // concurrency rules; Close belongs to the Engine, which closes it first.
 type Projector struct {
-	mu     sync.Mutex // one prompt at a time: mtmd keeps one output buffer
+	// life guards ctx: a prompt's tokenizing, laying out and encoding hold
+	// it to read, close to write.
+	life sync.RWMutex
+	// encode holds a token while an image chunk is encoded, one at a time
+	// (mtmd keeps one output buffer). Tokenizing, laying out and taking an
+	// image from the cache never wait for it: mtmd prepares a picture
+	// (resizing, normalizing) from the projector's fixed parameters.
+	encode chan struct{}
 	ctx    *C.mtmd_context
 	marker string
 	width  int // the model's input embedding width
 	vocab  *Vocab
-	cache  embdCache // recent images' embeddings, under mu
+	cache  embdCache // recent images' embeddings
 	// nonCausal: an image's tokens attend to each other both ways (Gemma
 	// 3's), so an image is computed in one pass of its own
 	// (engine.Capacity.WholeMedia).
@@ -111,8 +118,10 @@ type Projector struct {
 // by its placeholders' hash), up to max bytes, the least recently used
 // dropped first: a chat's later turns about a picture, whose KV the prefix
 // cache may hold, or not, do not encode it again (vLLM keeps such a cache).
-// The slices it hands out are shared and never written.
+// The slices it hands out are shared and never written. It is safe for
+// concurrent use.
 type embdCache struct {
+	mu        sync.Mutex
 	max, used int
 	order     list.List // of *embdEntry, most recent first
 	byKey     map[uint64]*list.Element
@@ -125,6 +134,8 @@ type embdEntry struct {
 
 // get returns the cached embedding of key if it has n values, else nil.
 func (c *embdCache) get(key uint64, n int) []float32 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	el, ok := c.byKey[key]
 	if !ok || len(el.Value.(*embdEntry).embd) != n {
 		return nil
@@ -138,6 +149,8 @@ func (c *embdCache) put(key uint64, embd []float32) {
 	if size > c.max {
 		return
 	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if c.byKey == nil {
 		c.byKey = map[uint64]*list.Element{}
 	}
@@ -198,7 +211,7 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 	}
 	// Open gives it the vocabulary and the batch of embedding rows once the
 	// context exists.
-	e.proj = &Projector{ctx: ctx, marker: marker, width: int(C.llama_model_n_embd_inp(e.model)),
+	e.proj = &Projector{ctx: ctx, encode: make(chan struct{}, 1), marker: marker, width: int(C.llama_model_n_embd_inp(e.model)),
 		cache: embdCache{max: cacheBytes}, nonCausal: bool(C.mtmd_decode_use_non_causal(ctx)), mrope: bool(C.mtmd_decode_use_mrope(ctx))}
 	return nil
 }
@@ -254,7 +267,7 @@ func countTokens(segs []segment) int {
 }
 
 // tokenize splits text at the markers into segments and calls fn with them,
-// holding the projector. The text between markers is tokenized here, as
+// holding the projector open (not its encoder). The text between markers is tokenized here, as
 // mtmd tokenizes it, and each image by mtmd alone: mtmd reads its own
 // deprecated marker ("<__image__>") in a text as an image's place, which a
 // client's text may hold.
@@ -299,8 +312,8 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 	defer C.free(unsafe.Pointer(cm))
 	in := C.mtmd_input_text{text: cm, add_special: false, parse_special: true}
 
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.life.RLock()
+	defer p.life.RUnlock()
 	if p.ctx == nil {
 		return engine.ErrClosed
 	}
@@ -338,6 +351,16 @@ func (p *Projector) layOut(ctx context.Context, segs []segment, limit int) ([]en
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("encode images: %w", err)
 		}
+		if m.Embd = p.cache.get(m.hash, m.Len*p.width); m.Embd != nil {
+			return nil
+		}
+		select {
+		case p.encode <- struct{}{}:
+			defer func() { <-p.encode }()
+		case <-ctx.Done():
+			return fmt.Errorf("wait to encode images: %w", ctx.Err())
+		}
+		// Another prompt may have encoded the same picture meanwhile.
 		if m.Embd = p.cache.get(m.hash, m.Len*p.width); m.Embd != nil {
 			return nil
 		}
@@ -419,8 +442,10 @@ func (p *Projector) walk(segs []segment, image func(*C.mtmd_input_chunk, *chunkM
 func (p *Projector) reference(e *Engine, text string, images []engine.Image, s engine.SeqID) (logits []float32, next engine.Pos, err error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.life.RLock()
+	defer p.life.RUnlock()
+	p.encode <- struct{}{}
+	defer func() { <-p.encode }()
 	ct := C.CString(text)
 	defer C.free(unsafe.Pointer(ct))
 	in := C.mtmd_input_text{text: ct, add_special: true, parse_special: false}
@@ -447,8 +472,8 @@ func (p *Projector) reference(e *Engine, text string, images []engine.Image, s e
 
 // close frees the projector; Engine.Close calls it.
 func (p *Projector) close() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.life.Lock()
+	defer p.life.Unlock()
 	if p.ctx != nil {
 		C.mtmd_free(p.ctx)
 		p.ctx = nil

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/models"
@@ -421,6 +422,65 @@ func TestEmbdCache(t *testing.T) {
 	off.put(1, make([]float32, 1))
 	if off.get(1, 1) != nil {
 		t.Fatal("a cache of 0 bytes kept an entry")
+	}
+}
+
+// TestProjectorWaitsOnlyToEncode: while an image is being encoded, another
+// prompt's layout and a prompt whose picture is cached go on; a prompt that
+// must encode waits its turn, or for its context.
+func TestProjectorWaitsOnlyToEncode(t *testing.T) {
+	e := openVision(t)
+	p := e.Projector()
+	cached := picture(40, 30, [3]byte{200, 30, 30}, [3]byte{0, 0, 0})
+	other := picture(25, 50, [3]byte{20, 40, 220}, [3]byte{255, 255, 255})
+	text := "USER: " + p.Marker() + "\nWhat is it? ASSISTANT:"
+	want, _, err := p.Prompt(context.Background(), text, []engine.Image{cached}, 0, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantOther, err := p.Layout(text, []engine.Image{other}, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	p.encode <- struct{}{} // an encoding in progress
+	done := make(chan error, 1)
+	go func() {
+		toks, err := p.Layout(text, []engine.Image{other}, true, false)
+		if err == nil && !slices.Equal(toks, wantOther) {
+			err = errors.New("layout changed")
+		}
+		if err == nil {
+			toks, _, err = p.Prompt(context.Background(), text, []engine.Image{cached}, 0, true, false)
+		}
+		if err == nil && !slices.Equal(toks, want) {
+			err = errors.New("cached prompt changed")
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(time.Minute):
+		<-p.encode // so that the engine closes
+		t.Fatal("Layout or a cached picture's Prompt waited for another prompt's encoding")
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		_, _, err := p.Prompt(ctx, text, []engine.Image{other}, 0, true, false)
+		done <- err
+	}()
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("a prompt waiting to encode, its context cancelled: %v", err)
+	}
+	<-p.encode
+	toks, media, err := p.Prompt(context.Background(), text, []engine.Image{other}, 0, true, false)
+	if err != nil || !slices.Equal(toks, wantOther) || len(media) != 1 || media[0].Embd == nil {
+		t.Fatalf("after the encoding: %d tokens, %d media, %v", len(toks), len(media), err)
 	}
 }
 
