@@ -7,6 +7,8 @@
 #   - nlohmann-json3-dev and libstb-dev, with apt-get, when their headers are missing;
 #   - an include directory in which miniaudio/miniaudio.h is the header shipped by the
 #     Go module github.com/gen2brain/malgo (pinned in go.mod by tools/tools.go).
+#   - pkgconf, with apt-get, when pkg-config is missing, and a .pc file naming the
+#     include directories of ggml's CPU sources for engine/llama (its AMX kernels).
 #
 # The include directory lives at a fixed place outside the checkout so that every
 # clone passes identical CGO_CPPFLAGS and Go's build cache reuses the compiled
@@ -51,15 +53,33 @@ if [ "${PORTABLE:-0}" = 1 ]; then
 	arch="-march=x86-64-v3"
 else
 	arch="-march=native"
-	# On a CPU with AMX, ggml-cpu.cpp then asks for the AMX buffer type,
-	# whose source (ggml-cpu/amx) the ollama package does not compile: the
-	# link fails. Without AMX the CPU kernels still use AVX-512 (VNNI).
-	if echo 'int x;' | ${CC:-gcc} $arch -mno-amx-int8 -x c -c -o /dev/null - 2>/dev/null; then
-		arch="$arch -mno-amx-int8"
-	fi
+fi
+
+# engine/llama compiles ggml's AMX kernels (ggml-cpu/amx), which the ollama package
+# leaves out although ggml-cpu.cpp asks for them when the compiler targets AMX (see
+# engine/llama/ggml_amx.cpp). Their include directories are given through pkg-config,
+# so that no other package sees them. (Go's build cache does not hash pkg-config's
+# output: what the .pc names must not change for a given pinned module.)
+ggml_src="$ollama/ml/backend/ggml/ggml/src"
+pc="${XDG_CACHE_HOME:-$HOME/.cache}/shoal/pkgconfig"
+mkdir -p "$pc"
+want="Name: shoal-ggml-cpu
+Description: ggml's CPU backend sources in the pinned ollama module (for shoal's engine/llama)
+Version: 0
+Cflags: -I$ggml_src/ggml-cpu -I$ggml_src"
+if [ "$(cat "$pc/shoal-ggml-cpu.pc" 2>/dev/null)" != "$want" ]; then
+	echo "$want" >"$pc/shoal-ggml-cpu.pc"
+fi
+if ! command -v pkg-config >/dev/null; then
+	log "installing pkgconf with apt-get (cgo reads engine/llama's include directories through pkg-config)"
+	sudo=""
+	[ "$(id -u)" = 0 ] || sudo="sudo"
+	$sudo apt-get update -qq >&2
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends pkgconf >&2
 fi
 
 echo "export CGO_ENABLED=1"
+echo "export PKG_CONFIG_PATH='$pc'"
 echo "export CGO_CPPFLAGS='-I$inc -I/usr/include/stb -I$ollama/llama/llama.cpp/include -I$ollama/ml/backend/ggml/ggml/include'"
 echo "export CGO_CFLAGS='-O3 $arch'"
 echo "export CGO_CXXFLAGS='-O3 $arch'"

@@ -17,6 +17,7 @@ package llama
 
 /*
 #cgo LDFLAGS: -lm
+#cgo pkg-config: shoal-ggml-cpu
 #include <stdlib.h>
 #include <stdint.h>
 #include "llama.h"

@@ -1,6 +1,7 @@
 package llama
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -14,7 +15,25 @@ import (
 // TestQuantizedModels: the weights users serve are quantized. A quantized copy of the
 // small model loads, is smaller, and keeps the two exactness properties serving
 // relies on (batching and shared prefixes change nothing beyond kernel noise).
+//
+// A second model has the widths ggml's AMX kernels take (inner sizes that are
+// multiples of 2048, as Llama 3 8B's 4096 and 14336 are), so that on a CPU
+// with AMX (a Xeon from its 4th generation) its f16 and q8_0 matrices are
+// multiplied by ggml's AMX kernels (tiles for many rows, VNNI for a few),
+// and its q4_0 and q4_1 ones, whose AMX products are wrong in the pinned
+// llama.cpp, are not (scripts/cgo-env.sh).
 func TestQuantizedModels(t *testing.T) {
+	for _, typ := range []string{"f16", "q8_0", "q4_0", "q4_1", "q4_k_m"} {
+		t.Run("amx-shaped/"+typ, func(t *testing.T) {
+			path := genModel(t, amxShaped(1, 2048))
+			if typ != "f16" {
+				path = quantModel(t, amxShaped(1, 2048), typ)
+			}
+			e := openFile(t, path, nil)
+			batchedEqualsSequential(t, e)
+			sharedPrefixEqualsRecomputed(t, e)
+		})
+	}
 	src := genModel(t, models.Small())
 	srcInfo, err := os.Stat(src)
 	if err != nil {
@@ -83,16 +102,34 @@ func quantModel(t testing.TB, spec models.Spec, typ string) string {
 	return p
 }
 
-// BenchmarkQuantized compares the 100M model's weight types side by side on this
-// machine: decode at batch 1, 8, 32 and 64 (128-token contexts, one pool, all cores)
-// and the prefill of one 512-token prompt. `make bench-quant`; docs/benchmarks.md.
+// amxShaped is a model whose matrices ggml's AMX kernels take: a width of 2048
+// and an FFN of ffn (a multiple of 2048), in f16, a 16k vocabulary.
+func amxShaped(layers, ffn int) models.Spec {
+	return models.Spec{Name: fmt.Sprintf("shoal-amx-%dx%d", layers, ffn), Seed: 5, Vocab: 16384, Embd: 2048,
+		Layers: layers, Heads: 16, HeadsKV: 8, FFN: ffn, ContextLen: 8192, F16: true}
+}
+
+// BenchmarkQuantized compares weight types side by side on this machine: decode
+// at batch 1, 8, 32 and 64 (128-token contexts, one pool, all cores) and the
+// prefill of one 512-token prompt, for the 100M model and for a 290M one whose
+// matrices ggml's AMX kernels take (2048 wide, 4 layers, an FFN of 8192).
+// `make bench-quant`; docs/benchmarks.md.
 func BenchmarkQuantized(b *testing.B) {
-	for _, typ := range []string{"f16", "q8_0", "q4_k_m"} {
-		path := genModel(b, models.Bench100M())
-		if typ != "f16" {
-			path = quantModel(b, models.Bench100M(), typ)
+	for _, c := range []struct {
+		name  string
+		spec  models.Spec
+		types []string
+	}{
+		{"100m", models.Bench100M(), []string{"f16", "q8_0", "q4_k_m"}},
+		{"amx-290m", amxShaped(4, 8192), []string{"f16", "q8_0", "q4_0", "q4_k_m"}},
+	} {
+		for _, typ := range c.types {
+			path := genModel(b, c.spec)
+			if typ != "f16" {
+				path = quantModel(b, c.spec, typ)
+			}
+			benchDecode(b, c.name+"-"+typ, path, runtime.NumCPU(), true, []int{1, 8, 32, 64}, benchPrompt)
+			benchPrefill(b, c.name+"-"+typ, path, runtime.NumCPU(), true)
 		}
-		benchDecode(b, "100m-"+typ, path, runtime.NumCPU(), true, []int{1, 8, 32, 64}, benchPrompt)
-		benchPrefill(b, "100m-"+typ, path, runtime.NumCPU(), true)
 	}
 }
