@@ -22,8 +22,9 @@ log() { echo "cgo-env: $*" >&2; }
 missing=()
 [ -f /usr/include/nlohmann/json.hpp ] || missing+=(nlohmann-json3-dev)
 [ -f /usr/include/stb/stb_image.h ] || missing+=(libstb-dev)
+command -v pkg-config >/dev/null || missing+=(pkgconf)
 if ((${#missing[@]})); then
-	log "installing ${missing[*]} with apt-get (headers llama.cpp needs that the Go module zip omits)"
+	log "installing ${missing[*]} with apt-get (what the build needs that the Go module zip omits: headers, pkg-config)"
 	sudo=""
 	[ "$(id -u)" = 0 ] || sudo="sudo"
 	$sudo apt-get update -qq >&2
@@ -68,18 +69,12 @@ Description: ggml's CPU backend sources in the pinned ollama module (for shoal's
 Version: 0
 Cflags: -I$ggml_src/ggml-cpu -I$ggml_src"
 if [ "$(cat "$pc/shoal-ggml-cpu.pc" 2>/dev/null)" != "$want" ]; then
-	echo "$want" >"$pc/shoal-ggml-cpu.pc"
-fi
-if ! command -v pkg-config >/dev/null; then
-	log "installing pkgconf with apt-get (cgo reads engine/llama's include directories through pkg-config)"
-	sudo=""
-	[ "$(id -u)" = 0 ] || sudo="sudo"
-	$sudo apt-get update -qq >&2
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends pkgconf >&2
+	echo "$want" >"$pc/shoal-ggml-cpu.pc.$$"
+	mv "$pc/shoal-ggml-cpu.pc.$$" "$pc/shoal-ggml-cpu.pc"
 fi
 
 echo "export CGO_ENABLED=1"
-echo "export PKG_CONFIG_PATH='$pc'"
+echo "export PKG_CONFIG_PATH='$pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}'"
 echo "export CGO_CPPFLAGS='-I$inc -I/usr/include/stb -I$ollama/llama/llama.cpp/include -I$ollama/ml/backend/ggml/ggml/include'"
 echo "export CGO_CFLAGS='-O3 $arch'"
 echo "export CGO_CXXFLAGS='-O3 $arch'"

@@ -5,7 +5,9 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#ifndef NDEBUG
 #define NDEBUG // as the ollama package compiles ggml
+#endif
 
 #if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
 #define SHOAL_AMX 1

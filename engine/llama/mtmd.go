@@ -82,6 +82,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -104,6 +105,8 @@ type Projector struct {
 	width  int // the model's input embedding width
 	vocab  *Vocab
 	cache  embdCache // recent images' embeddings
+	// encoded counts the image chunks encoded (not taken from the cache).
+	encoded atomic.Int64
 	// nonCausal: an image's tokens attend to each other both ways (Gemma
 	// 3's), so an image is computed in one pass of its own
 	// (engine.Capacity.WholeMedia).
@@ -272,6 +275,11 @@ func countTokens(segs []segment) int {
 // deprecated marker ("<__image__>") in a text as an image's place, which a
 // client's text may hold.
 func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, parseSpecial bool, fn func([]segment) error) error {
+	p.life.RLock()
+	defer p.life.RUnlock()
+	if p.ctx == nil { // closed: the vocabulary is gone too
+		return engine.ErrClosed
+	}
 	pieces := strings.Split(text, p.marker)
 	if len(pieces) != len(images)+1 {
 		return fmt.Errorf("tokenize: %d images for a prompt with %d places for them: %w", len(images), len(pieces)-1, engine.ErrInvalidInput)
@@ -312,11 +320,6 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 	defer C.free(unsafe.Pointer(cm))
 	in := C.mtmd_input_text{text: cm, add_special: false, parse_special: true}
 
-	p.life.RLock()
-	defer p.life.RUnlock()
-	if p.ctx == nil {
-		return engine.ErrClosed
-	}
 	k := 0
 	for i := range segs {
 		if !segs[i].image {
@@ -367,6 +370,7 @@ func (p *Projector) layOut(ctx context.Context, segs []segment, limit int) ([]en
 		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
 			return fmt.Errorf("encode image chunk %d: llama.cpp failed: %s", m.Pos, lastLlamaError())
 		}
+		p.encoded.Add(1)
 		out := C.mtmd_get_output_embd(p.ctx)
 		m.Embd = append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(out)), m.Len*p.width)...)
 		p.cache.put(m.hash, m.Embd)

@@ -468,19 +468,72 @@ func TestProjectorWaitsOnlyToEncode(t *testing.T) {
 		t.Fatal("Layout or a cached picture's Prompt waited for another prompt's encoding")
 	}
 
-	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		_, _, err := p.Prompt(ctx, text, []engine.Image{other}, 0, true, false)
-		done <- err
-	}()
-	cancel()
-	if err := <-done; !errors.Is(err, context.Canceled) {
-		t.Fatalf("a prompt waiting to encode, its context cancelled: %v", err)
+	// Three prompts with the same new picture wait for the encoder; one gives
+	// up when its context ends; of the other two, once the encoder is free,
+	// one encodes the picture and the other takes it from the cache.
+	fresh := picture(64, 64, [3]byte{20, 200, 20}, [3]byte{90, 0, 90})
+	waiting := func() (*askedCtx, chan error) {
+		c := &askedCtx{Context: context.Background(), asked: make(chan struct{}), done: make(chan struct{})}
+		errs := make(chan error, 1)
+		go func() {
+			_, media, err := p.Prompt(c, text, []engine.Image{fresh}, 0, true, false)
+			if err == nil && (len(media) != 1 || media[0].Embd == nil) {
+				err = fmt.Errorf("%d media, want 1 with its embeddings", len(media))
+			}
+			errs <- err
+		}()
+		select {
+		case <-c.asked: // it waits for the encoder
+		case <-time.After(time.Minute):
+			<-p.encode
+			t.Fatal("a prompt with a new picture never came to wait for the encoder")
+		}
+		return c, errs
 	}
+	quitter, quit := waiting()
+	_, first := waiting()
+	_, second := waiting()
+	close(quitter.done)
+	select {
+	case err := <-quit:
+		if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "wait to encode") {
+			t.Fatalf("a prompt waiting to encode, its context cancelled: %v", err)
+		}
+	case <-time.After(time.Minute):
+		<-p.encode
+		t.Fatal("a prompt waiting to encode went on waiting once its context was cancelled")
+	}
+	before := p.encoded.Load()
 	<-p.encode
-	toks, media, err := p.Prompt(context.Background(), text, []engine.Image{other}, 0, true, false)
-	if err != nil || !slices.Equal(toks, wantOther) || len(media) != 1 || media[0].Embd == nil {
-		t.Fatalf("after the encoding: %d tokens, %d media, %v", len(toks), len(media), err)
+	for _, errs := range []chan error{first, second} {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := p.encoded.Load() - before; n != 1 {
+		t.Errorf("the same new picture in two prompts was encoded %d times, want once", n)
+	}
+}
+
+// askedCtx is a context that says when a caller first asks for its Done
+// channel (to wait on it), and ends only when done is closed.
+type askedCtx struct {
+	context.Context
+	once        sync.Once
+	asked, done chan struct{}
+}
+
+func (c *askedCtx) Done() <-chan struct{} {
+	c.once.Do(func() { close(c.asked) })
+	return c.done
+}
+
+func (c *askedCtx) Err() error {
+	select {
+	case <-c.done:
+		return context.Canceled
+	default:
+		return nil
 	}
 }
 

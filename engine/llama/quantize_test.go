@@ -1,7 +1,10 @@
 package llama
 
 import (
+	"bytes"
 	"fmt"
+	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -18,18 +21,24 @@ import (
 //
 // A second model has the widths ggml's AMX kernels take (inner sizes that are
 // multiples of 2048, as Llama 3 8B's 4096 and 14336 are), so that on a CPU
-// with AMX (a Xeon from its 4th generation) its f16 and q8_0 matrices are
-// multiplied by ggml's AMX kernels (tiles for many rows, VNNI for a few),
-// and its q4_0 and q4_1 ones, whose AMX products are wrong in the pinned
-// llama.cpp, are not (scripts/cgo-env.sh).
+// with AMX (a Xeon from its 4th generation) its q8_0 and k-quant matrices
+// go through ggml's AMX backend (its tiles for many rows, VNNI for a few; its
+// f16 ones through the same backend's AVX-512 kernels), and its q4_0 and q4_1
+// ones, whose AMX products are wrong in the pinned llama.cpp, do not
+// (engine/llama/ggml_amx.h).
 func TestQuantizedModels(t *testing.T) {
+	amx := strings.Contains(CPUFeatures(), "AMX_INT8")
 	for _, typ := range []string{"f16", "q8_0", "q4_0", "q4_1", "q4_k_m"} {
 		t.Run("amx-shaped/"+typ, func(t *testing.T) {
 			path := genModel(t, amxShaped(1, 2048))
 			if typ != "f16" {
 				path = quantModel(t, amxShaped(1, 2048), typ)
 			}
-			e := openFile(t, path, nil)
+			var e *Engine
+			log := llamaLog(func() { e = openFile(t, path, nil) })
+			if used := strings.Contains(log, "AMX model buffer size"); used != amx {
+				t.Errorf("kernels with AMX: %v; weights in AMX's buffer: %v", amx, used)
+			}
 			batchedEqualsSequential(t, e)
 			sharedPrefixEqualsRecomputed(t, e)
 		})
@@ -100,6 +109,30 @@ func quantModel(t testing.TB, spec models.Spec, typ string) string {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// llamaLog is what llama.cpp logs while fn runs, at every level.
+func llamaLog(fn func()) string {
+	var buf bytes.Buffer
+	var mu sync.Mutex
+	prev := logger.Load()
+	SetLogger(slog.New(slog.NewTextHandler(lockedWriter{&mu, &buf}, &slog.HandlerOptions{Level: slog.LevelDebug})))
+	defer SetLogger(prev)
+	fn()
+	mu.Lock()
+	defer mu.Unlock()
+	return buf.String()
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
 
 // amxShaped is a model whose matrices ggml's AMX kernels take: a width of 2048
