@@ -69,6 +69,16 @@ type ModelInfo struct {
 	// output layer) are offloaded to the GPUs among them.
 	Devices   []Device
 	GPULayers int
+	// Weights is where llama.cpp put the weights, in the order it reported
+	// them: a buffer per kind of memory (CPU_Mapped, CPU_REPACK, AMX, CUDA0,
+	// ...) and its size.
+	Weights []WeightBuffer
+}
+
+// WeightBuffer is one of the buffers that hold a model's weights.
+type WeightBuffer struct {
+	Name  string `json:"name"` // llama.cpp's buffer type, e.g. "AMX", "CUDA0"
+	Bytes uint64 `json:"bytes"`
 }
 
 // RerankLayout is how a reranker reads a query and a document as one sequence, as

@@ -93,7 +93,7 @@ report() {
 	{
 		echo "## GPU check: $gpu"
 		echo
-		echo "Inputs: $(cat "$dir/VERSION" 2>/dev/null || echo unknown); $(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device="[^"]*"\|device=[^ "]*\|gpu_layers=[0-9]*' "$work/serve-default.log" 2>/dev/null | head -2 | paste -sd' ')"
+		echo "Inputs: $(cat "$dir/VERSION" 2>/dev/null || echo unknown); $(grep '^shoal\|^llama.cpp' "$work/version.txt" 2>/dev/null | paste -sd';' | sed 's/;/; /g'); CUDA library built in ${build_s} s; $(grep -o 'device="[^"]*"\|device=[^ "]*\|gpu_layers=[0-9]*\|weights="[^"]*"' "$work/serve-default.log" 2>/dev/null | head -3 | paste -sd' ')"
 		echo
 		echo "| check | result |"
 		echo "|---|---|"

@@ -506,7 +506,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	device := deviceSummary(info, f.sim != "")
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
-		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
+		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "weights", weightsSummary(info.Weights),
+		"context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
 		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse,
 		"chat_template", cmp.Or(f.chatTemplateFile, abbrev(info.ChatTemplate, 40)))
 	for _, a := range lc.LoRA {
@@ -673,6 +674,17 @@ func deviceSummary(info engine.ModelInfo, simulated bool) string {
 		s = s[:117] + "..."
 	}
 	return s
+}
+
+// weightsSummary says where the weights went ("AMX 41.6 MiB, CPU_Mapped
+// 30.8 MiB"): an operator sees that a GPU holds them, or a CPU's AMX kernels
+// multiply them.
+func weightsSummary(bufs []engine.WeightBuffer) string {
+	parts := make([]string, len(bufs))
+	for i, b := range bufs {
+		parts[i] = b.Name + " " + engine.FormatBytes(b.Bytes)
+	}
+	return strings.Join(parts, ", ")
 }
 
 func newLogger(w io.Writer, level string) (*slog.Logger, error) {

@@ -380,7 +380,8 @@ func Open(cfg Config) (*Engine, error) {
 	cpath := C.CString(cfg.ModelPath)
 	defer C.free(unsafe.Pointer(cpath))
 	lastLlamaError()
-	model := C.llama_model_load_from_file(cpath, mp)
+	var model *C.struct_llama_model
+	weights := loadReporting(func() { model = C.llama_model_load_from_file(cpath, mp) })
 	if model == nil {
 		return nil, fmt.Errorf("open engine: llama.cpp could not load %s: %s", cfg.ModelPath,
 			cmp.Or(lastLlamaError(), "not a GGUF model it supports, or truncated/corrupt"))
@@ -455,7 +456,7 @@ func Open(cfg Config) (*Engine, error) {
 			"formats", strings.Join(ChatTemplateNames(), ","))
 	}
 	e.info = e.readInfo(cfg.ModelPath)
-	e.info.Devices, e.info.GPULayers = devs, offloaded
+	e.info.Devices, e.info.GPULayers, e.info.Weights = devs, offloaded, weights
 	if !cfg.Embeddings {
 		// The context pools nothing: it computes logits (a decoder embedding model or
 		// reranker served without --embeddings generates, as it does in llama-server).

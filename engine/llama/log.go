@@ -16,9 +16,13 @@ import "C"
 import (
 	"context"
 	"log/slog"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+
+	"github.com/shoal-ai/shoal/engine"
 )
 
 // llama.cpp writes its log in fragments (a line may arrive in pieces, continuation
@@ -31,7 +35,30 @@ var (
 	logLine   strings.Builder
 	logLevel  slog.Level
 	lastError atomic.Value // string: llama.cpp's most recent error line, for error messages
+	// loading collects the weight buffers llama.cpp reports while a model
+	// loads (under logMu; nil otherwise). loadMu lets one model load at a time.
+	loading *[]engine.WeightBuffer
+	loadMu  sync.Mutex
 )
+
+// weightBufferRE is llama.cpp's report of a buffer of weights at load.
+var weightBufferRE = regexp.MustCompile(`^load_tensors:\s+(\S+) model buffer size =\s+([0-9.]+) MiB$`)
+
+// loadReporting runs load, a model's loading, and returns the weight buffers
+// llama.cpp reported meanwhile.
+func loadReporting(load func()) []engine.WeightBuffer {
+	loadMu.Lock()
+	defer loadMu.Unlock()
+	var bufs []engine.WeightBuffer
+	logMu.Lock()
+	loading = &bufs
+	logMu.Unlock()
+	load()
+	logMu.Lock()
+	loading = nil
+	logMu.Unlock()
+	return bufs
+}
 
 func init() {
 	logger.Store(slog.Default())
@@ -60,6 +87,12 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 	}
 	if logLevel >= slog.LevelError {
 		lastError.Store(line)
+	}
+	if loading != nil {
+		if m := weightBufferRE.FindStringSubmatch(line); m != nil {
+			mib, _ := strconv.ParseFloat(m[2], 64)
+			*loading = append(*loading, engine.WeightBuffer{Name: m[1], Bytes: uint64(mib * (1 << 20))})
+		}
 	}
 	lv := logLevel
 	if lv == slog.LevelWarn && moot(line) {

@@ -1,17 +1,16 @@
 package llama
 
 import (
-	"bytes"
 	"fmt"
-	"io"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 
+	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/models"
 )
 
@@ -34,10 +33,10 @@ func TestQuantizedModels(t *testing.T) {
 			if typ != "f16" {
 				path = quantModel(t, amxShaped(1, 2048), typ)
 			}
-			var e *Engine
-			log := llamaLog(func() { e = openFile(t, path, nil) })
-			if used := strings.Contains(log, "AMX model buffer size"); used != amx {
-				t.Errorf("kernels with AMX: %v; weights in AMX's buffer: %v", amx, used)
+			e := openFile(t, path, nil)
+			used := slices.ContainsFunc(e.Info().Weights, func(b engine.WeightBuffer) bool { return b.Name == "AMX" && b.Bytes > 0 })
+			if used != amx {
+				t.Errorf("kernels with AMX: %v; weights in AMX's buffer: %v (%v)", amx, used, e.Info().Weights)
 			}
 			batchedEqualsSequential(t, e)
 			sharedPrefixEqualsRecomputed(t, e)
@@ -65,6 +64,13 @@ func TestQuantizedModels(t *testing.T) {
 			e := openFile(t, out, nil)
 			if got := int64(e.Info().SizeBytes); got <= 0 || got > srcInfo.Size()/3 {
 				t.Errorf("model size %d bytes after %s (source file %d)", got, typ, srcInfo.Size())
+			}
+			var held uint64
+			for _, b := range e.Info().Weights {
+				held += b.Bytes
+			}
+			if size := e.Info().SizeBytes; held < size*9/10 || held > size*11/10 {
+				t.Errorf("weight buffers %v hold %d bytes, the model %d", e.Info().Weights, held, size)
 			}
 			batchedEqualsSequential(t, e)
 			sharedPrefixEqualsRecomputed(t, e)
@@ -109,30 +115,6 @@ func quantModel(t testing.TB, spec models.Spec, typ string) string {
 		t.Fatal(err)
 	}
 	return p
-}
-
-// llamaLog is what llama.cpp logs while fn runs, at every level.
-func llamaLog(fn func()) string {
-	var buf bytes.Buffer
-	var mu sync.Mutex
-	prev := logger.Load()
-	SetLogger(slog.New(slog.NewTextHandler(lockedWriter{&mu, &buf}, &slog.HandlerOptions{Level: slog.LevelDebug})))
-	defer SetLogger(prev)
-	fn()
-	mu.Lock()
-	defer mu.Unlock()
-	return buf.String()
-}
-
-type lockedWriter struct {
-	mu *sync.Mutex
-	w  io.Writer
-}
-
-func (l lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
 
 // amxShaped is a model whose matrices ggml's AMX kernels take: a width of 2048
