@@ -270,10 +270,10 @@ func countTokens(segs []segment) int {
 }
 
 // tokenize splits text at the markers into segments and calls fn with them,
-// holding the projector open (not its encoder). The text between markers is tokenized here, as
-// mtmd tokenizes it, and each image by mtmd alone: mtmd reads its own
-// deprecated marker ("<__image__>") in a text as an image's place, which a
-// client's text may hold.
+// holding the projector open (not its encoder). The text between markers is
+// tokenized here, as mtmd tokenizes it, and each image by mtmd alone: mtmd
+// reads its own deprecated marker ("<__image__>") in a text as an image's
+// place, which a client's text may hold.
 func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, parseSpecial bool, fn func([]segment) error) error {
 	p.life.RLock()
 	defer p.life.RUnlock()

@@ -29,11 +29,7 @@ func TestQuantizedModels(t *testing.T) {
 	amx := strings.Contains(CPUFeatures(), "AMX_INT8")
 	for _, typ := range []string{"f16", "q8_0", "q4_0", "q4_1", "q4_k_m"} {
 		t.Run("amx-shaped/"+typ, func(t *testing.T) {
-			path := genModel(t, amxShaped(1, 2048))
-			if typ != "f16" {
-				path = quantModel(t, amxShaped(1, 2048), typ)
-			}
-			e := openFile(t, path, nil)
+			e := openFile(t, quantModel(t, amxShaped(1, 2048), typ), nil)
 			used := slices.ContainsFunc(e.Info().Weights, func(b engine.WeightBuffer) bool { return b.Name == "AMX" && b.Bytes > 0 })
 			if used != amx {
 				t.Errorf("kernels with AMX: %v; weights in AMX's buffer: %v (%v)", amx, used, e.Info().Weights)
@@ -102,10 +98,14 @@ func TestQuantizeRefusesBadInput(t *testing.T) {
 	}
 }
 
-// quantModel quantizes spec's generated model to typ once per test binary.
+// quantModel quantizes spec's generated model to typ once per test binary; an
+// f16 spec's "f16" is the model as generated.
 func quantModel(t testing.TB, spec models.Spec, typ string) string {
 	t.Helper()
 	src := genModel(t, spec)
+	if spec.F16 && strings.EqualFold(typ, "f16") {
+		return src
+	}
 	f, _ := modelOnce.LoadOrStore(spec.Name+"/"+typ, sync.OnceValues(func() (string, error) {
 		p := filepath.Join(modelDir, spec.Name+"-"+typ+".gguf")
 		return p, Quantize(src, p, typ, 0)
@@ -139,10 +139,7 @@ func BenchmarkQuantized(b *testing.B) {
 		{"amx-290m", amxShaped(4, 8192), []string{"f16", "q8_0", "q4_0", "q4_k_m"}},
 	} {
 		for _, typ := range c.types {
-			path := genModel(b, c.spec)
-			if typ != "f16" {
-				path = quantModel(b, c.spec, typ)
-			}
+			path := quantModel(b, c.spec, typ)
 			benchDecode(b, c.name+"-"+typ, path, runtime.NumCPU(), true, []int{1, 8, 32, 64}, benchPrompt)
 			benchPrefill(b, c.name+"-"+typ, path, runtime.NumCPU(), true)
 		}
