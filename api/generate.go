@@ -236,6 +236,9 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 			return p, err
 		}
 	}
+	if err := b.llamaSamplers(&f.LlamaSamplerFields, &sp); err != nil {
+		return p, err
+	}
 	r.Sampling = sp
 	if p.grammarParam, r.Grammar, err = s.grammarFor(b.Vocab, f); err != nil {
 		return p, err

@@ -43,15 +43,9 @@ type LlamaFields struct {
 	// ResponseFields answers only these fields, nested ones named by their path
 	// ("timings/prompt_n"), as llama-server's (llama.vim asks so).
 	ResponseFields []string `json:"response_fields"`
-	// Samplers shoal does not have, which llama-server's clients send turned off
-	// (SillyTavern always does): refused when turned on.
-	Mirostat       *int     `json:"mirostat"`
-	TypicalP       *float64 `json:"typical_p"`
-	TFSZ           *float64 `json:"tfs_z"`
-	DryMultiplier  *float64 `json:"dry_multiplier"`
-	XTCProbability *float64 `json:"xtc_probability"`
-	DynatempRange  *float64 `json:"dynatemp_range"`
-	TopNSigma      *float64 `json:"top_n_sigma"`
+	// TFSZ is tail-free sampling, which llama.cpp itself has dropped and
+	// older clients send turned off: refused when turned on.
+	TFSZ *float64 `json:"tfs_z"`
 }
 
 // LlamaPrompt is llama-server's prompt: a string, token ids, or strings and token
@@ -121,23 +115,10 @@ func llamaPrompt(b []byte, listed bool) (LlamaPrompt, bool) {
 	return out, ids || listed && len(out) == 0
 }
 
-// unsupported refuses samplers turned on that shoal does not have.
+// unsupported refuses a sampler turned on that shoal does not have.
 func (r *LlamaFields) unsupported() error {
-	switch {
-	case r.Mirostat != nil && *r.Mirostat != 0:
-		return invalid("mirostat", "mirostat sampling is not supported (0: off)")
-	case r.TypicalP != nil && *r.TypicalP != 1:
-		return invalid("typical_p", "typical_p sampling is not supported (1: off)")
-	case r.TFSZ != nil && *r.TFSZ != 1:
-		return invalid("tfs_z", "tail-free sampling is not supported (1: off)")
-	case r.DryMultiplier != nil && *r.DryMultiplier != 0:
-		return invalid("dry_multiplier", "DRY sampling is not supported (0: off)")
-	case r.XTCProbability != nil && *r.XTCProbability != 0:
-		return invalid("xtc_probability", "XTC sampling is not supported (0: off)")
-	case r.DynatempRange != nil && *r.DynatempRange != 0:
-		return invalid("dynatemp_range", "dynamic temperature is not supported (0: off)")
-	case r.TopNSigma != nil && *r.TopNSigma > 0:
-		return invalid("top_n_sigma", "top-n-sigma sampling is not supported (-1: off)")
+	if r.TFSZ != nil && *r.TFSZ != 1 {
+		return invalid("tfs_z", "tail-free sampling is not supported, as in llama.cpp since 2024 (1: off)")
 	}
 	return nil
 }

@@ -70,6 +70,10 @@ type OllamaOptions struct {
 	RepeatLastN      *ollamaInt   `json:"repeat_last_n"`
 	PresencePenalty  *float64     `json:"presence_penalty"`
 	FrequencyPenalty *float64     `json:"frequency_penalty"`
+	TypicalP         *float64     `json:"typical_p"`
+	Mirostat         *ollamaInt   `json:"mirostat"`
+	MirostatTau      *float64     `json:"mirostat_tau"`
+	MirostatEta      *float64     `json:"mirostat_eta"`
 }
 
 // ollamaInt is an integer option, which Ollama takes as any JSON number
@@ -215,6 +219,7 @@ func (o *OllamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *B
 		f.Temperature, f.TopP, f.TopK, f.MinP = opt.Temperature, opt.TopP, intOf(opt.TopK), opt.MinP
 		f.RepetitionPenalty, f.PresencePenalty, f.FrequencyPenalty = opt.RepeatPenalty, opt.PresencePenalty, opt.FrequencyPenalty
 		f.RepeatLastN = intOf(opt.RepeatLastN)
+		f.TypicalP, f.Mirostat, f.MirostatTau, f.MirostatEta = opt.TypicalP, intOf(opt.Mirostat), opt.MirostatTau, opt.MirostatEta
 		if opt.Seed != nil && *opt.Seed >= 0 { // Ollama's -1: a random seed
 			seed := int64(*opt.Seed)
 			f.Seed = &seed
@@ -317,6 +322,7 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 var ollamaParams = map[string]string{"max_tokens": "options.num_predict", "stop": "options.stop", "temperature": "options.temperature",
 	"top_p": "options.top_p", "top_k": "options.top_k", "min_p": "options.min_p", "repetition_penalty": "options.repeat_penalty", "repeat_last_n": "options.repeat_last_n",
 	"presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty", "seed": "options.seed",
+	"typical_p": "options.typical_p", "mirostat": "options.mirostat", "mirostat_tau": "options.mirostat_tau", "mirostat_eta": "options.mirostat_eta",
 	"response_format": "format", "chat_template_kwargs": "think", "logprobs": "top_logprobs"}
 
 // ollamaGenerateParams are those of /api/generate, whose prompt is a chat's

@@ -90,6 +90,8 @@ func TestOllamaShapes(t *testing.T) {
 		{"POST", "/api/chat", `{"model": "nope", "messages": []}`, 404, "not found"},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 1.5e300}}`, 400, "options.num_predict"},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"temperature": -1}}`, 400, "temperature"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"mirostat": 3}}`, 400, "mirostat must be 0 (off), 1 or 2"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"typical_p": 2}}`, 400, "typical_p must be"},
 		{"POST", "/api/generate", `{"prompt": "hi", "template": "{{ .Prompt }}"}`, 400, "template"},
 		{"POST", "/api/generate", `{"prompt": "hi", "raw": true, "system": "s"}`, 400, "raw"},
 		{"POST", "/api/generate", `{"prompt": "hi", "raw": true, "context": [1]}`, 400, "raw"},

@@ -159,6 +159,7 @@ type Backend struct {
 	// imageSlots bounds the requests holding decoded images (withImages).
 	imageSlots chan struct{}
 	think      *thinkTags // the tags of its thoughts, when its template writes them: it reasons first
+	dry        *dryBreakers
 }
 
 // Server serves the API. SetBackend makes it ready; Drain stops new work.
@@ -330,6 +331,7 @@ func (s *Server) Handler() http.Handler { return s.engine }
 func (s *Server) SetBackend(b *Backend) {
 	s.compileTemplate(b)
 	b.imageSlots = make(chan struct{}, maxDecoding)
+	b.dry = &dryBreakers{}
 	s.backend.Store(b)
 }
 

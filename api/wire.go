@@ -217,6 +217,7 @@ type SamplingFields struct {
 	// for tokens whose text is not whole UTF-8 or not unique.
 	ReturnTokensAsTokenIDs bool `json:"return_tokens_as_token_ids"`
 	StructuredFields
+	LlamaSamplerFields
 }
 
 // StructuredFields are the other servers' ways to constrain the output, besides

@@ -1069,3 +1069,51 @@ func TestRerankerNode(t *testing.T) {
 		t.Fatalf("a query over the step budget: %d %s", resp.StatusCode, text)
 	}
 }
+
+// TestLlamaSamplersStories260K: llama-server's samplers on a real model through
+// /completion. Each answers; DRY, given a prompt that makes greedy decoding
+// repeat itself, keeps the output from repeating its own word 5-grams (those
+// within one stretch between DRY's sequence breakers).
+func TestLlamaSamplersStories260K(t *testing.T) {
+	if _, err := os.Stat(storiesGGUF); err != nil {
+		t.Skipf("skipping: %s not present", storiesGGUF)
+	}
+	n := startNode(t, "--model", storiesGGUF, "--ctx-size", "2048")
+	complete := func(extra string) string {
+		t.Helper()
+		resp, body := post(t, n.url+"/completion", `{"prompt":"Tom said the cat sat on the mat. Tom said the cat sat on the mat. Tom said the cat sat on the mat.","n_predict":60,"temperature":0`+extra+`}`)
+		var r struct{ Content string }
+		if err := json.Unmarshal([]byte(body), &r); err != nil || resp.StatusCode != 200 || r.Content == "" {
+			t.Fatalf("%s: %d %s", extra, resp.StatusCode, body)
+		}
+		return r.Content
+	}
+	for _, extra := range []string{`,"temperature":1,"seed":3,"xtc_probability":0.5`, `,"temperature":1,"seed":3,"mirostat":2`,
+		`,"temperature":1,"seed":3,"mirostat":1`, `,"temperature":1,"seed":3,"typical_p":0.5`, `,"temperature":1.5,"seed":3,"top_n_sigma":1`,
+		`,"temperature":1,"seed":3,"dynatemp_range":0.5`, `,"dry_multiplier":0.8,"dry_sequence_breakers":["\n","."]`} {
+		complete(extra)
+	}
+	plain, dry := complete(""), complete(`,"dry_multiplier":0.8`)
+	t.Logf("greedy: %q\nwith DRY: %q", plain, dry)
+	repeated := func(text string) []string {
+		var out []string
+		seen := map[string]bool{}
+		for _, stretch := range strings.FieldsFunc(text, func(r rune) bool { return strings.ContainsRune("\n:\"*", r) }) {
+			w := strings.Fields(stretch)
+			for i := 0; i+5 <= len(w); i++ {
+				g := strings.Join(w[i:i+5], " ")
+				if seen[g] {
+					out = append(out, g)
+				}
+				seen[g] = true
+			}
+		}
+		return out
+	}
+	if len(repeated(plain)) == 0 {
+		t.Skip("greedy decoding did not repeat itself on this machine: nothing for DRY to prevent")
+	}
+	if r := repeated(dry); len(r) > 0 {
+		t.Errorf("with DRY the output still repeats %q", r)
+	}
+}

@@ -9,10 +9,14 @@
 // engine.Grammar, because re-implementing its grammar engine would be a large
 // duplicate of well-tested code.
 //
-// Order of operations: logit bias, end tokens banned before min tokens, repetition/frequency/presence penalties, grammar,
-// then greedy (temperature 0) or top-k, temperature, top-p and min-p before drawing.
-// Log-probabilities are those of the raw model distribution (log-softmax of the
-// unmodified logits), as vLLM reports them by default.
+// Order of operations: logit bias, end tokens banned before min tokens,
+// repetition/frequency/presence penalties, DRY, grammar, then greedy (temperature
+// 0) or, before drawing: top-n-sigma, top-k, temperature (or dynamic temperature),
+// min-p, typical-p, top-p and XTC; with Mirostat, temperature and Mirostat alone.
+// The truncations after temperature see its probabilities, as vLLM's top-p and
+// min-p do (llama.cpp applies temperature last). Log-probabilities are those of
+// the raw model distribution (log-softmax of the unmodified logits), as vLLM
+// reports them by default.
 package sample
 
 import (
@@ -59,6 +63,25 @@ type Params struct {
 	EndTokens []engine.Token
 	MinTokens int
 
+	// llama-server's samplers beyond OpenAI's and vLLM's, with llama.cpp's
+	// meanings.
+	TopNSigma float32 // keep logits within TopNSigma standard deviations of the best; <= 0: off
+	TypicalP  float32 // keep the most typical tokens (closest to the entropy) of this mass; 0 or 1: off
+	// XTC ("exclude top choices"): with probability XTCProbability, of the
+	// tokens at least XTCThreshold likely all but the least likely are removed
+	// (when two or more are). XTCThreshold above 0.5: off.
+	XTCProbability, XTCThreshold float32
+	// DynatempRange > 0 draws at a temperature in Temperature ± DynatempRange
+	// (not below 0): the higher the entropy of the candidates, the higher,
+	// shaped by DynatempExponent.
+	DynatempRange, DynatempExponent float32
+	// Mirostat 1 or 2 replaces the truncations (top-k, top-p, min-p, typical-p,
+	// XTC, top-n-sigma) by Mirostat's, which aims at a surprise of MirostatTau
+	// bits per token, learning at rate MirostatEta.
+	Mirostat                 int
+	MirostatTau, MirostatEta float32
+	DRY                      DRY
+
 	Seed uint64 // seeds the generator; equal seeds give equal draws
 
 	Logprobs    bool // compute the chosen token's log-probability (costs a pass over the vocabulary)
@@ -88,6 +111,27 @@ func (p Params) Validate() error {
 		return fmt.Errorf("top_logprobs %d must be in [0, %d]", p.TopLogprobs, MaxTopLogprobs)
 	case p.MinTokens < 0:
 		return fmt.Errorf("min_tokens %d must be >= 0", p.MinTokens)
+	case !finite(p.TopNSigma):
+		return fmt.Errorf("top_n_sigma %v must be a number", p.TopNSigma)
+	case p.TypicalP < 0 || p.TypicalP > 1 || isNaN(p.TypicalP):
+		return fmt.Errorf("typical_p %v must be in [0, 1]", p.TypicalP)
+	case p.XTCProbability < 0 || p.XTCProbability > 1 || isNaN(p.XTCProbability):
+		return fmt.Errorf("xtc_probability %v must be in [0, 1]", p.XTCProbability)
+	case p.XTCThreshold < 0 || p.XTCThreshold > 1 || isNaN(p.XTCThreshold):
+		return fmt.Errorf("xtc_threshold %v must be in [0, 1]", p.XTCThreshold)
+	case p.DynatempRange < 0 || !finite(p.DynatempRange):
+		return fmt.Errorf("dynatemp_range %v must be >= 0", p.DynatempRange)
+	case p.DynatempExponent < 0 || !finite(p.DynatempExponent):
+		return fmt.Errorf("dynatemp_exponent %v must be >= 0", p.DynatempExponent)
+	case p.Mirostat < 0 || p.Mirostat > 2:
+		return fmt.Errorf("mirostat %d must be 0 (off), 1 or 2", p.Mirostat)
+	case p.MirostatTau < 0 || !finite(p.MirostatTau):
+		return fmt.Errorf("mirostat_tau %v must be >= 0", p.MirostatTau)
+	case p.MirostatEta < 0 || !finite(p.MirostatEta):
+		return fmt.Errorf("mirostat_eta %v must be >= 0", p.MirostatEta)
+	}
+	if err := p.DRY.validate(); err != nil {
+		return err
 	}
 	for _, t := range p.EndTokens {
 		if t < 0 {
@@ -104,10 +148,12 @@ func (p Params) Validate() error {
 
 func isNaN(f float32) bool { return f != f }
 
-func (p Params) greedy() bool { return p.Temperature <= 0 }
+func finite(f float32) bool { return !isNaN(f) && !math.IsInf(float64(f), 0) }
+
+func (p Params) greedy() bool { return p.Temperature <= 0 && p.DynatempRange <= 0 }
 
 func (p Params) penalised() bool {
-	return p.repeatPenalised() || p.FrequencyPenalty != 0 || p.PresencePenalty != 0
+	return p.repeatPenalised() || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 || p.DRY.on()
 }
 
 func (p Params) repeatPenalised() bool { return p.RepeatPenalty != 0 && p.RepeatPenalty != 1 }
@@ -132,6 +178,11 @@ type Sampler struct {
 	ngen      int                  // tokens generated so far
 	cands     []engine.TokenLogit  // scratch, reused across steps
 	mass      []float64            // scratch for top-p over the whole vocabulary (lazily made)
+	dry       *dryState            // nil: DRY off
+	// mu is Mirostat's surprise bound, muNext its value after the token draw
+	// last chose (kept once that token is the one sampled).
+	mu, muNext float64
+	typical    []typicalCand // scratch for typical-p
 }
 
 var _ engine.Sampler = (*Sampler)(nil)
@@ -147,13 +198,18 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 	if p.RepeatLastN == 0 {
 		p.RepeatLastN = DefaultRepeatLastN
 	}
-	return &Sampler{
+	s := &Sampler{
 		p:         p,
 		grammar:   grammar,
 		rng:       rand.New(rand.NewPCG(p.Seed, p.Seed^0x9E3779B97F4A7C15)),
 		counts:    map[engine.Token]int{},
 		generated: map[engine.Token]int{},
-	}, nil
+		mu:        2 * float64(p.MirostatTau),
+	}
+	if p.DRY.on() {
+		s.dry = newDRY(p.DRY)
+	}
+	return s, nil
 }
 
 // Accept records t for the penalties and advances the grammar past generated tokens.
@@ -169,6 +225,9 @@ func (s *Sampler) Accept(t engine.Token, generated bool) {
 	}
 	if generated && (s.p.FrequencyPenalty != 0 || s.p.PresencePenalty != 0) {
 		s.generated[t]++
+	}
+	if s.dry != nil {
+		s.dry.accept(t)
 	}
 	if !s.p.repeatPenalised() {
 		return
@@ -270,6 +329,7 @@ func (s *Sampler) sampleFrom(logits []float32, holdEnd bool) (engine.Token, erro
 		// Draw first and check only the drawn token against the grammar, as llama.cpp's
 		// common sampler does; fall back to masking the whole vocabulary when it fails.
 		if t, ok := s.draw(c); ok && (s.grammar == nil || s.allowed(t, logits[t])) {
+			s.mu = s.muNext
 			return t, nil
 		}
 		if s.grammar != nil {
@@ -292,6 +352,7 @@ func (s *Sampler) sampleFrom(logits []float32, holdEnd bool) (engine.Token, erro
 		return c[best].Token, nil
 	}
 	if t, ok := s.draw(c); ok {
+		s.mu = s.muNext
 		return t, nil
 	}
 	return 0, ErrNoCandidates
@@ -340,13 +401,17 @@ func (s *Sampler) candidates(logits []float32, holdEnd bool) []engine.TokenLogit
 			c[t].Logit -= float32(n)*s.p.FrequencyPenalty + s.p.PresencePenalty
 		}
 	}
+	if s.dry != nil {
+		s.dry.apply(c)
+	}
 	return c
 }
 
-// draw applies top-k, temperature, min-p and top-p to c (reordering it) and draws.
-// Only top-p needs an order; it sorts the few hundred most likely candidates, and
+// draw applies the truncations and temperature to c (reordering it) and draws.
+// Top-p needs an order; it sorts the few hundred most likely candidates, and
 // when those do not reach the requested mass, one bucket of probability (see topP).
 func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
+	vocab := len(c)
 	// One pass drops banned (-inf) and NaN logits (x > -inf is false for both) and
 	// finds the best.
 	negInf := float32(math.Inf(-1))
@@ -365,27 +430,25 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 		return 0, false
 	}
 	c = c[:n]
-	if k := s.p.TopK; k > 0 && k < n {
+	s.muNext = s.mu
+	if s.p.Mirostat != 0 {
+		return s.mirostat(c, maxL, vocab), true
+	}
+	if s.p.TopNSigma > 0 && len(c) > 1 {
+		c = topNSigma(c, maxL, s.p.TopNSigma)
+	}
+	if k := s.p.TopK; k > 0 && k < len(c) {
 		selectTop(c, k) // the best stays among the k
 		c = c[:k]
 	}
 	temp := float64(s.p.Temperature)
-	// Reuse Logit as the unnormalised probability from here on. Tokens less likely
-	// than negligible relative to the best are dropped before the exponential: even a
-	// whole vocabulary of them weighs less than float32 can tell apart from 1.
-	var sum float64
-	floor := float64(maxL) - negligible*temp
-	m := 0
-	for _, x := range c {
-		if float64(x.Logit) < floor {
-			continue
-		}
-		p := expNeg((float64(x.Logit) - float64(maxL)) / temp)
-		c[m] = engine.TokenLogit{Token: x.Token, Logit: float32(p)}
-		m++
-		sum += p
+	if s.p.DynatempRange > 0 && len(c) > 1 {
+		temp = dynamicTemp(c, maxL, temp, float64(s.p.DynatempRange), float64(s.p.DynatempExponent))
 	}
-	c = c[:m]
+	if temp <= 0 {
+		return c[best(c)].Token, true
+	}
+	c, sum := probabilities(c, maxL, temp)
 	if s.p.MinP > 0 { // the most likely token has p = 1 here
 		m := 0
 		for _, x := range c {
@@ -400,17 +463,61 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 			sum += float64(x.Logit)
 		}
 	}
+	if tp := s.p.TypicalP; tp > 0 && tp < 1 {
+		c, sum = s.typicalP(c, sum, float64(tp))
+	}
 	if tp := float64(s.p.TopP); tp > 0 && tp < 1 {
 		c, sum = s.topP(c, tp*sum)
 	}
-	r := s.rng.Float64() * sum
+	if s.p.XTCProbability > 0 && s.p.XTCThreshold <= 0.5 && len(c) > 1 && s.rng.Float64() <= float64(s.p.XTCProbability) {
+		c, sum = xtc(c, sum, float64(s.p.XTCThreshold))
+	}
+	return c[s.pick(c, sum)].Token, true
+}
+
+// probabilities turns c's logits into probabilities at temperature temp,
+// relative to the best's (which gets 1), kept in Logit, and returns them with
+// their sum. Tokens less likely than negligible relative to the best are
+// dropped before the exponential: even a whole vocabulary of them weighs less
+// than float32 can tell apart from 1.
+func probabilities(c []engine.TokenLogit, maxL float32, temp float64) ([]engine.TokenLogit, float64) {
+	var sum float64
+	floor := float64(maxL) - negligible*temp
+	m := 0
 	for _, x := range c {
+		if float64(x.Logit) < floor {
+			continue
+		}
+		p := expNeg((float64(x.Logit) - float64(maxL)) / temp)
+		c[m] = engine.TokenLogit{Token: x.Token, Logit: float32(p)}
+		m++
+		sum += p
+	}
+	return c[:m], sum
+}
+
+// pick draws an index of c in proportion to its probabilities (Logit), which
+// sum to sum.
+func (s *Sampler) pick(c []engine.TokenLogit, sum float64) int {
+	r := s.rng.Float64() * sum
+	for i, x := range c {
 		r -= float64(x.Logit)
 		if r < 0 {
-			return x.Token, true
+			return i
 		}
 	}
-	return c[len(c)-1].Token, true
+	return len(c) - 1
+}
+
+// best is the index of c's most likely candidate (the first, among equals).
+func best(c []engine.TokenLogit) int {
+	b := 0
+	for i, x := range c {
+		if better(x, c[b]) < 0 {
+			b = i
+		}
+	}
+	return b
 }
 
 // negligible: a token whose logit is this many temperatures below the best has

@@ -1,0 +1,86 @@
+package api
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine/enginetest"
+	"github.com/shoal-ai/shoal/engine/sample"
+)
+
+// TestLlamaSamplerDefaults: a request's llama-server samplers get
+// llama-server's defaults for what it leaves out, and a backend lays each list
+// of DRY sequence breakers over its vocabulary once.
+func TestLlamaSamplerDefaults(t *testing.T) {
+	b := &Backend{Vocab: enginetest.New(64, 4, 64).Vocab(), dry: &dryBreakers{}}
+	mult, on := 0.8, 2
+	var sp sample.Params
+	if err := b.llamaSamplers(&LlamaSamplerFields{DryMultiplier: &mult, Mirostat: &on}, &sp); err != nil {
+		t.Fatal(err)
+	}
+	want := sample.Params{TopNSigma: -1, TypicalP: 1, XTCThreshold: 0.1, DynatempExponent: 1, Mirostat: 2, MirostatTau: 5, MirostatEta: 0.1,
+		DRY: sample.DRY{Multiplier: 0.8, Base: 1.75, AllowedLength: 2, LastN: -1, Breakers: sp.DRY.Breakers}}
+	if sp.DRY.Breakers == nil {
+		t.Fatal("DRY on without sequence breakers")
+	}
+	if got, _ := json.Marshal(sp); string(got) != string(must(json.Marshal(want))) {
+		t.Errorf("got %s, want %s", got, must(json.Marshal(want)))
+	}
+	var again sample.Params
+	if err := b.llamaSamplers(&LlamaSamplerFields{DryMultiplier: &mult}, &again); err != nil || again.DRY.Breakers != sp.DRY.Breakers {
+		t.Errorf("the default breakers were laid out again (%v)", err)
+	}
+	var off sample.Params
+	if err := b.llamaSamplers(&LlamaSamplerFields{}, &off); err != nil || off.DRY.Breakers != nil {
+		t.Errorf("DRY off: breakers %v (%v)", off.DRY.Breakers, err)
+	}
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
+
+// TestLlamaSamplersReachTheSampler: XTC sent to /completion and to
+// /v1/completions changes what is drawn. At temperature 2 every token of the
+// fake model is at least 0.4% likely, so XTC at probability 1 leaves only the
+// least likely: the last of the equals, token 63 ("i"), or token 62 ("h") when
+// the model favours 63.
+func TestLlamaSamplersReachTheSampler(t *testing.T) {
+	s := newTestServer(t, nil)
+	for _, path := range []string{"/completion", "/v1/completions"} {
+		body := `{"prompt":"abc","max_tokens":24,"n_predict":24,"temperature":2,"seed":1,"xtc_probability":1,"xtc_threshold":0.004}`
+		w := s.do(t, "POST", path, body)
+		if w.Code != 200 {
+			t.Fatalf("%s: %d %s", path, w.Code, w.Body)
+		}
+		if text := completionText(t, w.Body.Bytes()); strings.Trim(text, "hi") != "" || len(text) != 24 {
+			t.Errorf("%s with XTC: %q, want 24 of h and i", path, text)
+		}
+		w = s.do(t, "POST", path, strings.Replace(body, `"xtc_probability":1`, `"xtc_probability":0`, 1))
+		if text := completionText(t, w.Body.Bytes()); w.Code != 200 || strings.Trim(text, "hi") == "" {
+			t.Errorf("%s without XTC: %d %q", path, w.Code, text)
+		}
+	}
+}
+
+// completionText is the text of /completion's or /v1/completions' answer.
+func completionText(t *testing.T, body []byte) string {
+	t.Helper()
+	var r struct {
+		Content string `json:"content"`
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(body, &r); err != nil {
+		t.Fatalf("%v: %s", err, body)
+	}
+	if len(r.Choices) > 0 {
+		return r.Choices[0].Text
+	}
+	return r.Content
+}

@@ -1,0 +1,256 @@
+package sample
+
+import (
+	"cmp"
+	"math"
+	"slices"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// llama-server's samplers beyond OpenAI's, with llama.cpp's meanings (its
+// llama-sampling.cpp at the pinned commit): top-n-sigma, typical-p, XTC,
+// dynamic temperature and Mirostat. DRY is in dry.go.
+
+// topNSigma keeps the candidates (logits, all finite) within n standard
+// deviations of the best logit.
+func topNSigma(c []engine.TokenLogit, maxL float32, n float32) []engine.TokenLogit {
+	var sum float64
+	for _, x := range c {
+		sum += float64(x.Logit)
+	}
+	mean := sum / float64(len(c))
+	var acc float64
+	for _, x := range c {
+		d := float64(x.Logit) - mean
+		acc += d * d
+	}
+	floor := float64(maxL) - float64(n)*math.Sqrt(acc/float64(len(c)))
+	m := 0
+	for _, x := range c {
+		if float64(x.Logit) >= floor {
+			c[m] = x
+			m++
+		}
+	}
+	return c[:m]
+}
+
+// dynamicTemp is the temperature for candidates c (logits, more than one):
+// between temp-span (not below 0) and temp+span, by the entropy of their
+// distribution at temperature 1 over the largest it could be, raised to exp.
+func dynamicTemp(c []engine.TokenLogit, maxL float32, temp, span, exp float64) float64 {
+	lo, hi := max(0, temp-span), temp+span
+	// H = log Σe − Σ e·(l − max) / Σe, with e = exp(l − max).
+	var sum, dot float64
+	for _, x := range c {
+		d := float64(x.Logit) - float64(maxL)
+		if d < -negligible {
+			continue
+		}
+		e := expNeg(d)
+		sum += e
+		dot += e * d
+	}
+	h := math.Log(sum) - dot/sum
+	norm := max(0, h/math.Log(float64(len(c))))
+	return lo + (hi-lo)*math.Pow(norm, exp)
+}
+
+// typicalCand is a candidate of typical-p with its distance from the entropy.
+type typicalCand struct {
+	x     engine.TokenLogit
+	score float64
+}
+
+// typicalP keeps the candidates (probabilities summing to sum) whose surprise
+// is closest to the distribution's entropy, most typical first, until their
+// mass passes p (locally typical sampling). Like topP it does not sort them
+// all: it sums the mass per bucket of distance, keeps the buckets closer than
+// the one where the mass passes p, and sorts only that one.
+func (s *Sampler) typicalP(c []engine.TokenLogit, sum, p float64) ([]engine.TokenLogit, float64) {
+	logSum := math.Log(sum)
+	tc := s.typical[:0]
+	var h float64
+	for _, x := range c {
+		lq := math.Log(float64(x.Logit)) - logSum
+		h -= float64(x.Logit) / sum * lq
+		tc = append(tc, typicalCand{x, lq})
+	}
+	s.typical = tc
+	for i := range tc {
+		tc[i].score = math.Abs(-tc[i].score - h)
+	}
+	keep := len(tc)
+	if len(tc) <= topPHead {
+		keep = closest(tc, 0, p, sum)
+	} else {
+		if s.mass == nil {
+			s.mass = make([]float64, 1<<(31-massShift)) // positive floats only
+		}
+		clear(s.mass)
+		bucket := func(t typicalCand) int { return int(math.Float32bits(float32(t.score)) >> massShift) }
+		for _, t := range tc {
+			s.mass[bucket(t)] += float64(t.x.Logit) / sum
+		}
+		var acc float64
+		b := 0
+		for ; b < len(s.mass) && acc+s.mass[b] <= p; b++ {
+			acc += s.mass[b]
+		}
+		if b < len(s.mass) { // else rounding: p is the whole mass
+			// tc[:i]: the closer buckets, all kept; tc[i:k]: bucket b.
+			i := 0
+			for j, t := range tc {
+				if bucket(t) < b {
+					tc[i], tc[j] = tc[j], tc[i]
+					i++
+				}
+			}
+			k := i
+			for j := i; j < len(tc); j++ {
+				if bucket(tc[j]) == b {
+					tc[k], tc[j] = tc[j], tc[k]
+					k++
+				}
+			}
+			keep = i + closest(tc[i:k], acc, p, sum)
+		}
+	}
+	var kept float64
+	for i, t := range tc[:keep] {
+		c[i] = t.x
+		kept += float64(t.x.Logit)
+	}
+	return c[:keep], kept
+}
+
+// closest sorts candidates of typical-p by their distance and counts how many
+// of them, most typical first, bring the mass from acc past p (all of them if
+// it does not pass).
+func closest(tc []typicalCand, acc, p, sum float64) int {
+	slices.SortFunc(tc, func(a, b typicalCand) int {
+		return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.x.Token, b.x.Token))
+	})
+	for i, t := range tc {
+		acc += float64(t.x.Logit) / sum
+		if acc > p {
+			return i + 1
+		}
+	}
+	return len(tc)
+}
+
+// xtc removes, of the candidates at least threshold likely (probabilities
+// summing to sum), all but the least likely, when there are two or more.
+func xtc(c []engine.TokenLogit, sum, threshold float64) ([]engine.TokenLogit, float64) {
+	floor := threshold * sum
+	above, last := 0, -1
+	for i, x := range c {
+		if float64(x.Logit) >= floor {
+			above++
+			if last < 0 || worse(x, c[last]) {
+				last = i
+			}
+		}
+	}
+	if above < 2 {
+		return c, sum
+	}
+	keep := c[last]
+	m := 0
+	sum = 0
+	for _, x := range c {
+		if float64(x.Logit) < floor || x == keep {
+			c[m] = x
+			m++
+			sum += float64(x.Logit)
+		}
+	}
+	return c[:m], sum
+}
+
+// mirostatM is how many of the most likely tokens Mirostat 1 fits its Zipf
+// exponent to (llama-server's).
+const mirostatM = 100
+
+// mirostat draws from c (logits, all finite) at the request's temperature,
+// truncated as Mirostat's version asks so that the token's surprise nears tau
+// bits, and sets muNext from the surprise of the token drawn. vocab is the
+// vocabulary's size.
+func (s *Sampler) mirostat(c []engine.TokenLogit, maxL float32, vocab int) engine.Token {
+	temp := float64(s.p.Temperature)
+	if temp <= 0 {
+		// One candidate left, certain: no surprise.
+		s.muNext = s.mu + float64(s.p.MirostatEta)*float64(s.p.MirostatTau)
+		return c[best(c)].Token
+	}
+	c, sum := probabilities(c, maxL, temp)
+	if s.p.Mirostat == 1 {
+		c, sum = mirostat1(c, sum, s.mu, vocab)
+	} else {
+		c, sum = mirostat2(c, sum, s.mu)
+	}
+	i := s.pick(c, sum)
+	surprise := -math.Log2(float64(c[i].Logit) / sum)
+	s.muNext = s.mu - float64(s.p.MirostatEta)*(surprise-float64(s.p.MirostatTau))
+	return c[i].Token
+}
+
+// mirostat1 keeps the k most likely candidates (probabilities summing to sum),
+// k estimated from a Zipf law fitted to the most likely mirostatM so that the
+// expected surprise is mu bits.
+func mirostat1(c []engine.TokenLogit, sum, mu float64, vocab int) ([]engine.TokenLogit, float64) {
+	if len(c) == 1 {
+		return c, sum
+	}
+	m := min(mirostatM, len(c))
+	selectTop(c, m)
+	slices.SortFunc(c[:m], better)
+	var tb, tt float64
+	for i := 0; i < m-1; i++ {
+		t := math.Log(float64(i+2) / float64(i+1))
+		b := math.Log(float64(c[i].Logit) / float64(c[i+1].Logit))
+		tb += t * b
+		tt += t * t
+	}
+	sHat := tb / tt
+	eps := sHat - 1
+	k := math.Pow(eps*math.Pow(2, mu)/(1-math.Pow(float64(vocab), -eps)), 1/sHat)
+	switch {
+	case math.IsNaN(k) || k >= float64(len(c)):
+		return c, sum // the whole distribution
+	case k < 1:
+		k = 1
+	}
+	kk := int(k)
+	if kk > m {
+		selectTop(c, kk)
+	}
+	c = c[:kk]
+	sum = 0
+	for _, x := range c {
+		sum += float64(x.Logit)
+	}
+	return c, sum
+}
+
+// mirostat2 keeps the candidates (probabilities summing to sum) whose surprise
+// is at most mu bits, or the most likely when none is.
+func mirostat2(c []engine.TokenLogit, sum, mu float64) ([]engine.TokenLogit, float64) {
+	floor := sum * math.Exp2(-mu) // a surprise of mu bits
+	kept := 0.0
+	m := 0
+	for _, x := range c {
+		if float64(x.Logit) >= floor {
+			c[m] = x
+			m++
+			kept += float64(x.Logit)
+		}
+	}
+	if m == 0 {
+		c[0] = c[best(c)] // nothing was moved
+		return c[:1], float64(c[0].Logit)
+	}
+	return c[:m], kept
+}

@@ -1,0 +1,567 @@
+package sample
+
+import (
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ai/shoal/engine"
+)
+
+// The expected distributions below are those of llama.cpp's own sampler tests
+// (tests/test-sampling.cpp), which these samplers follow.
+
+// logitsOf is the logits of probabilities p.
+func logitsOf(p []float32) []engine.TokenLogit {
+	c := make([]engine.TokenLogit, len(p))
+	for i, x := range p {
+		c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: float32(math.Log(float64(x)))}
+	}
+	return c
+}
+
+// softmaxOf is the distribution of c's logits, by token id (0 where absent).
+func softmaxOf(c []engine.TokenLogit, n int) []float64 {
+	out := make([]float64, n)
+	var sum float64
+	for _, x := range c {
+		if !math.IsInf(float64(x.Logit), -1) {
+			sum += math.Exp(float64(x.Logit))
+		}
+	}
+	for _, x := range c {
+		if !math.IsInf(float64(x.Logit), -1) {
+			out[x.Token] = math.Exp(float64(x.Logit)) / sum
+		}
+	}
+	return out
+}
+
+// normalised is the distribution of c's probabilities (Logit holding them),
+// by token id.
+func normalised(c []engine.TokenLogit, n int) []float64 {
+	out := make([]float64, n)
+	var sum float64
+	for _, x := range c {
+		sum += float64(x.Logit)
+	}
+	for _, x := range c {
+		out[x.Token] = float64(x.Logit) / sum
+	}
+	return out
+}
+
+func near(a []float64, b []float32, tol float64) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if math.Abs(a[i]-float64(b[i])) > tol {
+			return false
+		}
+	}
+	return true
+}
+
+func TestDRYMatchesLlamaCpp(t *testing.T) {
+	for _, tc := range []struct {
+		probs    []float32
+		history  []engine.Token
+		want     []float32
+		mult     float32
+		base     float32
+		allowed  int
+		lastN    int
+		breakers [][]engine.Token
+	}{
+		{[]float32{0.25, 0.25, 0.25, 0.25}, []engine.Token{0, 1}, []float32{0.25, 0.25, 0.25, 0.25}, 1, 1.1, 2, 4, nil},
+		{[]float32{0.25, 0.25, 0.25, 0.25}, []engine.Token{0, 1, 2, 0, 1}, []float32{0.296923, 0.296923, 0.109232, 0.296923}, 1, 1.1, 2, 5, nil},
+		{[]float32{0.2, 0.2, 0.2, 0.2, 0.2}, []engine.Token{0, 1, 3, 4, 0, 1}, []float32{0.2, 0.2, 0.2, 0.2, 0.2}, 1, 1.1, 2, 6, [][]engine.Token{{3}}},
+		{[]float32{0.2, 0.2, 0.2, 0.2, 0.2}, []engine.Token{0, 1, 2, 0, 1}, []float32{0.241818, 0.241818, 0.032727, 0.241818, 0.241818}, 2, 1.1, 2, 5, nil},
+		{[]float32{0.2, 0.2, 0.2, 0.2, 0.2}, []engine.Token{0, 1, 2, 3, 4, 0, 1}, []float32{0.2, 0.2, 0.2, 0.2, 0.2}, 1, 1.1, 4, 7, nil},
+	} {
+		d := DRY{Multiplier: tc.mult, Base: tc.base, AllowedLength: tc.allowed, LastN: tc.lastN, Breakers: BreakerTokens(tc.breakers...)}
+		s := mustNew(t, Params{Temperature: 1, DRY: d}, nil)
+		for _, tok := range tc.history {
+			s.Accept(tok, false)
+		}
+		logits := make([]float32, len(tc.probs))
+		for i, c := range logitsOf(tc.probs) {
+			logits[i] = c.Logit
+		}
+		if got := softmaxOf(s.candidates(logits, false), len(tc.probs)); !near(got, tc.want, 1e-5) {
+			t.Errorf("history %v, allowed %d, last %d: got %v, want %v", tc.history, tc.allowed, tc.lastN, got, tc.want)
+		}
+	}
+}
+
+// naiveDRY is DRY's penalties by definition, in quadratic time.
+func naiveDRY(h []engine.Token, d DRY) map[engine.Token]float32 {
+	if d.LastN > 0 && len(h) > d.LastN {
+		h = h[len(h)-d.LastN:]
+	}
+	n := len(h)
+	pen := map[engine.Token]float32{}
+	if n <= d.AllowedLength {
+		return pen
+	}
+	// The tokens after the latest breaker ending in the window (its longest
+	// form at that place).
+	limit := n
+outer:
+	for end := n - 1; end >= 0 && d.Breakers != nil; end-- {
+		longest := -1
+		for _, tail := range d.Breakers.tails[h[end]] {
+			if end+len(tail) <= n-1 && slices.Equal(h[end+1:end+1+len(tail)], tail) && len(tail) > longest {
+				longest = len(tail)
+			}
+		}
+		if longest >= 0 {
+			limit = n - 1 - end - longest
+			break outer
+		}
+	}
+	if limit < d.AllowedLength {
+		return pen
+	}
+	longest := map[engine.Token]int{}
+	for j := 0; j < n-1; j++ { // a repeat ending at j, followed by h[j+1]
+		m := 0
+		for m <= j && h[j-m] == h[n-1-m] {
+			m++
+		}
+		m = min(m, limit)
+		if m < d.AllowedLength {
+			continue
+		}
+		if old, ok := longest[h[j+1]]; !ok || m > old {
+			longest[h[j+1]] = m
+		}
+	}
+	for tok, m := range longest {
+		if !d.Breakers.single(tok) {
+			pen[tok] = d.Multiplier * float32(math.Pow(float64(d.Base), float64(m-d.AllowedLength)))
+		}
+	}
+	return pen
+}
+
+func TestDRYEqualsItsDefinition(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 7))
+	for trial := range 400 {
+		d := DRY{
+			Multiplier:    1.5,
+			Base:          1.75,
+			AllowedLength: r.IntN(4),
+			LastN:         []int{-1, 5, 17}[r.IntN(3)],
+			Breakers:      BreakerTokens([]engine.Token{3}, []engine.Token{2, 0, 1}),
+		}
+		if trial%3 == 0 {
+			d.Breakers = nil
+		}
+		s := newDRY(d)
+		var h []engine.Token
+		for range 1 + r.IntN(80) {
+			tok := engine.Token(r.IntN(4))
+			if r.IntN(3) > 0 && len(h) > 3 { // repeat an earlier stretch
+				tok = h[r.IntN(len(h))]
+			}
+			h = append(h, tok)
+			s.accept(tok)
+			c := make([]engine.TokenLogit, 4)
+			s.apply(c)
+			want := naiveDRY(h, d)
+			for tok := range engine.Token(4) {
+				if got := -c[tok].Logit; math.Abs(float64(got-want[tok])) > 1e-4 {
+					t.Fatalf("trial %d, %+v, history %v: token %d penalty %v, want %v (all: %v)", trial, d, h, tok, got, want[tok], want)
+				}
+			}
+		}
+	}
+}
+
+// byteVocab tokenizes text a byte to a token (token = the byte) and renders
+// its tokens by pieces.
+type byteVocab struct{ pieces []string }
+
+func (v byteVocab) Size() int { return len(v.pieces) }
+func (v byteVocab) Tokenize(text string, _, _ bool) ([]engine.Token, error) {
+	var out []engine.Token
+	for _, b := range []byte(text) {
+		out = append(out, engine.Token(b))
+	}
+	return out, nil
+}
+
+func TestNewBreakersLaysBreakersOverTheVocabulary(t *testing.T) {
+	pieces := make([]string, 128)
+	for i := range pieces {
+		pieces[i] = string(rune(i))
+	}
+	pieces[0] = "ya"   // ends with the start of "ab"
+	pieces[1] = "zab"  // holds "ab"
+	pieces[2] = "b:"   // holds ":"
+	pieces[3] = "xyab" // holds "ab"
+	pieces[4] = "qa"   // ends with the start of "ab"
+	v := byteVocab{pieces}
+	raw := make([][]byte, len(pieces))
+	for i, p := range pieces {
+		raw[i] = []byte(p)
+	}
+	b, err := NewBreakers(v, raw, []string{"ab", ":"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tok := range []engine.Token{1, 2, 3, ':'} {
+		if !b.single(tok) {
+			t.Errorf("token %d (%q) should be a breaker by itself", tok, pieces[tok])
+		}
+	}
+	for _, tok := range []engine.Token{0, 4, 'a'} {
+		if b.single(tok) || len(b.tails[tok]) != 1 || !slices.Equal(b.tails[tok][0], []engine.Token{'b'}) {
+			t.Errorf("token %d (%q): tails %v, want one: [b]", tok, pieces[tok], b.tails[tok])
+		}
+	}
+	if len(b.tails['b']) != 0 {
+		t.Errorf("token b begins no breaker, got %v", b.tails['b'])
+	}
+	if _, err := NewBreakers(v, raw, []string{""}); err == nil {
+		t.Error("an empty breaker was accepted")
+	}
+	if _, err := NewBreakers(v, raw, make([]string, MaxBreakers+1)); err == nil {
+		t.Error("too many breakers were accepted")
+	}
+	long, err := NewBreakers(v, raw, []string{"a" + strings.Repeat("b", 2*MaxBreakerBytes)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tails := long.tails['a']; len(tails) != 1 || len(tails[0]) != maxBreakerTail {
+		t.Errorf("a long breaker's tail: %d tokens, want %d (cut)", len(tails[0]), maxBreakerTail)
+	}
+}
+
+func TestDRYBreakerStopsARepeat(t *testing.T) {
+	// "0 1 2 ... 0 1": token 2 would extend the repeat, unless a breaker
+	// (token 9) stands between the repeat's start and now.
+	penalised := func(h []engine.Token) bool {
+		s := newDRY(DRY{Multiplier: 1, Base: 2, AllowedLength: 2, LastN: -1, Breakers: BreakerTokens([]engine.Token{9})})
+		for _, tok := range h {
+			s.accept(tok)
+		}
+		c := make([]engine.TokenLogit, 10)
+		s.apply(c)
+		return c[2].Logit < 0
+	}
+	if !penalised([]engine.Token{0, 1, 2, 5, 0, 1}) {
+		t.Error("a repeat of 2 tokens was not penalised")
+	}
+	if penalised([]engine.Token{0, 1, 2, 5, 9, 1}) {
+		t.Error("a repeat through a breaker was penalised")
+	}
+}
+
+func TestTopNSigmaMatchesLlamaCpp(t *testing.T) {
+	p := []float32{0.1, 0.2, 0.3, 0.4}
+	for _, tc := range []struct {
+		n    float32
+		want []float32
+	}{
+		{1, []float32{0, 0, 0.428571, 0.571429}},
+		{3, []float32{0.1, 0.2, 0.3, 0.4}},
+	} {
+		c := logitsOf(p)
+		if got := softmaxOf(topNSigma(c, c[3].Logit, tc.n), 4); !near(got, tc.want, 1e-5) {
+			t.Errorf("n %v: got %v, want %v", tc.n, got, tc.want)
+		}
+	}
+}
+
+func TestTypicalPMatchesLlamaCpp(t *testing.T) {
+	for _, tc := range []struct {
+		probs, want []float32
+		p           float64
+	}{
+		{[]float32{0.97, 0.01, 0.01, 0.01}, []float32{1, 0, 0, 0}, 0.5},
+		{[]float32{0.4, 0.2, 0.2, 0.2}, []float32{0, 1. / 3, 1. / 3, 1. / 3}, 0.5},
+	} {
+		c := make([]engine.TokenLogit, len(tc.probs))
+		for i, x := range tc.probs {
+			c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: x}
+		}
+		var s Sampler
+		kept, _ := s.typicalP(c, 1, tc.p)
+		if got := normalised(kept, len(tc.probs)); !near(got, tc.want, 1e-5) {
+			t.Errorf("%v at %v: got %v, want %v", tc.probs, tc.p, got, tc.want)
+		}
+	}
+}
+
+func TestXTCMatchesLlamaCpp(t *testing.T) {
+	p := []float32{0.4, 0.3, 0.2, 0.1}
+	for _, tc := range []struct {
+		threshold float64
+		want      []engine.Token
+	}{
+		{0.09, []engine.Token{3}},
+		{0.19, []engine.Token{2, 3}},
+		{0.29, []engine.Token{1, 2, 3}},
+		{0.39, []engine.Token{0, 1, 2, 3}}, // one above the threshold: nothing removed
+	} {
+		c := make([]engine.TokenLogit, len(p))
+		for i, x := range p {
+			c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: x}
+		}
+		kept, sum := xtc(c, 1, tc.threshold)
+		var got []engine.Token
+		var mass float64
+		for _, x := range kept {
+			got = append(got, x.Token)
+			mass += float64(x.Logit)
+		}
+		slices.Sort(got)
+		if !slices.Equal(got, tc.want) || math.Abs(mass-sum) > 1e-6 {
+			t.Errorf("threshold %v: kept %v (sum %v of %v), want %v", tc.threshold, got, sum, mass, tc.want)
+		}
+	}
+}
+
+// drawCounts samples n tokens from fixed logits with p and counts them.
+func drawCounts(t *testing.T, p Params, logits []float32, n int) []int {
+	t.Helper()
+	s := mustNew(t, p, nil)
+	counts := make([]int, len(logits))
+	for range n {
+		x, err := s.Sample(logits)
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts[x.Token]++
+	}
+	return counts
+}
+
+func TestXTCProbabilityGatesIt(t *testing.T) {
+	logits := make([]float32, 4)
+	for i, c := range logitsOf([]float32{0.4, 0.3, 0.2, 0.1}) {
+		logits[i] = c.Logit
+	}
+	const n = 4000
+	always := drawCounts(t, Params{Temperature: 1, XTCProbability: 1, XTCThreshold: 0.09, Seed: 1}, logits, n)
+	if always[3] != n {
+		t.Errorf("XTC at probability 1: %v, want only token 3", always)
+	}
+	off := drawCounts(t, Params{Temperature: 1, XTCProbability: 1, XTCThreshold: 0.6, Seed: 1}, logits, n)
+	if off[0] < n/3 {
+		t.Errorf("XTC with a threshold above 0.5 removed tokens: %v", off)
+	}
+	// Half the time: token 0 keeps half its 0.4.
+	half := drawCounts(t, Params{Temperature: 1, XTCProbability: 0.5, XTCThreshold: 0.09, Seed: 1}, logits, n)
+	if f := float64(half[0]) / n; math.Abs(f-0.2) > 0.03 {
+		t.Errorf("XTC at probability 0.5: token 0 drawn %.3f of the time, want 0.2", f)
+	}
+}
+
+func TestDynamicTemperature(t *testing.T) {
+	flat := logitsOf([]float32{0.25, 0.25, 0.25, 0.25})
+	if got := dynamicTemp(flat, flat[0].Logit, 1, 0.5, 1); math.Abs(got-1.5) > 1e-9 {
+		t.Errorf("highest entropy: temperature %v, want 1.5", got)
+	}
+	peaked := logitsOf([]float32{0.999997, 0.000001, 0.000001, 0.000001})
+	if got := dynamicTemp(peaked, peaked[0].Logit, 1, 0.5, 1); got > 0.501 {
+		t.Errorf("entropy near 0: temperature %v, want about 0.5", got)
+	}
+	mid := logitsOf([]float32{0.7, 0.1, 0.1, 0.1})
+	lin, sq := dynamicTemp(mid, mid[0].Logit, 1, 1, 1), dynamicTemp(mid, mid[0].Logit, 1, 1, 2)
+	if norm := lin / 2; math.Abs(sq-2*norm*norm) > 1e-9 {
+		t.Errorf("exponent 2: temperature %v, want %v", sq, 2*norm*norm)
+	}
+	// Greedy only when the whole range is 0.
+	if (Params{DynatempRange: 0.5}).greedy() {
+		t.Error("temperature 0 with a range was taken as greedy")
+	}
+}
+
+func TestMirostat2KeepsSurpriseBelowMu(t *testing.T) {
+	// Surprises 1, 2, 3, 3 bits; tau 1 makes mu 2: tokens 0 and 1 only.
+	logits := make([]float32, 4)
+	for i, c := range logitsOf([]float32{0.5, 0.25, 0.125, 0.125}) {
+		logits[i] = c.Logit
+	}
+	s := mustNew(t, Params{Temperature: 1, Mirostat: 2, MirostatTau: 1, MirostatEta: 0.1, Seed: 3}, nil)
+	x, err := s.Sample(logits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if x.Token > 1 {
+		t.Fatalf("drew token %d, beyond mu", x.Token)
+	}
+	p := []float64{2. / 3, 1. / 3}[x.Token] // renormalised over the two
+	if want := 2 - 0.1*(-math.Log2(p)-1); math.Abs(s.mu-want) > 1e-9 {
+		t.Errorf("mu after token %d: %v, want %v", x.Token, s.mu, want)
+	}
+}
+
+func TestMirostatHoldsTheSurpriseAtTau(t *testing.T) {
+	logits := randomLogits(5, 4000)
+	for _, version := range []int{1, 2} {
+		const tau, eta = 4.0, 0.1
+		s := mustNew(t, Params{Temperature: 1, Mirostat: version, MirostatTau: tau, MirostatEta: eta, Seed: 9}, nil)
+		var total float64
+		const steps = 3000
+		for i := range steps {
+			mu := s.mu
+			if _, err := s.Sample(logits); err != nil {
+				t.Fatal(err)
+			}
+			if i >= steps/2 {
+				total += tau + (mu-s.mu)/eta // the surprise observed
+			}
+		}
+		if mean := total / (steps / 2); math.Abs(mean-tau) > 0.25 {
+			t.Errorf("mirostat %d: mean surprise %.3f bits, want about %v", version, mean, tau)
+		}
+	}
+}
+
+func TestMirostat1FitsZipf(t *testing.T) {
+	// p_i ∝ 1/(i+1)^1.2: the fitted exponent is 1.2 and k follows from it.
+	const n, sExp, mu = 1000, 1.2, 6.0
+	c := make([]engine.TokenLogit, n)
+	var sum float64
+	for i := range c {
+		p := math.Pow(float64(i+1), -sExp)
+		c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: float32(p)}
+		sum += p
+	}
+	eps := sExp - 1
+	want := int(math.Pow(eps*math.Pow(2, mu)/(1-math.Pow(n, -eps)), 1/sExp))
+	kept, _ := mirostat1(c, sum, mu, n)
+	if len(kept) < want-1 || len(kept) > want+1 {
+		t.Fatalf("kept %d, want %d", len(kept), want)
+	}
+	for _, x := range kept {
+		if int(x.Token) >= len(kept)+1 {
+			t.Fatalf("kept token %d, not among the %d most likely", x.Token, len(kept))
+		}
+	}
+}
+
+func TestDRYAppliesToGreedy(t *testing.T) {
+	// Token 2 is the best, but follows "0 1" again.
+	logits := []float32{0, 0, 2, 1}
+	d := DRY{Multiplier: 3, Base: 1.75, AllowedLength: 2, LastN: -1}
+	s := mustNew(t, Params{DRY: d}, nil)
+	for _, tok := range []engine.Token{0, 1, 2, 3, 0, 1} {
+		s.Accept(tok, false)
+	}
+	x, err := s.Sample(logits)
+	if err != nil || x.Token != 3 {
+		t.Fatalf("greedy with DRY: %v %v, want 3", x.Token, err)
+	}
+}
+
+func TestLlamaSamplersValidate(t *testing.T) {
+	for _, p := range []Params{
+		{TypicalP: 1.5},
+		{XTCProbability: -0.1},
+		{XTCThreshold: 2},
+		{Mirostat: 3},
+		{Mirostat: 2, MirostatTau: -1},
+		{DynatempRange: -1},
+		{TopNSigma: float32(math.NaN())},
+		{DRY: DRY{Multiplier: 1, Base: 0.5, LastN: -1}},
+		{DRY: DRY{Multiplier: 1, Base: 2, AllowedLength: -1, LastN: -1}},
+		{DRY: DRY{Multiplier: 1, Base: 2, LastN: -2}},
+		{DRY: DRY{Multiplier: -1}},
+	} {
+		if _, err := New(p, nil); err == nil {
+			t.Errorf("%+v was accepted", p)
+		}
+	}
+	// DRY off: its other fields do not matter.
+	if _, err := New(Params{DRY: DRY{Base: 0}}, nil); err != nil {
+		t.Error(err)
+	}
+}
+
+func BenchmarkLlamaSamplers(b *testing.B) {
+	logits := randomLogits(11, 152064) // Qwen2.5's vocabulary
+	history := make([]engine.Token, 4096)
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range history {
+		history[i] = engine.Token(r.IntN(2000))
+	}
+	for _, bc := range []struct {
+		name string
+		p    Params
+	}{
+		{"base", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05}},
+		{"dry-4k", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05, DRY: DRY{Multiplier: 0.8, Base: 1.75, AllowedLength: 2, LastN: -1}}},
+		{"xtc", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05, XTCProbability: 0.5, XTCThreshold: 0.1}},
+		{"typical-whole-vocab", Params{Temperature: 1, TypicalP: 0.9}},
+		{"top-n-sigma", Params{Temperature: 1, TopNSigma: 1}},
+		{"dynatemp", Params{Temperature: 1, DynatempRange: 0.5, DynatempExponent: 1}},
+		{"mirostat1", Params{Temperature: 1, Mirostat: 1, MirostatTau: 5, MirostatEta: 0.1}},
+		{"mirostat2", Params{Temperature: 1, Mirostat: 2, MirostatTau: 5, MirostatEta: 0.1}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			s, err := New(bc.p, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			for _, tok := range history {
+				s.Accept(tok, false)
+			}
+			for b.Loop() {
+				x, err := s.Sample(logits)
+				if err != nil {
+					b.Fatal(err)
+				}
+				s.Accept(x.Token, true)
+			}
+		})
+	}
+}
+
+func TestTypicalPBucketsEqualSortingAll(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for trial := range 20 {
+		n := []int{50, 3000, 40000}[trial%3]
+		c := make([]engine.TokenLogit, n)
+		var sum float64
+		for i := range c {
+			x := math.Exp(r.NormFloat64() * 2)
+			c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: float32(x)}
+			sum += float64(float32(x))
+		}
+		p := []float64{0.2, 0.5, 0.9, 0.99}[trial%4]
+		// By definition: every candidate sorted by distance from the entropy.
+		var h float64
+		for _, x := range c {
+			q := float64(x.Logit) / sum
+			h -= q * math.Log(q)
+		}
+		ref := make([]typicalCand, n)
+		for i, x := range c {
+			ref[i] = typicalCand{x, math.Abs(-math.Log(float64(x.Logit)/sum) - h)}
+		}
+		want := ref[:closest(ref, 0, p, sum)]
+		var s Sampler
+		kept, _ := s.typicalP(slices.Clone(c), sum, p)
+		got := make([]engine.Token, len(kept))
+		for i, x := range kept {
+			got[i] = x.Token
+		}
+		wantTok := make([]engine.Token, len(want))
+		for i, x := range want {
+			wantTok[i] = x.x.Token
+		}
+		slices.Sort(got)
+		slices.Sort(wantTok)
+		if !slices.Equal(got, wantTok) {
+			t.Fatalf("n %d, p %v: kept %d tokens, want %d", n, p, len(got), len(wantTok))
+		}
+	}
+}
