@@ -17,7 +17,7 @@ GPU ?=
 BENCHTIME ?= 1x
 COUNT ?= 3
 
-.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-spec bench-lora bench-tokenize bench-rerank bench-vision run lint fmt clean gpu-check-inputs ollama-cli-check
+.PHONY: all build test test-pure test-engine bench-engine bench-quant bench-scheduler bench-cache bench-template bench-stream bench-score bench-sample bench-spec bench-lora bench-tokenize bench-rerank bench-vision run lint fmt clean gpu-check-inputs ollama-cli-check
 
 all: build
 
@@ -74,6 +74,10 @@ bench-stream:
 bench-score: build
 	@$(CGO_ENV); { $(GO) test -run '^$$' -bench 'BenchmarkSchedulerPromptScore' -benchtime $(BENCHTIME) -count $(COUNT) -timeout 30m ./engine/llama; \
 		$(GO) test -run '^$$' -bench 'BenchmarkScore' -benchtime $(BENCHTIME) -count $(COUNT) ./engine/sample; } | tee bench-score.txt
+
+# The Go sampler: one draw, and llama-server's samplers beside the usual ones (docs/benchmarks.md).
+bench-sample:
+	$(GO) test -run '^$$' -bench 'BenchmarkSample$$|BenchmarkLlamaSamplers|BenchmarkDRY' -count $(COUNT) ./engine/sample | tee bench-sample.txt
 
 # Speculative decoding by n-gram lookup, off and on, side by side (docs/benchmarks.md).
 bench-spec: build

@@ -162,6 +162,7 @@ type dryState struct {
 	at      int            // tokens seen when penalties were computed; -1: never
 	seen    int            // tokens seen
 	z       []int          // scratch: repeat lengths
+	rev     []engine.Token // scratch: the window, newest first
 	longest map[engine.Token]int
 	pen     map[engine.Token]float32
 }
@@ -209,8 +210,12 @@ func (s *dryState) compute() {
 	if n <= allowed {
 		return
 	}
-	// rev(i) is the i-th token from the end.
-	rev := func(i int) engine.Token { return h[n-1-i] }
+	// rev[i] is the i-th token from the end.
+	s.rev = slices.Grow(s.rev[:0], n)[:n]
+	rev := s.rev
+	for i, t := range h {
+		rev[n-1-i] = t
+	}
 
 	// A repeat may not reach back past the latest sequence breaker: limit is
 	// the number of tokens after it.
@@ -218,7 +223,7 @@ func (s *dryState) compute() {
 	if b := s.d.Breakers; b != nil {
 	scan:
 		for i := range n {
-			tails := b.tails[rev(i)]
+			tails := b.tails[rev[i]]
 			longest := -1
 			for _, tail := range tails {
 				if len(tail) <= longest || len(tail) > i {
@@ -226,7 +231,7 @@ func (s *dryState) compute() {
 				}
 				match := true
 				for k, t := range tail {
-					if rev(i-k-1) != t {
+					if rev[i-k-1] != t {
 						match = false
 						break
 					}
@@ -256,7 +261,7 @@ func (s *dryState) compute() {
 		if k < r {
 			m = min(r-k, z[k-l])
 		}
-		for k+m < n && rev(m) == rev(k+m) {
+		for k+m < n && rev[m] == rev[k+m] {
 			m++
 		}
 		z[k] = m

@@ -1,6 +1,7 @@
 package sample
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -500,6 +501,7 @@ func BenchmarkLlamaSamplers(b *testing.B) {
 		{"base", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05}},
 		{"dry-4k", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05, DRY: DRY{Multiplier: 0.8, Base: 1.75, AllowedLength: 2, LastN: -1}}},
 		{"xtc", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05, XTCProbability: 0.5, XTCThreshold: 0.1}},
+		{"whole-vocab", Params{Temperature: 1}},
 		{"typical-whole-vocab", Params{Temperature: 1, TypicalP: 0.9}},
 		{"top-n-sigma", Params{Temperature: 1, TopNSigma: 1}},
 		{"dynatemp", Params{Temperature: 1, DynatempRange: 0.5, DynatempExponent: 1}},
@@ -563,5 +565,25 @@ func TestTypicalPBucketsEqualSortingAll(t *testing.T) {
 		if !slices.Equal(got, wantTok) {
 			t.Fatalf("n %d, p %v: kept %d tokens, want %d", n, p, len(got), len(wantTok))
 		}
+	}
+}
+
+// BenchmarkDRY is DRY's search for repeats alone, by the length of the history
+// it searches (a window of that many tokens, as a sequence that long with
+// penalty_last_n -1 has).
+func BenchmarkDRY(b *testing.B) {
+	for _, n := range []int{4096, 32768} {
+		b.Run(fmt.Sprintf("history=%d", n), func(b *testing.B) {
+			r := rand.New(rand.NewPCG(1, 2))
+			s := newDRY(DRY{Multiplier: 0.8, Base: 1.75, AllowedLength: 2, LastN: n, Breakers: BreakerTokens([]engine.Token{13})})
+			for range n {
+				s.accept(engine.Token(r.IntN(2000)))
+			}
+			c := make([]engine.TokenLogit, 2000)
+			for b.Loop() {
+				s.accept(engine.Token(r.IntN(2000)))
+				s.apply(c)
+			}
+		})
 	}
 }
