@@ -1,9 +1,11 @@
 package api
 
 import (
+	"cmp"
+	"encoding/json"
 	"fmt"
 	"math"
-	"strings"
+	"slices"
 	"sync"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -33,9 +35,41 @@ type LlamaSamplerFields struct {
 	DrySequenceBreakers []string `json:"dry_sequence_breakers"`
 }
 
-// llamaSamplers checks f and sets sp's llama-server samplers from it, with
-// llama-server's defaults for the fields it leaves out.
-func (b *Backend) llamaSamplers(f *LlamaSamplerFields, sp *sample.Params) error {
+// Over is f with d's fields where f leaves them out.
+func (f LlamaSamplerFields) Over(d LlamaSamplerFields) LlamaSamplerFields {
+	f.TopNSigma = cmp.Or(f.TopNSigma, d.TopNSigma)
+	f.TypicalP = cmp.Or(f.TypicalP, d.TypicalP)
+	f.XTCProbability = cmp.Or(f.XTCProbability, d.XTCProbability)
+	f.XTCThreshold = cmp.Or(f.XTCThreshold, d.XTCThreshold)
+	f.DynatempRange = cmp.Or(f.DynatempRange, d.DynatempRange)
+	f.DynatempExponent = cmp.Or(f.DynatempExponent, d.DynatempExponent)
+	f.Mirostat = cmp.Or(f.Mirostat, d.Mirostat)
+	f.MirostatTau = cmp.Or(f.MirostatTau, d.MirostatTau)
+	f.MirostatEta = cmp.Or(f.MirostatEta, d.MirostatEta)
+	f.DryMultiplier = cmp.Or(f.DryMultiplier, d.DryMultiplier)
+	f.DryBase = cmp.Or(f.DryBase, d.DryBase)
+	f.DryAllowedLength = cmp.Or(f.DryAllowedLength, d.DryAllowedLength)
+	f.DryPenaltyLastN = cmp.Or(f.DryPenaltyLastN, d.DryPenaltyLastN)
+	if f.DrySequenceBreakers == nil {
+		f.DrySequenceBreakers = d.DrySequenceBreakers
+	}
+	return f
+}
+
+// CheckLlamaSamplers checks a backend's defaults of llama-server's samplers
+// (LlamaSampling), as a request's fields are checked, and lays their DRY
+// sequence breakers over the vocabulary when it has one.
+func (b *Backend) CheckLlamaSamplers() error {
+	var sp sample.Params
+	return b.llamaSamplers(&LlamaSamplerFields{}, &sp)
+}
+
+// llamaSamplers checks f and sets sp's llama-server samplers from it, with the
+// backend's defaults (LlamaSampling), then llama-server's, for the fields it
+// leaves out.
+func (b *Backend) llamaSamplers(req *LlamaSamplerFields, sp *sample.Params) error {
+	over := req.Over(b.LlamaSampling)
+	f := &over
 	num := func(v *float64, param string, lo, hi float64, def float64) (float32, error) {
 		if v == nil {
 			return float32(def), nil
@@ -54,18 +88,23 @@ func (b *Backend) llamaSamplers(f *LlamaSamplerFields, sp *sample.Params) error 
 	set(&sp.TopNSigma, f.TopNSigma, "top_n_sigma", -math.MaxFloat32, math.MaxFloat32, -1)
 	set(&sp.TypicalP, f.TypicalP, "typical_p", 0, 1, 1)
 	set(&sp.XTCProbability, f.XTCProbability, "xtc_probability", 0, 1, 0)
-	set(&sp.XTCThreshold, f.XTCThreshold, "xtc_threshold", 0, 1, 0.1)
+	set(&sp.XTCThreshold, f.XTCThreshold, "xtc_threshold", 0, math.MaxFloat32, 0.1) // above 0.5: off
 	set(&sp.DynatempRange, f.DynatempRange, "dynatemp_range", 0, math.MaxFloat32, 0)
 	set(&sp.DynatempExponent, f.DynatempExponent, "dynatemp_exponent", 0, math.MaxFloat32, 1)
 	set(&sp.MirostatTau, f.MirostatTau, "mirostat_tau", 0, math.MaxFloat32, 5)
 	set(&sp.MirostatEta, f.MirostatEta, "mirostat_eta", 0, math.MaxFloat32, 0.1)
 	set(&sp.DRY.Multiplier, f.DryMultiplier, "dry_multiplier", 0, math.MaxFloat32, 0)
-	set(&sp.DRY.Base, f.DryBase, "dry_base", 1, math.MaxFloat32, 1.75)
+	set(&sp.DRY.Base, f.DryBase, "dry_base", 0, math.MaxFloat32, 1.75)
 	if err != nil {
 		return err
 	}
-	if f.TypicalP != nil && *f.TypicalP == 0 {
-		return invalid("typical_p", "typical_p must be in (0, 1] (1: off), got 0")
+	if sp.TypicalP == 0 {
+		// llama.cpp's typical-p 0 keeps the single most typical token (the
+		// sampler's 0 is off): any mass passes it.
+		sp.TypicalP = math.SmallestNonzeroFloat32
+	}
+	if sp.DRY.Base < 1 {
+		sp.DRY.Multiplier = 0 // llama.cpp's DRY is off below base 1
 	}
 	if m := f.Mirostat; m != nil {
 		if *m < 0 || *m > 2 {
@@ -86,14 +125,19 @@ func (b *Backend) llamaSamplers(f *LlamaSamplerFields, sp *sample.Params) error 
 		}
 		sp.DRY.LastN = *n
 	}
-	if f.DrySequenceBreakers != nil && len(f.DrySequenceBreakers) == 0 {
+	if req.DrySequenceBreakers != nil && len(req.DrySequenceBreakers) == 0 {
 		return invalid("dry_sequence_breakers", "dry_sequence_breakers must not be empty (leave it out for the defaults)")
 	}
-	if sp.DRY.Multiplier > 0 && sp.DRY.LastN != 0 {
-		breakers := f.DrySequenceBreakers
-		if breakers == nil {
-			breakers = sample.DefaultBreakers
-		}
+	if len(f.DrySequenceBreakers) > sample.MaxBreakers {
+		return invalid("dry_sequence_breakers", "at most %d dry_sequence_breakers are allowed, got %d", sample.MaxBreakers, len(f.DrySequenceBreakers))
+	}
+	// Empty (not nil): none, as --dry-sequence-breaker none; empty strings
+	// are left out, as llama.cpp leaves them.
+	breakers := slices.DeleteFunc(slices.Clone(f.DrySequenceBreakers), func(s string) bool { return s == "" })
+	if f.DrySequenceBreakers == nil {
+		breakers = sample.DefaultBreakers
+	}
+	if sp.DRY.Multiplier > 0 && sp.DRY.LastN != 0 && len(breakers) > 0 && b.Vocab != nil {
 		if sp.DRY.Breakers, err = b.breakers(breakers); err != nil {
 			return invalid("dry_sequence_breakers", "dry_sequence_breakers: %v", err)
 		}
@@ -103,15 +147,35 @@ func (b *Backend) llamaSamplers(f *LlamaSamplerFields, sp *sample.Params) error 
 
 // dryBreakers are a backend's DRY sequence breakers laid over its vocabulary,
 // by list (most requests send llama-server's defaults or a front end's), and
-// every token's text, read once.
+// every token's text, read once. A list is laid out outside the lock, once:
+// requests for lists already laid out never wait behind a new one.
 type dryBreakers struct {
+	piecesOnce sync.Once
+	pieces     [][]byte
+	piecesErr  error
+
 	mu     sync.Mutex
-	pieces [][]byte
-	byList map[string]*sample.Breakers
+	byList map[string]*breakerList
 }
 
-// maxBreakerLists bounds the lists kept; past it the cache starts over.
+// breakerList is one list of breakers, laid out once.
+type breakerList struct {
+	once sync.Once
+	br   *sample.Breakers
+	err  error
+}
+
+// maxBreakerLists bounds the lists kept; past it one is dropped (never
+// llama-server's defaults).
 const maxBreakerLists = 64
+
+var defaultBreakersKey = breakersKey(sample.DefaultBreakers)
+
+// breakersKey names a list unambiguously (its strings may hold any byte).
+func breakersKey(list []string) string {
+	b, _ := json.Marshal(list)
+	return string(b)
+}
 
 // breakers lays list over the vocabulary, or finds it laid out already.
 func (b *Backend) breakers(list []string) (*sample.Breakers, error) {
@@ -119,31 +183,42 @@ func (b *Backend) breakers(list []string) (*sample.Breakers, error) {
 	if d == nil { // a backend not set on a server (tests)
 		d = &dryBreakers{}
 	}
+	key := breakersKey(list)
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	key := strings.Join(list, "\x00")
-	if br, ok := d.byList[key]; ok {
-		return br, nil
-	}
-	if d.pieces == nil {
-		pieces := make([][]byte, b.Vocab.Size())
-		for t := range pieces {
-			// As llama.cpp's DRY reads them: control tokens as their text.
-			s, err := b.Vocab.Detokenize([]engine.Token{engine.Token(t)}, false, true)
-			if err != nil {
-				return nil, fmt.Errorf("read token %d: %w", t, err)
-			}
-			pieces[t] = []byte(s)
+	e, ok := d.byList[key]
+	if !ok {
+		if d.byList == nil {
+			d.byList = map[string]*breakerList{}
 		}
-		d.pieces = pieces
+		if len(d.byList) >= maxBreakerLists {
+			for k := range d.byList {
+				if k != defaultBreakersKey {
+					delete(d.byList, k)
+					break
+				}
+			}
+		}
+		e = &breakerList{}
+		d.byList[key] = e
 	}
-	br, err := sample.NewBreakers(b.Vocab, d.pieces, list)
-	if err != nil {
-		return nil, err
-	}
-	if d.byList == nil || len(d.byList) >= maxBreakerLists {
-		d.byList = map[string]*sample.Breakers{}
-	}
-	d.byList[key] = br
-	return br, nil
+	d.mu.Unlock()
+	e.once.Do(func() {
+		d.piecesOnce.Do(func() {
+			pieces := make([][]byte, b.Vocab.Size())
+			for t := range pieces {
+				// As llama.cpp's DRY reads them: control tokens as their text.
+				s, err := b.Vocab.Detokenize([]engine.Token{engine.Token(t)}, false, true)
+				if err != nil {
+					d.piecesErr = fmt.Errorf("read token %d: %w", t, err)
+					return
+				}
+				pieces[t] = []byte(s)
+			}
+			d.pieces = pieces
+		})
+		if e.err = d.piecesErr; e.err == nil {
+			e.br, e.err = sample.NewBreakers(b.Vocab, d.pieces, list)
+		}
+	})
+	return e.br, e.err
 }

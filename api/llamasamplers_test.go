@@ -3,6 +3,7 @@ package api
 import (
 	"encoding/json"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/shoal-ai/shoal/engine/enginetest"
@@ -34,6 +35,22 @@ func TestLlamaSamplerDefaults(t *testing.T) {
 	var off sample.Params
 	if err := b.llamaSamplers(&LlamaSamplerFields{}, &off); err != nil || off.DRY.Breakers != nil {
 		t.Errorf("DRY off: breakers %v (%v)", off.DRY.Breakers, err)
+	}
+
+	// The backend's defaults (serve's flags) come before llama-server's, and
+	// a request's fields before them.
+	half, zero := 0.5, 0.0
+	b.LlamaSampling = LlamaSamplerFields{DryMultiplier: &half, DrySequenceBreakers: []string{}}
+	var def sample.Params
+	if err := b.llamaSamplers(&LlamaSamplerFields{}, &def); err != nil || def.DRY.Multiplier != 0.5 || def.DRY.Breakers != nil || def.DRY.Base != 1.75 {
+		t.Errorf("the backend's DRY without breakers: %+v (%v)", def.DRY, err)
+	}
+	var asked sample.Params
+	if err := b.llamaSamplers(&LlamaSamplerFields{DryMultiplier: &zero}, &asked); err != nil || asked.DRY.Multiplier != 0 {
+		t.Errorf("a request turning DRY off: %+v (%v)", asked.DRY, err)
+	}
+	if err := (&Backend{LlamaSampling: LlamaSamplerFields{Mirostat: new(3)}}).CheckLlamaSamplers(); err == nil {
+		t.Error("mirostat 3 as a default was accepted")
 	}
 }
 
@@ -83,4 +100,42 @@ func completionText(t *testing.T, body []byte) string {
 		return r.Choices[0].Text
 	}
 	return r.Content
+}
+
+// TestLlamaSamplersAsLlamaServerTakesThem: values llama-server takes are taken
+// with its meanings: typical_p 0 keeps the most typical token, dry_base below
+// 1 turns DRY off, an empty breaker is left out, any xtc_threshold above 0.5
+// turns XTC off; and lists of breakers are told apart however their strings
+// are made (laid out at once by many requests).
+func TestLlamaSamplersAsLlamaServerTakesThem(t *testing.T) {
+	b := &Backend{Vocab: enginetest.New(64, 4, 64).Vocab(), dry: &dryBreakers{}}
+	zero, half, two, mult := 0.0, 0.5, 2.0, 0.8
+	var sp sample.Params
+	if err := b.llamaSamplers(&LlamaSamplerFields{TypicalP: &zero, XTCThreshold: &two, DryMultiplier: &mult, DryBase: &half}, &sp); err != nil {
+		t.Fatal(err)
+	}
+	if sp.TypicalP <= 0 || sp.TypicalP > 1e-30 || sp.XTCThreshold != 2 || sp.DRY.Multiplier != 0 {
+		t.Errorf("typical_p %v, xtc_threshold %v, DRY %+v", sp.TypicalP, sp.XTCThreshold, sp.DRY)
+	}
+	var wg sync.WaitGroup
+	got := make([]*sample.Breakers, 8)
+	for i := range got {
+		wg.Go(func() {
+			list := []string{"a\x00b"}
+			if i%2 == 1 {
+				list = []string{"a", "b", ""}
+			}
+			var p sample.Params
+			if err := b.llamaSamplers(&LlamaSamplerFields{DryMultiplier: &mult, DrySequenceBreakers: list}, &p); err != nil {
+				t.Error(err)
+			}
+			got[i] = p.DRY.Breakers
+		})
+	}
+	wg.Wait()
+	for i := range got {
+		if got[i] == nil || got[i] != got[i%2] || got[0] == got[1] {
+			t.Fatalf("breakers %d: %p; want %p", i, got[i], got[i%2])
+		}
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/engine/sample"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -135,12 +136,12 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"prompt":[99999]}`, "prompt"},
 		{`{"prompt":"a","n_probs":99}`, "n_probs"},
 		{`{"prompt":"a","mirostat":3}`, "mirostat"},
-		{`{"prompt":"a","dry_multiplier":0.8,"dry_base":0.5}`, "dry_base"},
+		{`{"prompt":"a","dry_multiplier":0.8,"dry_base":-1}`, "dry_base"},
 		{`{"prompt":"a","dry_multiplier":0.8,"dry_sequence_breakers":[]}`, "dry_sequence_breakers"},
-		{`{"prompt":"a","dry_multiplier":0.8,"dry_sequence_breakers":["\n",""]}`, "dry_sequence_breakers"},
+		{`{"prompt":"a","dry_multiplier":0.8,"dry_sequence_breakers":[` + strings.Repeat(`"x",`, sample.MaxBreakers) + `"x"]}`, "dry_sequence_breakers"},
 		{`{"prompt":"a","dry_multiplier":0.8,"dry_penalty_last_n":-2}`, "dry_penalty_last_n"},
 		{`{"prompt":"a","dynatemp_range":-0.5}`, "dynatemp_range"},
-		{`{"prompt":"a","typical_p":0}`, "typical_p"},
+		{`{"prompt":"a","typical_p":1.5}`, "typical_p"},
 		{`{"prompt":"a","xtc_probability":1.5}`, "xtc_probability"},
 		{`{"prompt":"a","tfs_z":0.9}`, "tfs_z"},
 		{`{"prompt":"a","n":2}`, "n"},

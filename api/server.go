@@ -146,6 +146,9 @@ type Backend struct {
 	// Sampling is what a request's sampling starts from before its own fields
 	// (unset: OpenAI's defaults, temperature 1 over the whole vocabulary).
 	Sampling engine.SamplingDefaults
+	// LlamaSampling is what a request's llama-server samplers (DRY, XTC, ...)
+	// start from; unset: llama-server's defaults (all off).
+	LlamaSampling LlamaSamplerFields
 	// Template is the Jinja chat template chats are rendered with (the model's
 	// own, Info.Template); empty: Vocab.ApplyChatTemplate, llama.cpp's formats.
 	Template string

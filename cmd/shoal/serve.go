@@ -51,6 +51,32 @@ type pathFlag []string
 func (l *pathFlag) String() string     { return strings.Join(*l, " ") }
 func (l *pathFlag) Set(v string) error { *l = append(*l, v); return nil }
 
+// breakersFlag is --dry-sequence-breaker, as llama-server's: repeatable, its
+// escapes (\n) read, "none" for no breakers at all.
+type breakersFlag struct{ p *[]string }
+
+func (b breakersFlag) String() string {
+	if b.p == nil {
+		return ""
+	}
+	return strings.Join(*b.p, " ")
+}
+
+func (b breakersFlag) Set(v string) error {
+	switch {
+	case v == "none":
+		*b.p = []string{}
+		return nil
+	case v == "":
+		return errors.New("a sequence breaker must not be empty (none: no breakers)")
+	}
+	if u, err := strconv.Unquote(`"` + strings.ReplaceAll(v, `"`, `\"`) + `"`); err == nil {
+		v = u
+	}
+	*b.p = append(*b.p, v)
+	return nil
+}
+
 // optional is a number or bool flag that stays nil unless given.
 type optional[T int | float64 | bool] struct{ p **T }
 
@@ -169,6 +195,7 @@ type serveFlags struct {
 	apiKeys, allowedOrigins, mediaDomains                                   listFlag
 	lora, loraModules                                                       pathFlag
 	sampling                                                                engine.SamplingDefaults
+	llamaSampling                                                           api.LlamaSamplerFields
 	cluster                                                                 *clusterFlags
 }
 
@@ -237,6 +264,21 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Var(optional[int]{&f.sampling.TopK}, "top-k", "top_k of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.MinP}, "min-p", "min_p of requests that give none (default: the model's recommendation, else off)")
 	fs.Var(optional[float64]{&f.sampling.RepeatPenalty}, "repeat-penalty", "repetition_penalty of requests that give none (default: the model's recommendation, else off)")
+	ls := &f.llamaSampling
+	fs.Var(optional[float64]{&ls.DryMultiplier}, "dry-multiplier", "dry_multiplier of requests that give none: DRY, as llama-server's flags (default 0: off)")
+	fs.Var(optional[float64]{&ls.DryBase}, "dry-base", "dry_base of requests that give none (default 1.75)")
+	fs.Var(optional[int]{&ls.DryAllowedLength}, "dry-allowed-length", "dry_allowed_length of requests that give none (default 2)")
+	fs.Var(optional[int]{&ls.DryPenaltyLastN}, "dry-penalty-last-n", "dry_penalty_last_n of requests that give none (default -1: the whole sequence)")
+	fs.Var(breakersFlag{&ls.DrySequenceBreakers}, "dry-sequence-breaker", "a DRY sequence breaker of requests that give none (repeatable, replacing the defaults \\n : \" *; escapes such as \\n are read; none: no breakers)")
+	fs.Var(optional[float64]{&ls.XTCProbability}, "xtc-probability", "xtc_probability of requests that give none (default 0: off)")
+	fs.Var(optional[float64]{&ls.XTCThreshold}, "xtc-threshold", "xtc_threshold of requests that give none (default 0.1)")
+	fs.Var(optional[float64]{&ls.TypicalP}, "typical", "typical_p of requests that give none (default 1: off)")
+	fs.Var(optional[float64]{&ls.TopNSigma}, "top-nsigma", "top_n_sigma of requests that give none (default -1: off)")
+	fs.Var(optional[float64]{&ls.DynatempRange}, "dynatemp-range", "dynatemp_range of requests that give none (default 0: off)")
+	fs.Var(optional[float64]{&ls.DynatempExponent}, "dynatemp-exp", "dynatemp_exponent of requests that give none (default 1)")
+	fs.Var(optional[int]{&ls.Mirostat}, "mirostat", "mirostat of requests that give none (default 0: off; 1 or 2)")
+	fs.Var(optional[float64]{&ls.MirostatEta}, "mirostat-lr", "mirostat_eta of requests that give none (default 0.1)")
+	fs.Var(optional[float64]{&ls.MirostatTau}, "mirostat-ent", "mirostat_tau of requests that give none (default 5)")
 	fs.Var(&f.apiKeys, "api-key", "key required on every endpoint but /health, /ready, /metrics and / (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
@@ -379,6 +421,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := api.ValidateSampling(f.sampling); err != nil {
 		return fmt.Errorf("sampling flags (--temp, --top-p, --top-k, --min-p, --repeat-penalty): %w", err)
+	}
+	if err := (&api.Backend{LlamaSampling: f.llamaSampling}).CheckLlamaSamplers(); err != nil {
+		return fmt.Errorf("sampling flags (--dry-*, --xtc-*, --typical, --top-nsigma, --dynatemp-*, --mirostat*): %w", err)
 	}
 	sc := scheduler.DefaultConfig()
 	sc.MaxBatchTokens, sc.MaxRunning, sc.MaxWaiting, sc.DefaultMaxTokens = f.maxBatchTokens, f.maxRunning, f.maxWaiting, f.defaultMaxTokens
@@ -554,7 +599,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
 	}
 	backend := &api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
-		Sampling: samplingDefaults(log, f.sampling, info.Sampling)}
+		Sampling: samplingDefaults(log, f.sampling, info.Sampling), LlamaSampling: llamaSamplingDefaults(log, f.llamaSampling)}
 	if f.jinja {
 		backend.Template = cmp.Or(template, info.Template)
 	}
@@ -765,6 +810,37 @@ func samplingDefaults(log *slog.Logger, flags, model engine.SamplingDefaults) en
 	attrs = describeDefault(attrs, "repetition_penalty", d.RepeatPenalty, flags.RepeatPenalty)
 	if len(attrs) > 0 {
 		log.Info("default sampling parameters for requests that give none", attrs...)
+	}
+	return d
+}
+
+// llamaSamplingDefaults are the flags' defaults of llama-server's samplers,
+// logged when any is set.
+func llamaSamplingDefaults(log *slog.Logger, d api.LlamaSamplerFields) api.LlamaSamplerFields {
+	var attrs []any
+	for _, x := range []struct {
+		name string
+		v    any
+	}{{"dry_multiplier", d.DryMultiplier}, {"dry_base", d.DryBase}, {"dry_allowed_length", d.DryAllowedLength},
+		{"dry_penalty_last_n", d.DryPenaltyLastN}, {"xtc_probability", d.XTCProbability}, {"xtc_threshold", d.XTCThreshold},
+		{"typical_p", d.TypicalP}, {"top_n_sigma", d.TopNSigma}, {"dynatemp_range", d.DynatempRange},
+		{"dynatemp_exponent", d.DynatempExponent}, {"mirostat", d.Mirostat}, {"mirostat_tau", d.MirostatTau}, {"mirostat_eta", d.MirostatEta}} {
+		switch v := x.v.(type) {
+		case *float64:
+			if v != nil {
+				attrs = append(attrs, x.name, *v)
+			}
+		case *int:
+			if v != nil {
+				attrs = append(attrs, x.name, *v)
+			}
+		}
+	}
+	if d.DrySequenceBreakers != nil {
+		attrs = append(attrs, "dry_sequence_breakers", fmt.Sprintf("%q", d.DrySequenceBreakers))
+	}
+	if len(attrs) > 0 {
+		log.Info("default llama-server samplers for requests that give none", attrs...)
 	}
 	return d
 }

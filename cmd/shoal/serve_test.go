@@ -1073,12 +1073,13 @@ func TestRerankerNode(t *testing.T) {
 // TestLlamaSamplersStories260K: llama-server's samplers on a real model through
 // /completion. Each answers; DRY, given a prompt that makes greedy decoding
 // repeat itself, keeps the output from repeating its own word 5-grams (those
-// within one stretch between DRY's sequence breakers).
+// within one stretch between DRY's sequence breakers). DRY is the node's
+// default here (--dry-multiplier), which a request turns off.
 func TestLlamaSamplersStories260K(t *testing.T) {
 	if _, err := os.Stat(storiesGGUF); err != nil {
 		t.Skipf("skipping: %s not present", storiesGGUF)
 	}
-	n := startNode(t, "--model", storiesGGUF, "--ctx-size", "2048")
+	n := startNode(t, "--model", storiesGGUF, "--ctx-size", "2048", "--dry-multiplier", "0.8") // DRY unless a request turns it off
 	complete := func(extra string) string {
 		t.Helper()
 		resp, body := post(t, n.url+"/completion", `{"prompt":"Tom said the cat sat on the mat. Tom said the cat sat on the mat. Tom said the cat sat on the mat.","n_predict":60,"temperature":0`+extra+`}`)
@@ -1093,7 +1094,7 @@ func TestLlamaSamplersStories260K(t *testing.T) {
 		`,"temperature":1,"seed":3,"dynatemp_range":0.5`, `,"dry_multiplier":0.8,"dry_sequence_breakers":["\n","."]`} {
 		complete(extra)
 	}
-	plain, dry := complete(""), complete(`,"dry_multiplier":0.8`)
+	plain, dry := complete(`,"dry_multiplier":0`), complete("")
 	t.Logf("greedy: %q\nwith DRY: %q", plain, dry)
 	repeated := func(text string) []string {
 		var out []string
@@ -1115,5 +1116,29 @@ func TestLlamaSamplersStories260K(t *testing.T) {
 	}
 	if r := repeated(dry); len(r) > 0 {
 		t.Errorf("with DRY the output still repeats %q", r)
+	}
+}
+
+// TestLlamaSamplerFlags: llama-server's sampler flags set the defaults of
+// requests; --dry-sequence-breaker replaces the default breakers, reads
+// escapes, and "none" leaves none; a bad value stops the start.
+func TestLlamaSamplerFlags(t *testing.T) {
+	fs, f := serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--dry-multiplier", "0.8", "--dry-sequence-breaker", `\n`, "--dry-sequence-breaker", "###",
+		"--mirostat", "2", "--mirostat-ent", "4", "--typical", "0.9", "--xtc-probability", "0.5"}); err != nil {
+		t.Fatal(err)
+	}
+	ls := f.llamaSampling
+	if *ls.DryMultiplier != 0.8 || !slices.Equal(ls.DrySequenceBreakers, []string{"\n", "###"}) || *ls.Mirostat != 2 || *ls.MirostatTau != 4 ||
+		*ls.TypicalP != 0.9 || *ls.XTCProbability != 0.5 || ls.DryBase != nil {
+		t.Fatalf("flags read as %+v", ls)
+	}
+	fs, f = serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--dry-sequence-breaker", "none"}); err != nil || f.llamaSampling.DrySequenceBreakers == nil || len(f.llamaSampling.DrySequenceBreakers) != 0 {
+		t.Fatalf("none: %q, %v", f.llamaSampling.DrySequenceBreakers, err)
+	}
+	var out strings.Builder
+	if err := runServe([]string{"--model", "x.gguf", "--mirostat", "3"}, &out, &out); err == nil || !strings.Contains(err.Error(), "--mirostat") {
+		t.Fatalf("--mirostat 3: %v", err)
 	}
 }

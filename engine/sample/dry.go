@@ -174,7 +174,7 @@ func newDRY(d DRY) *dryState {
 func (s *dryState) accept(t engine.Token) {
 	s.seen++
 	s.history = append(s.history, t)
-	if n := s.d.LastN; n > 0 && len(s.history) > 2*n {
+	if n := s.d.LastN; n > 0 && len(s.history)-n > n { // not 2*n: LastN may be near MaxInt
 		s.history = append(s.history[:0], s.history[len(s.history)-n:]...)
 	}
 }

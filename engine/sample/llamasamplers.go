@@ -217,6 +217,9 @@ func mirostat1(c []engine.TokenLogit, sum, mu float64, vocab int) ([]engine.Toke
 	sHat := tb / tt
 	eps := sHat - 1
 	k := math.Pow(eps*math.Pow(2, mu)/(1-math.Pow(float64(vocab), -eps)), 1/sHat)
+	if eps == 0 { // the limit of the above
+		k = math.Pow(2, mu) / math.Log(float64(vocab))
+	}
 	switch {
 	case math.IsNaN(k) || k >= float64(len(c)):
 		return c, sum // the whole distribution

@@ -467,7 +467,7 @@ func TestLlamaSamplersValidate(t *testing.T) {
 	for _, p := range []Params{
 		{TypicalP: 1.5},
 		{XTCProbability: -0.1},
-		{XTCThreshold: 2},
+		{XTCThreshold: -1},
 		{Mirostat: 3},
 		{Mirostat: 2, MirostatTau: -1},
 		{DynatempRange: -1},
@@ -585,5 +585,52 @@ func BenchmarkDRY(b *testing.B) {
 				s.apply(c)
 			}
 		})
+	}
+}
+
+// TestInfiniteLogits: logits a penalty pushed to +Inf (repetition_penalty near
+// 0 divides them) are drawn among, alike, under every truncation; they once
+// left top-n-sigma and min-p nothing to draw from.
+func TestInfiniteLogits(t *testing.T) {
+	inf := float32(math.Inf(1))
+	logits := []float32{1, inf, 2, inf, 0}
+	for _, p := range []Params{
+		{Temperature: 1, TopNSigma: 1},
+		{Temperature: 1, MinP: 0.1},
+		{Temperature: 1, TypicalP: 0.5, TopP: 0.9},
+		{Temperature: 1, DynatempRange: 0.5, DynatempExponent: 1},
+		{Temperature: 1, Mirostat: 1, MirostatTau: 5, MirostatEta: 0.1},
+		{Temperature: 1, Mirostat: 2, MirostatTau: 5, MirostatEta: 0.1},
+		{Temperature: 1, XTCProbability: 1, XTCThreshold: 0.1},
+	} {
+		counts := drawCounts(t, p, logits, 200)
+		if counts[1]+counts[3] != 200 || counts[1] == 0 || counts[3] == 0 {
+			t.Errorf("%+v: drew %v, want tokens 1 and 3 only, both", p, counts)
+		}
+	}
+}
+
+// TestMinPAfterTypicalP: min-p is relative to the most likely token typical-p
+// kept, which need not be the most likely one.
+func TestMinPAfterTypicalP(t *testing.T) {
+	logits := make([]float32, 4)
+	for i, c := range logitsOf([]float32{0.4, 0.2, 0.2, 0.2}) {
+		logits[i] = c.Logit
+	}
+	// Typical-p 0.5 keeps tokens 1, 2 and 3 (llama.cpp's test); min-p 0.9 of
+	// the best among them keeps them all.
+	counts := drawCounts(t, Params{Temperature: 1, TypicalP: 0.5, MinP: 0.9, Seed: 2}, logits, 600)
+	if counts[0] != 0 || counts[1] == 0 || counts[2] == 0 || counts[3] == 0 {
+		t.Errorf("drew %v, want tokens 1, 2 and 3", counts)
+	}
+}
+
+func TestDRYWindowNearMaxInt(t *testing.T) {
+	s := mustNew(t, Params{Temperature: 1, DRY: DRY{Multiplier: 1, Base: 2, AllowedLength: 2, LastN: math.MaxInt/2 + 1}}, nil)
+	for i := range 10 {
+		s.Accept(engine.Token(i%3), false)
+	}
+	if _, err := s.Sample(make([]float32, 4)); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -12,9 +12,9 @@
 // Order of operations: logit bias, end tokens banned before min tokens,
 // repetition/frequency/presence penalties, DRY, grammar, then greedy (temperature
 // 0) or, before drawing: top-n-sigma, top-k, temperature (or dynamic temperature),
-// min-p, typical-p, top-p and XTC; with Mirostat, temperature and Mirostat alone.
-// The truncations after temperature see its probabilities, as vLLM's top-p and
-// min-p do (llama.cpp applies temperature last). Log-probabilities are those of
+// typical-p, min-p, top-p and XTC; with Mirostat, temperature and Mirostat alone.
+// The truncations after temperature see its probabilities, and top-p follows
+// min-p, as in vLLM (llama.cpp applies temperature last, top-p before min-p). Log-probabilities are those of
 // the raw model distribution (log-softmax of the unmodified logits), as vLLM
 // reports them by default.
 package sample
@@ -117,8 +117,8 @@ func (p Params) Validate() error {
 		return fmt.Errorf("typical_p %v must be in [0, 1]", p.TypicalP)
 	case p.XTCProbability < 0 || p.XTCProbability > 1 || isNaN(p.XTCProbability):
 		return fmt.Errorf("xtc_probability %v must be in [0, 1]", p.XTCProbability)
-	case p.XTCThreshold < 0 || p.XTCThreshold > 1 || isNaN(p.XTCThreshold):
-		return fmt.Errorf("xtc_threshold %v must be in [0, 1]", p.XTCThreshold)
+	case p.XTCThreshold < 0 || isNaN(p.XTCThreshold):
+		return fmt.Errorf("xtc_threshold %v must be >= 0", p.XTCThreshold)
 	case p.DynatempRange < 0 || !finite(p.DynatempRange):
 		return fmt.Errorf("dynatemp_range %v must be >= 0", p.DynatempRange)
 	case p.DynatempExponent < 0 || !finite(p.DynatempExponent):
@@ -332,9 +332,10 @@ func (s *Sampler) sampleFrom(logits []float32, holdEnd bool) (engine.Token, erro
 			s.mu = s.muNext
 			return t, nil
 		}
-		if s.grammar != nil {
-			c = s.candidates(logits, holdEnd) // draw reordered c and turned logits into probabilities
+		if s.grammar == nil {
+			return 0, ErrNoCandidates
 		}
+		c = s.candidates(logits, holdEnd) // draw reordered c and turned logits into probabilities
 	}
 	if s.grammar != nil {
 		s.grammar.Apply(c)
@@ -431,6 +432,18 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 	}
 	c = c[:n]
 	s.muNext = s.mu
+	if math.IsInf(float64(maxL), 1) {
+		// A penalty or bias pushed logits to +Inf (repetition_penalty near 0
+		// divides them): those tokens are certain, alike.
+		m := 0
+		for _, x := range c {
+			if math.IsInf(float64(x.Logit), 1) {
+				c[m] = x
+				m++
+			}
+		}
+		return c[s.rng.IntN(m)].Token, true
+	}
 	if s.p.Mirostat != 0 {
 		return s.mirostat(c, maxL, vocab), true
 	}
@@ -449,10 +462,18 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 		return c[best(c)].Token, true
 	}
 	c, sum := probabilities(c, maxL, temp)
-	if s.p.MinP > 0 { // the most likely token has p = 1 here
+	// top is the most likely candidate's probability, relative. Typical-p
+	// comes before min-p, as in llama.cpp, and may drop the most likely.
+	top := float32(1)
+	if tp := s.p.TypicalP; tp > 0 && tp < 1 {
+		c, sum = s.typicalP(c, sum, float64(tp))
+		top = c[best(c)].Logit
+	}
+	if s.p.MinP > 0 {
+		floor := s.p.MinP * top
 		m := 0
 		for _, x := range c {
-			if x.Logit >= s.p.MinP {
+			if x.Logit >= floor {
 				c[m] = x
 				m++
 			}
@@ -463,14 +484,14 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 			sum += float64(x.Logit)
 		}
 	}
-	if tp := s.p.TypicalP; tp > 0 && tp < 1 {
-		c, sum = s.typicalP(c, sum, float64(tp))
-	}
 	if tp := float64(s.p.TopP); tp > 0 && tp < 1 {
 		c, sum = s.topP(c, tp*sum)
 	}
 	if s.p.XTCProbability > 0 && s.p.XTCThreshold <= 0.5 && len(c) > 1 && s.rng.Float64() <= float64(s.p.XTCProbability) {
 		c, sum = xtc(c, sum, float64(s.p.XTCThreshold))
+	}
+	if len(c) == 0 {
+		return 0, false
 	}
 	return c[s.pick(c, sum)].Token, true
 }
