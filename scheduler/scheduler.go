@@ -703,7 +703,7 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		q.draftOK = q.draftAt + accepted
 		var out engine.Sampled
 		var serr error
-		if err := s.eng.Logits(rows[j], func(l []float32) { out, serr = q.sampler.Sample(l) }); err != nil {
+		if err := s.eng.Logits(rows[j], func(l []float32) { out, serr = sampleSafely(q.sampler, l) }); err != nil {
 			serr = err
 		}
 		s.emitSampled(q, out, serr)
@@ -1218,13 +1218,13 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 			}
 			continue
 		}
-		if err := s.eng.Logits(q.sampleRow, func(l []float32) { res[i].out, res[i].err = q.sampler.Sample(l) }); err != nil {
+		if err := s.eng.Logits(q.sampleRow, func(l []float32) { res[i].out, res[i].err = sampleSafely(q.sampler, l) }); err != nil {
 			res[i].err = err
 		}
 	}
 	fan(workers, len(parallel), func(k int) {
 		r := &res[parallel[k]]
-		r.out, r.err = qs[parallel[k]].sampler.Sample(r.view)
+		r.out, r.err = sampleSafely(qs[parallel[k]].sampler, r.view)
 	})
 	for i, q := range qs {
 		if q.running && !q.done { // an earlier failure of its group ended it
@@ -1234,6 +1234,18 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 			}
 		}
 	}
+}
+
+// sampleSafely draws from logits with sm. A panic in the sampler (a bug that
+// some request's parameters reach) fails that request, not the node: the
+// scheduler's goroutine and the sampling workers have no other recover.
+func sampleSafely(sm engine.Sampler, logits []float32) (out engine.Sampled, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			out, err = engine.Sampled{}, fmt.Errorf("sampler panicked: %v", r)
+		}
+	}()
+	return sm.Sample(logits)
 }
 
 // workers is how many goroutines read a step's logits rows.

@@ -1872,3 +1872,16 @@ func TestMRoPEStepFailsWithinImage(t *testing.T) {
 		}
 	}
 }
+
+// panicSampler is a sampler with a bug.
+type panicSampler struct{}
+
+func (panicSampler) Sample([]float32) (engine.Sampled, error) { panic("index out of range [-1]") }
+func (panicSampler) Accept(engine.Token, bool)                {}
+func (panicSampler) Close() error                             { return nil }
+
+func TestSampleSafelyRecovers(t *testing.T) {
+	if _, err := sampleSafely(panicSampler{}, []float32{1}); err == nil || !strings.Contains(err.Error(), "index out of range") {
+		t.Fatalf("got %v, want the panic as an error", err)
+	}
+}
