@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/shoal-ai/shoal/engine"
@@ -33,6 +34,65 @@ type LlamaSamplerFields struct {
 	// DrySequenceBreakers are strings a repeat does not reach back past
 	// (sample.DefaultBreakers: newline, colon, quote, asterisk).
 	DrySequenceBreakers []string `json:"dry_sequence_breakers"`
+	// Samplers is the request's own order of samplers, as llama-server's: an
+	// array of names ("penalties", "dry", "top_n_sigma", "top_k", "typ_p",
+	// "top_p", "min_p", "xtc", "temperature") or a string of their letters
+	// ("edskypmxt"); names it does not know are left out, as llama-server
+	// leaves them. Unset: shoal's order (sample.Params.Order).
+	Samplers json.RawMessage `json:"samplers"`
+}
+
+// samplerNames are llama-server's names of its samplers (and the other names
+// llama.cpp's command line takes), samplerLetters its letters.
+var (
+	samplerNames = map[string]sample.Stage{
+		"penalties": sample.StagePenalties, "dry": sample.StageDRY, "top_n_sigma": sample.StageTopNSigma, "top-n-sigma": sample.StageTopNSigma,
+		"top_k": sample.StageTopK, "top-k": sample.StageTopK, "typ_p": sample.StageTypicalP, "typical_p": sample.StageTypicalP,
+		"typical-p": sample.StageTypicalP, "typical": sample.StageTypicalP, "typ-p": sample.StageTypicalP, "typ": sample.StageTypicalP,
+		"top_p": sample.StageTopP, "top-p": sample.StageTopP, "nucleus": sample.StageTopP, "min_p": sample.StageMinP, "min-p": sample.StageMinP,
+		"xtc": sample.StageXTC, "temperature": sample.StageTemperature, "temp": sample.StageTemperature,
+	}
+	samplerLetters = map[rune]sample.Stage{
+		'e': sample.StagePenalties, 'd': sample.StageDRY, 's': sample.StageTopNSigma, 'k': sample.StageTopK, 'y': sample.StageTypicalP,
+		'p': sample.StageTopP, 'm': sample.StageMinP, 'x': sample.StageXTC, 't': sample.StageTemperature,
+	}
+)
+
+// SamplersFlag reads llama-server's --samplers, names separated by ';', as
+// the "samplers" of requests; a name it does not know is an error.
+func SamplersFlag(list string) (json.RawMessage, error) {
+	names := strings.Split(list, ";")
+	for _, n := range names {
+		if _, ok := samplerNames[n]; !ok {
+			return nil, fmt.Errorf("sampler %q: want some of penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature", n)
+		}
+	}
+	return json.Marshal(names)
+}
+
+// SamplerOrder reads llama-server's "samplers": names or letters, those it
+// does not know left out. The order is never nil.
+func SamplerOrder(raw json.RawMessage) ([]sample.Stage, error) {
+	order := []sample.Stage{}
+	var letters string
+	if json.Unmarshal(raw, &letters) == nil {
+		for _, r := range letters {
+			if st, ok := samplerLetters[r]; ok {
+				order = append(order, st)
+			}
+		}
+		return order, nil
+	}
+	var names []string
+	if err := json.Unmarshal(raw, &names); err != nil {
+		return nil, invalid("samplers", "samplers must be an array of sampler names or a string of their letters")
+	}
+	for _, n := range names {
+		if st, ok := samplerNames[n]; ok {
+			order = append(order, st)
+		}
+	}
+	return order, nil
 }
 
 // Over is f with d's fields where f leaves them out.
@@ -53,8 +113,15 @@ func (f LlamaSamplerFields) Over(d LlamaSamplerFields) LlamaSamplerFields {
 	if f.DrySequenceBreakers == nil {
 		f.DrySequenceBreakers = d.DrySequenceBreakers
 	}
+	if present(f.Samplers) {
+		return f
+	}
+	f.Samplers = d.Samplers
 	return f
 }
+
+// present reports whether a JSON value was given (not left out, not null).
+func present(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
 
 // CheckLlamaSamplers checks a backend's defaults of llama-server's samplers
 // (LlamaSampling), as a request's fields are checked, and lays their DRY
@@ -105,6 +172,11 @@ func (b *Backend) llamaSamplers(req *LlamaSamplerFields, sp *sample.Params) erro
 	}
 	if sp.DRY.Base < 1 {
 		sp.DRY.Multiplier = 0 // llama.cpp's DRY is off below base 1
+	}
+	if present(f.Samplers) {
+		if sp.Order, err = SamplerOrder(f.Samplers); err != nil {
+			return err
+		}
 	}
 	if m := f.Mirostat; m != nil {
 		if *m < 0 || *m > 2 {

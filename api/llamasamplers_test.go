@@ -2,6 +2,7 @@ package api
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -137,5 +138,38 @@ func TestLlamaSamplersAsLlamaServerTakesThem(t *testing.T) {
 		if got[i] == nil || got[i] != got[i%2] || got[0] == got[1] {
 			t.Fatalf("breakers %d: %p; want %p", i, got[i], got[i%2])
 		}
+	}
+}
+
+// TestSamplerOrder: llama-server's "samplers", as names or letters, names it
+// does not know left out; and a request's order decides what runs: XTC
+// listed runs, XTC left out does not (with temperature left out: 1).
+func TestSamplerOrder(t *testing.T) {
+	for raw, want := range map[string][]sample.Stage{
+		`"edkt"`: {sample.StagePenalties, sample.StageDRY, sample.StageTopK, sample.StageTemperature},
+		`["penalties","dry","top_n_sigma","top_k","typ_p","tfs_z","typical_p","top_p","min_p","xtc","temperature"]`: {sample.StagePenalties,
+			sample.StageDRY, sample.StageTopNSigma, sample.StageTopK, sample.StageTypicalP, sample.StageTypicalP, sample.StageTopP,
+			sample.StageMinP, sample.StageXTC, sample.StageTemperature},
+		`[]`: {},
+	} {
+		got, err := SamplerOrder(json.RawMessage(raw))
+		if err != nil || !slices.Equal(got, want) || got == nil {
+			t.Errorf("%s: %v %v, want %v", raw, got, err, want)
+		}
+	}
+	if _, err := SamplersFlag("top_k;tmperature"); err == nil {
+		t.Error("--samplers with a misspelt name was accepted")
+	}
+	s := newTestServer(t, nil)
+	if w := s.do(t, "POST", "/completion", `{"prompt":"a","samplers":3}`); w.Code != 400 || !strings.Contains(w.Body.String(), `"param":"samplers"`) {
+		t.Errorf("samplers 3: %d %s", w.Code, w.Body)
+	}
+	body := `{"prompt":"abc","n_predict":24,"seed":1,"xtc_probability":1,"xtc_threshold":0.00004,"samplers":["xtc"]}`
+	if text := completionText(t, s.do(t, "POST", "/completion", body).Body.Bytes()); strings.Trim(text, "hi") != "" || len(text) != 24 {
+		t.Errorf("XTC listed: %q, want 24 of h and i", text)
+	}
+	body = strings.Replace(body, `["xtc"]`, `["top_k"]`, 1)
+	if text := completionText(t, s.do(t, "POST", "/completion", body).Body.Bytes()); strings.Trim(text, "hi") == "" {
+		t.Errorf("XTC left out: %q", text)
 	}
 }

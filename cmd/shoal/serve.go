@@ -279,6 +279,10 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Var(optional[int]{&ls.Mirostat}, "mirostat", "mirostat of requests that give none (default 0: off; 1 or 2)")
 	fs.Var(optional[float64]{&ls.MirostatEta}, "mirostat-lr", "mirostat_eta of requests that give none (default 0.1)")
 	fs.Var(optional[float64]{&ls.MirostatTau}, "mirostat-ent", "mirostat_tau of requests that give none (default 5)")
+	fs.Func("samplers", "the order of samplers of requests that give none, as llama-server's: names separated by ';' (penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature: llama-server's order, temperature last); default: shoal's order (temperature before the truncations, as vLLM)", func(v string) (err error) {
+		ls.Samplers, err = api.SamplersFlag(v)
+		return err
+	})
 	fs.Var(&f.apiKeys, "api-key", "key required on every endpoint but /health, /ready, /metrics and / (repeatable; also SHOAL_API_KEYS=a,b)")
 	f.cluster = addClusterFlags(fs)
 	return fs, f
@@ -838,6 +842,9 @@ func llamaSamplingDefaults(log *slog.Logger, d api.LlamaSamplerFields) api.Llama
 	}
 	if d.DrySequenceBreakers != nil {
 		attrs = append(attrs, "dry_sequence_breakers", fmt.Sprintf("%q", d.DrySequenceBreakers))
+	}
+	if d.Samplers != nil {
+		attrs = append(attrs, "samplers", string(d.Samplers))
 	}
 	if len(attrs) > 0 {
 		log.Info("default llama-server samplers for requests that give none", attrs...)

@@ -1091,7 +1091,8 @@ func TestLlamaSamplersStories260K(t *testing.T) {
 	}
 	for _, extra := range []string{`,"temperature":1,"seed":3,"xtc_probability":0.5`, `,"temperature":1,"seed":3,"mirostat":2`,
 		`,"temperature":1,"seed":3,"mirostat":1`, `,"temperature":1,"seed":3,"typical_p":0.5`, `,"temperature":1.5,"seed":3,"top_n_sigma":1`,
-		`,"temperature":1,"seed":3,"dynatemp_range":0.5`, `,"dry_multiplier":0.8,"dry_sequence_breakers":["\n","."]`} {
+		`,"temperature":1,"seed":3,"dynatemp_range":0.5`, `,"dry_multiplier":0.8,"dry_sequence_breakers":["\n","."]`,
+		`,"temperature":1.5,"min_p":0.1,"seed":3,"samplers":["penalties","dry","top_k","min_p","temperature"]`} {
 		complete(extra)
 	}
 	plain, dry := complete(`,"dry_multiplier":0`), complete("")
@@ -1132,6 +1133,14 @@ func TestLlamaSamplerFlags(t *testing.T) {
 	if *ls.DryMultiplier != 0.8 || !slices.Equal(ls.DrySequenceBreakers, []string{"\n", "###"}) || *ls.Mirostat != 2 || *ls.MirostatTau != 4 ||
 		*ls.TypicalP != 0.9 || *ls.XTCProbability != 0.5 || ls.DryBase != nil {
 		t.Fatalf("flags read as %+v", ls)
+	}
+	fs, f = serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--samplers", "min_p;temperature"}); err != nil || string(f.llamaSampling.Samplers) != `["min_p","temperature"]` {
+		t.Fatalf("--samplers: %s, %v", f.llamaSampling.Samplers, err)
+	}
+	fs, _ = serveFlagSet(io.Discard)
+	if err := fs.Parse([]string{"--samplers", "min_p;temprature"}); err == nil {
+		t.Fatal("--samplers with a misspelt name was accepted")
 	}
 	fs, f = serveFlagSet(io.Discard)
 	if err := fs.Parse([]string{"--dry-sequence-breaker", "none"}); err != nil || f.llamaSampling.DrySequenceBreakers == nil || len(f.llamaSampling.DrySequenceBreakers) != 0 {

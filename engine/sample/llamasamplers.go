@@ -257,3 +257,150 @@ func mirostat2(c []engine.TokenLogit, sum, mu float64) ([]engine.TokenLogit, flo
 	}
 	return c[:m], kept
 }
+
+// Stage is one of llama-server's samplers, for a request's own order of them
+// (Params.Order).
+type Stage uint8
+
+// The stages, under llama-server's names: penalties, dry, top_n_sigma,
+// top_k, typ_p, top_p, min_p, xtc, temperature.
+const (
+	StagePenalties Stage = iota + 1
+	StageDRY
+	StageTopNSigma
+	StageTopK
+	StageTypicalP
+	StageTopP
+	StageMinP
+	StageXTC
+	StageTemperature
+)
+
+// drawInOrder runs the request's own order of truncations and temperature
+// over c (finite logits) and draws.
+func (s *Sampler) drawInOrder(c []engine.TokenLogit) (engine.Token, bool) {
+	o := s.truncateInOrder(c)
+	if len(o.c) == 0 {
+		return 0, false
+	}
+	c, sum := o.probabilities()
+	return c[s.pick(c, sum)].Token, true
+}
+
+// ordered is the candidates between the stages of a request's own order:
+// logits, or probabilities summing to sum (relative: the best's may be 1).
+// Consecutive truncations that read probabilities share one conversion.
+type ordered struct {
+	c     []engine.TokenLogit
+	probs bool
+	sum   float64
+}
+
+// toProbabilities turns logits into probabilities, keeping the unlikeliest
+// too (unlike the package's probabilities: a temperature above 1 later may
+// make them likely).
+func (o *ordered) toProbabilities() {
+	if o.probs {
+		return
+	}
+	maxL := float64(o.c[best(o.c)].Logit)
+	o.sum = 0
+	for i, x := range o.c {
+		d := float64(x.Logit) - maxL
+		p := math.Exp(d)
+		if d >= -negligible {
+			p = expNeg(d)
+		}
+		o.c[i].Logit = float32(p)
+		o.sum += p
+	}
+	o.probs = true
+}
+
+// toLogits turns probabilities back into logits (log-probabilities: the same
+// distribution, at any later temperature).
+func (o *ordered) toLogits() {
+	if !o.probs {
+		return
+	}
+	for i := range o.c {
+		o.c[i].Logit = float32(math.Log(float64(o.c[i].Logit)))
+	}
+	o.probs = false
+}
+
+// probabilities are the candidates' probabilities for the draw, and their sum.
+func (o *ordered) probabilities() ([]engine.TokenLogit, float64) {
+	if o.probs {
+		return o.c, o.sum
+	}
+	return probabilities(o.c, o.c[best(o.c)].Logit, 1)
+}
+
+// truncateInOrder runs the request's own order of truncations and temperature
+// over c (finite logits), as llama.cpp's sampler chain does: each stage reads
+// the probabilities of the logits the stages before it left.
+func (s *Sampler) truncateInOrder(c []engine.TokenLogit) *ordered {
+	o := &ordered{c: c}
+	for _, st := range s.p.Order {
+		if len(o.c) < 2 {
+			break
+		}
+		switch st {
+		case StageTopNSigma:
+			if s.p.TopNSigma > 0 {
+				o.toLogits()
+				o.c = topNSigma(o.c, o.c[best(o.c)].Logit, s.p.TopNSigma)
+			}
+		case StageTopK:
+			if k := s.p.TopK; k > 0 && k < len(o.c) {
+				selectTop(o.c, k) // logits or probabilities: the same k
+				o.c = o.c[:k]
+				o.sum = 0
+				for _, x := range o.c {
+					o.sum += float64(x.Logit)
+				}
+			}
+		case StageTypicalP:
+			if tp := s.p.TypicalP; tp > 0 && tp < 1 {
+				o.toProbabilities()
+				o.c, o.sum = s.typicalP(o.c, o.sum, float64(tp))
+			}
+		case StageTopP:
+			if tp := float64(s.p.TopP); tp > 0 && tp < 1 {
+				o.toProbabilities()
+				o.c, o.sum = s.topP(o.c, tp*o.sum)
+			}
+		case StageMinP:
+			if s.p.MinP > 0 {
+				o.toProbabilities()
+				floor := s.p.MinP * o.c[best(o.c)].Logit
+				o.c = slices.DeleteFunc(o.c, func(x engine.TokenLogit) bool { return x.Logit < floor })
+				o.sum = 0
+				for _, x := range o.c {
+					o.sum += float64(x.Logit)
+				}
+			}
+		case StageXTC:
+			if s.p.XTCProbability > 0 && s.p.XTCThreshold <= 0.5 && s.rng.Float64() <= float64(s.p.XTCProbability) {
+				o.toProbabilities()
+				o.c, o.sum = xtc(o.c, o.sum, float64(s.p.XTCThreshold))
+			}
+		case StageTemperature:
+			o.toLogits()
+			temp := float64(s.p.Temperature)
+			if s.p.DynatempRange > 0 {
+				temp = dynamicTemp(o.c, o.c[best(o.c)].Logit, temp, float64(s.p.DynatempRange), float64(s.p.DynatempExponent))
+			}
+			if temp <= 0 {
+				o.c[0] = o.c[best(o.c)]
+				o.c = o.c[:1]
+				break
+			}
+			for i := range o.c {
+				o.c[i].Logit = float32(float64(o.c[i].Logit) / temp)
+			}
+		}
+	}
+	return o
+}

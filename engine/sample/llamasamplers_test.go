@@ -502,6 +502,9 @@ func BenchmarkLlamaSamplers(b *testing.B) {
 		{"dry-4k", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05, DRY: DRY{Multiplier: 0.8, Base: 1.75, AllowedLength: 2, LastN: -1}}},
 		{"xtc", Params{Temperature: 0.8, TopK: 40, TopP: 0.95, MinP: 0.05, XTCProbability: 0.5, XTCThreshold: 0.1}},
 		{"whole-vocab", Params{Temperature: 1}},
+		{"min-p-whole-vocab", Params{Temperature: 1.5, MinP: 0.05, TopP: 0.95}},
+		{"min-p-whole-vocab-temperature-last", Params{Temperature: 1.5, MinP: 0.05, TopP: 0.95, Order: []Stage{StagePenalties, StageDRY,
+			StageTopNSigma, StageTopK, StageTypicalP, StageTopP, StageMinP, StageXTC, StageTemperature}}},
 		{"typical-whole-vocab", Params{Temperature: 1, TypicalP: 0.9}},
 		{"top-n-sigma", Params{Temperature: 1, TopNSigma: 1}},
 		{"dynatemp", Params{Temperature: 1, DynatempRange: 0.5, DynatempExponent: 1}},
@@ -632,5 +635,146 @@ func TestDRYWindowNearMaxInt(t *testing.T) {
 	}
 	if _, err := s.Sample(make([]float32, 4)); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// refInOrder is a request's order of top-k (k), top-p (p), min-p (m) and
+// temperature (t) by their definitions, over probabilities sorted most likely
+// first, renormalised after each: the distribution left, by token id.
+func refInOrder(probs []float64, order string, k int, topP, minP, temp float64) map[engine.Token]float64 {
+	type tp struct {
+		t engine.Token
+		p float64
+	}
+	var c []tp
+	for i, p := range probs {
+		c = append(c, tp{engine.Token(i), p})
+	}
+	slices.SortFunc(c, func(a, b tp) int {
+		if a.p != b.p {
+			if a.p > b.p {
+				return -1
+			}
+			return 1
+		}
+		return int(a.t - b.t)
+	})
+	norm := func() {
+		var sum float64
+		for _, x := range c {
+			sum += x.p
+		}
+		for i := range c {
+			c[i].p /= sum
+		}
+	}
+	norm()
+	for _, st := range order {
+		switch st {
+		case 'k':
+			c = c[:min(k, len(c))]
+		case 'p':
+			acc := 0.0
+			for i, x := range c {
+				if acc += x.p; acc >= topP {
+					c = c[:i+1]
+					break
+				}
+			}
+		case 'm':
+			floor := minP * c[0].p
+			c = slices.DeleteFunc(c, func(x tp) bool { return x.p < floor })
+		case 't':
+			for i := range c {
+				c[i].p = math.Pow(c[i].p, 1/temp)
+			}
+		}
+		norm()
+	}
+	out := map[engine.Token]float64{}
+	for _, x := range c {
+		out[x.t] = x.p
+	}
+	return out
+}
+
+// TestOrderAsLlamaCpp: a request's own order of samplers (llama-server's
+// "samplers") keeps what the truncations keep by definition, applied in that
+// order, each over what the ones before it left; the orders are those of
+// llama.cpp's sampler-queue tests (weights growing with the token id) and
+// temperature before or after them.
+func TestOrderAsLlamaCpp(t *testing.T) {
+	const n = 10000
+	probs := make([]float64, n)
+	logits := make([]engine.TokenLogit, n)
+	for i := range probs {
+		probs[i] = float64(i + 1)
+		logits[i] = engine.TokenLogit{Token: engine.Token(i), Logit: float32(math.Log(float64(i + 1)))}
+	}
+	stage := map[rune]Stage{'k': StageTopK, 'p': StageTopP, 'm': StageMinP, 't': StageTemperature}
+	for _, order := range []string{"k", "p", "m", "kp", "km", "pk", "pm", "mk", "mp", "kpm", "kmp", "pkm", "pmk", "mkp", "mpk", "tmp", "mpt", "kmt", "tkm"} {
+		for _, temp := range []float64{0.5, 1.5} {
+			p := Params{Temperature: float32(temp), TopK: 100, TopP: 0.8, MinP: 0.1}
+			for _, st := range order {
+				p.Order = append(p.Order, stage[st])
+			}
+			s := mustNew(t, p, nil)
+			o := s.truncateInOrder(slices.Clone(logits))
+			o.toLogits()
+			kept := o.c
+			got := softmaxOf(kept, n)
+			want := refInOrder(probs, order, 100, 0.8, 0.1, temp)
+			if len(kept) != len(want) {
+				t.Errorf("%s at %v: kept %d, want %d", order, temp, len(kept), len(want))
+				continue
+			}
+			for tok, w := range want {
+				if math.Abs(got[tok]-w) > 1e-5 {
+					t.Errorf("%s at %v: token %d %.6f, want %.6f", order, temp, tok, got[tok], w)
+					break
+				}
+			}
+		}
+	}
+}
+
+// TestTemperatureLast: min-p before temperature (SillyTavern's order, as
+// llama-server takes it) truncates the model's own distribution, which a high
+// temperature then flattens; shoal's own order truncates the flattened one and
+// keeps more.
+func TestTemperatureLast(t *testing.T) {
+	logits := []float32{4, 3, 2, 1, 0, -1}
+	p := Params{Temperature: 2, MinP: 0.1, Seed: 5}
+	first := drawCounts(t, p, logits, 4000)
+	p.Order = []Stage{StagePenalties, StageDRY, StageTopK, StageTypicalP, StageTopP, StageMinP, StageXTC, StageTemperature}
+	last := drawCounts(t, p, logits, 4000)
+	// At temperature 1 token 3 is e^-3 = 0.05 of the best: below min-p.
+	if last[3]+last[4]+last[5] != 0 {
+		t.Errorf("temperature last: drew %v, want none of tokens 3-5", last)
+	}
+	if first[3] == 0 {
+		t.Errorf("temperature first: drew %v, want token 3 too (e^-1.5 = 0.22 of the best)", first)
+	}
+}
+
+// TestOrderLeavesOutWhatItDoesNotList: penalties and DRY apply only when the
+// order lists them, as in llama-server; temperature not listed is 1.
+func TestOrderLeavesOutWhatItDoesNotList(t *testing.T) {
+	logits := []float32{1, 5, 1, 1}
+	p := Params{RepeatPenalty: 100, DRY: DRY{Multiplier: 50, Base: 2, AllowedLength: 1, LastN: -1}, Order: []Stage{StageTopK}}
+	s := mustNew(t, p, nil)
+	for _, tok := range []engine.Token{1, 2, 1} {
+		s.Accept(tok, false)
+	}
+	if x, err := s.Sample(logits); err != nil || x.Token != 1 {
+		t.Errorf("penalties and DRY not listed: %v %v, want token 1", x.Token, err)
+	}
+	p.Order = []Stage{StagePenalties}
+	s = mustNew(t, p, nil)
+	for _, tok := range []engine.Token{1, 2, 1} {
+		s.Accept(tok, false)
+	}
+	if x, err := s.Sample(logits); err != nil || x.Token == 1 {
+		t.Errorf("penalties listed: %v %v, want another token than 1", x.Token, err)
 	}
 }

@@ -81,6 +81,12 @@ type Params struct {
 	Mirostat                 int
 	MirostatTau, MirostatEta float32
 	DRY                      DRY
+	// Order, when set, is the request's own order of samplers, as
+	// llama-server's "samplers" (Stage). Penalties and DRY still come first,
+	// but only when listed; the truncations and temperature then run as
+	// listed, each over the logits the ones before it left, and temperature
+	// only where listed (at 1 when it is not).
+	Order []Stage
 
 	Seed uint64 // seeds the generator; equal seeds give equal draws
 
@@ -133,6 +139,11 @@ func (p Params) Validate() error {
 	if err := p.DRY.validate(); err != nil {
 		return err
 	}
+	for _, st := range p.Order {
+		if st < StagePenalties || st > StageTemperature {
+			return fmt.Errorf("sampler stage %d is not one", st)
+		}
+	}
 	for _, t := range p.EndTokens {
 		if t < 0 {
 			return fmt.Errorf("end token %d must be >= 0", t)
@@ -150,7 +161,11 @@ func isNaN(f float32) bool { return f != f }
 
 func finite(f float32) bool { return !isNaN(f) && !math.IsInf(float64(f), 0) }
 
-func (p Params) greedy() bool { return p.Temperature <= 0 && p.DynatempRange <= 0 }
+// greedy reports whether the request draws the likeliest token. An order of
+// samplers without temperature (Order) draws at 1, as llama-server does.
+func (p Params) greedy() bool {
+	return p.Temperature <= 0 && p.DynatempRange <= 0 && (p.Order == nil || slices.Contains(p.Order, StageTemperature))
+}
 
 func (p Params) penalised() bool {
 	return p.repeatPenalised() || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 || p.DRY.on()
@@ -197,6 +212,14 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 	}
 	if p.RepeatLastN == 0 {
 		p.RepeatLastN = DefaultRepeatLastN
+	}
+	if p.Order != nil {
+		if !slices.Contains(p.Order, StagePenalties) {
+			p.RepeatPenalty, p.FrequencyPenalty, p.PresencePenalty = 1, 0, 0
+		}
+		if !slices.Contains(p.Order, StageDRY) {
+			p.DRY.Multiplier = 0
+		}
 	}
 	s := &Sampler{
 		p:         p,
@@ -446,6 +469,9 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 	}
 	if s.p.Mirostat != 0 {
 		return s.mirostat(c, maxL, vocab), true
+	}
+	if s.p.Order != nil {
+		return s.drawInOrder(c)
 	}
 	if s.p.TopNSigma > 0 && len(c) > 1 {
 		c = topNSigma(c, maxL, s.p.TopNSigma)
