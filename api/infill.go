@@ -146,8 +146,9 @@ func (in *infill) tokens() []engine.Token {
 // the cursor, other files as context, and llama-server's completion options
 // (n_predict, repeat_penalty, n_indent, t_max_predict_ms; the OpenAI names
 // work too). Options of llama-server's own that shoal has no use for
-// (cache_prompt, samplers, t_max_prompt_ms) are accepted and ignored: the
-// prefix cache is always on.
+// (cache_prompt, t_max_prompt_ms) are accepted and ignored: the prefix cache
+// is always on. Its samplers, "samplers" among them, are taken as on every
+// endpoint (LlamaSamplerFields).
 type InfillRequest struct {
 	SamplingFields
 	LlamaFields

@@ -42,29 +42,44 @@ type LlamaSamplerFields struct {
 	Samplers json.RawMessage `json:"samplers"`
 }
 
-// samplerNames are llama-server's names of its samplers (and the other names
-// llama.cpp's command line takes), samplerLetters its letters.
+// samplerNames are llama-server's names of its samplers in a request,
+// samplerAltNames the other names its command line takes too, and
+// samplerLetters their letters. llama.cpp's "infill" sampler (for
+// fill-in-the-middle) is known and left out: shoal has none (noStage).
+const noStage sample.Stage = 0
+
 var (
 	samplerNames = map[string]sample.Stage{
-		"penalties": sample.StagePenalties, "dry": sample.StageDRY, "top_n_sigma": sample.StageTopNSigma, "top-n-sigma": sample.StageTopNSigma,
-		"top_k": sample.StageTopK, "top-k": sample.StageTopK, "typ_p": sample.StageTypicalP, "typical_p": sample.StageTypicalP,
+		"penalties": sample.StagePenalties, "dry": sample.StageDRY, "top_n_sigma": sample.StageTopNSigma, "top_k": sample.StageTopK,
+		"typ_p": sample.StageTypicalP, "top_p": sample.StageTopP, "min_p": sample.StageMinP, "xtc": sample.StageXTC,
+		"temperature": sample.StageTemperature, "infill": noStage,
+	}
+	samplerAltNames = map[string]sample.Stage{
+		"top-k": sample.StageTopK, "top-p": sample.StageTopP, "top-n-sigma": sample.StageTopNSigma, "nucleus": sample.StageTopP,
 		"typical-p": sample.StageTypicalP, "typical": sample.StageTypicalP, "typ-p": sample.StageTypicalP, "typ": sample.StageTypicalP,
-		"top_p": sample.StageTopP, "top-p": sample.StageTopP, "nucleus": sample.StageTopP, "min_p": sample.StageMinP, "min-p": sample.StageMinP,
-		"xtc": sample.StageXTC, "temperature": sample.StageTemperature, "temp": sample.StageTemperature,
+		"min-p": sample.StageMinP, "temp": sample.StageTemperature,
 	}
 	samplerLetters = map[rune]sample.Stage{
 		'e': sample.StagePenalties, 'd': sample.StageDRY, 's': sample.StageTopNSigma, 'k': sample.StageTopK, 'y': sample.StageTypicalP,
-		'p': sample.StageTopP, 'm': sample.StageMinP, 'x': sample.StageXTC, 't': sample.StageTemperature,
+		'p': sample.StageTopP, 'm': sample.StageMinP, 'x': sample.StageXTC, 't': sample.StageTemperature, 'i': noStage,
 	}
 )
 
 // SamplersFlag reads llama-server's --samplers, names separated by ';', as
 // the "samplers" of requests; a name it does not know is an error.
 func SamplersFlag(list string) (json.RawMessage, error) {
-	names := strings.Split(list, ";")
-	for _, n := range names {
-		if _, ok := samplerNames[n]; !ok {
-			return nil, fmt.Errorf("sampler %q: want some of penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature", n)
+	var names []string
+	for _, n := range strings.Split(list, ";") {
+		st, ok := samplerNames[n]
+		if !ok {
+			if st, ok = samplerAltNames[n]; !ok {
+				return nil, fmt.Errorf("sampler %q: want some of penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature", n)
+			}
+		}
+		for canonical, s := range samplerNames { // requests take canonical names only
+			if s == st && st != noStage {
+				names = append(names, canonical)
+			}
 		}
 	}
 	return json.Marshal(names)
@@ -77,7 +92,7 @@ func SamplerOrder(raw json.RawMessage) ([]sample.Stage, error) {
 	var letters string
 	if json.Unmarshal(raw, &letters) == nil {
 		for _, r := range letters {
-			if st, ok := samplerLetters[r]; ok {
+			if st, ok := samplerLetters[r]; ok && st != noStage {
 				order = append(order, st)
 			}
 		}
@@ -88,7 +103,7 @@ func SamplerOrder(raw json.RawMessage) ([]sample.Stage, error) {
 		return nil, invalid("samplers", "samplers must be an array of sampler names or a string of their letters")
 	}
 	for _, n := range names {
-		if st, ok := samplerNames[n]; ok {
+		if st, ok := samplerNames[n]; ok && st != noStage {
 			order = append(order, st)
 		}
 	}

@@ -147,10 +147,14 @@ func TestLlamaSamplersAsLlamaServerTakesThem(t *testing.T) {
 func TestSamplerOrder(t *testing.T) {
 	for raw, want := range map[string][]sample.Stage{
 		`"edkt"`: {sample.StagePenalties, sample.StageDRY, sample.StageTopK, sample.StageTemperature},
-		`["penalties","dry","top_n_sigma","top_k","typ_p","tfs_z","typical_p","top_p","min_p","xtc","temperature"]`: {sample.StagePenalties,
-			sample.StageDRY, sample.StageTopNSigma, sample.StageTopK, sample.StageTypicalP, sample.StageTypicalP, sample.StageTopP,
+		// Requests name samplers as llama-server's do: canonical names only
+		// ("typical_p", "temp" are its command line's), "infill" known and
+		// left out.
+		`["penalties","dry","top_n_sigma","top_k","typ_p","tfs_z","typical_p","top_p","min_p","xtc","temp","temperature","infill"]`: {
+			sample.StagePenalties, sample.StageDRY, sample.StageTopNSigma, sample.StageTopK, sample.StageTypicalP, sample.StageTopP,
 			sample.StageMinP, sample.StageXTC, sample.StageTemperature},
-		`[]`: {},
+		`"kpit"`: {sample.StageTopK, sample.StageTopP, sample.StageTemperature},
+		`[]`:     {},
 	} {
 		got, err := SamplerOrder(json.RawMessage(raw))
 		if err != nil || !slices.Equal(got, want) || got == nil {
@@ -159,6 +163,9 @@ func TestSamplerOrder(t *testing.T) {
 	}
 	if _, err := SamplersFlag("top_k;tmperature"); err == nil {
 		t.Error("--samplers with a misspelt name was accepted")
+	}
+	if raw, err := SamplersFlag("top-k;nucleus;infill;temp"); err != nil || string(raw) != `["top_k","top_p","temperature"]` {
+		t.Errorf("--samplers with the command line's names: %s %v", raw, err)
 	}
 	s := newTestServer(t, nil)
 	if w := s.do(t, "POST", "/completion", `{"prompt":"a","samplers":3}`); w.Code != 400 || !strings.Contains(w.Body.String(), `"param":"samplers"`) {

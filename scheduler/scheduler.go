@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -703,7 +704,7 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		q.draftOK = q.draftAt + accepted
 		var out engine.Sampled
 		var serr error
-		if err := s.eng.Logits(rows[j], func(l []float32) { out, serr = sampleSafely(q.sampler, l) }); err != nil {
+		if err := s.eng.Logits(rows[j], func(l []float32) { out, serr = s.sampleSafely(q.sampler, l) }); err != nil {
 			serr = err
 		}
 		s.emitSampled(q, out, serr)
@@ -1218,13 +1219,13 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 			}
 			continue
 		}
-		if err := s.eng.Logits(q.sampleRow, func(l []float32) { res[i].out, res[i].err = sampleSafely(q.sampler, l) }); err != nil {
+		if err := s.eng.Logits(q.sampleRow, func(l []float32) { res[i].out, res[i].err = s.sampleSafely(q.sampler, l) }); err != nil {
 			res[i].err = err
 		}
 	}
 	fan(workers, len(parallel), func(k int) {
 		r := &res[parallel[k]]
-		r.out, r.err = sampleSafely(qs[parallel[k]].sampler, r.view)
+		r.out, r.err = s.sampleSafely(qs[parallel[k]].sampler, r.view)
 	})
 	for i, q := range qs {
 		if q.running && !q.done { // an earlier failure of its group ended it
@@ -1236,16 +1237,27 @@ func (s *Scheduler) sampleRows(qs []*seq) {
 	}
 }
 
-// sampleSafely draws from logits with sm. A panic in the sampler (a bug that
-// some request's parameters reach) fails that request, not the node: the
-// scheduler's goroutine and the sampling workers have no other recover.
-func sampleSafely(sm engine.Sampler, logits []float32) (out engine.Sampled, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			out, err = engine.Sampled{}, fmt.Errorf("sampler panicked: %v", r)
-		}
-	}()
+// sampleSafely draws from logits with sm, and acceptSafely records a token
+// in it. A panic in the sampler (a bug that some request's parameters reach)
+// fails that request, not the node: the scheduler's goroutine and the
+// sampling workers have no other recover. The stack goes to the log. Safe to
+// call from the sampling workers.
+func (s *Scheduler) sampleSafely(sm engine.Sampler, logits []float32) (out engine.Sampled, err error) {
+	defer s.recoverSampler(&err)
 	return sm.Sample(logits)
+}
+
+func (s *Scheduler) acceptSafely(sm engine.Sampler, t engine.Token, generated bool) (err error) {
+	defer s.recoverSampler(&err)
+	sm.Accept(t, generated)
+	return nil
+}
+
+func (s *Scheduler) recoverSampler(err *error) {
+	if r := recover(); r != nil {
+		s.log.Error("sampler panicked", "panic", r, "stack", string(debug.Stack()))
+		*err = fmt.Errorf("sampler panicked: %v", r)
+	}
 }
 
 // workers is how many goroutines read a step's logits rows.
@@ -1352,7 +1364,10 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 		return
 	}
 	tok := out.Token
-	q.sampler.Accept(tok, true)
+	if err := s.acceptSafely(q.sampler, tok, true); err != nil {
+		s.fail(g, fmt.Errorf("sample: %w", err))
+		return
+	}
 	q.gen++
 	if q.gen == 1 && q.index == 0 {
 		s.stats.PromptTokens += uint64(g.usage.PromptTokens) // once per request, as vLLM
@@ -1417,7 +1432,10 @@ func (s *Scheduler) newSampler(q *seq) error {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	for _, t := range g.req.Prompt {
-		sm.Accept(t, false)
+		if err := s.acceptSafely(sm, t, false); err != nil {
+			sm.Close()
+			return err
+		}
 	}
 	q.sampler = sm
 	return nil

@@ -1881,7 +1881,20 @@ func (panicSampler) Accept(engine.Token, bool)                {}
 func (panicSampler) Close() error                             { return nil }
 
 func TestSampleSafelyRecovers(t *testing.T) {
-	if _, err := sampleSafely(panicSampler{}, []float32{1}); err == nil || !strings.Contains(err.Error(), "index out of range") {
+	var logged strings.Builder
+	s := &Scheduler{log: slog.New(slog.NewTextHandler(&logged, nil))}
+	if _, err := s.sampleSafely(panicSampler{}, []float32{1}); err == nil || !strings.Contains(err.Error(), "index out of range") {
 		t.Fatalf("got %v, want the panic as an error", err)
 	}
+	if err := s.acceptSafely(panicAccept{}, 1, true); err == nil || !strings.Contains(err.Error(), "accept") {
+		t.Fatalf("got %v, want the panic as an error", err)
+	}
+	if !strings.Contains(logged.String(), "sampler panicked") || !strings.Contains(logged.String(), "goroutine") {
+		t.Errorf("the panic's stack was not logged: %s", logged.String())
+	}
 }
+
+// panicAccept is a sampler whose Accept has a bug.
+type panicAccept struct{ panicSampler }
+
+func (panicAccept) Accept(engine.Token, bool) { panic("accept") }

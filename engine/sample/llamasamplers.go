@@ -16,16 +16,25 @@ import (
 // deviations of the best logit.
 func topNSigma(c []engine.TokenLogit, maxL float32, n float32) []engine.TokenLogit {
 	var sum float64
+	finite := 0
 	for _, x := range c {
-		sum += float64(x.Logit)
+		if !math.IsInf(float64(x.Logit), -1) { // as llama.cpp: banned tokens do not count
+			sum += float64(x.Logit)
+			finite++
+		}
 	}
-	mean := sum / float64(len(c))
+	if finite == 0 {
+		return c
+	}
+	mean := sum / float64(finite)
 	var acc float64
 	for _, x := range c {
-		d := float64(x.Logit) - mean
-		acc += d * d
+		if !math.IsInf(float64(x.Logit), -1) {
+			d := float64(x.Logit) - mean
+			acc += d * d
+		}
 	}
-	floor := float64(maxL) - float64(n)*math.Sqrt(acc/float64(len(c)))
+	floor := float64(maxL) - float64(n)*math.Sqrt(acc/float64(finite))
 	m := 0
 	for _, x := range c {
 		if float64(x.Logit) >= floor {
@@ -74,7 +83,9 @@ func (s *Sampler) typicalP(c []engine.TokenLogit, sum, p float64) ([]engine.Toke
 	var h float64
 	for _, x := range c {
 		lq := math.Log(float64(x.Logit)) - logSum
-		h -= float64(x.Logit) / sum * lq
+		if x.Logit > 0 { // 0 · log 0 is 0
+			h -= float64(x.Logit) / sum * lq
+		}
 		tc = append(tc, typicalCand{x, lq})
 	}
 	s.typical = tc
@@ -298,22 +309,28 @@ type ordered struct {
 
 // toProbabilities turns logits into probabilities, keeping the unlikeliest
 // too (unlike the package's probabilities: a temperature above 1 later may
-// make them likely).
+// make them likely), all but those too unlikely for a float32 (e^-103 of the
+// best), which no temperature a request may ask for makes drawable.
 func (o *ordered) toProbabilities() {
 	if o.probs {
 		return
 	}
 	maxL := float64(o.c[best(o.c)].Logit)
 	o.sum = 0
-	for i, x := range o.c {
+	m := 0
+	for _, x := range o.c {
 		d := float64(x.Logit) - maxL
 		p := math.Exp(d)
 		if d >= -negligible {
 			p = expNeg(d)
 		}
-		o.c[i].Logit = float32(p)
-		o.sum += p
+		if f := float32(p); f > 0 {
+			o.c[m] = engine.TokenLogit{Token: x.Token, Logit: f}
+			m++
+			o.sum += float64(f)
+		}
 	}
+	o.c = o.c[:m]
 	o.probs = true
 }
 
@@ -397,8 +414,9 @@ func (s *Sampler) truncateInOrder(c []engine.TokenLogit) *ordered {
 				o.c = o.c[:1]
 				break
 			}
+			maxL := float64(o.c[best(o.c)].Logit) // shifted first: a small temperature must not overflow
 			for i := range o.c {
-				o.c[i].Logit = float32(float64(o.c[i].Logit) / temp)
+				o.c[i].Logit = float32((float64(o.c[i].Logit) - maxL) / temp)
 			}
 		}
 	}

@@ -778,3 +778,42 @@ func TestOrderLeavesOutWhatItDoesNotList(t *testing.T) {
 		t.Errorf("penalties listed: %v %v, want another token than 1", x.Token, err)
 	}
 }
+
+// TestOrderEdges: a request's order with tokens far below the best (DRY's
+// penalties, a bias), a temperature small enough to overflow a logit divided
+// by it, and temperature 0 after typical-p, which may cut the likeliest.
+func TestOrderEdges(t *testing.T) {
+	full := []Stage{StagePenalties, StageDRY, StageTopNSigma, StageTopK, StageTypicalP, StageTopP, StageMinP, StageXTC, StageTemperature}
+	// Tokens 3 and 4 are the typical ones, alike; token 5 is e^-205 of them.
+	c := drawCounts(t, Params{Temperature: 1, TypicalP: 0.5, Order: []Stage{StageTypicalP, StageTemperature}, Seed: 1},
+		[]float32{0, 0, 0, 5, 5, -200}, 2000)
+	if c[3] < 800 || c[4] < 800 || c[3]+c[4] != 2000 {
+		t.Errorf("typical-p over a token of probability 0: %v", c)
+	}
+	c = drawCounts(t, Params{Temperature: 1, TopNSigma: 1, XTCProbability: 1, XTCThreshold: 0.5, Order: []Stage{StageXTC, StageTopNSigma}, Seed: 1},
+		[]float32{5, 4, 3, -200}, 200)
+	if c[0] != 200 {
+		t.Errorf("top-n-sigma after XTC: %v, want token 0 (the only one XTC's threshold passes)", c)
+	}
+	for _, p := range []Params{
+		{Temperature: 0.5, DynatempRange: 0.5, DynatempExponent: 4, Order: []Stage{StageTemperature}},
+		{Temperature: 1e-38, Order: full},
+	} {
+		if c := drawCounts(t, p, []float32{30, 1, 0, -3}, 200); c[0] != 200 {
+			t.Errorf("%+v: %v, want token 0", p, c)
+		}
+	}
+	// Typical-p keeps tokens 1-3 (llama.cpp's test); temperature 0 after it
+	// keeps the likeliest of those.
+	p := Params{TypicalP: 0.5, Order: []Stage{StageTypicalP, StageTemperature}}
+	logits := make([]float32, 4)
+	for i, x := range logitsOf([]float32{0.4, 0.2, 0.2, 0.2}) {
+		logits[i] = x.Logit
+	}
+	if c := drawCounts(t, p, logits, 100); c[1] != 100 {
+		t.Errorf("temperature 0 after typical-p: %v, want token 1", c)
+	}
+	if (Params{Order: []Stage{StageTopK}}).greedy() || !(Params{Order: []Stage{StageTopK, StageTemperature}}).greedy() {
+		t.Error("greedy: an order without temperature draws at 1, with it at 0 greedily")
+	}
+}

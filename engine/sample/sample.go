@@ -161,10 +161,27 @@ func isNaN(f float32) bool { return f != f }
 
 func finite(f float32) bool { return !isNaN(f) && !math.IsInf(float64(f), 0) }
 
-// greedy reports whether the request draws the likeliest token. An order of
-// samplers without temperature (Order) draws at 1, as llama-server does.
+// greedy reports whether the request draws the likeliest token. In an order
+// of samplers (Order), temperature 0 keeps the likeliest of what the stages
+// before it left, which typical-p and XTC may have cut the likeliest from (the
+// draw does that); without temperature the draw is at 1, as llama-server's.
 func (p Params) greedy() bool {
-	return p.Temperature <= 0 && p.DynatempRange <= 0 && (p.Order == nil || slices.Contains(p.Order, StageTemperature))
+	if p.Temperature > 0 || p.DynatempRange > 0 {
+		return false
+	}
+	if p.Order == nil {
+		return true
+	}
+	for _, st := range p.Order {
+		switch {
+		case st == StageTemperature:
+			return true
+		case st == StageTypicalP && p.TypicalP > 0 && p.TypicalP < 1,
+			st == StageXTC && p.XTCProbability > 0 && p.XTCThreshold <= 0.5:
+			return false
+		}
+	}
+	return false
 }
 
 func (p Params) penalised() bool {
@@ -213,7 +230,7 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 	if p.RepeatLastN == 0 {
 		p.RepeatLastN = DefaultRepeatLastN
 	}
-	if p.Order != nil {
+	if p.Order != nil && p.Mirostat == 0 { // Mirostat ignores the order, as llama-server's
 		if !slices.Contains(p.Order, StagePenalties) {
 			p.RepeatPenalty, p.FrequencyPenalty, p.PresencePenalty = 1, 0, 0
 		}
@@ -535,10 +552,10 @@ func probabilities(c []engine.TokenLogit, maxL float32, temp float64) ([]engine.
 		if float64(x.Logit) < floor {
 			continue
 		}
-		p := expNeg((float64(x.Logit) - float64(maxL)) / temp)
-		c[m] = engine.TokenLogit{Token: x.Token, Logit: float32(p)}
+		p := float32(expNeg((float64(x.Logit) - float64(maxL)) / temp))
+		c[m] = engine.TokenLogit{Token: x.Token, Logit: p}
 		m++
-		sum += p
+		sum += float64(p) // as stored: the draw walks the stored values
 	}
 	return c[:m], sum
 }
