@@ -193,7 +193,10 @@ func FuzzLlamaServerRequests(f *testing.F) {
 		`{"prompt":"abc","n_predict":3,"stop":["x"],"stream":true}`, `{"prompt":["a",3,"b"],"n_predict":0}`,
 		`{"prompt":[1,2],"n_predict":-1,"repeat_penalty":1.1}`, `{"prompt":"a","grammar":"root ::= \"x\""}`,
 		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`,
-		`{"prompt":["a",[1,"b"],[2]],"n_predict":2,"stream":true}`, `{"prompt":["a","b"],"n_predict":1,"response_fields":["index"]}`)
+		`{"prompt":["a",[1,"b"],[2]],"n_predict":2,"stream":true}`, `{"prompt":["a","b"],"n_predict":1,"response_fields":["index"]}`,
+		`{"prompt":"abcabc","n_predict":4,"dry_multiplier":0.8,"dry_penalty_last_n":5,"dry_sequence_breakers":["b","\n"],"xtc_probability":1,"xtc_threshold":0.01,"temperature":2,"samplers":["dry","xtc","typ_p","temperature"],"typical_p":0.5}`,
+		`{"prompt":"a","mirostat":1,"mirostat_tau":0,"temperature":0.5,"n_predict":3}`, `{"prompt":"a","mirostat":2,"mirostat_eta":9,"n_predict":3,"repeat_penalty":1e-9}`,
+		`{"prompt":"a","top_n_sigma":0.5,"dynatemp_range":2,"dynatemp_exponent":0,"samplers":"kxtys","n_predict":3,"min_p":0.5}`)
 }
 
 // fuzzOpenAIErrors fuzzes bodies posted to s at path a or b (seeded with

@@ -817,3 +817,69 @@ func TestOrderEdges(t *testing.T) {
 		t.Error("greedy: an order without temperature draws at 1, with it at 0 greedily")
 	}
 }
+
+// FuzzSampler: no parameters Validate accepts and no logits (NaN, ±Inf, huge)
+// make a draw panic or return a token outside the vocabulary.
+func FuzzSampler(f *testing.F) {
+	f.Add([]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20}, []byte("\x00\x10\x20\x30\x7f\xff\x80"), uint64(1))
+	f.Add([]byte{0, 0, 0, 255, 255, 255, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, []byte("\xff\xff\x7f\x00"), uint64(7))
+	f.Fuzz(func(t *testing.T, params, raw []byte, seed uint64) {
+		if len(raw) < 2 || len(raw) > 512 {
+			return
+		}
+		at := func(i int) float32 { // params byte i as a number in [0, 1]
+			if i < len(params) {
+				return float32(params[i]) / 255
+			}
+			return 0
+		}
+		p := Params{
+			Temperature: at(0) * 2, TopK: int(at(1) * 10), TopP: at(2), MinP: at(3) * at(3), RepeatPenalty: at(4) * 3,
+			TopNSigma: at(5)*4 - 1, TypicalP: at(6), XTCProbability: at(7), XTCThreshold: at(8) * 0.6,
+			DynatempRange: at(9), DynatempExponent: at(10) * 3, Mirostat: int(at(11)*3) % 3, MirostatTau: at(12) * 8, MirostatEta: at(13),
+			DRY:  DRY{Multiplier: at(14) * 3, Base: 1 + at(15)*2, AllowedLength: int(at(16) * 4), LastN: int(at(17)*20) - 1, Breakers: BreakerTokens([]engine.Token{1}, []engine.Token{2, 3})},
+			Seed: seed,
+		}
+		if at(18) > 0.5 {
+			all := []Stage{StagePenalties, StageDRY, StageTopNSigma, StageTopK, StageTypicalP, StageTopP, StageMinP, StageXTC, StageTemperature}
+			for i := range int(at(19) * 12) {
+				p.Order = append(p.Order, all[(int(seed)+i*int(1+at(i%20)*7))%len(all)])
+			}
+			if p.Order == nil {
+				p.Order = []Stage{}
+			}
+		}
+		if p.Validate() != nil {
+			return
+		}
+		logits := make([]float32, len(raw))
+		for i, b := range raw {
+			switch b {
+			case 0xff:
+				logits[i] = float32(math.Inf(1))
+			case 0xfe:
+				logits[i] = float32(math.Inf(-1))
+			case 0xfd:
+				logits[i] = float32(math.NaN())
+			case 0xfc:
+				logits[i] = math.MaxFloat32
+			default:
+				logits[i] = float32(int(b)-128) / 4
+			}
+		}
+		s, err := New(p, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 6 {
+			x, err := s.Sample(logits)
+			if err != nil {
+				continue
+			}
+			if x.Token < 0 || int(x.Token) >= len(logits) {
+				t.Fatalf("%+v: token %d outside %d", p, x.Token, len(logits))
+			}
+			s.Accept(x.Token, true)
+		}
+	})
+}
