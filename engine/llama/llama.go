@@ -379,12 +379,12 @@ func Open(cfg Config) (*Engine, error) {
 
 	cpath := C.CString(cfg.ModelPath)
 	defer C.free(unsafe.Pointer(cpath))
-	lastLlamaError()
 	var model *C.struct_llama_model
-	weights := loadReporting(func() { model = C.llama_model_load_from_file(cpath, mp) })
+	var failed string
+	weights := loadReporting(func() { failed = llamaErrors(func() { model = C.llama_model_load_from_file(cpath, mp) }) })
 	if model == nil {
 		return nil, fmt.Errorf("open engine: llama.cpp could not load %s: %s", cfg.ModelPath,
-			cmp.Or(lastLlamaError(), "not a GGUF model it supports, or truncated/corrupt"))
+			cmp.Or(failed, "not a GGUF model it supports, or truncated/corrupt"))
 	}
 
 	e := &Engine{model: model}
@@ -500,11 +500,11 @@ func loadLoRA(model *C.struct_llama_model, path string) (*C.struct_llama_adapter
 	}
 	cp := C.CString(path)
 	defer C.free(unsafe.Pointer(cp))
-	lastLlamaError()
-	a := C.llama_adapter_lora_init(model, cp)
+	var a *C.struct_llama_adapter_lora
+	failed := llamaErrors(func() { a = C.llama_adapter_lora_init(model, cp) })
 	if a == nil {
 		return nil, fmt.Errorf("LoRA adapter %s: %s", path,
-			cmp.Or(lastLlamaError(), "llama.cpp could not load it (a LoRA GGUF for this model's architecture and shapes expected)"))
+			cmp.Or(failed, "llama.cpp could not load it (a LoRA GGUF for this model's architecture and shapes expected)"))
 	}
 	return a, nil
 }
@@ -567,7 +567,6 @@ func (e *Engine) newContext(cfg Config) error {
 	cp.swa_full = C.bool(true)
 
 	e.abort = (*C.int32_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.int32_t(0)))))
-	lastLlamaError()
 	if len(cfg.Adapters) > 0 {
 		// llama.cpp reuses a step's graph for the next of the same shape,
 		// comparing the adapters applied by the address of their set, which
@@ -587,13 +586,14 @@ func (e *Engine) newContext(cfg Config) error {
 			reuseEnv.Unlock()
 		}()
 	}
-	ctx := C.llama_init_from_model(e.model, cp)
+	var ctx *C.struct_llama_context
+	failed := llamaErrors(func() { ctx = C.llama_init_from_model(e.model, cp) })
 	if ctx == nil {
 		C.free(unsafe.Pointer(e.abort))
 		e.abort = nil
 		return fmt.Errorf("create context (n_ctx %d, n_seq_max %d, kv %s, flash %s): %s",
 			cfg.ContextCells, cfg.MaxSeqs, cfg.KVType, cfg.FlashAttention,
-			cmp.Or(lastLlamaError(), "llama.cpp refused it (a quantized V cache needs flash attention; memory may be short)"))
+			cmp.Or(failed, "llama.cpp refused it (a quantized V cache needs flash attention; memory may be short)"))
 	}
 	for i, a := range e.lora {
 		if C.llama_set_adapter_lora(ctx, a, C.float(cfg.LoRA[i].Scale)) != 0 {

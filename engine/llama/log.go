@@ -14,9 +14,11 @@ static void shoal_install_log(void) {
 import "C"
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -86,7 +88,11 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 		return
 	}
 	if logLevel >= slog.LevelError {
-		lastError.Store(line)
+		if c := capturing[threadID()]; c != nil {
+			*c = line // the error of the call in progress on this thread
+		} else {
+			lastError.Store(line)
+		}
 	}
 	if loading != nil {
 		if m := weightBufferRE.FindStringSubmatch(line); m != nil {
@@ -121,6 +127,32 @@ func slogLevel(level C.int) slog.Level {
 		return slog.LevelWarn
 	}
 	return slog.LevelDebug
+}
+
+// capturing holds, by OS thread, where the call in progress on it
+// (llamaErrors) keeps the error lines llama.cpp logs on that thread; under
+// logMu. Lines logged on other threads (ggml's workers) go to lastError.
+var capturing = map[int]*string{}
+
+// llamaErrors runs call, a call into llama.cpp, with this goroutine locked to
+// its thread, and returns the last error line llama.cpp logged on that thread
+// meanwhile, else the last one logged on any thread since the call began, else
+// "". Calls running at once (a picture prepared while another is encoded) get
+// their own lines, not each other's.
+func llamaErrors(call func()) string {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	tid := threadID()
+	var line string
+	logMu.Lock()
+	capturing[tid] = &line
+	logMu.Unlock()
+	lastLlamaError()
+	call()
+	logMu.Lock()
+	delete(capturing, tid)
+	logMu.Unlock()
+	return cmp.Or(line, lastLlamaError())
 }
 
 // lastLlamaError returns llama.cpp's most recent error line, or "" and clears it.

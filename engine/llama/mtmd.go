@@ -195,11 +195,11 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 	cp.media_marker = cm
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
-	lastLlamaError()
-	ctx := C.mtmd_init_from_file(cpath, e.model, cp)
+	var ctx *C.mtmd_context
+	failed := llamaErrors(func() { ctx = C.mtmd_init_from_file(cpath, e.model, cp) })
 	if ctx == nil {
 		return fmt.Errorf("load projector %s: %s", path,
-			cmp.Or(lastLlamaError(), "llama.cpp could not load it (not a multimodal projector GGUF, or one for another model)"))
+			cmp.Or(failed, "llama.cpp could not load it (not a multimodal projector GGUF, or one for another model)"))
 	}
 	switch rt := C.llama_model_rope_type(e.model); {
 	case !bool(C.mtmd_support_vision(ctx)):
@@ -332,11 +332,11 @@ func (p *Projector) tokenize(text string, images []engine.Image, addSpecial, par
 		C.free(unsafe.Pointer(id))
 		chunks := C.mtmd_input_chunks_init()
 		defer C.mtmd_input_chunks_free(chunks)
-		lastLlamaError()
-		rc := C.mtmd_tokenize(p.ctx, chunks, &in, &b, 1)
+		var rc C.int32_t
+		failed := llamaErrors(func() { rc = C.mtmd_tokenize(p.ctx, chunks, &in, &b, 1) })
 		C.mtmd_bitmap_free(b)
 		if rc != 0 {
-			return fmt.Errorf("tokenize image %d: llama.cpp could not prepare it (status %d): %s: %w", k, int(rc), lastLlamaError(), engine.ErrInvalidInput)
+			return fmt.Errorf("tokenize image %d: llama.cpp could not prepare it (status %d): %s: %w", k, int(rc), failed, engine.ErrInvalidInput)
 		}
 		segs[i].chunks = chunks
 		k++
@@ -367,8 +367,9 @@ func (p *Projector) layOut(ctx context.Context, segs []segment, limit int) ([]en
 		if m.Embd = p.cache.get(m.hash, m.Len*p.width); m.Embd != nil {
 			return nil
 		}
-		if C.mtmd_encode_chunk(p.ctx, ch) != 0 {
-			return fmt.Errorf("encode image chunk %d: llama.cpp failed: %s", m.Pos, lastLlamaError())
+		var rc C.int32_t
+		if failed := llamaErrors(func() { rc = C.mtmd_encode_chunk(p.ctx, ch) }); rc != 0 {
+			return fmt.Errorf("encode image chunk %d: llama.cpp failed: %s", m.Pos, failed)
 		}
 		p.encoded.Add(1)
 		out := C.mtmd_get_output_embd(p.ctx)

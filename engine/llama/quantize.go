@@ -70,10 +70,11 @@ func Quantize(in, out, typ string, threads int) error {
 	cin, cout := C.CString(in), C.CString(out)
 	defer C.free(unsafe.Pointer(cin))
 	defer C.free(unsafe.Pointer(cout))
-	lastLlamaError()
-	if rc := C.llama_model_quantize(cin, cout, &p); rc != 0 {
+	var rc C.uint32_t
+	failed := llamaErrors(func() { rc = C.llama_model_quantize(cin, cout, &p) })
+	if rc != 0 {
 		os.Remove(out)
-		return fmt.Errorf("llama: quantize %s to %s: %s", in, typ, cmp.Or(lastLlamaError(), "llama.cpp refused it"))
+		return fmt.Errorf("llama: quantize %s to %s: %s", in, typ, cmp.Or(failed, "llama.cpp refused it"))
 	}
 	return nil
 }

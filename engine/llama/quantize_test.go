@@ -145,3 +145,28 @@ func BenchmarkQuantized(b *testing.B) {
 		}
 	}
 }
+
+// TestLlamaErrorsPerCall: calls into llama.cpp failing at once each report
+// their own error line (llama.cpp logs them process-wide; the lines are kept
+// by the thread that logged them).
+func TestLlamaErrorsPerCall(t *testing.T) {
+	dir := t.TempDir()
+	const n = 8
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		junk := filepath.Join(dir, fmt.Sprintf("junk%d.gguf", i))
+		// A GGUF header whose version no reader takes.
+		if err := os.WriteFile(junk, append([]byte("GGUF"), 100, 0, 0, 0), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() { errs[i] = Quantize(junk, filepath.Join(dir, fmt.Sprintf("out%d.gguf", i)), "q8_0", 1) })
+	}
+	wg.Wait()
+	for i, err := range errs {
+		// Its name in the message and in llama.cpp's line, no other file's.
+		if err == nil || strings.Count(err.Error(), fmt.Sprintf("junk%d.gguf", i)) != 2 || strings.Count(err.Error(), "junk") != 2 {
+			t.Errorf("file %d: %v, want llama.cpp's line about it", i, err)
+		}
+	}
+}
