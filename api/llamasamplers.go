@@ -31,6 +31,7 @@ type LlamaSamplerFields struct {
 	DryBase          *float64 `json:"dry_base"`           // 1.75
 	DryAllowedLength *int     `json:"dry_allowed_length"` // 2
 	DryPenaltyLastN  *int     `json:"dry_penalty_last_n"` // -1: the whole sequence
+	MinKeep          *int     `json:"min_keep"`           // top-p, min-p, typical-p and XTC keep at least this many; 0
 	// DrySequenceBreakers are strings a repeat does not reach back past
 	// (sample.DefaultBreakers: newline, colon, quote, asterisk).
 	DrySequenceBreakers []string `json:"dry_sequence_breakers"`
@@ -125,6 +126,7 @@ func (f LlamaSamplerFields) Over(d LlamaSamplerFields) LlamaSamplerFields {
 	f.DryBase = cmp.Or(f.DryBase, d.DryBase)
 	f.DryAllowedLength = cmp.Or(f.DryAllowedLength, d.DryAllowedLength)
 	f.DryPenaltyLastN = cmp.Or(f.DryPenaltyLastN, d.DryPenaltyLastN)
+	f.MinKeep = cmp.Or(f.MinKeep, d.MinKeep)
 	if f.DrySequenceBreakers == nil {
 		f.DrySequenceBreakers = d.DrySequenceBreakers
 	}
@@ -192,6 +194,12 @@ func (b *Backend) llamaSamplers(req *LlamaSamplerFields, sp *sample.Params) erro
 		if sp.Order, err = SamplerOrder(f.Samplers); err != nil {
 			return err
 		}
+	}
+	if n := f.MinKeep; n != nil {
+		if *n < 0 {
+			return invalid("min_keep", "min_keep must not be negative, got %d", *n)
+		}
+		sp.MinKeep = *n
 	}
 	if m := f.Mirostat; m != nil {
 		if *m < 0 || *m > 2 {

@@ -144,6 +144,7 @@ func TestLlamaCompletion(t *testing.T) {
 		{`{"prompt":"a","typical_p":1.5}`, "typical_p"},
 		{`{"prompt":"a","xtc_probability":1.5}`, "xtc_probability"},
 		{`{"prompt":"a","tfs_z":0.9}`, "tfs_z"},
+		{`{"prompt":"a","min_keep":-1}`, "min_keep"},
 		{`{"prompt":"a","n":2}`, "n"},
 		{`{"prompt":"a","n_predict":-2}`, "n_predict"},
 		{`{"prompt":[[["a"]],"b"]}`, ""},
@@ -195,7 +196,7 @@ func FuzzLlamaServerRequests(f *testing.F) {
 		`{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}`, `null`, `[]`, `{"prompt":null}`,
 		`{"prompt":["a",[1,"b"],[2]],"n_predict":2,"stream":true}`, `{"prompt":["a","b"],"n_predict":1,"response_fields":["index"]}`,
 		`{"prompt":"abcabc","n_predict":4,"dry_multiplier":0.8,"dry_penalty_last_n":5,"dry_sequence_breakers":["b","\n"],"xtc_probability":1,"xtc_threshold":0.01,"temperature":2,"samplers":["dry","xtc","typ_p","temperature"],"typical_p":0.5}`,
-		`{"prompt":"a","mirostat":1,"mirostat_tau":0,"temperature":0.5,"n_predict":3}`, `{"prompt":"a","mirostat":2,"mirostat_eta":9,"n_predict":3,"repeat_penalty":1e-9}`,
+		`{"prompt":"a","mirostat":1,"mirostat_tau":0,"temperature":0.5,"n_predict":3,"min_keep":5,"top_p":0.1}`, `{"prompt":"a","mirostat":2,"mirostat_eta":9,"n_predict":3,"repeat_penalty":1e-9}`,
 		`{"prompt":"a","top_n_sigma":0.5,"dynatemp_range":2,"dynatemp_exponent":0,"samplers":"kxtys","n_predict":3,"min_p":0.5}`)
 }
 

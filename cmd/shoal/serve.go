@@ -279,6 +279,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.Var(optional[int]{&ls.Mirostat}, "mirostat", "mirostat of requests that give none (default 0: off; 1 or 2)")
 	fs.Var(optional[float64]{&ls.MirostatEta}, "mirostat-lr", "mirostat_eta of requests that give none (default 0.1)")
 	fs.Var(optional[float64]{&ls.MirostatTau}, "mirostat-ent", "mirostat_tau of requests that give none (default 5)")
+	fs.Var(optional[int]{&ls.MinKeep}, "min-keep", "min_keep of requests that give none: top-p, min-p, typical-p and XTC keep at least this many tokens (default 0)")
 	fs.Func("samplers", "the order of samplers of requests that give none, as llama-server's: names separated by ';' (penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature: llama-server's order, temperature last); default: shoal's order (temperature before the truncations, as vLLM)", func(v string) (err error) {
 		ls.Samplers, err = api.SamplersFlag(v)
 		return err
@@ -828,7 +829,7 @@ func llamaSamplingDefaults(log *slog.Logger, d api.LlamaSamplerFields) api.Llama
 	}{{"dry_multiplier", d.DryMultiplier}, {"dry_base", d.DryBase}, {"dry_allowed_length", d.DryAllowedLength},
 		{"dry_penalty_last_n", d.DryPenaltyLastN}, {"xtc_probability", d.XTCProbability}, {"xtc_threshold", d.XTCThreshold},
 		{"typical_p", d.TypicalP}, {"top_n_sigma", d.TopNSigma}, {"dynatemp_range", d.DynatempRange},
-		{"dynatemp_exponent", d.DynatempExponent}, {"mirostat", d.Mirostat}, {"mirostat_tau", d.MirostatTau}, {"mirostat_eta", d.MirostatEta}} {
+		{"dynatemp_exponent", d.DynatempExponent}, {"mirostat", d.Mirostat}, {"mirostat_tau", d.MirostatTau}, {"mirostat_eta", d.MirostatEta}, {"min_keep", d.MinKeep}} {
 		switch v := x.v.(type) {
 		case *float64:
 			if v != nil {

@@ -1126,12 +1126,12 @@ func TestLlamaSamplersStories260K(t *testing.T) {
 func TestLlamaSamplerFlags(t *testing.T) {
 	fs, f := serveFlagSet(io.Discard)
 	if err := fs.Parse([]string{"--dry-multiplier", "0.8", "--dry-sequence-breaker", `\n`, "--dry-sequence-breaker", "###",
-		"--mirostat", "2", "--mirostat-ent", "4", "--typical", "0.9", "--xtc-probability", "0.5"}); err != nil {
+		"--mirostat", "2", "--mirostat-ent", "4", "--typical", "0.9", "--xtc-probability", "0.5", "--min-keep", "2"}); err != nil {
 		t.Fatal(err)
 	}
 	ls := f.llamaSampling
 	if *ls.DryMultiplier != 0.8 || !slices.Equal(ls.DrySequenceBreakers, []string{"\n", "###"}) || *ls.Mirostat != 2 || *ls.MirostatTau != 4 ||
-		*ls.TypicalP != 0.9 || *ls.XTCProbability != 0.5 || ls.DryBase != nil {
+		*ls.TypicalP != 0.9 || *ls.XTCProbability != 0.5 || *ls.MinKeep != 2 || ls.DryBase != nil {
 		t.Fatalf("flags read as %+v", ls)
 	}
 	fs, f = serveFlagSet(io.Discard)

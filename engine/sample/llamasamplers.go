@@ -128,6 +128,10 @@ func (s *Sampler) typicalP(c []engine.TokenLogit, sum, p float64) ([]engine.Toke
 			keep = i + closest(tc[i:k], acc, p, sum)
 		}
 	}
+	if keep < s.p.MinKeep && keep < len(tc) {
+		// At least MinKeep, the most typical first.
+		keep = min(closest(tc, 0, 2, sum), s.p.MinKeep) // sorts them all; a mass of 2 is never passed
+	}
 	var kept float64
 	for i, t := range tc[:keep] {
 		c[i] = t.x
@@ -152,9 +156,57 @@ func closest(tc []typicalCand, acc, p, sum float64) int {
 	return len(tc)
 }
 
+// minP keeps the candidates (probabilities) at least floor likely, or the
+// request's MinKeep most likely when fewer are, and returns them with their sum.
+func (s *Sampler) minP(c []engine.TokenLogit, floor float32) ([]engine.TokenLogit, float64) {
+	n := 0
+	for _, x := range c {
+		if x.Logit >= floor {
+			n++
+		}
+	}
+	if n < s.p.MinKeep {
+		return keepBest(c, s.p.MinKeep)
+	}
+	m := 0
+	var sum float64
+	for _, x := range c {
+		if x.Logit >= floor {
+			c[m] = x
+			m++
+			sum += float64(x.Logit)
+		}
+	}
+	return c[:m], sum
+}
+
+// topPKeep is topP keeping at least the request's MinKeep most likely.
+func (s *Sampler) topPKeep(c []engine.TokenLogit, target float64) ([]engine.TokenLogit, float64) {
+	kept, sum := s.topP(c, target)
+	if len(kept) < s.p.MinKeep && len(kept) < len(c) {
+		return keepBest(c, s.p.MinKeep) // topP kept a prefix of c, reordered: c still holds them all
+	}
+	return kept, sum
+}
+
+// keepBest keeps c's k most likely candidates (probabilities; all when fewer)
+// and returns them with their sum.
+func keepBest(c []engine.TokenLogit, k int) ([]engine.TokenLogit, float64) {
+	if k < len(c) {
+		selectTop(c, k)
+		c = c[:k]
+	}
+	var sum float64
+	for _, x := range c {
+		sum += float64(x.Logit)
+	}
+	return c, sum
+}
+
 // xtc removes, of the candidates at least threshold likely (probabilities
-// summing to sum), all but the least likely, when there are two or more.
-func xtc(c []engine.TokenLogit, sum, threshold float64) ([]engine.TokenLogit, float64) {
+// summing to sum), all but the least likely, when there are two or more and
+// at least minKeep candidates are left.
+func xtc(c []engine.TokenLogit, sum, threshold float64, minKeep int) ([]engine.TokenLogit, float64) {
 	floor := threshold * sum
 	above, last := 0, -1
 	for i, x := range c {
@@ -165,7 +217,7 @@ func xtc(c []engine.TokenLogit, sum, threshold float64) ([]engine.TokenLogit, fl
 			}
 		}
 	}
-	if above < 2 {
+	if above < 2 || len(c)-(above-1) < minKeep {
 		return c, sum
 	}
 	keep := c[last]
@@ -386,22 +438,17 @@ func (s *Sampler) truncateInOrder(c []engine.TokenLogit) *ordered {
 		case StageTopP:
 			if tp := float64(s.p.TopP); tp > 0 && tp < 1 {
 				o.toProbabilities()
-				o.c, o.sum = s.topP(o.c, tp*o.sum)
+				o.c, o.sum = s.topPKeep(o.c, tp*o.sum)
 			}
 		case StageMinP:
 			if s.p.MinP > 0 {
 				o.toProbabilities()
-				floor := s.p.MinP * o.c[best(o.c)].Logit
-				o.c = slices.DeleteFunc(o.c, func(x engine.TokenLogit) bool { return x.Logit < floor })
-				o.sum = 0
-				for _, x := range o.c {
-					o.sum += float64(x.Logit)
-				}
+				o.c, o.sum = s.minP(o.c, s.p.MinP*o.c[best(o.c)].Logit)
 			}
 		case StageXTC:
 			if s.p.XTCProbability > 0 && s.p.XTCThreshold <= 0.5 && s.rng.Float64() <= float64(s.p.XTCProbability) {
 				o.toProbabilities()
-				o.c, o.sum = xtc(o.c, o.sum, float64(s.p.XTCThreshold))
+				o.c, o.sum = xtc(o.c, o.sum, float64(s.p.XTCThreshold), s.p.MinKeep)
 			}
 		case StageTemperature:
 			o.toLogits()

@@ -314,7 +314,7 @@ func TestXTCMatchesLlamaCpp(t *testing.T) {
 		for i, x := range p {
 			c[i] = engine.TokenLogit{Token: engine.Token(i), Logit: x}
 		}
-		kept, sum := xtc(c, 1, tc.threshold)
+		kept, sum := xtc(c, 1, tc.threshold, 0)
 		var got []engine.Token
 		var mass float64
 		for _, x := range kept {
@@ -838,7 +838,7 @@ func FuzzSampler(f *testing.F) {
 			TopNSigma: at(5)*4 - 1, TypicalP: at(6), XTCProbability: at(7), XTCThreshold: at(8) * 0.6,
 			DynatempRange: at(9), DynatempExponent: at(10) * 3, Mirostat: int(at(11)*3) % 3, MirostatTau: at(12) * 8, MirostatEta: at(13),
 			DRY:  DRY{Multiplier: at(14) * 3, Base: 1 + at(15)*2, AllowedLength: int(at(16) * 4), LastN: int(at(17)*20) - 1, Breakers: BreakerTokens([]engine.Token{1}, []engine.Token{2, 3})},
-			Seed: seed,
+			Seed: seed, MinKeep: int(at(20) * 5),
 		}
 		if at(18) > 0.5 {
 			all := []Stage{StagePenalties, StageDRY, StageTopNSigma, StageTopK, StageTypicalP, StageTopP, StageMinP, StageXTC, StageTemperature}
@@ -882,4 +882,45 @@ func FuzzSampler(f *testing.F) {
 			s.Accept(x.Token, true)
 		}
 	})
+}
+
+// TestMinKeep: llama-server's min_keep keeps at least that many tokens
+// through top-p, min-p, typical-p and XTC, in shoal's order and in a
+// request's own.
+func TestMinKeep(t *testing.T) {
+	probs := []float32{0.1, 0.2, 0.3, 0.4}
+	logits := make([]float32, 4)
+	for i, x := range logitsOf(probs) {
+		logits[i] = x.Logit
+	}
+	peaked := make([]float32, 4)
+	for i, x := range logitsOf([]float32{0.97, 0.01, 0.01, 0.01}) {
+		peaked[i] = x.Logit
+	}
+	for _, tc := range []struct {
+		name   string
+		p      Params
+		logits []float32
+		want   []engine.Token // the tokens drawn, each at least once
+	}{
+		{"top-p", Params{TopP: 0.3, MinKeep: 3}, logits, []engine.Token{1, 2, 3}},
+		{"min-p", Params{MinP: 0.76, MinKeep: 2}, logits, []engine.Token{2, 3}},
+		{"typical-p", Params{TypicalP: 0.5, MinKeep: 2}, peaked, []engine.Token{0, 1}},
+		{"xtc", Params{XTCProbability: 1, XTCThreshold: 0.09, MinKeep: 2}, logits, []engine.Token{0, 1, 2, 3}},
+	} {
+		for _, order := range [][]Stage{nil, {StageTypicalP, StageTopP, StageMinP, StageXTC, StageTemperature}} {
+			p := tc.p
+			p.Temperature, p.Seed, p.Order = 1, 3, order
+			c := drawCounts(t, p, tc.logits, 3000)
+			var got []engine.Token
+			for tok, n := range c {
+				if n > 0 {
+					got = append(got, engine.Token(tok))
+				}
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("%s (order %v): drew %v (%v), want %v", tc.name, order, got, c, tc.want)
+			}
+		}
+	}
 }

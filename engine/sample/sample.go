@@ -81,6 +81,9 @@ type Params struct {
 	Mirostat                 int
 	MirostatTau, MirostatEta float32
 	DRY                      DRY
+	// MinKeep is llama-server's min_keep: top-p, min-p, typical-p and XTC
+	// keep at least this many tokens. 0: no such bound.
+	MinKeep int
 	// Order, when set, is the request's own order of samplers, as
 	// llama-server's "samplers" (Stage). Penalties and DRY still come first,
 	// but only when listed; the truncations and temperature then run as
@@ -129,6 +132,8 @@ func (p Params) Validate() error {
 		return fmt.Errorf("dynatemp_range %v must be >= 0", p.DynatempRange)
 	case p.DynatempExponent < 0 || !finite(p.DynatempExponent):
 		return fmt.Errorf("dynatemp_exponent %v must be >= 0", p.DynatempExponent)
+	case p.MinKeep < 0:
+		return fmt.Errorf("min_keep %d must be >= 0", p.MinKeep)
 	case p.Mirostat < 0 || p.Mirostat > 2:
 		return fmt.Errorf("mirostat %d must be 0 (off), 1 or 2", p.Mirostat)
 	case p.MirostatTau < 0 || !finite(p.MirostatTau):
@@ -513,25 +518,13 @@ func (s *Sampler) draw(c []engine.TokenLogit) (engine.Token, bool) {
 		top = c[best(c)].Logit
 	}
 	if s.p.MinP > 0 {
-		floor := s.p.MinP * top
-		m := 0
-		for _, x := range c {
-			if x.Logit >= floor {
-				c[m] = x
-				m++
-			}
-		}
-		c = c[:m]
-		sum = 0
-		for _, x := range c {
-			sum += float64(x.Logit)
-		}
+		c, sum = s.minP(c, s.p.MinP*top)
 	}
 	if tp := float64(s.p.TopP); tp > 0 && tp < 1 {
-		c, sum = s.topP(c, tp*sum)
+		c, sum = s.topPKeep(c, tp*sum)
 	}
 	if s.p.XTCProbability > 0 && s.p.XTCThreshold <= 0.5 && len(c) > 1 && s.rng.Float64() <= float64(s.p.XTCProbability) {
-		c, sum = xtc(c, sum, float64(s.p.XTCThreshold))
+		c, sum = xtc(c, sum, float64(s.p.XTCThreshold), s.p.MinKeep)
 	}
 	if len(c) == 0 {
 		return 0, false
