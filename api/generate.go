@@ -304,7 +304,6 @@ type constraint struct {
 // response_format, or the same constraints as vLLM and llama-server spell them.
 func constraintOf(f *SamplingFields) (*constraint, error) {
 	var cs []constraint
-	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
 	if rf := f.ResponseFormat; rf != nil {
 		switch rf.Type {
 		case "", "text":

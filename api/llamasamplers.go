@@ -130,10 +130,9 @@ func (f LlamaSamplerFields) Over(d LlamaSamplerFields) LlamaSamplerFields {
 	if f.DrySequenceBreakers == nil {
 		f.DrySequenceBreakers = d.DrySequenceBreakers
 	}
-	if present(f.Samplers) {
-		return f
+	if !present(f.Samplers) {
+		f.Samplers = d.Samplers
 	}
-	f.Samplers = d.Samplers
 	return f
 }
 

@@ -9,12 +9,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -820,32 +822,17 @@ func samplingDefaults(log *slog.Logger, flags, model engine.SamplingDefaults) en
 }
 
 // llamaSamplingDefaults are the flags' defaults of llama-server's samplers,
-// logged when any is set.
+// logged when any is set, under the request fields' names.
 func llamaSamplingDefaults(log *slog.Logger, d api.LlamaSamplerFields) api.LlamaSamplerFields {
+	var set map[string]any
+	if b, err := json.Marshal(d); err == nil {
+		_ = json.Unmarshal(b, &set)
+	}
 	var attrs []any
-	for _, x := range []struct {
-		name string
-		v    any
-	}{{"dry_multiplier", d.DryMultiplier}, {"dry_base", d.DryBase}, {"dry_allowed_length", d.DryAllowedLength},
-		{"dry_penalty_last_n", d.DryPenaltyLastN}, {"xtc_probability", d.XTCProbability}, {"xtc_threshold", d.XTCThreshold},
-		{"typical_p", d.TypicalP}, {"top_n_sigma", d.TopNSigma}, {"dynatemp_range", d.DynatempRange},
-		{"dynatemp_exponent", d.DynatempExponent}, {"mirostat", d.Mirostat}, {"mirostat_tau", d.MirostatTau}, {"mirostat_eta", d.MirostatEta}, {"min_keep", d.MinKeep}} {
-		switch v := x.v.(type) {
-		case *float64:
-			if v != nil {
-				attrs = append(attrs, x.name, *v)
-			}
-		case *int:
-			if v != nil {
-				attrs = append(attrs, x.name, *v)
-			}
+	for _, name := range slices.Sorted(maps.Keys(set)) {
+		if set[name] != nil { // left out
+			attrs = append(attrs, name, set[name])
 		}
-	}
-	if d.DrySequenceBreakers != nil {
-		attrs = append(attrs, "dry_sequence_breakers", fmt.Sprintf("%q", d.DrySequenceBreakers))
-	}
-	if d.Samplers != nil {
-		attrs = append(attrs, "samplers", string(d.Samplers))
 	}
 	if len(attrs) > 0 {
 		log.Info("default llama-server samplers for requests that give none", attrs...)

@@ -111,26 +111,15 @@ func (s *Sampler) typicalP(c []engine.TokenLogit, sum, p float64) ([]engine.Toke
 		}
 		if b < len(s.mass) { // else rounding: p is the whole mass
 			// tc[:i]: the closer buckets, all kept; tc[i:k]: bucket b.
-			i := 0
-			for j, t := range tc {
-				if bucket(t) < b {
-					tc[i], tc[j] = tc[j], tc[i]
-					i++
-				}
-			}
-			k := i
-			for j := i; j < len(tc); j++ {
-				if bucket(tc[j]) == b {
-					tc[k], tc[j] = tc[j], tc[k]
-					k++
-				}
-			}
+			i := gather(tc, 0, func(t typicalCand) bool { return bucket(t) < b })
+			k := gather(tc, i, func(t typicalCand) bool { return bucket(t) == b })
 			keep = i + closest(tc[i:k], acc, p, sum)
 		}
 	}
 	if keep < s.p.MinKeep && keep < len(tc) {
 		// At least MinKeep, the most typical first.
-		keep = min(closest(tc, 0, 2, sum), s.p.MinKeep) // sorts them all; a mass of 2 is never passed
+		byDistance(tc)
+		keep = min(len(tc), s.p.MinKeep)
 	}
 	var kept float64
 	for i, t := range tc[:keep] {
@@ -144,9 +133,7 @@ func (s *Sampler) typicalP(c []engine.TokenLogit, sum, p float64) ([]engine.Toke
 // of them, most typical first, bring the mass from acc past p (all of them if
 // it does not pass).
 func closest(tc []typicalCand, acc, p, sum float64) int {
-	slices.SortFunc(tc, func(a, b typicalCand) int {
-		return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.x.Token, b.x.Token))
-	})
+	byDistance(tc)
 	for i, t := range tc {
 		acc += float64(t.x.Logit) / sum
 		if acc > p {
@@ -154,6 +141,13 @@ func closest(tc []typicalCand, acc, p, sum float64) int {
 		}
 	}
 	return len(tc)
+}
+
+// byDistance sorts candidates of typical-p most typical first (then by id).
+func byDistance(tc []typicalCand) {
+	slices.SortFunc(tc, func(a, b typicalCand) int {
+		return cmp.Or(cmp.Compare(a.score, b.score), cmp.Compare(a.x.Token, b.x.Token))
+	})
 }
 
 // minP keeps the candidates (probabilities) at least floor likely, or the
@@ -196,11 +190,16 @@ func keepBest(c []engine.TokenLogit, k int) ([]engine.TokenLogit, float64) {
 		selectTop(c, k)
 		c = c[:k]
 	}
+	return c, total(c)
+}
+
+// total is the sum of c's probabilities (Logit).
+func total(c []engine.TokenLogit) float64 {
 	var sum float64
 	for _, x := range c {
 		sum += float64(x.Logit)
 	}
-	return c, sum
+	return sum
 }
 
 // xtc removes, of the candidates at least threshold likely (probabilities
@@ -291,14 +290,10 @@ func mirostat1(c []engine.TokenLogit, sum, mu float64, vocab int) ([]engine.Toke
 	}
 	kk := int(k)
 	if kk > m {
-		selectTop(c, kk)
+		return keepBest(c, kk)
 	}
-	c = c[:kk]
-	sum = 0
-	for _, x := range c {
-		sum += float64(x.Logit)
-	}
-	return c, sum
+	c = c[:kk] // c[:m] is sorted
+	return c, total(c)
 }
 
 // mirostat2 keeps the candidates (probabilities summing to sum) whose surprise
@@ -423,12 +418,7 @@ func (s *Sampler) truncateInOrder(c []engine.TokenLogit) *ordered {
 			}
 		case StageTopK:
 			if k := s.p.TopK; k > 0 && k < len(o.c) {
-				selectTop(o.c, k) // logits or probabilities: the same k
-				o.c = o.c[:k]
-				o.sum = 0
-				for _, x := range o.c {
-					o.sum += float64(x.Logit)
-				}
+				o.c, o.sum = keepBest(o.c, k) // logits or probabilities: the same k (sum read only of probabilities)
 			}
 		case StageTypicalP:
 			if tp := s.p.TypicalP; tp > 0 && tp < 1 {

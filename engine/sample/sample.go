@@ -641,20 +641,8 @@ func (s *Sampler) topP(c []engine.TokenLogit, target float64) ([]engine.TokenLog
 	}
 	// c[:i]: the buckets above b, all kept; c[i:k]: bucket b, kept in order until the
 	// target is reached.
-	i := 0
-	for j, x := range c {
-		if bucket(x) > b {
-			c[i], c[j] = c[j], c[i]
-			i++
-		}
-	}
-	k := i
-	for j := i; j < len(c); j++ {
-		if bucket(c[j]) == b {
-			c[k], c[j] = c[j], c[k]
-			k++
-		}
-	}
+	i := gather(c, 0, func(x engine.TokenLogit) bool { return bucket(x) > b })
+	k := gather(c, i, func(x engine.TokenLogit) bool { return bucket(x) == b })
 	slices.SortFunc(c[i:k], better)
 	for j := i; j < k; j++ {
 		acc += float64(c[j].Logit)
@@ -663,6 +651,19 @@ func (s *Sampler) topP(c []engine.TokenLogit, target float64) ([]engine.TokenLog
 		}
 	}
 	return c[:k], acc
+}
+
+// gather moves the elements of xs[from:] for which in holds to the front of
+// xs[from:] (the others after them, in no particular order) and returns where
+// they end.
+func gather[T any](xs []T, from int, in func(T) bool) int {
+	for j := from; j < len(xs); j++ {
+		if in(xs[j]) {
+			xs[from], xs[j] = xs[j], xs[from]
+			from++
+		}
+	}
+	return from
 }
 
 // better orders by descending logit, then ascending id, so every order is deterministic.
