@@ -135,7 +135,7 @@ func TestInfillEndpoint(t *testing.T) {
 	s := newTestServer(t, nil)
 	s.fake.SetFIM(fimFake)
 	s.SetBackend(&Backend{Generator: s.sched, Vocab: s.fake.Vocab(), Info: s.fake.Info(), Capacity: s.fake.Capacity()})
-	const body = `{"input_prefix":"def f():\n","input_suffix":"\nf()\n","input_extra":[{"filename":"u.py","text":"import os"}],"prompt":"ret","n_predict":6,"temperature":0,"repeat_penalty":1.0,"cache_prompt":true,"samplers":["top_k"]`
+	const body = `{"input_prefix":"def f():\n","input_suffix":"\nf()\n","input_extra":[{"filename":"u.py","text":"import os"}],"prompt":"ret","n_predict":6,"temperature":0,"repeat_penalty":1.0,"cache_prompt":true,"samplers":["top_k","temperature"]`
 	var whole InfillResponse
 	w := s.do(t, "POST", "/infill", body+`}`)
 	if err := json.Unmarshal(w.Body.Bytes(), &whole); err != nil || w.Code != 200 {
