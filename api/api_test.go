@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -619,14 +620,17 @@ func TestPromtoolCheckMetrics(t *testing.T) {
 		return
 	}
 	// Exit status 3 is lint findings. vLLM's names contain ':' by design (dashboards
-	// and routers expect them), which promtool's style lint reports; anything else
-	// (exit 1: unparsable exposition, or any other lint finding) fails the test.
+	// and routers expect them), which promtool's style lint reports, and vLLM names
+	// a histogram vllm:iteration_tokens_total; anything else (exit 1: unparsable
+	// exposition, or any other lint finding) fails the test.
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() != 3 {
 		t.Fatalf("promtool check metrics: %v\n%s", err, out)
 	}
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		if !(strings.HasPrefix(line, "vllm:") && strings.HasSuffix(line, "metric names should not contain ':'")) {
+		vllmName := strings.HasPrefix(line, "vllm:") && strings.HasSuffix(line, "metric names should not contain ':'") ||
+			line == `vllm:iteration_tokens_total non-counter metrics should not have "_total" suffix`
+		if !vllmName {
 			t.Errorf("promtool: %s", line)
 		}
 	}
@@ -954,4 +958,66 @@ func TestAdapterMetrics(t *testing.T) {
 	if !strings.Contains(w.Body.String(), want) {
 		t.Errorf("metrics lack vllm:lora_requests_info:\n%s", w.Body)
 	}
+}
+
+// TestRequestHistograms: the per-request histograms vLLM's dashboard reads
+// count each finished choice once, with its own tokens, and each prompt once.
+func TestRequestHistograms(t *testing.T) {
+	s := newTestServer(t, nil)
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":3,"n":2}`); w.Code != 200 {
+		t.Fatalf("completion: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true}`); w.Code != 200 {
+		t.Fatalf("chat: %d %s", w.Code, w.Body)
+	}
+	body := s.do(t, "GET", "/metrics", "").Body.String()
+	for _, want := range []string{
+		// three choices: 3 + 3 + 4 tokens, 2 + 2 + 3 gaps between them
+		`vllm:request_generation_tokens_count{model_name="fake"} 3`,
+		`vllm:request_generation_tokens_sum{model_name="fake"} 10`,
+		`vllm:request_params_max_tokens_sum{model_name="fake"} 10`,
+		`vllm:request_prompt_tokens_count{model_name="fake"} 3`,
+		`vllm:time_per_output_token_seconds_count{model_name="fake"} 7`,
+		`vllm:inter_token_latency_seconds_count{model_name="fake"} 7`,
+		`vllm:request_time_per_output_token_seconds_count{model_name="fake"} 3`,
+		`vllm:request_prefill_time_seconds_count{model_name="fake"} 3`,
+		`vllm:request_decode_time_seconds_count{model_name="fake"} 3`,
+		`vllm:request_inference_time_seconds_count{model_name="fake"} 3`,
+		// two prompts: n 2 and 1; the most one choice generated, 3 and 4
+		`vllm:request_params_n_sum{model_name="fake"} 3`,
+		`vllm:request_params_n_count{model_name="fake"} 2`,
+		`vllm:request_max_num_generation_tokens_sum{model_name="fake"} 7`,
+		`vllm:num_preemptions_total{model_name="fake"} 0`,
+		`vllm:gpu_cache_usage_perc{model_name="fake"}`,
+		`vllm:iteration_tokens_total_bucket{model_name="fake",le="1"}`,
+	} {
+		if !strings.Contains(body, want+"\n") && !strings.Contains(body, want+" ") {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+	// Every forward pass is in the step histogram, and its tokens are at least
+	// the 10 generated.
+	steps := metricValue(t, body, `vllm:iteration_tokens_total_count{model_name="fake"}`)
+	if want := metricValue(t, body, `shoal_scheduler_steps_total{model_name="fake"}`); steps != want || steps == 0 {
+		t.Errorf("iteration_tokens_total counts %v passes, the scheduler %v", steps, want)
+	}
+	if sum := metricValue(t, body, `vllm:iteration_tokens_total_sum{model_name="fake"}`); sum < 10 {
+		t.Errorf("iteration_tokens_total_sum %v, want at least the 10 tokens generated", sum)
+	}
+}
+
+// metricValue is the value of the exposition line that starts with series.
+func metricValue(t *testing.T, body, series string) float64 {
+	t.Helper()
+	for _, line := range strings.Split(body, "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("%s: %v", line, err)
+			}
+			return f
+		}
+	}
+	t.Fatalf("no %s in the metrics", series)
+	return 0
 }

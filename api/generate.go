@@ -1213,7 +1213,15 @@ func (t *tokenTimes) generating() time.Duration { return t.last.Sub(t.first) }
 func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, fn func(scheduler.Event)) (scheduler.Usage, error) {
 	// Per choice, from the scheduler's timestamps: choices of one prompt are read in
 	// turn, and prompts one after another.
-	last := map[int]time.Time{}
+	choices := map[int]*choiceStats{}
+	choice := func(i int) *choiceStats {
+		c := choices[i]
+		if c == nil {
+			c = &choiceStats{}
+			choices[i] = c
+		}
+		return c
+	}
 	st := statsOf(ctx) // the request log's, looked up once rather than per token
 	for {
 		ev, ok := sub.stream.Next(ctx)
@@ -1226,15 +1234,16 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		switch ev.Kind {
 		case scheduler.EventToken:
 			st.token(ev.At)
-			if prev, ok := last[ev.Index]; !ok {
+			if gap, ok := choice(ev.Index).token(ev.At); !ok {
 				s.metrics.ttft.Observe(ev.At.Sub(sub.start).Seconds())
 			} else {
-				s.metrics.itl.Observe(ev.At.Sub(prev).Seconds())
+				s.metrics.itl.Observe(gap.Seconds())
+				s.metrics.tpot.Observe(gap.Seconds())
 			}
-			last[ev.Index] = ev.At
 			fn(ev)
 		case scheduler.EventFinish:
 			s.metrics.finished(ev.Finish)
+			choice(ev.Index).ended = true
 			p.finished++
 			fn(ev)
 		case scheduler.EventPromptLogprobs:
@@ -1244,6 +1253,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		case scheduler.EventDone:
 			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())
 			s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
+			s.metrics.requestEnded(sub.start, ev.Usage, max(p.n, 1), choices, !p.warm)
 			if p.warm {
 				ev.Usage.CompletionTokens = 0 // the token drawn is not the answer's
 			}

@@ -55,12 +55,29 @@ type Load struct {
 	// proposed and the model drew the same (Config.Spec).
 	SpecProposed, SpecAccepted uint64
 	Preemptions                uint64
-	CacheGeneration            uint64
-	UpdatedAt                  time.Time
+	// StepTokens counts forward passes by the tokens they computed (prompt
+	// chunks, decode rows and proposals): StepTokens[i] those of at most
+	// StepTokenBounds[i] tokens and above the bound before it, the last those
+	// above every bound. StepTokensSum is the tokens of them all.
+	StepTokens      [len(StepTokenBounds) + 1]uint64
+	StepTokensSum   uint64
+	CacheGeneration uint64
+	UpdatedAt       time.Time
 	// AdapterRunning and AdapterWaiting count the sequences running and
 	// waiting under each LoRA adapter (index i: Config.Adapters[i]); nil
 	// without adapters.
 	AdapterRunning, AdapterWaiting []int
+}
+
+// StepTokenBounds are the upper bounds of Load.StepTokens' buckets (vLLM's for
+// its vllm:iteration_tokens_total histogram).
+var StepTokenBounds = [...]int{1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+
+// countStep adds a forward pass of n tokens to l's StepTokens.
+func (l *Load) countStep(n int) {
+	i, _ := slices.BinarySearch(StepTokenBounds[:], n)
+	l.StepTokens[i]++
+	l.StepTokensSum += uint64(n)
 }
 
 // Scheduler runs continuous batching over one engine. Submit and Load may be called
@@ -380,6 +397,10 @@ func (s *Scheduler) takeInbox() {
 		}
 		if g.req.Embed {
 			maxNew, open = 0, false // nothing is generated
+		}
+		g.usage.MaxTokens = maxNew
+		if open {
+			g.usage.MaxTokens = max(maxNew-len(g.req.Prompt), 0)
 		}
 		for i := range n {
 			s.arrival++
@@ -1037,6 +1058,7 @@ func (s *Scheduler) decode(ctx context.Context) {
 	decodeTokens := s.decodeRows
 	prefillTokens := s.batch.Len() - decodeTokens - s.draftTokens
 	s.stats.Steps++
+	s.stats.countStep(s.batch.Len())
 	s.stats.ComputedTokens += uint64(prefillTokens)
 	if prefillTokens >= minRateTokens && prefillTokens >= prefillDominates*decodeTokens {
 		s.stats.PrefillTokensPS = s.prefillPS.add(prefillTokens, elapsed)

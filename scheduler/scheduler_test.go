@@ -1898,3 +1898,15 @@ func TestSampleSafelyRecovers(t *testing.T) {
 type panicAccept struct{ panicSampler }
 
 func (panicAccept) Accept(engine.Token, bool) { panic("accept") }
+
+// TestCountStep: a pass lands in the first bucket whose bound holds it, as
+// Prometheus' le buckets read.
+func TestCountStep(t *testing.T) {
+	for _, c := range []struct{ n, bucket int }{{0, 0}, {1, 0}, {2, 1}, {8, 1}, {9, 2}, {512, 7}, {513, 8}, {16384, 12}, {16385, 13}} {
+		var l Load
+		l.countStep(c.n)
+		if l.StepTokens[c.bucket] != 1 || l.StepTokensSum != uint64(c.n) {
+			t.Errorf("%d tokens: buckets %v sum %d, want bucket %d", c.n, l.StepTokens, l.StepTokensSum, c.bucket)
+		}
+	}
+}

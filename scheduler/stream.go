@@ -45,6 +45,10 @@ type Usage struct {
 	CompletionTokens int
 	// QueueTime is how long the request waited before it was first scheduled.
 	QueueTime time.Duration
+	// MaxTokens bounds each choice's generated tokens: the request's
+	// max_tokens, the configured default, or without either the room the
+	// longest context leaves after the prompt (vLLM's default max_tokens).
+	MaxTokens int
 }
 
 // Event is one item of a Stream.

@@ -278,6 +278,17 @@ func TestServeWithOpenAISDK(t *testing.T) {
 	if len(comp.Choices) != 4 || comp.Usage.CompletionTokens != 16 {
 		t.Fatalf("completions: %d choices, usage %+v", len(comp.Choices), comp.Usage)
 	}
+	// vLLM's per-request histograms saw each of the 7 choices, with its tokens.
+	generated := chat.Usage.CompletionTokens + chat2.Usage.CompletionTokens + 6 + 16
+	for name, want := range map[string]float64{
+		"vllm:request_generation_tokens_count": 7, "vllm:request_generation_tokens_sum": float64(generated),
+		"vllm:generation_tokens_total": float64(generated), "vllm:request_params_n_count": 5, "vllm:request_params_n_sum": 7,
+		"vllm:request_decode_time_seconds_count": 7, "vllm:iteration_tokens_total_count": n.metricSum(t, "shoal_scheduler_steps_total"),
+	} {
+		if got := n.metricSum(t, name); got != want {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
 
 	// Errors arrive as OpenAI errors.
 	_, err = c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
