@@ -129,6 +129,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		counter("vllm:generation_tokens_total", "Tokens generated.", func(l scheduler.Load) float64 { return float64(l.GeneratedTokens) }),
 		counter("vllm:spec_decode_num_draft_tokens_total", "Tokens proposed by speculative decoding (n-gram lookup, --spec-tokens).", func(l scheduler.Load) float64 { return float64(l.SpecProposed) }),
 		counter("vllm:spec_decode_num_accepted_tokens_total", "Proposed tokens the model drew the same (each saved a step).", func(l scheduler.Load) float64 { return float64(l.SpecAccepted) }),
+		counter("vllm:spec_decode_num_drafts_total", "Proposals made by speculative decoding (a sequence's tokens proposed in one step).", func(l scheduler.Load) float64 { return float64(l.SpecDrafts) }),
 		counter("shoal_preemptions_total", "Sequences preempted for KV space (resumed by recompute).", func(l scheduler.Load) float64 { return float64(l.Preemptions) }),
 		counter("vllm:num_preemptions_total", "Sequences preempted for KV space (as shoal_preemptions_total).", func(l scheduler.Load) float64 { return float64(l.Preemptions) }),
 		counter("shoal_scheduler_steps_total", "Forward passes run by the scheduler.", func(l scheduler.Load) float64 { return float64(l.Steps) }),
@@ -138,7 +139,10 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		gauge("shoal_prefill_tokens_per_second", "Smoothed prefill speed: prompt tokens per second in steps that are mostly prefill.", func(l scheduler.Load) float64 { return l.PrefillTokensPS }),
 		gauge("shoal_decode_tokens_per_second", "Smoothed tokens generated per second.", func(l scheduler.Load) float64 { return l.DecodeTokensPS }),
 		gauge("shoal_queue_wait_estimate_seconds", "Estimated wait before a new request is scheduled.", func(l scheduler.Load) float64 { return l.QueueWait.Seconds() }),
-		stepsCollector{s: s, desc: prometheus.NewDesc("vllm:iteration_tokens_total", "Forward passes by the tokens they computed (prompt chunks, decode rows and proposals).", nil, labels)},
+		loadCollector{s: s,
+			steps: prometheus.NewDesc("vllm:iteration_tokens_total", "Forward passes by the tokens they computed (prompt chunks, decode rows and proposals).", nil, labels),
+			acceptedAt: prometheus.NewDesc("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+				"Proposals whose token at the position (from 0) the model drew the same (--spec-tokens).", []string{"position"}, labels)},
 		infoCollector{s: s, cacheInfo: prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration (value 1).",
 			[]string{"num_gpu_blocks", "kv_unified"}, prometheus.Labels(s.cfg.CacheInfo))},
 	}
@@ -248,22 +252,26 @@ func (m *metrics) rejected(err error) {
 	m.rejects.WithLabelValues(reason).Inc()
 }
 
-// stepsCollector reports the scheduler's forward passes by their tokens
-// (Load.StepTokens) as vLLM's vllm:iteration_tokens_total histogram; nothing
-// before a model is loaded.
-type stepsCollector struct {
-	s    *Server
-	desc *prometheus.Desc
+// loadCollector reports what the scheduler's Load counts in arrays: its
+// forward passes by their tokens (Load.StepTokens) as vLLM's
+// vllm:iteration_tokens_total histogram, and with speculative decoding its
+// accepted proposals by position; nothing before a model is loaded.
+type loadCollector struct {
+	s                 *Server
+	steps, acceptedAt *prometheus.Desc
 }
 
-func (c stepsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+func (c loadCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.steps; ch <- c.acceptedAt }
 
-func (c stepsCollector) Collect(ch chan<- prometheus.Metric) {
+func (c loadCollector) Collect(ch chan<- prometheus.Metric) {
 	b := c.s.backend.Load()
 	if b == nil {
 		return
 	}
 	l := b.Generator.Load()
+	for j := range min(l.SpecTokens, len(l.SpecAcceptedAt)) {
+		ch <- prometheus.MustNewConstMetric(c.acceptedAt, prometheus.CounterValue, float64(l.SpecAcceptedAt[j]), strconv.Itoa(j))
+	}
 	buckets := make(map[float64]uint64, len(scheduler.StepTokenBounds))
 	var count uint64
 	for i, bound := range scheduler.StepTokenBounds {
@@ -271,7 +279,7 @@ func (c stepsCollector) Collect(ch chan<- prometheus.Metric) {
 		buckets[float64(bound)] = count // cumulative, as Prometheus' buckets are
 	}
 	count += l.StepTokens[len(scheduler.StepTokenBounds)]
-	ch <- prometheus.MustNewConstHistogram(c.desc, count, float64(l.StepTokensSum), buckets)
+	ch <- prometheus.MustNewConstHistogram(c.steps, count, float64(l.StepTokensSum), buckets)
 }
 
 // infoCollector reports what is known once the model is loaded: the KV cache

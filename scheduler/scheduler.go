@@ -54,7 +54,13 @@ type Load struct {
 	// SpecProposed and SpecAccepted count the tokens speculative decoding
 	// proposed and the model drew the same (Config.Spec).
 	SpecProposed, SpecAccepted uint64
-	Preemptions                uint64
+	// SpecDrafts counts proposals (a sequence's tokens proposed in one step),
+	// SpecAcceptedAt[j] the proposals whose token j (from 0) the model drew the
+	// same, for j below SpecTokens (Config.Spec.Tokens; 0: off).
+	SpecDrafts     uint64
+	SpecAcceptedAt [MaxSpecTokens]uint64
+	SpecTokens     int
+	Preemptions    uint64
 	// StepTokens counts forward passes by the tokens they computed (prompt
 	// chunks, decode rows and proposals): StepTokens[i] those of at most
 	// StepTokenBounds[i] tokens and above the bound before it, the last those
@@ -684,6 +690,7 @@ func (s *Scheduler) propose() {
 		}
 		s.draftTokens += len(d)
 		s.stats.SpecProposed += uint64(len(d))
+		s.stats.SpecDrafts++
 	}
 }
 
@@ -721,6 +728,7 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		if _, asked := q.g.stream.stopped(q.index); asked || q.g.ctx.Err() != nil {
 			break // its reader ended it, or its client left: no more tokens than it must
 		}
+		s.stats.SpecAcceptedAt[accepted]++
 		accepted++
 		q.draftOK = q.draftAt + accepted
 		var out engine.Sampled
@@ -1640,6 +1648,7 @@ func (s *Scheduler) publish() {
 	l := s.stats
 	l.Waiting, l.MaxWaiting, l.MaxBatchTokens, l.MaxRunning = int(s.waiting.Load()), s.cfg.MaxWaiting, s.cfg.MaxBatchTokens, s.cfg.MaxRunning
 	l.Running = len(s.running)
+	l.SpecTokens = s.cfg.Spec.Tokens
 	l.KVBlocksUsed, l.KVBlocksCached, l.KVBlocksTotal, l.KVBlockTokens = st.Used, st.Cached, st.Blocks, st.BlockTokens
 	l.KVCacheBudget = st.CacheBudget
 	l.PrefixQueries, l.PrefixHits, l.CacheGeneration = st.Queries, st.HitTokens, st.Generation

@@ -1314,6 +1314,24 @@ func TestSpeculativeEqualsPlain(t *testing.T) {
 		if l.SpecProposed == 0 || l.SpecAccepted*2 < l.SpecProposed {
 			t.Fatalf("%s: %d of %d proposals taken on a model that repeats itself", c.name, l.SpecAccepted, l.SpecProposed)
 		}
+		// By position: token j is taken only after token j-1 of the same
+		// proposal, and the positions add up to the tokens taken.
+		var taken, steps uint64
+		for j, n := range l.SpecAcceptedAt {
+			taken += n
+			if j > 0 && n > l.SpecAcceptedAt[j-1] || j >= l.SpecTokens && n > 0 {
+				t.Fatalf("%s: taken by position %v (of %d)", c.name, l.SpecAcceptedAt, l.SpecTokens)
+			}
+		}
+		if l.SpecTokens != 5 || taken != l.SpecAccepted || l.SpecAcceptedAt[0] > l.SpecDrafts || l.SpecDrafts*5 < l.SpecProposed {
+			t.Fatalf("%s: %d drafts, %d tokens, %d taken, by position %v", c.name, l.SpecDrafts, l.SpecProposed, l.SpecAccepted, l.SpecAcceptedAt)
+		}
+		for _, n := range l.StepTokens {
+			steps += n
+		}
+		if steps != l.Steps {
+			t.Fatalf("%s: %d steps, %d in the step histogram", c.name, l.Steps, steps)
+		}
 		for i, b := range f.Batches() {
 			if b.Rows > c.batch {
 				t.Fatalf("%s: batch %d has %d rows, budget %d", c.name, i, b.Rows, c.batch)

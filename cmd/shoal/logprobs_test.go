@@ -132,5 +132,13 @@ func TestSpeculativeFlags(t *testing.T) {
 	if v := n.metric(t, "vllm:spec_decode_num_draft_tokens_total"); v == "" || v == "0" {
 		t.Fatalf("draft tokens metric %q after a repetitive prompt", v)
 	}
-	t.Logf("proposed %s, taken %s", n.metric(t, "vllm:spec_decode_num_draft_tokens_total"), n.metric(t, "vllm:spec_decode_num_accepted_tokens_total"))
+	// vLLM's acceptance by position: one series per proposed position, adding
+	// up to the tokens taken.
+	at := n.metrics(t, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+	if len(at) != 4 || n.metricSum(t, "vllm:spec_decode_num_accepted_tokens_per_pos_total") != n.metricSum(t, "vllm:spec_decode_num_accepted_tokens_total") ||
+		n.metricSum(t, "vllm:spec_decode_num_drafts_total") == 0 {
+		t.Fatalf("accepted by position %v, drafts %s", at, n.metric(t, "vllm:spec_decode_num_drafts_total"))
+	}
+	t.Logf("proposed %s in %s drafts, taken %s (by position %v)", n.metric(t, "vllm:spec_decode_num_draft_tokens_total"),
+		n.metric(t, "vllm:spec_decode_num_drafts_total"), n.metric(t, "vllm:spec_decode_num_accepted_tokens_total"), at)
 }
