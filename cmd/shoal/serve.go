@@ -294,11 +294,24 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 func runServe(args []string, stdout, stderr io.Writer) error {
 	fs, f := serveFlagSet(stdout)
 	fs.Usage = func() {
-		fmt.Fprintf(stdout, "Usage: shoal serve --model PATH [flags]\n\nServes the model with an OpenAI-compatible API. Every flag can also be set as SHOAL_<FLAG> (e.g. SHOAL_CTX_SIZE=4096).\n\nFlags:\n")
+		fmt.Fprintf(stdout, "Usage: shoal serve --model PATH [flags], or shoal serve PATH [flags]\n\nServes the model with an OpenAI-compatible API. Every flag can also be set as SHOAL_<FLAG> (e.g. SHOAL_CTX_SIZE=4096).\n\nFlags:\n")
 		fs.PrintDefaults()
+		fmt.Fprintf(stdout, "\nllama-server's and vLLM's spellings of these flags are taken too, so that their command lines start shoal:\n%s", aliasHelp())
+	}
+	args, model, ignored, err := serveArgs(fs, args)
+	if err != nil {
+		return err
 	}
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if model != "" {
+		if f.model != "" {
+			return fmt.Errorf("the model twice: %s and --model %s", model, f.model)
+		}
+		if err := fs.Set("model", model); err != nil {
+			return err
+		}
 	}
 	// Cluster flags do nothing without --gossip-addr: on the command line that is
 	// a mistake; in the environment (one file for every node) only worth a warning.
@@ -322,6 +335,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	f.envKeys(os.Getenv)
 	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
+	}
+	if st, err := os.Stat(f.chatTemplate); f.chatTemplate != "" && f.chatTemplateFile == "" && err == nil && st.Mode().IsRegular() {
+		// vLLM's --chat-template also takes a file: a Jinja template.
+		f.chatTemplateFile, f.chatTemplate = f.chatTemplate, ""
 	}
 	var template string
 	if f.chatTemplateFile != "" {
@@ -361,6 +378,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	llama.SetLogger(log)
 	if len(clusterEnv) > 0 {
 		log.Warn("cluster settings from the environment have no effect without --gossip-addr", "flags", strings.Join(clusterEnv, ","))
+	}
+	if len(ignored) > 0 {
+		log.Info("flags of llama-server or vLLM taken without effect: shoal always does what they ask", "flags", strings.Join(ignored, ","))
 	}
 	split, err := floatList(f.tensorSplit)
 	if err != nil {
