@@ -170,6 +170,10 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 				return nil, "", nil, err
 			}
 		}
+		if name == "served-model-name" && !hasVal && i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") {
+			// vLLM reads every argument up to the next flag as another name.
+			return nil, "", nil, fmt.Errorf("--served-model-name %s %s: shoal serves a model under one name", val, args[i+1])
+		}
 		if al.flag == "kv-type" {
 			for other, v := range kvTypes {
 				if v != val {

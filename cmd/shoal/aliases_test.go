@@ -47,14 +47,15 @@ func TestServeArgs(t *testing.T) {
 		}
 	}
 	for in, want := range map[string]string{
-		"-ctk q8_0 -ctv f16":    "one type for keys and values",
-		"a.gguf b.gguf":         "unexpected arguments",
-		"--mmap false m.gguf":   "--mmap=false",
-		"--no-mmap=true":        "takes no value",
-		"-n many":               "want a number",
-		"-c":                    "needs an argument",
-		"--tool-call-parser":    "needs an argument",
-		"m.gguf --model n.gguf": "the model twice",
+		"-ctk q8_0 -ctv f16":             "one type for keys and values",
+		"a.gguf b.gguf":                  "unexpected arguments",
+		"--mmap false m.gguf":            "--mmap=false",
+		"--no-mmap=true":                 "takes no value",
+		"-n many":                        "want a number",
+		"-c":                             "needs an argument",
+		"--tool-call-parser":             "needs an argument",
+		"m.gguf --model n.gguf":          "the model twice",
+		"--served-model-name a b m.gguf": "under one name",
 	} {
 		err := runServe(strings.Fields(in), io.Discard, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), want) {
