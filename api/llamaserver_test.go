@@ -307,3 +307,25 @@ func TestLlamaProbsStop(t *testing.T) {
 		t.Fatalf("stopped at %q: %s", whole.Content[2:], w.Body)
 	}
 }
+
+// TestLlamaServerPaths: llama-server's paths of OpenAI's endpoints without
+// /v1 answer as those do, behind the same key.
+func TestLlamaServerPaths(t *testing.T) {
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.APIKeys = []string{"k"} })
+	key := "Bearer k"
+	for _, c := range []struct{ method, path, body, want string }{
+		{"GET", "/models", "", `"id":"fake"`},
+		{"POST", "/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, `"object":"chat.completion"`},
+		{"GET", "/v1/health", "", `"status":"ok"`},
+	} {
+		w := s.do(t, c.method, c.path, c.body, "Authorization", key)
+		if w.Code != 200 || !strings.Contains(w.Body.String(), c.want) {
+			t.Errorf("%s %s: %d %s", c.method, c.path, w.Code, w.Body)
+		}
+		if c.path != "/v1/health" {
+			if w := s.do(t, c.method, c.path, c.body); w.Code != 401 {
+				t.Errorf("%s %s without the key: %d", c.method, c.path, w.Code)
+			}
+		}
+	}
+}

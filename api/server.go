@@ -201,7 +201,9 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	r.Use(s.requestLog)
 	r.Use(s.cors)
 	r.Use(s.limitBody)
-	r.GET("/health", func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) })
+	health := func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) }
+	r.GET("/health", health)
+	r.GET("/v1/health", health) // llama-server's
 	r.GET("/ready", s.ready)
 	if g, ok := reg.(prometheus.Gatherer); ok {
 		r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(g, promhttp.HandlerOpts{})))
@@ -224,6 +226,10 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 		r.POST(path, rerank, s.counted, s.auth, s.rerank)
 	}
 	r.POST("/score", rerank, s.counted, s.auth, s.score) // vLLM's
+	// llama-server's paths of OpenAI's endpoints without /v1, for clients given
+	// the server's address as their base URL.
+	r.GET("/models", s.counted, s.auth, s.models)
+	r.POST("/chat/completions", s.counted, s.auth, s.chat)
 	// llama-server's own completion endpoint (OpenAI's is /v1/completions).
 	for _, path := range []string{"/completion", "/completions"} {
 		r.POST(path, s.counted, s.auth, s.llamaCompletion)
