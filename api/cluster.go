@@ -152,6 +152,10 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 	for _, m := range more {
 		moreTok += len(m)
 	}
+	path := c.Request.URL.Path
+	if path == "/chat/completions" {
+		path = "/v1/chat/completions" // llama-server's path of it: a peer of an older version has only OpenAI's
+	}
 	var lastErr error
 	busy, broken, refused := 0, 0, 0 // peers that answered 429 (queue full), that failed, that answered 401
 	for i, t := range targets {
@@ -163,7 +167,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			return false, cs.node.Sent(t)
 		}
 		done := cs.node.Sent(t)
-		err := cs.fwd.ForwardStream(c.Request.Context(), t, c.Request.Method, c.Request.URL.Path, c.Request.Header, raw, c.Writer, streamFailure(c))
+		err := cs.fwd.ForwardStream(c.Request.Context(), t, c.Request.Method, path, c.Request.Header, raw, c.Writer, streamFailure(c))
 		var re *cluster.RetryableError
 		if errors.As(err, &re) {
 			cs.node.Refused(t)

@@ -108,7 +108,7 @@ func (s *Server) requestLog(c *gin.Context) {
 // logRequest writes c's line (requestLog); panicked is the panic it ends with.
 func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start time.Time, panicked any) {
 	switch c.Request.URL.Path {
-	case "/health", "/ready", "/metrics":
+	case "/health", "/v1/health", "/ready", "/metrics":
 		return
 	}
 	if !s.cfg.LogRequests {
