@@ -71,6 +71,7 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 	}
 	if fwd {
 		c.Set(forwardedByKey, c.GetHeader(cluster.HeaderFrom)) // verified: the log may name it
+		s.metrics.fromPeers.Inc()
 	}
 	return fwd, nil
 }
@@ -141,6 +142,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 				Message: "no node of this cluster serves the model " + model})
 			return true, noop
 		}
+		s.metrics.routed.WithLabelValues(cs.node.Name()).Inc()
 		return false, noop
 	case err != nil:
 		abort(c, err)
@@ -164,6 +166,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		}
 		t = t.With(seqs, moreTok)
 		if t.Local {
+			s.metrics.routed.WithLabelValues(cs.node.Name()).Inc()
 			return false, cs.node.Sent(t)
 		}
 		done := cs.node.Sent(t)
@@ -176,22 +179,27 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			if re.Unreachable {
 				cs.node.Unreachable(t.Name)
 			}
+			reason := "failed"
 			switch re.Status {
 			case http.StatusTooManyRequests:
 				busy++
+				reason = "busy"
 			case http.StatusUnauthorized:
 				if strings.Contains(err.Error(), "invalid_cluster_credential") {
 					broken++ // another --cluster-secret: misconfigured, logged above
 				} else {
 					refused++ // the client's key
+					reason = "refused"
 				}
 			default:
 				broken++
 			}
+			s.metrics.forwardFailed.WithLabelValues(t.Name, reason).Inc()
 			lastErr = err
 			continue
 		}
 		done()
+		s.metrics.routed.WithLabelValues(t.Name).Inc() // the peer took it, whatever came of it
 		if err != nil {
 			s.log.Warn("forward ended with an error", "peer", t.Name, "err", err)
 		}
@@ -211,6 +219,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		return true, noop
 	}
 	if tokens != nil {
+		s.metrics.routed.WithLabelValues(cs.node.Name()).Inc()
 		return false, noop // no peer answered: serve here if this node can
 	}
 	if refused > 0 && busy == 0 && broken == 0 {

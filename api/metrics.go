@@ -31,6 +31,11 @@ type metrics struct {
 	paramN, maxGen prometheus.Observer
 	success        *prometheus.CounterVec
 	rejects        *prometheus.CounterVec
+	// In a cluster: requests this node routed, by the member that took them
+	// (its own name for those served here); forwards a peer turned down or
+	// failed, by peer and reason; requests run here for another node.
+	routed, forwardFailed *prometheus.CounterVec
+	fromPeers             prometheus.Counter
 	// images counts the images of prompts laid out for computing here;
 	// encode, per such prompt, the projector's time for them.
 	images prometheus.Counter
@@ -101,6 +106,12 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		rejects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shoal_requests_rejected_total",
 			Help: "Requests refused before scheduling, by reason.", ConstLabels: labels}, []string{"reason"}),
 	}
+	m.routed = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shoal_routed_requests_total",
+		Help: "Requests this node routed in its cluster, by the member that took them (this node's name: served here).", ConstLabels: labels}, []string{"node"})
+	m.forwardFailed = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shoal_forward_failures_total",
+		Help: "Forwards to a peer that did not take the request (busy: 429; refused: the client's key; failed: unreachable, broken or misconfigured), before the next candidate was tried.", ConstLabels: labels}, []string{"node", "reason"})
+	m.fromPeers = prometheus.NewCounter(prometheus.CounterOpts{Name: "shoal_requests_from_peers_total",
+		Help: "Requests run here that another node of the cluster forwarded.", ConstLabels: labels})
 	// Every series from the start, at 0, so that a rate over them works before
 	// the first of each (and a dashboard shows 0, not "no data").
 	for _, r := range []string{string(scheduler.FinishStop), string(scheduler.FinishLength), abortLabel} {
@@ -116,7 +127,8 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels}, load(f))
 	}
 	cs := []prometheus.Collector{
-		ttft, itl, e2e, queue, m.success, m.rejects, images, encode, tpot,
+		ttft, itl, e2e, queue, m.success, m.rejects, images, encode, tpot, m.routed, m.forwardFailed, m.fromPeers,
+		membersCollector{s: s, desc: prometheus.NewDesc("shoal_cluster_members", "Members of this node's cluster by state (alive, suspect, dead, left), itself included, as it sees them.", []string{"state"}, labels)},
 		promptLen, genLen, maxTokens, prefill, decode, inference, reqTPOT, paramN, maxGen,
 		gauge("vllm:num_requests_running", "Sequences running on the engine.", func(l scheduler.Load) float64 { return float64(l.Running) }),
 		gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", func(l scheduler.Load) float64 { return float64(l.Waiting) }),
@@ -250,6 +262,33 @@ func (m *metrics) rejected(err error) {
 		reason = "cluster_saturated"
 	}
 	m.rejects.WithLabelValues(reason).Inc()
+}
+
+// memberStates are the states shoal_cluster_members reports, each from the
+// start.
+var memberStates = []string{"alive", "suspect", "dead", "left"}
+
+// membersCollector reports the members of the node's cluster by state;
+// nothing outside a cluster.
+type membersCollector struct {
+	s    *Server
+	desc *prometheus.Desc
+}
+
+func (c membersCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c membersCollector) Collect(ch chan<- prometheus.Metric) {
+	node := c.s.node()
+	if node == nil {
+		return
+	}
+	count := map[string]int{}
+	for _, m := range node.Members() {
+		count[m.State]++
+	}
+	for _, st := range memberStates {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(count[st]), st)
+	}
 }
 
 // loadCollector reports what the scheduler's Load counts in arrays: its

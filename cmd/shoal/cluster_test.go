@@ -131,6 +131,23 @@ func TestClusterRoutesAndForwards(t *testing.T) {
 		}
 	}
 	t.Logf("served by: %v", servedBy)
+	// a's metrics say where it routed them, and the nodes that ran another's
+	// requests count them: the first request (routed by b) and a's 4.
+	for name, n := range servedBy {
+		if got := a.metricSum(t, `shoal_routed_requests_total{model_name="small",node="`+name+`"}`); got != float64(n) {
+			t.Errorf("a routed %v requests to %s by its metrics, %d by the answers", got, name, n)
+		}
+	}
+	fromPeers := 0.0
+	for _, n := range []*node{a, b, c} {
+		fromPeers += n.metricSum(t, "shoal_requests_from_peers_total")
+	}
+	if forwarded := 4 - servedBy["a"] + min(len(first), 1); fromPeers != float64(forwarded) {
+		t.Errorf("%v requests ran for another node, %d were forwarded", fromPeers, forwarded)
+	}
+	if got := a.metricSum(t, `shoal_cluster_members{model_name="small",state="alive"}`); got != 3 {
+		t.Errorf("a counts %v alive members", got)
+	}
 
 	// Streams relay through the hop.
 	resp, out = post(t, c.url+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}`)
