@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -1021,3 +1022,107 @@ func metricValue(t *testing.T, body, series string) float64 {
 	t.Fatalf("no %s in the metrics", series)
 	return 0
 }
+
+// descRecorder is a prometheus.Registerer that keeps the names of what is
+// registered: every series a node may export, whether or not it has samples yet.
+type descRecorder struct{ names map[string]bool }
+
+func (r *descRecorder) Register(c prometheus.Collector) error {
+	ch := make(chan *prometheus.Desc, 16)
+	go func() { c.Describe(ch); close(ch) }()
+	for d := range ch {
+		if m := fqNameRE.FindStringSubmatch(d.String()); m != nil {
+			r.names[m[1]] = true
+		}
+	}
+	return nil
+}
+
+func (r *descRecorder) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		r.Register(c)
+	}
+}
+
+func (r *descRecorder) Unregister(prometheus.Collector) bool { return false }
+
+var fqNameRE = regexp.MustCompile(`fqName: "([^"]+)"`)
+
+// TestGrafanaDashboard: every series docs/grafana/shoal.json reads is one a
+// node exports, so that no panel stays empty after a rename.
+func TestGrafanaDashboard(t *testing.T) {
+	rec := &descRecorder{names: map[string]bool{}}
+	cfg := DefaultConfig()
+	cfg.ModelName = "m"
+	if _, err := New(cfg, rec, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile("../docs/grafana/shoal.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Type    string `json:"type"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(b, &dash); err != nil {
+		t.Fatal(err)
+	}
+	read := 0
+	for _, p := range dash.Panels {
+		if p.Type != "row" && len(p.Targets) == 0 {
+			t.Errorf("panel %q reads nothing", p.Title)
+		}
+		for _, tg := range p.Targets {
+			for _, name := range seriesRE.FindAllString(tg.Expr, -1) {
+				read++
+				base := name
+				for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+					if s, ok := strings.CutSuffix(name, suffix); ok && rec.names[s] {
+						base = s
+					}
+				}
+				if !rec.names[base] {
+					t.Errorf("panel %q reads %s, which no node exports", p.Title, name)
+				}
+			}
+		}
+	}
+	if read < 30 || !rec.names["shoal_routed_requests_total"] || !rec.names["vllm:iteration_tokens_total"] {
+		t.Errorf("%d series read; exported %v", read, rec.names)
+	}
+	// The queries parse as PromQL, Grafana's variables given values (promtool
+	// checks them as recording rules).
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("promtool missing in CI: scripts/test-deps.sh installs it")
+		}
+		t.Skip("promtool not installed (run scripts/test-deps.sh)")
+	}
+	vars := strings.NewReplacer("$__rate_interval", "1m", "$model_name", ".*", "$instance", ".*")
+	var rules strings.Builder
+	rules.WriteString("groups:\n- name: dashboard\n  rules:\n")
+	n := 0
+	for _, p := range dash.Panels {
+		for _, tg := range p.Targets {
+			n++
+			q, _ := json.Marshal(vars.Replace(tg.Expr)) // a JSON string is a YAML string
+			fmt.Fprintf(&rules, "  - record: dashboard_query_%d\n    expr: %s\n", n, q)
+		}
+	}
+	file := filepath.Join(t.TempDir(), "rules.yml")
+	if err := os.WriteFile(file, []byte(rules.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(promtool, "check", "rules", file).CombinedOutput(); err != nil {
+		t.Errorf("promtool check rules: %v\n%s", err, out)
+	}
+}
+
+var seriesRE = regexp.MustCompile(`\b(?:vllm:|shoal_)[a-z0-9_:]+`)
