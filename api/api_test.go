@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/enginetest"
 	"github.com/shoal-ai/shoal/models"
@@ -1126,3 +1127,17 @@ func TestGrafanaDashboard(t *testing.T) {
 }
 
 var seriesRE = regexp.MustCompile(`\b(?:vllm:|shoal_)[a-z0-9_:]+`)
+
+// TestForgetPeers: a member gone from the cluster's view takes its routing
+// series with it; the others stay.
+func TestForgetPeers(t *testing.T) {
+	s := newTestServer(t, nil)
+	s.metrics.routedTo("gone")
+	s.metrics.forwardFailedAt("gone", "busy")
+	s.metrics.routedTo("here")
+	s.metrics.forgetPeers([]cluster.Member{{Name: "here"}})
+	body := s.do(t, "GET", "/metrics", "").Body.String()
+	if strings.Contains(body, `node="gone"`) || !strings.Contains(body, `shoal_routed_requests_total{model_name="fake",node="here"} 1`) {
+		t.Fatalf("after forgetting gone:\n%s", body)
+	}
+}

@@ -70,8 +70,10 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 		return fwd, &Error{Status: http.StatusUnauthorized, Type: "authentication_error", Code: "invalid_cluster_credential", Message: err.Error()}
 	}
 	if fwd {
+		if _, checked := c.Get(forwardedByKey); !checked { // auth and the handler may both ask
+			s.metrics.fromPeers.Inc()
+		}
 		c.Set(forwardedByKey, c.GetHeader(cluster.HeaderFrom)) // verified: the log may name it
-		s.metrics.fromPeers.Inc()
 	}
 	return fwd, nil
 }
@@ -142,8 +144,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 				Message: "no node of this cluster serves the model " + model})
 			return true, noop
 		}
-		s.metrics.routed.WithLabelValues(cs.node.Name()).Inc()
-		return false, noop
+		return false, noop // no member serves it: this node, if it can
 	case err != nil:
 		abort(c, err)
 		return true, noop
@@ -166,7 +167,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		}
 		t = t.With(seqs, moreTok)
 		if t.Local {
-			s.metrics.routed.WithLabelValues(cs.node.Name()).Inc()
+			s.metrics.routedTo(cs.node.Name())
 			return false, cs.node.Sent(t)
 		}
 		done := cs.node.Sent(t)
@@ -194,12 +195,12 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			default:
 				broken++
 			}
-			s.metrics.forwardFailed.WithLabelValues(t.Name, reason).Inc()
+			s.metrics.forwardFailedAt(t.Name, reason)
 			lastErr = err
 			continue
 		}
 		done()
-		s.metrics.routed.WithLabelValues(t.Name).Inc() // the peer took it, whatever came of it
+		s.metrics.routedTo(t.Name) // the peer took it, whatever came of it
 		if err != nil {
 			s.log.Warn("forward ended with an error", "peer", t.Name, "err", err)
 		}
@@ -219,7 +220,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		return true, noop
 	}
 	if tokens != nil {
-		s.metrics.routed.WithLabelValues(cs.node.Name()).Inc()
+		s.metrics.routedTo(cs.node.Name())
 		return false, noop // no peer answered: serve here if this node can
 	}
 	if refused > 0 && busy == 0 && broken == 0 {

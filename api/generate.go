@@ -1236,7 +1236,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			st.token(ev.At)
 			if gap, ok := choice(ev.Index).token(ev.At); !ok {
 				s.metrics.ttft.Observe(ev.At.Sub(sub.start).Seconds())
-			} else {
+			} else if gap > 0 { // one gap per step, as vLLM's: accepted proposals come with their step's token
 				s.metrics.itl.Observe(gap.Seconds())
 				s.metrics.tpot.Observe(gap.Seconds())
 			}

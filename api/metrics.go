@@ -3,12 +3,15 @@ package api
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/scheduler"
 )
 
@@ -36,6 +39,10 @@ type metrics struct {
 	// failed, by peer and reason; requests run here for another node.
 	routed, forwardFailed *prometheus.CounterVec
 	fromPeers             prometheus.Counter
+	// peers are the node labels of routed and forwardFailed, so that a member
+	// gone from the cluster's view takes its series with it (forgetPeers).
+	peersMu sync.Mutex
+	peers   map[string]bool
 	// images counts the images of prompts laid out for computing here;
 	// encode, per such prompt, the projector's time for them.
 	images prometheus.Counter
@@ -217,13 +224,17 @@ func (m *metrics) requestEnded(start time.Time, u scheduler.Usage, n int, choice
 		}
 		m.promptLen.Observe(float64(u.PromptTokens))
 		m.genLen.Observe(float64(gen))
-		m.maxTokens.Observe(float64(u.MaxTokens))
+		if counted { // not max_tokens 0's warm-up, which vLLM leaves out
+			m.maxTokens.Observe(float64(u.MaxTokens))
+		}
 		m.prefill.Observe(prefill.Seconds())
 		m.decode.Observe(decode.Seconds())
 		m.inference.Observe((prefill + decode).Seconds())
+		tpot := 0.0 // as vLLM's, for a choice of one token or none
 		if c.tokens > 1 {
-			m.reqTPOT.Observe(decode.Seconds() / float64(c.tokens-1))
+			tpot = decode.Seconds() / float64(c.tokens-1)
 		}
+		m.reqTPOT.Observe(tpot)
 	}
 	m.paramN.Observe(float64(n))
 	m.maxGen.Observe(float64(most))
@@ -264,6 +275,42 @@ func (m *metrics) rejected(err error) {
 	m.rejects.WithLabelValues(reason).Inc()
 }
 
+// routedTo counts a request routed to member node.
+func (m *metrics) routedTo(node string) {
+	m.notePeer(node)
+	m.routed.WithLabelValues(node).Inc()
+}
+
+// forwardFailedAt counts a forward that member node did not take.
+func (m *metrics) forwardFailedAt(node, reason string) {
+	m.notePeer(node)
+	m.forwardFailed.WithLabelValues(node, reason).Inc()
+}
+
+func (m *metrics) notePeer(node string) {
+	m.peersMu.Lock()
+	defer m.peersMu.Unlock()
+	if m.peers == nil {
+		m.peers = map[string]bool{}
+	}
+	m.peers[node] = true
+}
+
+// forgetPeers drops the series of nodes no longer among members: a cluster
+// whose nodes come and go under new names (autoscaled pods) keeps a bounded
+// set of them.
+func (m *metrics) forgetPeers(members []cluster.Member) {
+	m.peersMu.Lock()
+	defer m.peersMu.Unlock()
+	for name := range m.peers {
+		if !slices.ContainsFunc(members, func(mb cluster.Member) bool { return mb.Name == name }) {
+			delete(m.peers, name)
+			m.routed.DeletePartialMatch(prometheus.Labels{"node": name})
+			m.forwardFailed.DeletePartialMatch(prometheus.Labels{"node": name})
+		}
+	}
+}
+
 // memberStates are the states shoal_cluster_members reports, each from the
 // start.
 var memberStates = []string{"alive", "suspect", "dead", "left"}
@@ -283,9 +330,11 @@ func (c membersCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	count := map[string]int{}
-	for _, m := range node.Members() {
+	members := node.Members()
+	for _, m := range members {
 		count[m.State]++
 	}
+	c.s.metrics.forgetPeers(members)
 	for _, st := range memberStates {
 		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(count[st]), st)
 	}

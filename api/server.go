@@ -425,7 +425,7 @@ func (s *Server) bodyLimit(path string, length int64) int64 {
 }
 
 // imagePaths are the endpoints whose requests may carry images.
-var imagePaths = map[string]bool{"/v1/chat/completions": true, "/v1/responses": true, "/v1/messages": true,
+var imagePaths = map[string]bool{"/v1/chat/completions": true, "/chat/completions": true, "/v1/responses": true, "/v1/messages": true,
 	"/v1/messages/count_tokens": true, "/api/chat": true, "/api/generate": true}
 
 func (s *Server) auth(c *gin.Context) {

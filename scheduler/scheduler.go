@@ -116,12 +116,16 @@ type Scheduler struct {
 	// failure, a quarter more after every capRecoverSteps successful steps (0: no
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
-	decodeRows       int  // rows of this step that decode a generated token
-	draftTokens      int  // rows of this step that check a proposed token
-	stepAccepted     int  // proposals of this step the model drew the same
-	specPause        int  // steps without proposals after a batch with them did not fit
-	adapter          int  // the LoRA adapter of the last step (Config.Adapters)
-	mediaWait        bool // this step, a running prompt's whole image did not fit: no admissions
+	decodeRows       int // rows of this step that decode a generated token
+	draftTokens      int // rows of this step that check a proposed token
+	stepAccepted     int // proposals of this step the model drew the same
+	// stepAt is when this step published its first token, the time of all its
+	// tokens (Event.At): a sequence's accepted proposals come with its decode
+	// row's token, as vLLM times them, one gap per step.
+	stepAt    time.Time
+	specPause int  // steps without proposals after a batch with them did not fit
+	adapter   int  // the LoRA adapter of the last step (Config.Adapters)
+	mediaWait bool // this step, a running prompt's whole image did not fit: no admissions
 	// placed are the images placed by M-RoPE (engine.Capacity.MRoPE) of
 	// the sequences whose cells each KV sequence id holds, running or
 	// cached (their embeddings dropped): KV ranges go to the engine as
@@ -493,6 +497,7 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.batch.Adapter = s.adapter
 	s.rows = s.rows[:0]
 	s.decodeRows, s.draftTokens, s.stepAccepted = 0, 0, 0
+	s.stepAt = time.Time{}
 	s.mediaWait = false
 	s.building = true
 	for _, q := range s.running {
@@ -1426,7 +1431,10 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	if q.gen >= g.req.MinTokens {
 		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
 	}
-	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top}
+	if s.stepAt.IsZero() {
+		s.stepAt = time.Now()
+	}
+	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, At: s.stepAt}
 	g.stream.push(ev)
 	switch {
 	case stop != "":

@@ -1928,3 +1928,36 @@ func TestCountStep(t *testing.T) {
 		}
 	}
 }
+
+// TestStepTimesTokens: the tokens of one step share its time, so that a
+// sequence's accepted proposals add no gaps between tokens (vLLM's
+// inter-token latency is one gap per step).
+func TestStepTimesTokens(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	f.Period = 7
+	s, _ := startScheduler(t, f, func(c *Config) { c.Spec.Tokens = 5 })
+	st, err := s.Submit(context.Background(), &Request{Prompt: []engine.Token{10, 11, 12, 13, 14, 15, 16, 10, 11, 12}, MaxTokens: 60, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	times := map[time.Time]bool{}
+	tokens := 0
+	for {
+		ev, ok := st.Next(context.Background())
+		if !ok || ev.Kind == EventDone || ev.Kind == EventError {
+			break
+		}
+		if ev.Kind == EventToken {
+			tokens++
+			times[ev.At] = true
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Load().Running != 0 && time.Now().Before(deadline) { // the step that ended it is published
+		time.Sleep(time.Millisecond)
+	}
+	accepted := int(s.Load().SpecAccepted)
+	if tokens != 60 || accepted == 0 || len(times) != tokens-accepted {
+		t.Fatalf("%d tokens at %d times, %d of them accepted proposals", tokens, len(times), accepted)
+	}
+}

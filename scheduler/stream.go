@@ -69,7 +69,8 @@ type Event struct {
 	Vector      []float32
 	Prompt      []engine.TokenScore // EventPromptLogprobs: Prompt[i] scores prompt token i+1
 	// At is when the scheduler produced the event: latency metrics read it, not the
-	// time a reader (busy with another choice, or a slow client) got to it.
+	// time a reader (busy with another choice, or a slow client) got to it. The
+	// tokens of one step share it.
 	At time.Time
 }
 

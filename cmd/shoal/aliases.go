@@ -78,6 +78,10 @@ var serveAliases = map[string]serveAlias{
 	"enable-lora":              {from: fromVLLM, note: "--lora-modules is enough"},
 }
 
+// optionalValues are the values an alias whose value is optional (-fa) takes
+// from the next argument.
+var optionalValues = []string{"on", "off", "auto", "true", "false", "1", "0"}
+
 // gpuLayers reads llama-server's -ngl, which also takes all and auto.
 func gpuLayers(v string) (string, error) {
 	if v == "all" || v == "auto" {
@@ -134,6 +138,10 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 		}
 		al, ok := serveAliases[name]
 		if !ok {
+			if fs.Lookup(name) == nil && name != "h" && name != "help" {
+				// Said here, before a value after it could be taken for the model.
+				return nil, "", nil, fmt.Errorf("flag provided but not defined: %s (shoal serve -h lists them)", a)
+			}
 			out = append(out, a)
 			if fs.Lookup(name) != nil && !hasVal && !isBool(name) && i+1 < len(args) {
 				i++
@@ -158,8 +166,8 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 			val = al.set
 		case isBool(al.flag) && !hasVal:
 			val = "true"
-		case !hasVal && al.optional && (i+1 >= len(args) || strings.HasPrefix(args[i+1], "-")):
-			val = al.set
+		case !hasVal && al.optional && (i+1 >= len(args) || !slices.Contains(optionalValues, args[i+1])):
+			val = al.set // the next argument is no value of it (a flag, the model)
 		case !hasVal:
 			if val, err = next(); err != nil {
 				return nil, "", nil, err
@@ -170,7 +178,7 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 				return nil, "", nil, err
 			}
 		}
-		if name == "served-model-name" && !hasVal && i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") {
+		if name == "served-model-name" && !hasVal && i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") && !strings.HasSuffix(args[i+1], ".gguf") {
 			// vLLM reads every argument up to the next flag as another name.
 			return nil, "", nil, fmt.Errorf("--served-model-name %s %s: shoal serves a model under one name", val, args[i+1])
 		}

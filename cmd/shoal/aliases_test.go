@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/shoal-ai/shoal/engine/llama"
 )
 
 // TestServeArgs: llama-server's and vLLM's command lines become serve's own
@@ -27,6 +29,8 @@ func TestServeArgs(t *testing.T) {
 			want:  "--n-gpu-layers=-1 --flash-attn=on --ctx-size=4096 --mmap=false --kv-type=q8_0 --kv-type=q8_0 --kv-unified=true --default-max-tokens=0 --model-name=tiny",
 			model: "m.gguf", ignored: "--metrics -cb"},
 		{in: "-fa", want: "--flash-attn=on"},
+		{in: "-fa m.gguf -fa auto", want: "--flash-attn=on --flash-attn=auto", model: "m.gguf"},
+		{in: "--served-model-name qwen m.gguf", want: "--model-name=qwen", model: "m.gguf"},
 		{in: "-fa=off --cache-type-k=f16", want: "--flash-attn=off --kv-type=f16"},
 		{in: "--served-model-name qwen --max-num-seqs 32 --max-num-batched-tokens 1024 --block-size 32 --no-enable-prefix-caching --disable-log-requests --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser=qwen3 m.gguf",
 			want:    "--model-name=qwen --max-running=32 --max-batch-tokens=1024 --block-tokens=32 --prefix-caching=false --log-requests=false",
@@ -47,15 +51,17 @@ func TestServeArgs(t *testing.T) {
 		}
 	}
 	for in, want := range map[string]string{
-		"-ctk q8_0 -ctv f16":             "one type for keys and values",
-		"a.gguf b.gguf":                  "unexpected arguments",
-		"--mmap false m.gguf":            "--mmap=false",
-		"--no-mmap=true":                 "takes no value",
-		"-n many":                        "want a number",
-		"-c":                             "needs an argument",
-		"--tool-call-parser":             "needs an argument",
-		"m.gguf --model n.gguf":          "the model twice",
-		"--served-model-name a b m.gguf": "under one name",
+		"-ctk q8_0 -ctv f16":                  "one type for keys and values",
+		"a.gguf b.gguf":                       "unexpected arguments",
+		"--mmap false m.gguf":                 "--mmap=false",
+		"--no-mmap=true":                      "takes no value",
+		"-n many":                             "want a number",
+		"-c":                                  "needs an argument",
+		"--tool-call-parser":                  "needs an argument",
+		"m.gguf --model n.gguf":               "the model twice",
+		"--served-model-name a b m.gguf":      "under one name",
+		"m.gguf --gpu-memory-utilization 0.9": "flag provided but not defined: --gpu-memory-utilization",
+		"m.gguf --max-num-seqs 300":           "llama.cpp runs at most 256 sequences",
 	} {
 		err := runServe(strings.Fields(in), io.Discard, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), want) {
@@ -69,6 +75,12 @@ func TestServeArgs(t *testing.T) {
 	}
 	if err := runServe([]string{"m.gguf", "--chat-template", file, "--jinja=false"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "--chat-template-file with --jinja=false") {
 		t.Errorf("--chat-template FILE: %v", err)
+	}
+	// A template file is told from llama.cpp's format names by its '.' or '/'.
+	for _, name := range llama.ChatTemplateNames() {
+		if strings.ContainsAny(name, "./") {
+			t.Errorf("llama.cpp's format %q would be read as a file where one of its name exists", name)
+		}
 	}
 	// Every alias spells a flag serve has, and the help lists it.
 	var help strings.Builder
@@ -97,6 +109,12 @@ func mustServeFlags(t *testing.T) *flag.FlagSet {
 // flags of serve's own would.
 func TestLlamaServerCommandLine(t *testing.T) {
 	n := startNode(t, smallModel(t), "-c", "2048", "-np", "4", "-fa", "-ngl", "all", "--alias", "tiny", "--metrics", "-ctk", "f16")
+	// vLLM's --max-num-seqs and --max-num-batched-tokens past the engine's
+	// defaults (128 sequences, a batch of 2048) grow the engine to them.
+	v := startNode(t, "--served-model-name", "qwen", smallModel(t), "--max-num-seqs", "200", "--max-num-batched-tokens", "4096", "-c", "8192")
+	if r, b := post(t, v.url+"/v1/completions", `{"model":"qwen","prompt":"Once","max_tokens":2}`); r.StatusCode != 200 {
+		t.Fatalf("vLLM's command line: %d %s", r.StatusCode, b)
+	}
 	resp, err := http.Get(n.url + "/v1/models")
 	if err != nil {
 		t.Fatal(err)

@@ -336,8 +336,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
 	}
-	if st, err := os.Stat(f.chatTemplate); f.chatTemplate != "" && f.chatTemplateFile == "" && err == nil && st.Mode().IsRegular() {
-		// vLLM's --chat-template also takes a file: a Jinja template.
+	if st, err := os.Stat(f.chatTemplate); strings.ContainsAny(f.chatTemplate, "./") && f.chatTemplateFile == "" && err == nil && st.Mode().IsRegular() {
+		// vLLM's --chat-template also takes a file: a Jinja template (a path:
+		// llama.cpp's format names have neither '.' nor '/').
 		f.chatTemplateFile, f.chatTemplate = f.chatTemplate, ""
 	}
 	var template string
@@ -425,8 +426,20 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		lc.Adapters, adapterIDs = append(lc.Adapters, l...), append(adapterIDs, id)
 	}
-	setFlags := map[string]bool{}
+	setFlags := map[string]bool{} // on the command line or in the environment (applyEnv sets them)
 	fs.Visit(func(fl *flag.Flag) { setFlags[fl.Name] = true })
+	// Asked for more running sequences or a larger step than the engine's
+	// defaults hold (vLLM's --max-num-seqs 256, --max-num-batched-tokens 8192),
+	// the engine grows to them unless its own size was given too.
+	if setFlags["max-running"] && !setFlags["parallel"] && f.maxRunning > f.seqs {
+		if most := llama.MaxParallel(); f.maxRunning > most {
+			return fmt.Errorf("--max-running %d: llama.cpp runs at most %d sequences", f.maxRunning, most)
+		}
+		f.seqs, lc.MaxSeqs = f.maxRunning, f.maxRunning
+	}
+	if setFlags["max-batch-tokens"] && !setFlags["batch-size"] && f.maxBatchTokens > f.batch {
+		f.batch, lc.BatchTokens = f.maxBatchTokens, f.maxBatchTokens
+	}
 	// Unless asked for either, the engine splits a pool sized from GPU memory when
 	// every stream gets the model's context (faster attention, memory to spare).
 	lc.AutoUnified = f.unified == nil

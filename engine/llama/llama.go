@@ -200,9 +200,12 @@ func DefaultConfig(path string) Config {
 	}
 }
 
+// MaxParallel is the most sequences one context holds (Config.MaxSeqs).
+func MaxParallel() int { return int(C.llama_max_parallel_sequences()) }
+
 // Validate rejects configurations llama.cpp would refuse or silently change.
 func (c Config) Validate() error {
-	maxSeq := int(C.llama_max_parallel_sequences())
+	maxSeq := MaxParallel()
 	switch {
 	case c.ModelPath == "":
 		return errors.New("model path is empty")
