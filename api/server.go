@@ -50,7 +50,10 @@ const (
 // Config configures the API. Only cmd fills it.
 type Config struct {
 	// ModelName is the id clients use in "model"; empty requests are accepted.
-	ModelName    string
+	ModelName string
+	// ModelAliases are other ids the model answers to (vLLM's served model
+	// names after the first); answers name it ModelName.
+	ModelAliases []string
 	APIKeys      []string
 	MaxBodyBytes int64
 	// VisionBodyBytes, when above MaxBodyBytes, bounds the bodies of requests
@@ -106,6 +109,10 @@ func (c Config) Validate() error {
 		return errors.New("api: model name is empty")
 	case slices.Contains(c.Adapters, c.ModelName) || slices.Contains(c.Adapters, ""):
 		return fmt.Errorf("api: adapter ids %q: empty or the model's own id", c.Adapters)
+	case slices.Contains(c.ModelAliases, "") || slices.Contains(c.ModelAliases, c.ModelName):
+		return fmt.Errorf("api: model aliases %q: empty or the model's own id", c.ModelAliases)
+	case slices.ContainsFunc(c.ModelAliases, func(a string) bool { return slices.Contains(c.Adapters, a) }):
+		return fmt.Errorf("api: model aliases %q: one is also an adapter's id (%q)", c.ModelAliases, c.Adapters)
 	case !slices.Contains(ReasoningFormats, c.ReasoningFormat):
 		return fmt.Errorf("api: reasoning format %q: want one of %s", c.ReasoningFormat, strings.Join(ReasoningFormats, ", "))
 	}
@@ -507,7 +514,7 @@ func (s *Server) adapterName(a int) string {
 // adapterOf reports whether model is served here, and under which adapter
 // (0: the model itself).
 func (s *Server) adapterOf(model string) (adapter int, here bool) {
-	if model == "" || model == s.cfg.ModelName {
+	if model == "" || model == s.cfg.ModelName || slices.Contains(s.cfg.ModelAliases, model) {
 		return 0, true
 	}
 	if i := slices.Index(s.cfg.Adapters, model); i >= 0 {
@@ -573,6 +580,9 @@ func (s *Server) modelList() ModelList {
 	list := ModelList{Object: "list", Data: []Model{{
 		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Simulated: sim,
 	}}}
+	for _, a := range s.cfg.ModelAliases { // as vLLM lists each served name
+		list.Data = append(list.Data, Model{ID: a, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Simulated: sim})
+	}
 	for _, a := range s.cfg.Adapters {
 		list.Data = append(list.Data, Model{ID: a, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Parent: s.cfg.ModelName})
 	}

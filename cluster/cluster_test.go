@@ -1291,3 +1291,32 @@ func TestServedModelsAndParents(t *testing.T) {
 		t.Fatalf("models %+v, want %+v", got, want)
 	}
 }
+
+// TestAliasesRouteAsTheirModel: a request naming an alias goes only to members
+// that list it, and by the prefix its model's blocks hold (hashed under the
+// model's own id); the alias is served as a model of its own.
+func TestAliasesRouteAsTheirModel(t *testing.T) {
+	tokens := make([]int32, 64)
+	for i := range tokens {
+		tokens[i] = int32(100 + i)
+	}
+	b := &peer{name: "b", meta: Meta{HTTP: "b:1", Models: []string{"m"}, Aliases: []string{"qwen"}, Capacity: 8}}
+	c := &peer{name: "c", meta: Meta{HTTP: "c:1", Models: []string{"m"}, Aliases: []string{"qwen"}, Capacity: 8}}
+	n := routerWith(t, PrefixAware, &peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"m"}, Capacity: 8}}, b, c)
+	b.summary = summaryOf(tokens, 16)
+	for range 4 {
+		ts, err := n.Route("qwen", tokens, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ts[0].Name != "b" || ts[0].Cached != 64 || slices.ContainsFunc(ts, func(t Target) bool { return t.Name == "self" }) {
+			t.Fatalf("routed %+v: want b first, with its 64 cached tokens, and never self", ts)
+		}
+	}
+	if _, err := n.Route("other", tokens, 0); err == nil {
+		t.Fatal("a model nobody serves was routed")
+	}
+	if got := n.Models(); !slices.Contains(got, ServedModel{ID: "qwen"}) || !slices.Contains(got, ServedModel{ID: "m"}) {
+		t.Fatalf("models %+v", got)
+	}
+}

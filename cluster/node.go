@@ -843,6 +843,7 @@ type Member struct {
 	Gossip        string   `json:"gossip"`
 	State         string   `json:"state"`
 	Models        []string `json:"models"`
+	Aliases       []string `json:"aliases,omitempty"` // other ids of Models[0]
 	Draining      bool     `json:"draining"`
 	Load          Load     `json:"load"`
 	SummaryBlocks int      `json:"summary_blocks"`
@@ -879,7 +880,7 @@ func (n *Node) Members() []Member {
 		if !p.loadAt.IsZero() {
 			ago = time.Since(p.loadAt).Milliseconds()
 		}
-		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models,
+		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models, Aliases: p.meta.Aliases,
 			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: p.summary.len(), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device,
 			MaxModelLen: p.meta.MaxModelLen, Task: p.meta.Task, Vision: p.meta.Vision})
 	}
@@ -917,8 +918,8 @@ func (n *Node) Models() []ServedModel {
 		if m.State != "alive" {
 			continue
 		}
-		for i, id := range m.Models {
-			if i > 0 {
+		for i, id := range slices.Concat(m.Models, m.Aliases) {
+			if i > 0 && i < len(m.Models) {
 				parents[id] = m.Models[0]
 			}
 			l, ok := lens[id]

@@ -96,7 +96,8 @@ func (n *Node) RouteUncached(model string, tokens []int32, priority int) ([]Targ
 func (n *Node) route(task, model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
 	var hashes []kvcache.Hash
 	if reuse && tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
-		hashes = kvcache.NewHasher(n.cfg.HashSeed, model).Chain(tokens, n.cfg.BlockTokens)
+		// Blocks are hashed under the model's own id, whatever alias named it.
+		hashes = kvcache.NewHasher(n.cfg.HashSeed, n.canonical(model)).Chain(tokens, n.cfg.BlockTokens)
 	}
 	n.routed.Add(1)
 	n.mu.Lock()
@@ -114,7 +115,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
 		for _, p := range n.peers {
 			self := p.name == n.cfg.Name
-			if !p.metaOK || !slices.Contains(p.meta.Models, model) || !p.meta.does(task) {
+			if !p.metaOK || !p.meta.serves(model) || !p.meta.does(task) {
 				continue
 			}
 			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) || !self && p.state != "alive" {
@@ -550,12 +551,25 @@ func (n *Node) othersPerOwn() float64 {
 	return min(max(total/n.routeRate, 1), float64(nodes))
 }
 
+// canonical is the model id that model stands for: the model of a member
+// that lists model as an alias (Meta.Aliases), else model itself.
+func (n *Node) canonical(model string) string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, p := range n.peers {
+		if p.metaOK && len(p.meta.Models) > 0 && slices.Contains(p.meta.Aliases, model) {
+			return p.meta.Models[0]
+		}
+	}
+	return model
+}
+
 // clusterPrefillRate is the median prefill rate (tokens/s) gossiped by the nodes
 // serving model, or a conservative default before any has measured one.
 func (n *Node) clusterPrefillRate(model string) float64 {
 	var rates []float64
 	for _, p := range n.peers {
-		if p.state == "alive" && p.metaOK && slices.Contains(p.meta.Models, model) && p.load.PrefillTPS > 0 {
+		if p.state == "alive" && p.metaOK && p.meta.serves(model) && p.load.PrefillTPS > 0 {
 			rates = append(rates, p.load.PrefillTPS)
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/shoal-ai/shoal/kvcache"
 )
@@ -24,8 +25,10 @@ const (
 
 // Meta is what a node advertises in memberlist's node metadata (≤ 512 bytes).
 type Meta struct {
-	HTTP     string   `json:"h"`           // host:port of the node's API
-	Models   []string `json:"m"`           // served model ids: the model's, then its LoRA adapters'
+	HTTP   string   `json:"h"` // host:port of the node's API
+	Models []string `json:"m"` // served model ids: the model's, then its LoRA adapters'
+	// Aliases are other ids the model (Models[0]) answers to.
+	Aliases  []string `json:"a,omitempty"`
 	Capacity int      `json:"c"`           // max running sequences
 	Draining bool     `json:"d,omitempty"` // refuses new work
 	TLS      bool     `json:"t,omitempty"` // API served over TLS
@@ -50,6 +53,12 @@ type Meta struct {
 	// Vision: the node reads images with its generation model (a projector):
 	// requests with images go to such nodes (TaskVision).
 	Vision bool `json:"i,omitempty"`
+}
+
+// serves reports whether a request naming model may go to the node: one of
+// its models, or an alias of its first.
+func (m *Meta) serves(model string) bool {
+	return slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model)
 }
 
 // Tasks a node serves its models for (Meta.Task), and a request's (Route).
@@ -82,7 +91,7 @@ func encodeMeta(m Meta) ([]byte, error) {
 	}
 	b = append([]byte{wireVersion}, b...)
 	if len(b) > maxMetaLen {
-		return nil, fmt.Errorf("cluster: node metadata of %d bytes exceeds %d (too many or too long model ids: the model's and its LoRA adapters' ids are gossiped in it)", len(b), maxMetaLen)
+		return nil, fmt.Errorf("cluster: node metadata of %d bytes exceeds %d (too many or too long model ids: the model's, its other names' and its LoRA adapters' are gossiped in it)", len(b), maxMetaLen)
 	}
 	return b, nil
 }

@@ -178,9 +178,13 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 				return nil, "", nil, err
 			}
 		}
-		if name == "served-model-name" && !hasVal && i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") && !strings.HasSuffix(args[i+1], ".gguf") {
-			// vLLM reads every argument up to the next flag as another name.
-			return nil, "", nil, fmt.Errorf("--served-model-name %s %s: shoal serves a model under one name", val, args[i+1])
+		if name == "served-model-name" && !hasVal {
+			// vLLM reads every argument up to the next flag as another name
+			// (here, up to a model file too).
+			for i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") && !strings.HasSuffix(args[i+1], ".gguf") {
+				i++
+				val += "," + args[i]
+			}
 		}
 		if al.flag == "kv-type" {
 			for other, v := range kvTypes {

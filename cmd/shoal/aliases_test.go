@@ -31,6 +31,7 @@ func TestServeArgs(t *testing.T) {
 		{in: "-fa", want: "--flash-attn=on"},
 		{in: "-fa m.gguf -fa auto", want: "--flash-attn=on --flash-attn=auto", model: "m.gguf"},
 		{in: "--served-model-name qwen m.gguf", want: "--model-name=qwen", model: "m.gguf"},
+		{in: "--served-model-name qwen q2 m.gguf --port 1", want: "--model-name=qwen,q2 --port 1", model: "m.gguf"},
 		{in: "-fa=off --cache-type-k=f16", want: "--flash-attn=off --kv-type=f16"},
 		{in: "--served-model-name qwen --max-num-seqs 32 --max-num-batched-tokens 1024 --block-size 32 --no-enable-prefix-caching --disable-log-requests --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser=qwen3 m.gguf",
 			want:    "--model-name=qwen --max-running=32 --max-batch-tokens=1024 --block-tokens=32 --prefix-caching=false --log-requests=false",
@@ -59,7 +60,8 @@ func TestServeArgs(t *testing.T) {
 		"-c":                                  "needs an argument",
 		"--tool-call-parser":                  "needs an argument",
 		"m.gguf --model n.gguf":               "the model twice",
-		"--served-model-name a b m.gguf":      "under one name",
+		"m.gguf --model-name a,,b":            "neither empty nor repeated",
+		"--served-model-name a b a m.gguf":    "neither empty nor repeated",
 		"m.gguf --gpu-memory-utilization 0.9": "flag provided but not defined: --gpu-memory-utilization",
 		"m.gguf --max-num-seqs 300":           "llama.cpp runs at most 256 sequences",
 	} {
@@ -111,8 +113,9 @@ func TestLlamaServerCommandLine(t *testing.T) {
 	n := startNode(t, smallModel(t), "-c", "2048", "-np", "4", "-fa", "-ngl", "all", "--alias", "tiny", "--metrics", "-ctk", "f16")
 	// vLLM's --max-num-seqs and --max-num-batched-tokens past the engine's
 	// defaults (128 sequences, a batch of 2048) grow the engine to them.
-	v := startNode(t, "--served-model-name", "qwen", smallModel(t), "--max-num-seqs", "200", "--max-num-batched-tokens", "4096", "-c", "8192")
-	if r, b := post(t, v.url+"/v1/completions", `{"model":"qwen","prompt":"Once","max_tokens":2}`); r.StatusCode != 200 {
+	v := startNode(t, "--served-model-name", "qwen", "q2", smallModel(t), "--max-num-seqs", "200", "--max-num-batched-tokens", "4096", "-c", "8192")
+	// Both names are served; answers give the first.
+	if r, b := post(t, v.url+"/v1/completions", `{"model":"q2","prompt":"Once","max_tokens":2}`); r.StatusCode != 200 || !strings.Contains(b, `"model":"qwen"`) {
 		t.Fatalf("vLLM's command line: %d %s", r.StatusCode, b)
 	}
 	resp, err := http.Get(n.url + "/v1/models")
@@ -147,5 +150,30 @@ func TestLlamaServerCommandLine(t *testing.T) {
 	}
 	if !strings.Contains(n.log(), "flags of llama-server or vLLM taken without effect") {
 		t.Errorf("--metrics was not noted as taken without effect:\n%s", n.log())
+	}
+}
+
+// TestAliasesInCluster: a node's other names travel in its gossip: another
+// member lists them and routes requests naming them to it.
+func TestAliasesInCluster(t *testing.T) {
+	model := smallModel(t)
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	startNode(t, "--model", model, "--gossip-key", key, "--gossip-addr", g1, "--node-name", "a", "--model-name", "small,tiny", "--ctx-size", "2048")
+	b := startNode(t, "--model", model, "--gossip-key", key, "--gossip-addr", freeAddr(t), "--node-name", "b", "--join", g1, "--model-name", "other", "--ctx-size", "2048")
+	waitFor(t, "a's names listed at b", func() bool {
+		resp, err := http.Get(b.url + "/v1/models")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return strings.Contains(string(body), `"id":"tiny"`) && strings.Contains(string(body), `"id":"small"`)
+	})
+	for range 3 {
+		r, out := post(t, b.url+"/v1/completions", `{"model":"tiny","prompt":"Once upon a time","max_tokens":2}`)
+		if r.StatusCode != 200 || r.Header.Get("X-Shoal-Served-By") != "a" || !strings.Contains(out, `"model":"small"`) {
+			t.Fatalf("tiny at b: %d served by %q: %s", r.StatusCode, r.Header.Get("X-Shoal-Served-By"), out)
+		}
 	}
 }

@@ -115,6 +115,22 @@ func (o optional[T]) IsBoolFlag() bool {
 	return ok
 }
 
+// modelNames reads --model-name: the id answers give the model (the file's
+// base name by default) and the other names it answers to.
+func modelNames(flag, file string) (string, []string, error) {
+	if flag == "" {
+		return strings.TrimSuffix(filepath.Base(file), ".gguf"), nil, nil
+	}
+	names := strings.Split(flag, ",")
+	for i, n := range names {
+		if n = strings.TrimSpace(n); n == "" || slices.Contains(names[:i], n) {
+			return "", nil, fmt.Errorf("--model-name %q: names must be neither empty nor repeated", flag)
+		}
+		names[i] = n
+	}
+	return names[0], names[1:], nil
+}
+
 // floatList parses "3,1" into []float32 (tensor split).
 func floatList(s string) ([]float32, error) {
 	if s == "" {
@@ -213,7 +229,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.StringVar(&f.addr, "addr", "127.0.0.1:8080", "HTTP listen address HOST:PORT")
 	fs.StringVar(&f.host, "host", "", "the HOST of --addr (llama-server's and vLLM's flag), e.g. 0.0.0.0")
 	fs.IntVar(&f.port, "port", 0, "the PORT of --addr (llama-server's and vLLM's flag)")
-	fs.StringVar(&f.modelName, "model-name", "", "model id clients send as \"model\" (default: the file's base name without .gguf)")
+	fs.StringVar(&f.modelName, "model-name", "", "model id clients send as \"model\" (default: the file's base name without .gguf); several, comma-separated, are names it answers to, the first in answers (vLLM's --served-model-name a b)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.BoolVar(&f.logRequests, "log-requests", ac.LogRequests, "log a line per API request as it ends: its id (X-Request-Id, carried across a forward), route, status, time, model, tokens, and the node it was forwarded to or from (not /health, /ready, /metrics)")
 	fs.IntVar(&f.ctx, "ctx-size", lc.ContextCells, "KV cells (tokens) in the pool; with --kv-unified=false, split evenly among --parallel streams")
@@ -452,9 +468,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if err := lc.Validate(); err != nil {
 		return err
 	}
-	name := f.modelName
-	if name == "" {
-		name = strings.TrimSuffix(filepath.Base(f.model), ".gguf")
+	name, aliases, err := modelNames(f.modelName, f.model)
+	if err != nil {
+		return err
 	}
 	if !setFlags["max-running"] && os.Getenv("SHOAL_MAX_RUNNING") == "" {
 		f.maxRunning = min(f.maxRunning, f.seqs) // fewer engine sequences: fewer running
@@ -482,6 +498,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
+	ac.ModelAliases = aliases
 	ac.AllowedOrigins, ac.AllowedMediaDomains = f.allowedOrigins, f.mediaDomains
 	if !setFlags["max-body-bytes"] && os.Getenv("SHOAL_MAX_BODY_BYTES") == "" {
 		ac.VisionBodyBytes = visionBodyBytes
@@ -628,7 +645,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		meta := cluster.Meta{Task: api.TaskOf(info), Vision: f.mmproj != "", Device: device, TLS: serverTLS != nil, Simulated: f.sim != "", Keys: len(f.apiKeys) > 0}
+		meta := cluster.Meta{Task: api.TaskOf(info), Vision: f.mmproj != "", Device: device, TLS: serverTLS != nil, Simulated: f.sim != "", Keys: len(f.apiKeys) > 0, Aliases: aliases}
 		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, meta, sc, sched, log)
 		if err != nil {
 			stopSched()
