@@ -1141,3 +1141,35 @@ func TestForgetPeers(t *testing.T) {
 		t.Fatalf("after forgetting gone:\n%s", body)
 	}
 }
+
+// TestResetPrefixCache: vLLM's POST /reset_prefix_cache drops what earlier
+// requests left cached, behind the API key.
+func TestResetPrefixCache(t *testing.T) {
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.APIKeys = []string{"k"} })
+	body := `{"prompt":"` + strings.Repeat("the same long prompt ", 20) + `","max_tokens":2}`
+	cached := func() int {
+		w := s.do(t, "POST", "/v1/completions", body, "Authorization", "Bearer k")
+		var r CompletionResponse
+		if err := json.Unmarshal(w.Body.Bytes(), &r); err != nil || w.Code != 200 {
+			t.Fatalf("%d %s", w.Code, w.Body)
+		}
+		return r.Usage.PromptTokensDetails.CachedTokens
+	}
+	cached()
+	if cached() == 0 {
+		t.Fatal("the same prompt again found nothing cached")
+	}
+	if w := s.do(t, "POST", "/reset_prefix_cache", ""); w.Code != 401 {
+		t.Fatalf("without the key: %d", w.Code)
+	}
+	w := s.do(t, "POST", "/reset_prefix_cache", "", "Authorization", "Bearer k")
+	var r struct {
+		Dropped int `json:"dropped_blocks"`
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), &r); err != nil || w.Code != 200 || r.Dropped == 0 {
+		t.Fatalf("reset: %d %s", w.Code, w.Body)
+	}
+	if n := cached(); n != 0 {
+		t.Fatalf("after the reset, %d prompt tokens were cached", n)
+	}
+}

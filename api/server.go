@@ -242,6 +242,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 		r.POST(path, s.counted, s.auth, s.llamaCompletion)
 	}
 	r.GET("/props", s.counted, s.auth, s.props)
+	r.POST("/reset_prefix_cache", s.counted, s.auth, s.resetPrefixCache) // vLLM's
 	r.POST("/apply-template", s.counted, s.auth, s.applyTemplate)
 	r.POST("/tokenize", anyTask, s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", anyTask, s.counted, s.auth, s.detokenize)
@@ -375,6 +376,32 @@ func (s *Server) ready(c *gin.Context) {
 	default:
 		c.JSON(http.StatusOK, gin.H{"status": "ready", "model": s.cfg.ModelName})
 	}
+}
+
+// prefixResetter is a Generator whose prefix cache can be dropped
+// (scheduler.Scheduler.ResetPrefixCache); safe for concurrent use.
+type prefixResetter interface {
+	ResetPrefixCache(ctx context.Context) (int, error)
+}
+
+// resetPrefixCache answers POST /reset_prefix_cache, vLLM's: this node drops
+// every cached prefix no running request uses (benchmarks start cold with it).
+func (s *Server) resetPrefixCache(c *gin.Context) {
+	b, ok := s.readyBackend(c)
+	if !ok {
+		return
+	}
+	r, ok := b.Generator.(prefixResetter)
+	if !ok {
+		abort(c, &Error{Status: http.StatusNotImplemented, Type: "invalid_request_error", Message: "this node's engine has no prefix cache to reset"})
+		return
+	}
+	n, err := r.ResetPrefixCache(c.Request.Context())
+	if err != nil {
+		abort(c, toAPIError(err))
+		return
+	}
+	c.JSON(http.StatusOK, gin.H{"dropped_blocks": n})
 }
 
 // readyBackend returns the backend or aborts with 503.

@@ -38,6 +38,10 @@ type Allocator interface {
 	// what Suspend kept of them is cached as Release would have left it.
 	Abandon(model string, tokens []int32) []Op
 	Fork(s *Seq) (*Seq, []Op, error)
+	// DropCached evicts every cached block no running sequence uses (vLLM's
+	// reset_prefix_cache), returning how many, and leaves the cache's
+	// adaptive budget as it was.
+	DropCached() (int, []Op)
 	Publish()
 	Stats() Stats
 	Summary() *Summary

@@ -881,6 +881,20 @@ func (p *Pool) trim(ops []Op) []Op {
 	return ops
 }
 
+// DropCached evicts every unreferenced cached block but those kept for
+// preempted sequences (Suspend), which resume from them. The budget is left as
+// it was, and the blocks dropped are no misses to raise it by.
+func (p *Pool) DropCached() (int, []Op) {
+	before, budget, decay := p.budgeted(), p.budget, p.decay
+	var ops []Op
+	for ok := true; ok; {
+		ops, ok = p.evictFrom(ops, p.probation, p.protected)
+	}
+	p.budget, p.decay = budget, decay
+	p.ghosts = newGhosts(len(p.blocks))
+	return before - p.budgeted(), ops
+}
+
 // wasted notes that a block was evicted that no later sequence used: the budget
 // decays towards the floor.
 func (p *Pool) wasted() {

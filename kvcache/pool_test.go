@@ -307,6 +307,14 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			i := int(next()) % len(live)
 			sim.apply(t, p.Release(live[i].seq))
 			live = append(live[:i], live[i+1:]...)
+			if next()%8 == 0 { // and now and then drop the whole cache, as reset_prefix_cache
+				check(live)
+				_, ops := p.DropCached()
+				sim.apply(t, ops)
+				if n, ops := p.DropCached(); n != 0 || len(ops) != 0 {
+					t.Fatalf("a second DropCached dropped %d blocks more", n)
+				}
+			}
 		case 4: // fork
 			if len(live) == 0 {
 				continue
@@ -910,5 +918,50 @@ func TestSuspendedLastBlockGivenBack(t *testing.T) {
 		if n := p.suspended.Len(); n != 0 {
 			t.Errorf("uncut %v: resumed with %d cached: %d blocks still kept past the budget", uncut, r.Cached(), n)
 		}
+	}
+}
+
+// TestDropCached: every cached prefix nobody uses is dropped, one a running
+// sequence holds stays shared, and the budget is as it was.
+func TestDropCached(t *testing.T) {
+	for _, split := range []bool{false, true} {
+		cfg := DefaultConfig()
+		cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens = 1024, 8, 16
+		var p Allocator
+		var err error
+		if split {
+			p, err = NewSplit(cfg, 128)
+		} else {
+			p, err = New(cfg)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := func(prompt []int32) *Seq {
+			s, _, err := p.Start("", prompt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Grow(s, prompt[s.Len():]); err != nil {
+				t.Fatal(err)
+			}
+			p.Commit(s)
+			return s
+		}
+		held, done := seqPrompt(0, 64), seqPrompt(1000, 64)
+		p.Release(start(done))
+		running := start(held)
+		p.Publish()
+		budget := p.Stats().CacheBudget
+		n, ops := p.DropCached()
+		p.Publish()
+		if n != 4 || len(ops) == 0 || p.CachedPrefix("", append(done, 1)) != 0 || p.Stats().Cached != 0 || p.Stats().CacheBudget != budget {
+			t.Fatalf("split %v: dropped %d (%d ops); %d of the released prompt still cached, stats %+v (budget was %d)",
+				split, n, len(ops), p.CachedPrefix("", append(done, 1)), p.Stats(), budget)
+		}
+		if !split && p.CachedPrefix("", append(held, 1)) != 64 {
+			t.Fatalf("the running sequence's prefix is no longer shared: %d", p.CachedPrefix("", append(held, 1)))
+		}
+		p.Release(running)
 	}
 }

@@ -381,6 +381,20 @@ func (p *SplitPool) Release(s *Seq) []Op {
 	return []Op{{Kind: OpRemove, Seq: s.ID, P0: int32(len(st.chain)) * B, P1: -1}}
 }
 
+// DropCached empties every holder stream. A preempted sequence's stream is
+// one too (Suspend is Release here): it computes its tokens again.
+func (p *SplitPool) DropCached() (int, []Op) {
+	n := 0
+	var ops []Op
+	for id := range p.streams {
+		if st := &p.streams[id]; st.state == seqHolder {
+			n += len(st.chain)
+			ops = p.evict(SeqID(id), ops)
+		}
+	}
+	return n, ops
+}
+
 // Suspend is Release: a stream keeps its blocks whole until it is taken.
 func (p *SplitPool) Suspend(s *Seq) []Op { return p.Release(s) }
 

@@ -99,6 +99,7 @@ type Scheduler struct {
 
 	mu      sync.Mutex
 	inbox   []*group
+	resets  []chan int // ResetPrefixCache's callers, answered between steps
 	closed  bool
 	wake    chan struct{}
 	waiting atomic.Int64 // inbox + queue, for ErrQueueFull without locking the loop
@@ -358,6 +359,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	defer s.shutdown()
 	for {
 		s.takeInbox()
+		s.takeResets()
 		if len(s.queue) == 0 && len(s.running) == 0 {
 			s.publish()
 			select {
@@ -374,11 +376,62 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	}
 }
 
+// ResetPrefixCache drops every cached prefix no running sequence uses (vLLM's
+// reset_prefix_cache; kvcache.Allocator.DropCached), between two steps, and
+// returns the blocks dropped. Safe from any goroutine.
+func (s *Scheduler) ResetPrefixCache(ctx context.Context) (int, error) {
+	done := make(chan int, 1)
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return 0, ErrClosed
+	}
+	s.resets = append(s.resets, done)
+	s.mu.Unlock()
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+	select {
+	case n, ok := <-done:
+		if !ok {
+			return 0, ErrClosed
+		}
+		return n, nil
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+// takeResets answers ResetPrefixCache's callers.
+func (s *Scheduler) takeResets() {
+	s.mu.Lock()
+	resets := s.resets
+	s.resets = nil
+	s.mu.Unlock()
+	if len(resets) == 0 {
+		return
+	}
+	n, ops := s.pool.DropCached()
+	if err := s.apply(ops); err != nil {
+		s.failAll(fmt.Errorf("apply KV ops: %w", err))
+	}
+	s.publish()
+	s.log.Info("prefix cache reset", "blocks", n)
+	for _, done := range resets {
+		done <- n
+	}
+}
+
 func (s *Scheduler) shutdown() {
 	s.mu.Lock()
 	s.closed = true
 	inbox := s.inbox
 	s.inbox = nil
+	for _, done := range s.resets {
+		close(done)
+	}
+	s.resets = nil
 	s.mu.Unlock()
 	for _, g := range inbox {
 		s.waiting.Add(-int64(g.open))

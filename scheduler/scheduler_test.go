@@ -1961,3 +1961,32 @@ func TestStepTimesTokens(t *testing.T) {
 		t.Fatalf("%d tokens at %d times, %d of them accepted proposals", tokens, len(times), accepted)
 	}
 }
+
+// TestResetPrefixCache: a reset drops what a finished request left cached, so
+// that the same prompt again is computed whole.
+func TestResetPrefixCache(t *testing.T) {
+	f := enginetest.New(4096, 64, 512)
+	s, _ := startScheduler(t, f, nil)
+	prompt := make([]engine.Token, 80)
+	for i := range prompt {
+		prompt[i] = engine.Token(10 + i%40)
+	}
+	run := func() Usage {
+		st, err := s.Submit(context.Background(), &Request{Prompt: prompt, MaxTokens: 4})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return collect(context.Background(), st, 1).usage
+	}
+	run()
+	if u := run(); u.CachedTokens == 0 {
+		t.Fatalf("the prompt again found nothing cached: %+v", u)
+	}
+	n, err := s.ResetPrefixCache(context.Background())
+	if l := s.Load(); err != nil || n == 0 || l.KVBlocksCached != 0 {
+		t.Fatalf("reset: %d blocks, %v; %d still cached", n, err, l.KVBlocksCached)
+	}
+	if u := run(); u.CachedTokens != 0 {
+		t.Fatalf("after the reset, %d prompt tokens were cached", u.CachedTokens)
+	}
+}

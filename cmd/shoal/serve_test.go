@@ -244,6 +244,15 @@ func TestServeWithOpenAISDK(t *testing.T) {
 	if chat.Usage.PromptTokens >= 32 && chat2.Usage.PromptTokensDetails.CachedTokens == 0 {
 		t.Errorf("second identical prompt reported no cached tokens: %+v", chat2.Usage)
 	}
+	// vLLM's /reset_prefix_cache: the same prompt then is computed whole, to
+	// the same answer.
+	if r, b := post(t, n.url+"/reset_prefix_cache", "", "Authorization", "Bearer secret"); r.StatusCode != 200 || !strings.Contains(b, "dropped_blocks") {
+		t.Fatalf("reset_prefix_cache: %d %s", r.StatusCode, b)
+	}
+	chat3, err := c.Chat.Completions.New(ctx, hello)
+	if err != nil || chat3.Usage.PromptTokensDetails.CachedTokens != 0 || chat3.Choices[0].Message.Content != chat.Choices[0].Message.Content {
+		t.Fatalf("after a reset: %+v %v", chat3, err)
+	}
 
 	stream := c.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
 		Model:         "small",
@@ -278,12 +287,12 @@ func TestServeWithOpenAISDK(t *testing.T) {
 	if len(comp.Choices) != 4 || comp.Usage.CompletionTokens != 16 {
 		t.Fatalf("completions: %d choices, usage %+v", len(comp.Choices), comp.Usage)
 	}
-	// vLLM's per-request histograms saw each of the 7 choices, with its tokens.
-	generated := chat.Usage.CompletionTokens + chat2.Usage.CompletionTokens + 6 + 16
+	// vLLM's per-request histograms saw each of the 8 choices, with its tokens.
+	generated := chat.Usage.CompletionTokens + chat2.Usage.CompletionTokens + chat3.Usage.CompletionTokens + 6 + 16
 	for name, want := range map[string]float64{
-		"vllm:request_generation_tokens_count": 7, "vllm:request_generation_tokens_sum": float64(generated),
-		"vllm:generation_tokens_total": float64(generated), "vllm:request_params_n_count": 5, "vllm:request_params_n_sum": 7,
-		"vllm:request_decode_time_seconds_count": 7, "vllm:iteration_tokens_total_count": n.metricSum(t, "shoal_scheduler_steps_total"),
+		"vllm:request_generation_tokens_count": 8, "vllm:request_generation_tokens_sum": float64(generated),
+		"vllm:generation_tokens_total": float64(generated), "vllm:request_params_n_count": 6, "vllm:request_params_n_sum": 8,
+		"vllm:request_decode_time_seconds_count": 8, "vllm:iteration_tokens_total_count": n.metricSum(t, "shoal_scheduler_steps_total"),
 	} {
 		if got := n.metricSum(t, name); got != want {
 			t.Errorf("%s = %v, want %v", name, got, want)
