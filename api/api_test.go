@@ -1145,7 +1145,11 @@ func TestForgetPeers(t *testing.T) {
 // TestResetPrefixCache: vLLM's POST /reset_prefix_cache drops what earlier
 // requests left cached, behind the API key.
 func TestResetPrefixCache(t *testing.T) {
-	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.APIKeys = []string{"k"} })
+	off := newTestServer(t, nil)
+	if w := off.do(t, "POST", "/reset_prefix_cache", ""); w.Code != 403 || !strings.Contains(w.Body.String(), "--allow-cache-reset") {
+		t.Fatalf("without --allow-cache-reset: %d %s", w.Code, w.Body)
+	}
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.APIKeys, c.AllowCacheReset = []string{"k"}, true })
 	body := `{"prompt":"` + strings.Repeat("the same long prompt ", 20) + `","max_tokens":2}`
 	cached := func() int {
 		w := s.do(t, "POST", "/v1/completions", body, "Authorization", "Bearer k")

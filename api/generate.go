@@ -1234,9 +1234,11 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		switch ev.Kind {
 		case scheduler.EventToken:
 			st.token(ev.At)
-			if gap, ok := choice(ev.Index).token(ev.At); !ok {
+			c := choice(ev.Index)
+			if c.tokens == 0 {
 				s.metrics.ttft.Observe(ev.At.Sub(sub.start).Seconds())
-			} else if gap > 0 { // one gap per step, as vLLM's: accepted proposals come with their step's token
+			}
+			if gap, newStep := c.token(ev); newStep { // one gap per step, as vLLM's
 				s.metrics.itl.Observe(gap.Seconds())
 				s.metrics.tpot.Observe(gap.Seconds())
 			}

@@ -185,21 +185,23 @@ func kvUsage(l scheduler.Load) float64 {
 // for the histograms observed when its request ends.
 type choiceStats struct {
 	first, last time.Time
+	step        uint64 // the forward pass of its last token
 	tokens      int
 	ended       bool // its finish was read
 }
 
-// token notes a token of c's at time at; it returns the time since c's
-// previous token, or false for its first.
-func (c *choiceStats) token(at time.Time) (time.Duration, bool) {
+// token notes a token of c's: ev's. It returns the time since the token of
+// c's previous step, and whether there was one (not for c's first token, nor
+// for a proposal accepted in the step of the token before it).
+func (c *choiceStats) token(ev scheduler.Event) (time.Duration, bool) {
 	c.tokens++
-	prev := c.last
-	c.last = at
+	prev, step := c.last, c.step
+	c.last, c.step = ev.At, ev.Step
 	if c.first.IsZero() {
-		c.first = at
+		c.first = ev.At
 		return 0, false
 	}
-	return at.Sub(prev), true
+	return ev.At.Sub(prev), ev.Step != step
 }
 
 // requestEnded observes a prompt's request, from its start to its end with

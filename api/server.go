@@ -54,8 +54,12 @@ type Config struct {
 	// ModelAliases are other ids the model answers to (vLLM's served model
 	// names after the first); answers name it ModelName.
 	ModelAliases []string
-	APIKeys      []string
-	MaxBodyBytes int64
+	// AllowCacheReset serves POST /reset_prefix_cache (off: 403), which any
+	// client could otherwise use to empty the node's prefix cache; vLLM serves
+	// it only in its development mode.
+	AllowCacheReset bool
+	APIKeys         []string
+	MaxBodyBytes    int64
 	// VisionBodyBytes, when above MaxBodyBytes, bounds the bodies of requests
 	// that may carry pictures in base64 (a phone's photo is 4-7 MB) while the
 	// node or a member of its cluster reads images for a model; 0: MaxBodyBytes
@@ -387,6 +391,11 @@ type prefixResetter interface {
 // resetPrefixCache answers POST /reset_prefix_cache, vLLM's: this node drops
 // every cached prefix no running request uses (benchmarks start cold with it).
 func (s *Server) resetPrefixCache(c *gin.Context) {
+	if !s.cfg.AllowCacheReset {
+		abort(c, &Error{Status: http.StatusForbidden, Type: "permission_error",
+			Message: "POST /reset_prefix_cache is off on this node: start it with --allow-cache-reset (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"})
+		return
+	}
 	b, ok := s.readyBackend(c)
 	if !ok {
 		return

@@ -1320,3 +1320,48 @@ func TestAliasesRouteAsTheirModel(t *testing.T) {
 		t.Fatalf("models %+v", got)
 	}
 }
+
+// TestAliasesHashedPerNode: where an alias names different models, or a model
+// another node serves under that id itself, each node's blocks are matched as
+// it holds them, under its own model's id.
+func TestAliasesHashedPerNode(t *testing.T) {
+	tokens := make([]int32, 64)
+	for i := range tokens {
+		tokens[i] = int32(300 + i)
+	}
+	held := func(id string) summary {
+		var s summary
+		s.add(1, kvcache.NewHasher(0, id).Chain(tokens, 4))
+		return s
+	}
+	for _, c := range []struct {
+		name   string
+		peers  []*peer
+		holder string
+		model  string
+	}{
+		{"a rename: the old node serves the name as its own", []*peer{
+			{name: "old", meta: Meta{HTTP: "old:1", Models: []string{"qwen"}, Capacity: 8}, summary: held("qwen")},
+			{name: "new", meta: Meta{HTTP: "new:1", Models: []string{"qwen-7b"}, Aliases: []string{"qwen"}, Capacity: 8}},
+		}, "old", "qwen"},
+		{"the same, the new node holding it", []*peer{
+			{name: "old", meta: Meta{HTTP: "old:1", Models: []string{"qwen"}, Capacity: 8}},
+			{name: "new", meta: Meta{HTTP: "new:1", Models: []string{"qwen-7b"}, Aliases: []string{"qwen"}, Capacity: 8}, summary: held("qwen-7b")},
+		}, "new", "qwen"},
+		{"one friendly name for two models", []*peer{
+			{name: "q4", meta: Meta{HTTP: "q4:1", Models: []string{"llama-q4"}, Aliases: []string{"llama"}, Capacity: 8}},
+			{name: "q8", meta: Meta{HTTP: "q8:1", Models: []string{"llama-q8"}, Aliases: []string{"llama"}, Capacity: 8}, summary: held("llama-q8")},
+		}, "q8", "llama"},
+	} {
+		n := routerWith(t, PrefixAware, append([]*peer{{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"x"}, Capacity: 8}}}, c.peers...)...)
+		for range 10 {
+			ts, err := n.Route(c.model, tokens, 0)
+			if err != nil {
+				t.Fatalf("%s: %v", c.name, err)
+			}
+			if ts[0].Name != c.holder || ts[0].Cached != 64 {
+				t.Fatalf("%s: routed %+v, want %s first with 64 cached tokens", c.name, ts, c.holder)
+			}
+		}
+	}
+}

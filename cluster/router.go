@@ -94,10 +94,25 @@ func (n *Node) RouteUncached(model string, tokens []int32, priority int) ([]Targ
 }
 
 func (n *Node) route(task, model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
-	var hashes []kvcache.Hash
-	if reuse && tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly) {
-		// Blocks are hashed under the model's own id, whatever alias named it.
-		hashes = kvcache.NewHasher(n.cfg.HashSeed, n.canonical(model)).Chain(tokens, n.cfg.BlockTokens)
+	// The prompt's blocks as a node holds them: hashed under its model's own
+	// id, so under the first of its models where model is its alias
+	// (Meta.Aliases). Under model itself before the lock (the common case).
+	placeable := reuse && tokens != nil && (n.cfg.Policy == PrefixAware || n.cfg.Policy == PrefixOnly)
+	byID := map[string][]kvcache.Hash{}
+	if placeable {
+		byID[model] = kvcache.NewHasher(n.cfg.HashSeed, model).Chain(tokens, n.cfg.BlockTokens)
+	}
+	hashesAt := func(p *peer) []kvcache.Hash {
+		id := model
+		if !slices.Contains(p.meta.Models, model) && len(p.meta.Models) > 0 {
+			id = p.meta.Models[0]
+		}
+		h, ok := byID[id]
+		if !ok && placeable {
+			h = kvcache.NewHasher(n.cfg.HashSeed, id).Chain(tokens, n.cfg.BlockTokens)
+			byID[id] = h
+		}
+		return h
 	}
 	n.routed.Add(1)
 	n.mu.Lock()
@@ -130,7 +145,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 			if n.saturated(p, reqs) && priority >= 0 {
 				continue
 			}
-			c := candidate{p: p}
+			c := candidate{p: p, hashes: hashesAt(p)}
 			// What this router sent that the node's load does not show yet, and as much
 			// again from each router like it: the others send there too, unseen here.
 			reqs, reqTokens = int(float64(reqs)*others+0.5), int(float64(reqTokens)*others+0.5)
@@ -142,7 +157,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 			// of a burst should follow the first), but not for the work this request
 			// adds there (arriving before they are computed, it computes them too).
 			held, matched := 0, 0
-			for _, h := range hashes {
+			for _, h := range c.hashes {
 				ok := p.summary.has(h)
 				if !ok && !p.sending(h, now) {
 					break
@@ -186,6 +201,13 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 		return nil, ErrNoNode
 	}
 	slices.SortFunc(cands, byName)
+	// What the policies below place the prompt by: its blocks under model,
+	// else (served only under an alias) as the first candidate by name holds
+	// them, which every router with the same view picks alike.
+	hashes, ok := byID[model]
+	if !slices.ContainsFunc(cands, func(c candidate) bool { return slices.Contains(c.p.meta.Models, model) }) || !ok {
+		hashes = cands[0].hashes
+	}
 	how, headLog := string(n.cfg.Policy), 0 // for the debug log
 	switch n.cfg.Policy {
 	case Random:
@@ -280,7 +302,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	}
 	out := make([]Target, len(cands))
 	for i, c := range cands {
-		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached, hashes: hashes, compute: c.compute}
+		out[i] = Target{Name: c.p.name, HTTP: c.p.meta.HTTP, TLS: c.p.meta.TLS, Local: c.p.name == n.cfg.Name, EstimateMS: c.est, Cached: c.cached, hashes: c.hashes, compute: c.compute}
 	}
 	return out, nil
 }
@@ -309,7 +331,8 @@ type candidate struct {
 	compute  int // prompt tokens it may compute there: all its summary does not show
 	uncached int
 	cached   int
-	idle     bool // it can start the request at once: a free slot and no prefill ahead
+	idle     bool           // it can start the request at once: a free slot and no prefill ahead
+	hashes   []kvcache.Hash // the prompt's blocks as it holds them (under its model's id)
 }
 
 // missCost adds to each candidate's estimate what sending the request there costs the
@@ -549,19 +572,6 @@ func (n *Node) othersPerOwn() float64 {
 		return float64(nodes)
 	}
 	return min(max(total/n.routeRate, 1), float64(nodes))
-}
-
-// canonical is the model id that model stands for: the model of a member
-// that lists model as an alias (Meta.Aliases), else model itself.
-func (n *Node) canonical(model string) string {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	for _, p := range n.peers {
-		if p.metaOK && len(p.meta.Models) > 0 && slices.Contains(p.meta.Aliases, model) {
-			return p.meta.Models[0]
-		}
-	}
-	return model
 }
 
 // clusterPrefillRate is the median prefill rate (tokens/s) gossiped by the nodes

@@ -99,7 +99,7 @@ type Scheduler struct {
 
 	mu      sync.Mutex
 	inbox   []*group
-	resets  []chan int // ResetPrefixCache's callers, answered between steps
+	resets  []chan resetResult // ResetPrefixCache's callers, answered between steps
 	closed  bool
 	wake    chan struct{}
 	waiting atomic.Int64 // inbox + queue, for ErrQueueFull without locking the loop
@@ -117,16 +117,12 @@ type Scheduler struct {
 	// failure, a quarter more after every capRecoverSteps successful steps (0: no
 	// bound). capSteps counts those steps.
 	runCap, capSteps int
-	decodeRows       int // rows of this step that decode a generated token
-	draftTokens      int // rows of this step that check a proposed token
-	stepAccepted     int // proposals of this step the model drew the same
-	// stepAt is when this step published its first token, the time of all its
-	// tokens (Event.At): a sequence's accepted proposals come with its decode
-	// row's token, as vLLM times them, one gap per step.
-	stepAt    time.Time
-	specPause int  // steps without proposals after a batch with them did not fit
-	adapter   int  // the LoRA adapter of the last step (Config.Adapters)
-	mediaWait bool // this step, a running prompt's whole image did not fit: no admissions
+	decodeRows       int  // rows of this step that decode a generated token
+	draftTokens      int  // rows of this step that check a proposed token
+	stepAccepted     int  // proposals of this step the model drew the same
+	specPause        int  // steps without proposals after a batch with them did not fit
+	adapter          int  // the LoRA adapter of the last step (Config.Adapters)
+	mediaWait        bool // this step, a running prompt's whole image did not fit: no admissions
 	// placed are the images placed by M-RoPE (engine.Capacity.MRoPE) of
 	// the sequences whose cells each KV sequence id holds, running or
 	// cached (their embeddings dropped): KV ranges go to the engine as
@@ -380,7 +376,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 // reset_prefix_cache; kvcache.Allocator.DropCached), between two steps, and
 // returns the blocks dropped. Safe from any goroutine.
 func (s *Scheduler) ResetPrefixCache(ctx context.Context) (int, error) {
-	done := make(chan int, 1)
+	done := make(chan resetResult, 1)
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -393,14 +389,20 @@ func (s *Scheduler) ResetPrefixCache(ctx context.Context) (int, error) {
 	default:
 	}
 	select {
-	case n, ok := <-done:
+	case r, ok := <-done:
 		if !ok {
 			return 0, ErrClosed
 		}
-		return n, nil
+		return r.blocks, r.err
 	case <-ctx.Done():
 		return 0, ctx.Err()
 	}
+}
+
+// resetResult is a reset's answer: the blocks dropped, or why it failed.
+type resetResult struct {
+	blocks int
+	err    error
 }
 
 // takeResets answers ResetPrefixCache's callers.
@@ -413,13 +415,15 @@ func (s *Scheduler) takeResets() {
 		return
 	}
 	n, ops := s.pool.DropCached()
+	r := resetResult{blocks: n}
 	if err := s.apply(ops); err != nil {
-		s.failAll(fmt.Errorf("apply KV ops: %w", err))
+		r.err = fmt.Errorf("reset prefix cache: apply KV ops: %w", err)
+		s.failAll(r.err)
 	}
 	s.publish()
-	s.log.Info("prefix cache reset", "blocks", n)
+	s.log.Info("prefix cache reset", "blocks", n, "err", r.err)
 	for _, done := range resets {
-		done <- n
+		done <- r
 	}
 }
 
@@ -550,7 +554,6 @@ func (s *Scheduler) step(ctx context.Context) {
 	s.batch.Adapter = s.adapter
 	s.rows = s.rows[:0]
 	s.decodeRows, s.draftTokens, s.stepAccepted = 0, 0, 0
-	s.stepAt = time.Time{}
 	s.mediaWait = false
 	s.building = true
 	for _, q := range s.running {
@@ -1484,10 +1487,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	if q.gen >= g.req.MinTokens {
 		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
 	}
-	if s.stepAt.IsZero() {
-		s.stepAt = time.Now()
-	}
-	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, At: s.stepAt}
+	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps}
 	g.stream.push(ev)
 	switch {
 	case stop != "":

@@ -69,9 +69,12 @@ type Event struct {
 	Vector      []float32
 	Prompt      []engine.TokenScore // EventPromptLogprobs: Prompt[i] scores prompt token i+1
 	// At is when the scheduler produced the event: latency metrics read it, not the
-	// time a reader (busy with another choice, or a slow client) got to it. The
-	// tokens of one step share it.
+	// time a reader (busy with another choice, or a slow client) got to it.
 	At time.Time
+	// Step is the forward pass that produced a token (Load.Steps then): a
+	// sequence's accepted proposals share its decode row's, so that latency
+	// between tokens is measured once per step, as vLLM does.
+	Step uint64
 }
 
 // Stream delivers a request's events in order. The scheduler appends without ever

@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"fmt"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -76,6 +77,16 @@ var serveAliases = map[string]serveAlias{
 	"tool-call-parser":         {takesValue: true, from: fromVLLM, note: "the call format is the chat template's own"},
 	"reasoning-parser":         {takesValue: true, from: fromVLLM, note: "thoughts are found by --reasoning-format auto"},
 	"enable-lora":              {from: fromVLLM, note: "--lora-modules is enough"},
+}
+
+// isModelFile reports whether arg names the model rather than another name:
+// a .gguf, or a file there is (an Ollama blob has no extension).
+func isModelFile(arg string) bool {
+	if strings.HasSuffix(arg, ".gguf") {
+		return true
+	}
+	st, err := os.Stat(arg)
+	return err == nil && st.Mode().IsRegular()
 }
 
 // optionalValues are the values an alias whose value is optional (-fa) takes
@@ -181,7 +192,7 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 		if name == "served-model-name" && !hasVal {
 			// vLLM reads every argument up to the next flag as another name
 			// (here, up to a model file too).
-			for i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") && !strings.HasSuffix(args[i+1], ".gguf") {
+			for i+1 < len(args) && !strings.HasPrefix(args[i+1], "-") && !isModelFile(args[i+1]) {
 				i++
 				val += "," + args[i]
 			}

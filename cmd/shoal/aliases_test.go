@@ -70,6 +70,15 @@ func TestServeArgs(t *testing.T) {
 			t.Errorf("%s: %v, want an error saying %q", in, err, want)
 		}
 	}
+	// A model file without .gguf (an Ollama blob) after --served-model-name's
+	// names is the model, not another name.
+	blob := filepath.Join(t.TempDir(), "sha256-0123")
+	if err := os.WriteFile(blob, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, model, _, err := serveArgs(mustServeFlags(t), []string{"--served-model-name", "qwen", blob}); err != nil || model != blob {
+		t.Errorf("--served-model-name qwen BLOB: model %q, %v", model, err)
+	}
 	// vLLM's --chat-template also takes a file, read as --chat-template-file.
 	file := filepath.Join(t.TempDir(), "t.jinja")
 	if err := os.WriteFile(file, []byte("{{ messages }}"), 0o644); err != nil {

@@ -197,7 +197,7 @@ type serveFlags struct {
 	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
 	kvMemory, schedulingPolicy, reasoningFormat                             string
 	simSpeed, cacheFloor                                                    float64
-	embeddings, reranking, jinja, logRequests                               bool
+	embeddings, reranking, jinja, logRequests, allowCacheReset              bool
 	pooling, chatTemplate, chatTemplateFile, mmproj                         string
 	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
 	port, mmprojCacheMiB                                                    int
@@ -246,6 +246,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.StringVar(&f.tensorSplit, "tensor-split", "", "fraction of the model per GPU, e.g. 3,1")
 	fs.StringVar(&f.kvMemory, "kv-memory", "auto", "KV pool size instead of --ctx-size: a fraction of the free memory once the weights are loaded (0.9), or bytes (8GiB, 512MiB); auto: 0.8 of the GPUs' free memory when layers are offloaded, else --ctx-size")
 	fs.BoolVar(&f.mmap, "mmap", true, "memory-map the model file")
+	fs.BoolVar(&f.allowCacheReset, "allow-cache-reset", false, "serve POST /reset_prefix_cache (vLLM's, in its development mode), which empties this node's prefix cache: for benchmarks that start cold; off, any client could")
 	fs.BoolVar(&f.embeddings, "embeddings", false, "serve /v1/embeddings (pooled) instead of generation: an embedding node")
 	fs.StringVar(&f.pooling, "pooling", "", "with --embeddings: mean, cls, last or rank (default: the model's own)")
 	fs.BoolVar(&f.reranking, "reranking", false, "serve /v1/rerank and /v1/score with a reranker (--embeddings --pooling rank, as llama-server's --reranking)")
@@ -498,7 +499,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	ac := api.DefaultConfig()
 	ac.ModelName, ac.APIKeys, ac.MaxBodyBytes, ac.MaxTokensCap = name, f.apiKeys, f.maxBody, f.maxTokensCap
-	ac.ModelAliases = aliases
+	ac.ModelAliases, ac.AllowCacheReset = aliases, f.allowCacheReset
 	ac.AllowedOrigins, ac.AllowedMediaDomains = f.allowedOrigins, f.mediaDomains
 	if !setFlags["max-body-bytes"] && os.Getenv("SHOAL_MAX_BODY_BYTES") == "" {
 		ac.VisionBodyBytes = visionBodyBytes

@@ -211,7 +211,7 @@ func (n *node) metrics(t *testing.T, name string) []string {
 }
 
 func TestServeWithOpenAISDK(t *testing.T) {
-	n := startNode(t, "--model", smallModel(t), "--api-key", "secret", "--ctx-size", "4096", "--parallel", "16", "--max-running", "8")
+	n := startNode(t, "--model", smallModel(t), "--api-key", "secret", "--ctx-size", "4096", "--parallel", "16", "--max-running", "8", "--allow-cache-reset")
 	c := n.client("secret")
 	ctx := context.Background()
 
