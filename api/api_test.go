@@ -1126,6 +1126,51 @@ func TestGrafanaDashboard(t *testing.T) {
 	}
 }
 
+// TestPrometheusAlerts: docs/prometheus/alerts.yml parses as Prometheus
+// rules and reads only series a node exports (and Prometheus' own up).
+func TestPrometheusAlerts(t *testing.T) {
+	rec := &descRecorder{names: map[string]bool{"up": true}}
+	cfg := DefaultConfig()
+	cfg.ModelName = "m"
+	if _, err := New(cfg, rec, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile("../docs/prometheus/alerts.yml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		expr, ok := strings.CutPrefix(strings.TrimSpace(line), "expr: ")
+		if !ok {
+			continue
+		}
+		n++
+		for _, m := range alertSeriesRE.FindAllStringSubmatch(expr, -1) {
+			name := m[1]
+			if base, ok := strings.CutSuffix(name, "_bucket"); !rec.names[name] && !(ok && rec.names[base]) {
+				t.Errorf("%s reads %s, which no node exports", expr, name)
+			}
+		}
+	}
+	if n < 8 {
+		t.Fatalf("%d rules read", n)
+	}
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("promtool missing in CI: scripts/test-deps.sh installs it")
+		}
+		t.Skip("promtool not installed (run scripts/test-deps.sh)")
+	}
+	if out, err := exec.Command(promtool, "check", "rules", "../docs/prometheus/alerts.yml").CombinedOutput(); err != nil {
+		t.Errorf("promtool check rules: %v\n%s", err, out)
+	}
+}
+
+// alertSeriesRE finds the series an alert reads: names before '{' or '['.
+var alertSeriesRE = regexp.MustCompile(`([a-z_:][a-z0-9_:]*)(?:\{|\[)`)
+
 var seriesRE = regexp.MustCompile(`\b(?:vllm:|shoal_)[a-z0-9_:]+`)
 
 // TestForgetPeers: a member gone from the cluster's view takes its routing
@@ -1175,5 +1220,30 @@ func TestResetPrefixCache(t *testing.T) {
 	}
 	if n := cached(); n != 0 {
 		t.Fatalf("after the reset, %d prompt tokens were cached", n)
+	}
+}
+
+// TestHTTPMetrics: answers are counted by route, method and status class, an
+// unknown path under "none" and a made-up method as "other".
+func TestHTTPMetrics(t *testing.T) {
+	s := newTestServer(t, nil)
+	s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":2}`)
+	s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":-2}`)
+	s.do(t, "GET", "/no/such/path/123", "")
+	s.do(t, "BREW", "/v1/models", "")
+	body := s.do(t, "GET", "/metrics", "").Body.String()
+	for _, want := range []string{
+		`http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 1`,
+		`http_requests_total{handler="/v1/completions",method="POST",status="4xx"} 1`,
+		`http_requests_total{handler="none",method="GET",status="4xx"} 1`,
+		`http_requests_total{handler="none",method="other",status="4xx"} 1`,
+		`http_request_duration_seconds_count{handler="/v1/completions",method="POST"} 2`,
+	} {
+		if !strings.Contains(body, want+"\n") {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+	if strings.Contains(body, "/no/such/path") || strings.Contains(body, "BREW") {
+		t.Error("a client's path or method became a label value")
 	}
 }

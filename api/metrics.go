@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gin-gonic/gin"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shoal-ai/shoal/cluster"
@@ -43,6 +44,10 @@ type metrics struct {
 	// gone from the cluster's view takes its series with it (forgetPeers).
 	peersMu sync.Mutex
 	peers   map[string]bool
+	// HTTP answers by route, method and status class, and their durations, as
+	// vLLM's server exports them (prometheus-fastapi-instrumentator's names).
+	httpRequests *prometheus.CounterVec
+	httpDuration *prometheus.HistogramVec
 	// images counts the images of prompts laid out for computing here;
 	// encode, per such prompt, the projector's time for them.
 	images prometheus.Counter
@@ -119,6 +124,10 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Help: "Forwards to a peer that did not take the request (busy: 429; refused: the client's key; failed: unreachable, broken or misconfigured), before the next candidate was tried.", ConstLabels: labels}, []string{"node", "reason"})
 	m.fromPeers = prometheus.NewCounter(prometheus.CounterOpts{Name: "shoal_requests_from_peers_total",
 		Help: "Requests run here that another node of the cluster forwarded.", ConstLabels: labels})
+	m.httpRequests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "http_requests_total",
+		Help: "HTTP requests answered, by route (none: no route), method and status class (2xx, 4xx, 5xx)."}, []string{"handler", "method", "status"})
+	m.httpDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "http_request_duration_seconds",
+		Help: "Time to answer an HTTP request (a stream: to its end), by route and method.", Buckets: e2eBuckets}, []string{"handler", "method"})
 	// Every series from the start, at 0, so that a rate over them works before
 	// the first of each (and a dashboard shows 0, not "no data").
 	for _, r := range []string{string(scheduler.FinishStop), string(scheduler.FinishLength), abortLabel} {
@@ -135,6 +144,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	}
 	cs := []prometheus.Collector{
 		ttft, itl, e2e, queue, m.success, m.rejects, images, encode, tpot, m.routed, m.forwardFailed, m.fromPeers,
+		m.httpRequests, m.httpDuration,
 		membersCollector{s: s, desc: prometheus.NewDesc("shoal_cluster_members", "Members of this node's cluster by state (alive, suspect, dead, left), itself included, as it sees them.", []string{"state"}, labels)},
 		promptLen, genLen, maxTokens, prefill, decode, inference, reqTPOT, paramN, maxGen,
 		gauge("vllm:num_requests_running", "Sequences running on the engine.", func(l scheduler.Load) float64 { return float64(l.Running) }),
@@ -276,6 +286,22 @@ func (m *metrics) rejected(err error) {
 	}
 	m.rejects.WithLabelValues(reason).Inc()
 }
+
+// answered counts an HTTP request c answered with status after d.
+func (m *metrics) answered(c *gin.Context, status int, d time.Duration) {
+	handler := c.FullPath()
+	if handler == "" {
+		handler = "none" // no route: the path itself would grow the series without bound
+	}
+	method := c.Request.Method
+	if !slices.Contains(httpMethods, method) {
+		method = "other" // a client's made-up method would grow the series too
+	}
+	m.httpRequests.WithLabelValues(handler, method, strconv.Itoa(status/100)+"xx").Inc()
+	m.httpDuration.WithLabelValues(handler, method).Observe(d.Seconds())
+}
+
+var httpMethods = []string{"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"}
 
 // routedTo counts a request routed to member node.
 func (m *metrics) routedTo(node string) {

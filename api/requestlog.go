@@ -107,6 +107,11 @@ func (s *Server) requestLog(c *gin.Context) {
 
 // logRequest writes c's line (requestLog); panicked is the panic it ends with.
 func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start time.Time, panicked any) {
+	status := c.Writer.Status()
+	if panicked != nil && !c.Writer.Written() {
+		status = 500 // what recovery answers
+	}
+	s.metrics.answered(c, status, time.Since(start))
 	switch c.Request.URL.Path {
 	case "/health", "/v1/health", "/ready", "/metrics":
 		return
@@ -117,10 +122,6 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 	path := c.Request.URL.Path
 	if len(path) > 256 {
 		path = path[:256] + "..."
-	}
-	status := c.Writer.Status()
-	if panicked != nil && !c.Writer.Written() {
-		status = 500 // what recovery answers
 	}
 	// The peer's address, not X-Forwarded-For: no proxy is trusted to name clients.
 	attrs := []any{"id", id, "method", c.Request.Method, "path", path, "status", status,
