@@ -605,13 +605,7 @@ var _ = io.EOF
 
 // TestPromtoolCheckMetrics lints the exposition with promtool (make test installs it).
 func TestPromtoolCheckMetrics(t *testing.T) {
-	path, err := exec.LookPath("promtool")
-	if err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatal("promtool missing in CI: scripts/test-deps.sh installs it")
-		}
-		t.Skip("promtool not installed (run scripts/test-deps.sh)")
-	}
+	path := promtool(t)
 	s := newTestServer(t, nil)
 	s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":3}`)
 	w := s.do(t, "GET", "/metrics", "")
@@ -1049,15 +1043,36 @@ func (r *descRecorder) Unregister(prometheus.Collector) bool { return false }
 
 var fqNameRE = regexp.MustCompile(`fqName: "([^"]+)"`)
 
-// TestGrafanaDashboard: every series docs/grafana/shoal.json reads is one a
-// node exports, so that no panel stays empty after a rename.
-func TestGrafanaDashboard(t *testing.T) {
+// exported records the series a node registers.
+func exported(t *testing.T) *descRecorder {
+	t.Helper()
 	rec := &descRecorder{names: map[string]bool{}}
 	cfg := DefaultConfig()
 	cfg.ModelName = "m"
 	if _, err := New(cfg, rec, nil); err != nil {
 		t.Fatal(err)
 	}
+	return rec
+}
+
+// promtool is promtool's path; without it the test is skipped, but in CI,
+// whose scripts/test-deps.sh installs it.
+func promtool(t *testing.T) string {
+	t.Helper()
+	path, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("promtool missing in CI: scripts/test-deps.sh installs it")
+		}
+		t.Skip("promtool not installed (run scripts/test-deps.sh)")
+	}
+	return path
+}
+
+// TestGrafanaDashboard: every series docs/grafana/shoal.json reads is one a
+// node exports, so that no panel stays empty after a rename.
+func TestGrafanaDashboard(t *testing.T) {
+	rec := exported(t)
 	b, err := os.ReadFile("../docs/grafana/shoal.json")
 	if err != nil {
 		t.Fatal(err)
@@ -1099,13 +1114,7 @@ func TestGrafanaDashboard(t *testing.T) {
 	}
 	// The queries parse as PromQL, Grafana's variables given values (promtool
 	// checks them as recording rules).
-	promtool, err := exec.LookPath("promtool")
-	if err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatal("promtool missing in CI: scripts/test-deps.sh installs it")
-		}
-		t.Skip("promtool not installed (run scripts/test-deps.sh)")
-	}
+	promtool := promtool(t)
 	vars := strings.NewReplacer("$__rate_interval", "1m", "$model_name", ".*", "$instance", ".*")
 	var rules strings.Builder
 	rules.WriteString("groups:\n- name: dashboard\n  rules:\n")
@@ -1129,12 +1138,8 @@ func TestGrafanaDashboard(t *testing.T) {
 // TestPrometheusAlerts: docs/prometheus/alerts.yml parses as Prometheus
 // rules and reads only series a node exports (and Prometheus' own up).
 func TestPrometheusAlerts(t *testing.T) {
-	rec := &descRecorder{names: map[string]bool{"up": true}}
-	cfg := DefaultConfig()
-	cfg.ModelName = "m"
-	if _, err := New(cfg, rec, nil); err != nil {
-		t.Fatal(err)
-	}
+	rec := exported(t)
+	rec.names["up"] = true // Prometheus' own
 	b, err := os.ReadFile("../docs/prometheus/alerts.yml")
 	if err != nil {
 		t.Fatal(err)
@@ -1156,14 +1161,7 @@ func TestPrometheusAlerts(t *testing.T) {
 	if n < 8 {
 		t.Fatalf("%d rules read", n)
 	}
-	promtool, err := exec.LookPath("promtool")
-	if err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatal("promtool missing in CI: scripts/test-deps.sh installs it")
-		}
-		t.Skip("promtool not installed (run scripts/test-deps.sh)")
-	}
-	if out, err := exec.Command(promtool, "check", "rules", "../docs/prometheus/alerts.yml").CombinedOutput(); err != nil {
+	if out, err := exec.Command(promtool(t), "check", "rules", "../docs/prometheus/alerts.yml").CombinedOutput(); err != nil {
 		t.Errorf("promtool check rules: %v\n%s", err, out)
 	}
 }
