@@ -111,7 +111,8 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 	if panicked != nil && !c.Writer.Written() {
 		status = 500 // what recovery answers
 	}
-	s.metrics.answered(c, status, time.Since(start))
+	elapsed := time.Since(start)
+	s.metrics.answered(c, status, elapsed)
 	switch c.Request.URL.Path {
 	case "/health", "/v1/health", "/ready", "/metrics":
 		return
@@ -125,7 +126,7 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 	}
 	// The peer's address, not X-Forwarded-For: no proxy is trusted to name clients.
 	attrs := []any{"id", id, "method", c.Request.Method, "path", path, "status", status,
-		"ms", time.Since(start).Milliseconds(), "client", c.RemoteIP()}
+		"ms", elapsed.Milliseconds(), "client", c.RemoteIP()}
 	if from := c.GetString(forwardedByKey); from != "" {
 		attrs = append(attrs, "forwarded_by", from)
 	}

@@ -204,9 +204,9 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	// What the policies below place the prompt by: its blocks under model,
 	// else (served only under an alias) as the first candidate by name holds
 	// them, which every router with the same view picks alike.
-	hashes, ok := byID[model]
-	if !slices.ContainsFunc(cands, func(c candidate) bool { return slices.Contains(c.p.meta.Models, model) }) || !ok {
-		hashes = cands[0].hashes
+	hashes := cands[0].hashes
+	if i := slices.IndexFunc(cands, func(c candidate) bool { return slices.Contains(c.p.meta.Models, model) }); i >= 0 {
+		hashes = cands[i].hashes
 	}
 	how, headLog := string(n.cfg.Policy), 0 // for the debug log
 	switch n.cfg.Policy {

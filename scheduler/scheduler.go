@@ -384,10 +384,7 @@ func (s *Scheduler) ResetPrefixCache(ctx context.Context) (int, error) {
 	}
 	s.resets = append(s.resets, done)
 	s.mu.Unlock()
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
+	s.signal()
 	select {
 	case r, ok := <-done:
 		if !ok {

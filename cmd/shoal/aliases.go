@@ -81,11 +81,11 @@ var serveAliases = map[string]serveAlias{
 
 // isModelFile reports whether arg names the model rather than another name:
 // a .gguf, or a file there is (an Ollama blob has no extension).
-func isModelFile(arg string) bool {
-	if strings.HasSuffix(arg, ".gguf") {
-		return true
-	}
-	st, err := os.Stat(arg)
+func isModelFile(arg string) bool { return strings.HasSuffix(arg, ".gguf") || isFile(arg) }
+
+// isFile reports whether path is a regular file.
+func isFile(path string) bool {
+	st, err := os.Stat(path)
 	return err == nil && st.Mode().IsRegular()
 }
 

@@ -353,7 +353,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if f.model == "" && f.sim == "" {
 		return errors.New("--model is required (a GGUF file; `shoal gen-model --preset small --out /tmp/small.gguf` makes a test model)")
 	}
-	if st, err := os.Stat(f.chatTemplate); strings.ContainsAny(f.chatTemplate, "./") && f.chatTemplateFile == "" && err == nil && st.Mode().IsRegular() {
+	if strings.ContainsAny(f.chatTemplate, "./") && f.chatTemplateFile == "" && isFile(f.chatTemplate) {
 		// vLLM's --chat-template also takes a file: a Jinja template (a path:
 		// llama.cpp's format names have neither '.' nor '/').
 		f.chatTemplateFile, f.chatTemplate = f.chatTemplate, ""
