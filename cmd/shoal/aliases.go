@@ -48,10 +48,10 @@ var serveAliases = map[string]serveAlias{
 	"mg":                       {flag: "main-gpu", from: fromLlama},
 	"ts":                       {flag: "tensor-split", from: fromLlama},
 	"fa":                       {flag: "flash-attn", set: "on", optional: true, from: fromLlama, note: "alone: on, as llama-server's older bool"},
-	"ctk":                      {flag: "kv-type", from: fromLlama, note: "one type for K and V"},
-	"ctv":                      {flag: "kv-type", from: fromLlama, note: "one type for K and V"},
-	"cache-type-k":             {flag: "kv-type", from: fromLlama, note: "one type for K and V"},
-	"cache-type-v":             {flag: "kv-type", from: fromLlama, note: "one type for K and V"},
+	"ctk":                      {flag: "kv-type-k", from: fromLlama},
+	"ctv":                      {flag: "kv-type-v", from: fromLlama},
+	"cache-type-k":             {flag: "kv-type-k", from: fromLlama},
+	"cache-type-v":             {flag: "kv-type-v", from: fromLlama},
 	"kvu":                      {flag: "kv-unified", from: fromLlama},
 	"no-mmap":                  {flag: "mmap", set: "false", from: fromLlama},
 	"n":                        {flag: "default-max-tokens", value: nPredict, from: fromLlama, note: "-1 is 0: until the end"},
@@ -122,7 +122,6 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 		return ok && b.IsBoolFlag()
 	}
 	var positional []string
-	kvTypes := map[string]string{} // the alias that gave each KV type
 	for i := 0; i < len(args); i++ {
 		a := args[i]
 		if a == "--" {
@@ -196,14 +195,6 @@ func serveArgs(fs *flag.FlagSet, args []string) (out []string, model string, ign
 				i++
 				val += "," + args[i]
 			}
-		}
-		if al.flag == "kv-type" {
-			for other, v := range kvTypes {
-				if v != val {
-					return nil, "", nil, fmt.Errorf("%s %s and %s %s: shoal's KV cache has one type for keys and values (--kv-type)", other, v, "-"+name, val)
-				}
-			}
-			kvTypes["-"+name] = val
 		}
 		out = append(out, "--"+al.flag+"="+val)
 	}

@@ -26,13 +26,13 @@ func TestServeArgs(t *testing.T) {
 		{in: "-m m.gguf -c 8192 -ngl 99 -fa on -np 4 --port 8080",
 			want: "--model=m.gguf --ctx-size=8192 --n-gpu-layers=99 --flash-attn=on --parallel=4 --port 8080"},
 		{in: "m.gguf -ngl all -fa -c 4096 --no-mmap -ctk q8_0 -ctv q8_0 -kvu -n -1 --alias tiny --metrics -cb",
-			want:  "--n-gpu-layers=-1 --flash-attn=on --ctx-size=4096 --mmap=false --kv-type=q8_0 --kv-type=q8_0 --kv-unified=true --default-max-tokens=0 --model-name=tiny",
+			want:  "--n-gpu-layers=-1 --flash-attn=on --ctx-size=4096 --mmap=false --kv-type-k=q8_0 --kv-type-v=q8_0 --kv-unified=true --default-max-tokens=0 --model-name=tiny",
 			model: "m.gguf", ignored: "--metrics -cb"},
 		{in: "-fa", want: "--flash-attn=on"},
 		{in: "-fa m.gguf -fa auto", want: "--flash-attn=on --flash-attn=auto", model: "m.gguf"},
 		{in: "--served-model-name qwen m.gguf", want: "--model-name=qwen", model: "m.gguf"},
 		{in: "--served-model-name qwen q2 m.gguf --port 1", want: "--model-name=qwen,q2 --port 1", model: "m.gguf"},
-		{in: "-fa=off --cache-type-k=f16", want: "--flash-attn=off --kv-type=f16"},
+		{in: "-fa=off --cache-type-k=f16", want: "--flash-attn=off --kv-type-k=f16"},
 		{in: "--served-model-name qwen --max-num-seqs 32 --max-num-batched-tokens 1024 --block-size 32 --no-enable-prefix-caching --disable-log-requests --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser=qwen3 m.gguf",
 			want:    "--model-name=qwen --max-running=32 --max-batch-tokens=1024 --block-tokens=32 --prefix-caching=false --log-requests=false",
 			model:   "m.gguf",
@@ -52,7 +52,8 @@ func TestServeArgs(t *testing.T) {
 		}
 	}
 	for in, want := range map[string]string{
-		"-ctk q8_0 -ctv f16":                  "one type for keys and values",
+		"m.gguf -ctv q8_0 -fa off":            "need flash attention",
+		"m.gguf --kv-type q3":                 "want one of bf16, f16",
 		"a.gguf b.gguf":                       "unexpected arguments",
 		"--mmap false m.gguf":                 "--mmap=false",
 		"--no-mmap=true":                      "takes no value",
@@ -119,7 +120,7 @@ func mustServeFlags(t *testing.T) *flag.FlagSet {
 // (the model as an argument, -c, -np, -fa, -ngl, --alias) serves as the same
 // flags of serve's own would.
 func TestLlamaServerCommandLine(t *testing.T) {
-	n := startNode(t, smallModel(t), "-c", "2048", "-np", "4", "-fa", "-ngl", "all", "--alias", "tiny", "--metrics", "-ctk", "f16")
+	n := startNode(t, smallModel(t), "-c", "2048", "-np", "4", "-fa", "-ngl", "all", "--alias", "tiny", "--metrics", "-ctk", "q8_0")
 	// vLLM's --max-num-seqs and --max-num-batched-tokens past the engine's
 	// defaults (128 sequences, a batch of 2048) grow the engine to them.
 	v := startNode(t, "--served-model-name", "qwen", "q2", smallModel(t), "--max-num-seqs", "200", "--max-num-batched-tokens", "4096", "-c", "8192")
@@ -156,6 +157,15 @@ func TestLlamaServerCommandLine(t *testing.T) {
 	}
 	if pr.StatusCode != 200 || json.Unmarshal(b, &props) != nil || props.TotalSlots != 4 {
 		t.Fatalf("props: %d %s", pr.StatusCode, b)
+	}
+	// -ctk quantizes the keys alone, as llama-server's: the values stay f16.
+	mr, err := http.Get(n.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mr.Body.Close()
+	if b, _ := io.ReadAll(mr.Body); !strings.Contains(string(b), `cache_dtype="q8_0/f16"`) {
+		t.Errorf("-ctk q8_0: metrics lack cache_dtype q8_0/f16")
 	}
 	if !strings.Contains(n.log(), "flags of llama-server or vLLM taken without effect") {
 		t.Errorf("--metrics was not noted as taken without effect:\n%s", n.log())

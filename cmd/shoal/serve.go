@@ -194,27 +194,28 @@ func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
 }
 
 type serveFlags struct {
-	model, addr, host, modelName, logLevel, flash, kvType, tensorSplit, sim string
-	kvMemory, schedulingPolicy, reasoningFormat                             string
-	simSpeed, cacheFloor                                                    float64
-	embeddings, reranking, jinja, logRequests, allowCacheReset              bool
-	pooling, chatTemplate, chatTemplateFile, mmproj                         string
-	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU     int
-	port, mmprojCacheMiB                                                    int
-	mmap, caching                                                           bool
-	unified                                                                 *bool
-	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens   int
-	maxTokensCap, maxModelLen                                               int
-	spec                                                                    scheduler.SpecConfig
-	specConfig                                                              string
-	hashSeed                                                                uint64
-	maxBody                                                                 int64
-	drainTimeout                                                            time.Duration
-	apiKeys, allowedOrigins, mediaDomains                                   listFlag
-	lora, loraModules                                                       pathFlag
-	sampling                                                                engine.SamplingDefaults
-	llamaSampling                                                           api.LlamaSamplerFields
-	cluster                                                                 *clusterFlags
+	model, addr, host, modelName, logLevel, flash, tensorSplit, sim       string
+	kvType, kvTypeK, kvTypeV                                              string
+	kvMemory, schedulingPolicy, reasoningFormat                           string
+	simSpeed, cacheFloor                                                  float64
+	embeddings, reranking, jinja, logRequests, allowCacheReset            bool
+	pooling, chatTemplate, chatTemplateFile, mmproj                       string
+	ctx, seqs, batch, ubatch, threads, threadsBatch, gpuLayers, mainGPU   int
+	port, mmprojCacheMiB                                                  int
+	mmap, caching                                                         bool
+	unified                                                               *bool
+	maxBatchTokens, maxRunning, maxWaiting, defaultMaxTokens, blockTokens int
+	maxTokensCap, maxModelLen                                             int
+	spec                                                                  scheduler.SpecConfig
+	specConfig                                                            string
+	hashSeed                                                              uint64
+	maxBody                                                               int64
+	drainTimeout                                                          time.Duration
+	apiKeys, allowedOrigins, mediaDomains                                 listFlag
+	lora, loraModules                                                     pathFlag
+	sampling                                                              engine.SamplingDefaults
+	llamaSampling                                                         api.LlamaSamplerFields
+	cluster                                                               *clusterFlags
 }
 
 func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
@@ -240,7 +241,9 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.threadsBatch, "threads-batch", 0, "prompt-processing threads (0: same as --threads)")
 	fs.Var(optional[bool]{&f.unified}, "kv-unified", "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy); unset: one stream per sequence when the pool is sized from GPU memory and every stream gets min(trained context, 8192) cells, else one pool")
 	fs.StringVar(&f.flash, "flash-attn", lc.FlashAttention, "flash attention: auto, on or off")
-	fs.StringVar(&f.kvType, "kv-type", lc.KVType, "KV cache type: f16, q8_0 or q4_0 (quantized V needs flash attention)")
+	fs.StringVar(&f.kvType, "kv-type", lc.KVTypeK, "KV cache type of keys and values: "+strings.Join(llama.KVTypes(), ", ")+" (quantized values need flash attention)")
+	fs.StringVar(&f.kvTypeK, "kv-type-k", "", "KV cache type of keys (default: --kv-type; llama-server's -ctk)")
+	fs.StringVar(&f.kvTypeV, "kv-type-v", "", "KV cache type of values (default: --kv-type; llama-server's -ctv)")
 	fs.IntVar(&f.gpuLayers, "n-gpu-layers", lc.GPULayers, "layers to offload when a GPU backend is installed (-1: all)")
 	fs.IntVar(&f.mainGPU, "main-gpu", 0, "GPU for the whole model when not splitting")
 	fs.StringVar(&f.tensorSplit, "tensor-split", "", "fraction of the model per GPU, e.g. 3,1")
@@ -409,7 +412,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		lc.ModelPath = "(sim)"
 	}
 	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
-	lc.Threads, lc.BatchThreads, lc.FlashAttention, lc.KVType = f.threads, f.threadsBatch, f.flash, f.kvType
+	lc.Threads, lc.BatchThreads, lc.FlashAttention = f.threads, f.threadsBatch, f.flash
+	lc.KVTypeK, lc.KVTypeV = cmp.Or(f.kvTypeK, f.kvType), cmp.Or(f.kvTypeV, f.kvType)
 	if f.unified != nil {
 		lc.Unified = *f.unified
 	}
@@ -511,7 +515,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if f.sim == "" {
 		ac.SchemaToGrammar = llama.SchemaToGrammar
 	}
-	ac.CacheInfo = map[string]string{"block_size": strconv.Itoa(f.blockTokens), "cache_dtype": f.kvType,
+	ac.CacheInfo = map[string]string{"block_size": strconv.Itoa(f.blockTokens), "cache_dtype": cacheDtype(lc.KVTypeK, lc.KVTypeV),
 		"enable_prefix_caching": strconv.FormatBool(f.caching)}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -931,4 +935,13 @@ func parseSpeculativeConfig(js string, base scheduler.SpecConfig) (scheduler.Spe
 		base.NgramMin = *c.NgramMin
 	}
 	return base, nil
+}
+
+// cacheDtype is vllm:cache_config_info's cache_dtype: the KV cache's type, or
+// the keys' and the values' as K/V where they differ.
+func cacheDtype(k, v string) string {
+	if k == v {
+		return k
+	}
+	return k + "/" + v
 }

@@ -140,7 +140,7 @@ func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
 		}
 		return cfg.ContextCells, nil
 	}
-	perCell, err := e.kvBytesPerCell(cfg.KVType)
+	perCell, err := e.kvBytesPerCell(cfg)
 	if err != nil {
 		// Hybrid models (attention and recurrent layers) report no KV heads for
 		// their first layer: the pool keeps its cell count.
@@ -181,7 +181,7 @@ func (e *Engine) kvCells(cfg Config, offloaded bool) (int, error) {
 }
 
 // kvBytesPerCell is the KV cache's size per token: K and V rows of every layer.
-func (e *Engine) kvBytesPerCell(kvType string) (float64, error) {
+func (e *Engine) kvBytesPerCell(cfg Config) (float64, error) {
 	layers := float64(C.llama_model_n_layer(e.model))
 	heads := float64(C.llama_model_n_head(e.model))
 	headsKV := float64(C.llama_model_n_head_kv(e.model))
@@ -197,18 +197,20 @@ func (e *Engine) kvBytesPerCell(kvType string) (float64, error) {
 	if v := metaUint(e.model, arch+".attention.value_length"); v > 0 {
 		dimV = float64(v)
 	}
-	var elem float64
-	switch kvType {
-	case "f16":
-		elem = 2
-	case "q8_0":
-		elem = 34.0 / 32
-	case "q4_0":
-		elem = 18.0 / 32
-	default:
-		return 0, fmt.Errorf("KV type %q", kvType)
+	kt, err := kvType(cfg.KVTypeK)
+	if err != nil {
+		return 0, err
 	}
-	return layers * headsKV * (dimK + dimV) * elem, nil
+	vt, err := kvType(cfg.KVTypeV)
+	if err != nil {
+		return 0, err
+	}
+	return layers * headsKV * (dimK*elemBytes(kt) + dimV*elemBytes(vt)), nil
+}
+
+// elemBytes is a type's bytes per element, a quantized block's shared by its elements.
+func elemBytes(t C.enum_ggml_type) float64 {
+	return float64(C.ggml_type_size(t)) / float64(C.ggml_blck_size(t))
 }
 
 func metaUint(m *C.struct_llama_model, key string) uint64 {

@@ -531,7 +531,8 @@ func TestBadModelFiles(t *testing.T) {
 func TestConfigValidation(t *testing.T) {
 	p := genModel(t, models.Tiny())
 	bad := []func(*Config){
-		func(c *Config) { c.KVType = "f32" },
+		func(c *Config) { c.KVTypeK = "q3_k" },
+		func(c *Config) { c.KVTypeV = "q8_0"; c.FlashAttention = FlashOff },
 		func(c *Config) { c.FlashAttention = "maybe" },
 		func(c *Config) { c.MaxSeqs = 257 },
 		func(c *Config) { c.MaxSeqs = 0 },
@@ -548,14 +549,37 @@ func TestConfigValidation(t *testing.T) {
 			t.Logf("case %d: %v", i, err)
 		}
 	}
-	for _, kv := range []string{"f16", "q8_0", "q4_0"} {
+	cellBytes := map[string]float64{}
+	for _, kv := range KVTypes() {
 		cfg := DefaultConfig(p)
-		cfg.KVType, cfg.FlashAttention, cfg.ContextCells = kv, FlashOn, 256
+		cfg.KVTypeK, cfg.KVTypeV, cfg.FlashAttention, cfg.ContextCells = kv, kv, FlashOn, 256
 		e, err := Open(cfg)
 		if err != nil {
 			t.Fatalf("kv %s: %v", kv, err)
 		}
+		cellBytes[kv] = e.Capacity().CellBytes
 		e.Close()
+	}
+	if f, q := cellBytes["f16"], cellBytes["q8_0"]; f != cellBytes["f32"]/2 || q != f*34/64 || cellBytes["q4_0"] != f*18/64 {
+		t.Errorf("bytes per cell: %v", cellBytes)
+	}
+	// Quantized keys alone need no flash attention (llama-server's -ctk q8_0).
+	cfg := DefaultConfig(p)
+	cfg.KVTypeK, cfg.FlashAttention, cfg.ContextCells = "q8_0", FlashOff, 256
+	e, err := Open(cfg)
+	if err != nil {
+		t.Fatalf("q8_0 keys without flash attention: %v", err)
+	}
+	defer e.Close()
+	if got, want := e.Capacity().CellBytes, (cellBytes["f16"]+cellBytes["q8_0"])/2; got != want {
+		t.Errorf("q8_0 keys, f16 values: %v bytes per cell, want %v", got, want)
+	}
+	var b engine.Batch
+	for i := range 8 {
+		b.Add(engine.Token(10+i), engine.Pos(i), 0, i == 7)
+	}
+	if err := e.Decode(context.Background(), &b); err != nil {
+		t.Fatalf("decode with q8_0 keys: %v", err)
 	}
 }
 
@@ -1049,7 +1073,7 @@ func TestDevicesAndKVMemory(t *testing.T) {
 	// A byte budget sizes the pool: tiny has 2 layers × 2 KV heads × (16+16) dims × 2
 	// bytes = 256 bytes per cell, so 4 MiB is 16,384 cells.
 	e := openTest(t, models.Tiny(), func(c *Config) { c.KVMemory = 4 << 20 })
-	per, err := e.kvBytesPerCell("f16")
+	per, err := e.kvBytesPerCell(DefaultConfig(""))
 	if err != nil {
 		t.Fatal(err)
 	}

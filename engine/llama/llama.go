@@ -70,6 +70,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
@@ -147,7 +148,9 @@ type Config struct {
 	// the model can take.
 	AutoUnified    bool
 	FlashAttention string
-	KVType         string // f16, q8_0 or q4_0
+	// KVTypeK and KVTypeV are the cache's types for keys and for values, by
+	// llama-server's names (KVTypes). A quantized V needs flash attention.
+	KVTypeK, KVTypeV string
 	// Embeddings creates a context that returns pooled embeddings instead of logits
 	// (an embedding node). Pooling is "" (the model's own), mean, cls, last or rank
 	// (a reranker's scores: ModelInfo.Rerank).
@@ -195,7 +198,8 @@ func DefaultConfig(path string) Config {
 		MicroBatchTokens: DefaultMicroBatchTokens,
 		Unified:          true,
 		FlashAttention:   FlashAuto,
-		KVType:           DefaultKVType,
+		KVTypeK:          DefaultKVType,
+		KVTypeV:          DefaultKVType,
 		ProjectorCache:   DefaultProjectorCache,
 	}
 }
@@ -236,8 +240,13 @@ func (c Config) Validate() error {
 	if _, err := flashType(c.FlashAttention); err != nil {
 		return err
 	}
-	if _, err := kvType(c.KVType); err != nil {
-		return err
+	if _, err := kvType(c.KVTypeK); err != nil {
+		return fmt.Errorf("keys: %w", err)
+	}
+	if vt, err := kvType(c.KVTypeV); err != nil {
+		return fmt.Errorf("values: %w", err)
+	} else if C.ggml_is_quantized(vt) && c.FlashAttention == FlashOff {
+		return fmt.Errorf("KV values in %s need flash attention, which is off: quantize only the keys, or turn it on", c.KVTypeV)
 	}
 	if _, err := poolingType(c.Pooling); err != nil {
 		return err
@@ -281,16 +290,21 @@ func flashType(s string) (C.enum_llama_flash_attn_type, error) {
 	return 0, fmt.Errorf("flash attention %q: want auto, on or off", s)
 }
 
+// kvTypes are the KV cache types llama-server's --cache-type-k and -v take.
+var kvTypes = map[string]C.enum_ggml_type{
+	"f32": C.GGML_TYPE_F32, "f16": C.GGML_TYPE_F16, "bf16": C.GGML_TYPE_BF16,
+	"q8_0": C.GGML_TYPE_Q8_0, "q4_0": C.GGML_TYPE_Q4_0, "q4_1": C.GGML_TYPE_Q4_1,
+	"iq4_nl": C.GGML_TYPE_IQ4_NL, "q5_0": C.GGML_TYPE_Q5_0, "q5_1": C.GGML_TYPE_Q5_1,
+}
+
+// KVTypes lists the names Config.KVTypeK and KVTypeV take.
+func KVTypes() []string { return slices.Sorted(maps.Keys(kvTypes)) }
+
 func kvType(s string) (C.enum_ggml_type, error) {
-	switch s {
-	case "f16":
-		return C.GGML_TYPE_F16, nil
-	case "q8_0":
-		return C.GGML_TYPE_Q8_0, nil
-	case "q4_0":
-		return C.GGML_TYPE_Q4_0, nil
+	if t, ok := kvTypes[s]; ok {
+		return t, nil
 	}
-	return 0, fmt.Errorf("KV type %q: want f16, q8_0 or q4_0", s)
+	return 0, fmt.Errorf("KV type %q: want one of %s", s, strings.Join(KVTypes(), ", "))
 }
 
 var backendOnce sync.Once
@@ -557,8 +571,8 @@ func (e *Engine) newContext(cfg Config) error {
 	cp.n_threads_batch = C.int32_t(bthreads)
 	cp.kv_unified = C.bool(cfg.Unified)
 	cp.flash_attn_type, _ = flashType(cfg.FlashAttention)
-	kt, _ := kvType(cfg.KVType)
-	cp.type_k, cp.type_v = kt, kt
+	cp.type_k, _ = kvType(cfg.KVTypeK)
+	cp.type_v, _ = kvType(cfg.KVTypeV)
 	cp.embeddings = C.bool(cfg.Embeddings)
 	if cfg.Embeddings {
 		cp.pooling_type, _ = poolingType(cfg.Pooling)
@@ -594,8 +608,8 @@ func (e *Engine) newContext(cfg Config) error {
 	if ctx == nil {
 		C.free(unsafe.Pointer(e.abort))
 		e.abort = nil
-		return fmt.Errorf("create context (n_ctx %d, n_seq_max %d, kv %s, flash %s): %s",
-			cfg.ContextCells, cfg.MaxSeqs, cfg.KVType, cfg.FlashAttention,
+		return fmt.Errorf("create context (n_ctx %d, n_seq_max %d, kv %s/%s, flash %s): %s",
+			cfg.ContextCells, cfg.MaxSeqs, cfg.KVTypeK, cfg.KVTypeV, cfg.FlashAttention,
 			cmp.Or(failed, "llama.cpp refused it (a quantized V cache needs flash attention; memory may be short)"))
 	}
 	for i, a := range e.lora {
@@ -625,7 +639,7 @@ func (e *Engine) newContext(cfg Config) error {
 		PrefixSharing:    cfg.Unified && !recurrent && !swa && e.mem != nil,
 	}
 	e.cap.PoolsLast = e.cap.PrefixReuse && cfg.Embeddings && e.poolsLast()
-	if per, err := e.kvBytesPerCell(cfg.KVType); err == nil {
+	if per, err := e.kvBytesPerCell(cfg); err == nil {
 		e.cap.CellBytes = per
 	}
 	return nil
