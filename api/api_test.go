@@ -225,7 +225,8 @@ func TestErrors(t *testing.T) {
 }
 
 // TestClientGoneCountsAbort: the choices of a client that left count as
-// finished_reason "abort", as vLLM counts them; every reason is there at 0 first.
+// finished_reason "abort", as vLLM counts them; every reason is there at 0
+// first; the request is answered (and counted) as 499, not as a server error.
 func TestClientGoneCountsAbort(t *testing.T) {
 	s := newTestServer(t, nil)
 	abort := s.metrics.success.WithLabelValues("abort")
@@ -240,7 +241,8 @@ func TestClientGoneCountsAbort(t *testing.T) {
 		req := httptest.NewRequestWithContext(ctx, "POST", "/v1/completions", strings.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
 		done := make(chan struct{})
-		go func() { defer close(done); s.Handler().ServeHTTP(httptest.NewRecorder(), req) }()
+		w := httptest.NewRecorder()
+		go func() { defer close(done); s.Handler().ServeHTTP(w, req) }()
 		deadline := time.Now().Add(5 * time.Second)
 		for s.sched.Load().Running == 0 {
 			if time.Now().After(deadline) {
@@ -253,6 +255,12 @@ func TestClientGoneCountsAbort(t *testing.T) {
 		if got := testutil.ToFloat64(abort) - before; got != 4 {
 			t.Fatalf("stream %v: %v choices counted as aborted, want 2 prompts × n=2", stream, got)
 		}
+		if want := map[bool]int{false: StatusClientClosed, true: 200}[stream]; w.Code != want {
+			t.Errorf("stream %v: status %d, want %d", stream, w.Code, want)
+		}
+	}
+	if body := s.do(t, "GET", "/metrics", "").Body.String(); strings.Contains(body, `status="5xx"`) {
+		t.Error("a client that hung up was counted as a server error")
 	}
 }
 
@@ -1243,5 +1251,46 @@ func TestHTTPMetrics(t *testing.T) {
 	}
 	if strings.Contains(body, "/no/such/path") || strings.Contains(body, "BREW") {
 		t.Error("a client's path or method became a label value")
+	}
+}
+
+// TestErrorsNameRequestFields: an error names the field as the request's API
+// spells it, in its param and its message, and a wrong JSON type in words.
+func TestErrorsNameRequestFields(t *testing.T) {
+	s := newTestServer(t, nil)
+	for _, ok := range []string{`{"prompt":"x","max_tokens":1,"best_of":1}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":2}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":1}`} {
+		if w := s.do(t, "POST", "/v1/completions", ok); w.Code != 200 {
+			t.Errorf("%s: %d %s", ok, w.Code, w.Body)
+		}
+	}
+	for _, c := range []struct {
+		path, body string
+		says, not  string
+	}{
+		{"/v1/completions", `{"prompt":"x","stop":5}`, `expected a string or an array of strings, got JSON number","type":"invalid_request_error","param":"stop"`, ""},
+		{"/v1/completions", `{"prompt":["x",5]}`, `expected a string, an array of strings, an array of token ids, or an array of such arrays, got JSON array","type":"invalid_request_error","param":"prompt"`, ""},
+		{"/v1/completions", `{"prompt":"x","max_tokens":"5"}`, `expected an integer, got JSON string","type":"invalid_request_error","param":"max_tokens"`, ""},
+		{"/v1/completions", `[]`, "the request body must be a JSON object, got JSON array", "api."},
+		{"/v1/completions", `{"prompt":"x","best_of":3}`, "best_of 3 is not served", ""},
+		{"/v1/completions", `{"prompt":"x","n":3,"best_of":2}`, "best_of must be at least n (3), got 2", ""},
+		{"/v1/responses", `{"input":"x","max_output_tokens":-1}`, "max_output_tokens must be at least 1", "max_tokens must"},
+		{"/v1/messages", `{"max_tokens":2,"temperature":1.5,"messages":[{"role":"user","content":"x"}]}`, "temperature must be between 0 and 1", ""},
+		{"/v1/messages", `{"max_tokens":2,"tools":[{"name":"f"}],"messages":[{"role":"user","content":"x"}]}`, "tools[0].input_schema is required", ""},
+		{"/v1/messages", `{"max_tokens":2,"tools":[{"name":"f","input_schema":{"type":"string"}}],"messages":[{"role":"user","content":"x"}]}`, "input_schema must describe an object", "parameters"},
+		{"/v1/messages", `{"max_tokens":2,"output_config":{"format":{"type":"xml"}},"messages":[{"role":"user","content":"x"}]}`, "output_config.format must be", ""},
+		{"/v1/messages", `{"max_tokens":2,"output_format":{"type":"xml"},"messages":[{"role":"user","content":"x"}]}`, "output_format must be", ""},
+	} {
+		w := s.do(t, "POST", c.path, c.body)
+		if w.Code != 400 || !strings.Contains(w.Body.String(), c.says) || c.not != "" && strings.Contains(w.Body.String(), c.not) {
+			t.Errorf("%s %s: %d %s, want 400 saying %q and not %q", c.path, c.body, w.Code, w.Body, c.says, c.not)
+		}
+	}
+}
+
+func TestRenameWord(t *testing.T) {
+	e := invalid("response_format", "response_format: temperature, top_p, top_p_x, options.top_p and (top_p)")
+	got := e.renamed(map[string]string{"response_format": "format", "top_p": "options.top_p", "temperature": "options.temperature"})
+	if want := "format: options.temperature, options.top_p, top_p_x, options.top_p and (options.top_p)"; got.Message != want || got.Param != "format" {
+		t.Fatalf("%q (%s), want %q", got.Message, got.Param, want)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/scheduler"
@@ -26,6 +27,10 @@ func (e *Error) Error() string { return e.Message }
 func invalid(param, format string, args ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: param, Message: fmt.Sprintf(format, args...)}
 }
+
+// StatusClientClosed is the status a request is logged and counted with when
+// its client hung up before its answer: nginx's 499, outside the 5xx.
+const StatusClientClosed = 499
 
 // Errors callers of the package may see in responses.
 var (
@@ -61,6 +66,44 @@ func toAPIError(err error) *Error {
 		return &Error{Status: http.StatusGatewayTimeout, Type: "timeout", Message: "the request timed out"}
 	}
 	return &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: err.Error()}
+}
+
+// renamed is e with the chat fields it names, as its field and in its
+// message, under the names a translated request gives them (params):
+// "temperature must be ..." as "options.temperature must be ..." for Ollama.
+func (e *Error) renamed(params map[string]string) *Error {
+	out := *e
+	if p, ok := params[e.Param]; ok {
+		out.Param = p
+	}
+	for from, to := range params {
+		out.Message = renameWord(out.Message, from, to)
+	}
+	return &out
+}
+
+// renameWord is s with each whole word from (not part of a longer name, nor
+// after a dot: "top_p", not "options.top_p" or "top_p_x") replaced by to.
+func renameWord(s, from, to string) string {
+	nameChar := func(b byte) bool {
+		return b == '_' || b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9'
+	}
+	var out strings.Builder
+	done := 0 // s[:done] is written
+	for at := 0; ; {
+		i := strings.Index(s[at:], from)
+		if i < 0 {
+			out.WriteString(s[done:])
+			return out.String()
+		}
+		i += at
+		at = i + len(from)
+		if (i == 0 || !nameChar(s[i-1]) && s[i-1] != '.') && (at == len(s) || !nameChar(s[at])) {
+			out.WriteString(s[done:i])
+			out.WriteString(to)
+			done = at
+		}
+	}
 }
 
 func (e *Error) body() ErrorBody {

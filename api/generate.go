@@ -10,6 +10,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -44,11 +45,43 @@ func decodeBody(c *gin.Context, v any) error {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
 			field := jsonField(te.Field)
-			return invalid(field, "field %q: expected %s, got JSON %s", field, te.Type, te.Value)
+			if field == "" {
+				return invalid("", "the request body must be a JSON object, got JSON %s", te.Value)
+			}
+			return invalid(field, "field %q: expected %s, got JSON %s", field, jsonTypeName(te.Type), te.Value)
 		}
 		return invalid("", "invalid JSON body: %v", err)
 	}
 	return nil
+}
+
+// jsonTypeName is what a field of type t holds, in JSON's words.
+func jsonTypeName(t reflect.Type) string {
+	switch t {
+	case reflect.TypeFor[StringOrList]():
+		return "a string or an array of strings"
+	case reflect.TypeFor[Prompt]():
+		return "a string, an array of strings, an array of token ids, or an array of such arrays"
+	case reflect.TypeFor[Content]():
+		return "a string or an array of content parts"
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64, reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	case reflect.Pointer:
+		return jsonTypeName(t.Elem())
+	}
+	return "another JSON value"
 }
 
 // jsonField is a decoding error's field path as the client wrote it: without
@@ -198,7 +231,11 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		r.Priority = *f.Priority
 	}
 	d := engine.SamplingDefaults{Temperature: f.Temperature, TopP: f.TopP, TopK: f.TopK, MinP: f.MinP, RepeatPenalty: f.RepetitionPenalty}.Over(b.Sampling)
-	if err := ValidateSampling(d); err != nil {
+	maxTemp := 2.0
+	if f.llamaRanges {
+		maxTemp = math.Inf(1)
+	}
+	if err := validateSampling(d, maxTemp); err != nil {
 		return p, err
 	}
 	sp := samplingParams(d)
@@ -249,12 +286,19 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 // ValidateSampling checks sampling parameters against the ranges OpenAI and vLLM
 // hold requests to; its errors name the request field.
 func ValidateSampling(d engine.SamplingDefaults) error {
+	return validateSampling(d, 2)
+}
+
+// validateSampling is ValidateSampling with temperatures up to maxTemp.
+func validateSampling(d engine.SamplingDefaults, maxTemp float64) error {
 	bad := func(v *float64, lo, hi float64, loOpen bool) bool {
 		return v != nil && (math.IsNaN(*v) || *v < lo || *v > hi || loOpen && *v == lo)
 	}
 	switch {
-	case bad(d.Temperature, 0, 2, false):
-		return invalid("temperature", "temperature must be between 0 and 2, got %v", *d.Temperature)
+	case bad(d.Temperature, 0, maxTemp, false) && math.IsInf(maxTemp, 1):
+		return invalid("temperature", "temperature must not be negative, got %v", *d.Temperature)
+	case bad(d.Temperature, 0, maxTemp, false):
+		return invalid("temperature", "temperature must be between 0 and %v, got %v", maxTemp, *d.Temperature)
 	case bad(d.TopP, 0, 1, true):
 		return invalid("top_p", "top_p must be in (0, 1], got %v", *d.TopP)
 	case d.TopK != nil && *d.TopK < -1:
@@ -726,6 +770,12 @@ func (s *Server) completionPlan(b *Backend, req *CompletionRequest) (*plan, erro
 		return nil, err
 	}
 	p.warm = warm
+	if bo := req.BestOf; bo != nil && *bo != 1 && *bo != p.n {
+		if *bo < p.n {
+			return nil, invalid("best_of", "best_of must be at least n (%d), got %d", p.n, *bo)
+		}
+		return nil, invalid("best_of", "best_of %d is not served (as vLLM's V1 engine serves none): ask for n=%d with logprobs=0 and keep the choices whose logprobs sum highest", *bo, *bo)
+	}
 	if req.MaxTokens == nil {
 		p.req.MaxTokens = CompletionsMaxTokens
 		if p.req.MinTokens > p.req.MaxTokens {
@@ -874,6 +924,7 @@ type submitted struct {
 	stream *scheduler.Stream
 	base   int // choice index of its first choice
 	start  time.Time
+	prompt int // its prompt's tokens
 }
 
 // which names prompt i of n in an error: "messages", or "prompt 2" among several.
@@ -943,7 +994,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 			abort(c, err)
 			return
 		}
-		subs = append(subs, submitted{stream: st, base: i * p.n, start: time.Now()})
+		subs = append(subs, submitted{stream: st, base: i * p.n, start: time.Now(), prompt: len(toks)})
 	}
 	switch {
 	case p.infill != nil:
@@ -1227,6 +1278,16 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		ev, ok := sub.stream.Next(ctx)
 		if !ok {
 			if ctx.Err() != nil {
+				// The client is gone: its log line counts the tokens it was
+				// sent, and the prompt they followed.
+				var seen scheduler.Usage
+				for _, c := range choices {
+					seen.CompletionTokens += c.tokens
+				}
+				if seen.CompletionTokens > 0 {
+					seen.PromptTokens = sub.prompt
+				}
+				st.count(seen)
 				return scheduler.Usage{}, ctx.Err()
 			}
 			return scheduler.Usage{}, errors.New("stream ended without a result")

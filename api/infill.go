@@ -145,10 +145,9 @@ func (in *infill) tokens() []engine.Token {
 // endpoint, which llama.vim and llama.vscode call: the code before and after
 // the cursor, other files as context, and llama-server's completion options
 // (n_predict, repeat_penalty, n_indent, t_max_predict_ms; the OpenAI names
-// work too). Options of llama-server's own that shoal has no use for
-// (cache_prompt, t_max_prompt_ms) are accepted and ignored: the prefix cache
-// is always on. Its samplers, "samplers" among them, are taken as on every
-// endpoint (LlamaSamplerFields).
+// work too; cache_prompt as on /completion). t_max_prompt_ms, of no use here,
+// is accepted and ignored. Its samplers, "samplers" among them, are taken as on
+// every endpoint (LlamaSamplerFields).
 type InfillRequest struct {
 	SamplingFields
 	LlamaFields
@@ -160,23 +159,31 @@ type InfillRequest struct {
 	TMaxPredictMS int           `json:"t_max_predict_ms"`
 }
 
-// InfillResponse is llama-server's answer to /infill and /completion, and each
-// event of their streams: Content is the new text and Stop false until the last
-// event, which carries the rest.
+// InfillResponse is llama-server's answer to /infill and /completion, and the
+// last event of their streams (the events before it are infillPieces).
 type InfillResponse struct {
 	Index           int            `json:"index"` // the prompt's, among /completion's several
 	Content         string         `json:"content"`
 	Stop            bool           `json:"stop"`
 	Model           string         `json:"model,omitempty"`
-	StopType        string         `json:"stop_type,omitempty"` // eos, word (a stop string), limit
-	StoppingWord    string         `json:"stopping_word,omitempty"`
-	TokensPredicted int            `json:"tokens_predicted,omitempty"`
-	TokensEvaluated int            `json:"tokens_evaluated,omitempty"`
-	TokensCached    int            `json:"tokens_cached,omitempty"` // prompt tokens served from the prefix cache
+	StopType        string         `json:"stop_type"` // eos, word (a stop string), limit
+	StoppingWord    string         `json:"stopping_word"`
+	TokensPredicted int            `json:"tokens_predicted"`
+	TokensEvaluated int            `json:"tokens_evaluated"`
+	TokensCached    int            `json:"tokens_cached"` // prompt tokens served from the prefix cache
 	Truncated       bool           `json:"truncated"`
 	Timings         *InfillTimings `json:"timings,omitempty"`
 	// CompletionProbabilities are each token's log-probability and the likeliest
 	// alternatives, when /completion's n_probs asks for them (each event its own).
+	CompletionProbabilities []LlamaProb `json:"completion_probabilities,omitempty"`
+}
+
+// infillPiece is an event of the /infill and /completion streams before their
+// last: the new text, and its tokens' probabilities when asked for.
+type infillPiece struct {
+	Index                   int         `json:"index"`
+	Content                 string      `json:"content"`
+	Stop                    bool        `json:"stop"`
 	CompletionProbabilities []LlamaProb `json:"completion_probabilities,omitempty"`
 }
 
@@ -320,7 +327,7 @@ func (s *Server) infillOne(c *gin.Context, b *Backend, p *plan, sub submitted, i
 			return
 		}
 		if w != nil {
-			w.data(InfillResponse{Index: index, Content: text, CompletionProbabilities: probs})
+			w.data(infillPiece{Index: index, Content: text, CompletionProbabilities: probs})
 			probs = nil
 			return
 		}

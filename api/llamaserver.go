@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"math"
 	"net/http"
-	"slices"
 
 	"github.com/gin-gonic/gin"
 
@@ -46,6 +45,9 @@ type LlamaFields struct {
 	// TFSZ is tail-free sampling, which llama.cpp itself has dropped and
 	// older clients send turned off: refused when turned on.
 	TFSZ *float64 `json:"tfs_z"`
+	// CachePrompt false computes the whole prompt, no cached prefix taken
+	// (llama-server's; true by default).
+	CachePrompt *bool `json:"cache_prompt"`
 }
 
 // LlamaPrompt is llama-server's prompt: a string, token ids, or strings and token
@@ -176,19 +178,12 @@ func (s *Server) llamaPlan(b *Backend, f *SamplingFields, l *LlamaFields, endpoi
 		f.RepetitionPenalty = l.RepeatPenalty
 	}
 	// Values llama-server gives meanings OpenAI's API refuses: a negative seed,
-	// or 4294967295 (its LLAMA_DEFAULT_SEED), is a new one each time; a
-	// temperature below 0 or top_p 0 draws the likeliest token; an empty stop
-	// string stops nothing.
+	// or 4294967295 (its LLAMA_DEFAULT_SEED), is a new one each time; and
+	// llama.cpp's sampling values (llamaMeanings).
 	if f.Seed != nil && (*f.Seed < 0 || *f.Seed == math.MaxUint32) {
 		f.Seed = nil
 	}
-	if f.Temperature != nil && *f.Temperature < 0 {
-		f.Temperature = new(0.0)
-	}
-	if f.TopP != nil && *f.TopP <= 0 {
-		f.TopP, f.TopK = nil, new(1)
-	}
-	f.Stop = slices.DeleteFunc(slices.Clone(f.Stop), func(s string) bool { return s == "" })
+	f.llamaMeanings()
 	if f.N != nil && *f.N != 1 {
 		return p, nil, false, invalid("n", "%s answers one completion", endpoint)
 	}
@@ -201,6 +196,7 @@ func (s *Server) llamaPlan(b *Backend, f *SamplingFields, l *LlamaFields, endpoi
 	if l.NProbs > 0 {
 		p.logprobs, p.top = true, l.NProbs
 	}
+	p.req.NoCache = l.CachePrompt != nil && !*l.CachePrompt
 	return p, maxTokens, warm, nil
 }
 

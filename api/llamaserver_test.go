@@ -79,10 +79,29 @@ func TestLlamaCompletion(t *testing.T) {
 			t.Errorf("%s: %q, greedy: %q", f, r.Content, text.Content)
 		}
 	}
+	answer(`{"prompt":"abc","n_predict":4,"temperature":5}`) // any temperature, as llama.cpp's
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":4,"temperature":5}`); w.Code != 400 {
+		t.Errorf("temperature 5 on OpenAI's API: %d, want 400 as OpenAI answers", w.Code)
+	}
+	// Every count is there, 0 or not, as llama-server sends them.
+	if w := s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":0}`); !strings.Contains(w.Body.String(), `"tokens_predicted":0`) ||
+		!strings.Contains(w.Body.String(), `"tokens_cached":`) || !strings.Contains(w.Body.String(), `"stopping_word":""`) {
+		t.Errorf("counts of 0 left out: %s", w.Body)
+	}
+	// cache_prompt false computes the whole prompt; the default takes the cache.
+	long := `{"prompt":"` + strings.Repeat("a long prompt ", 20) + `","n_predict":2`
+	answer(long + `}`)
+	if r := answer(long + `,"cache_prompt":false}`); r.TokensCached != 0 || r.Timings.PromptN != r.TokensEvaluated {
+		t.Errorf("cache_prompt false: %d tokens cached, %d of %d computed", r.TokensCached, r.Timings.PromptN, r.TokensEvaluated)
+	}
+	if r := answer(long + `,"cache_prompt":true}`); r.TokensCached == 0 {
+		t.Error("cache_prompt true: nothing cached")
+	}
 	w := s.do(t, "POST", "/completion", `{"prompt":"abc","n_predict":3,"stream":true,"temperature":0}`)
 	events := strings.Count(w.Body.String(), "data: ")
-	if w.Code != 200 || events != 4 || !strings.Contains(w.Body.String(), `"stop":true`) || strings.Contains(w.Body.String(), "[DONE]") {
-		t.Fatalf("stream: %d %s", w.Code, w.Body)
+	if w.Code != 200 || events != 4 || !strings.Contains(w.Body.String(), `"stop":true`) || strings.Contains(w.Body.String(), "[DONE]") ||
+		strings.Count(w.Body.String(), `"tokens_predicted"`) != 1 {
+		t.Fatalf("stream (counts in the last event only): %d %s", w.Code, w.Body)
 	}
 	// n_probs: each token's log-probability and alternatives, as SillyTavern asks;
 	// samplers sent turned off, as it always sends them, are taken.

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"strings"
 
@@ -207,6 +208,9 @@ func anthropicError(e *Error) gin.H {
 // as its calls. Thinking blocks of earlier turns are left out, as chat
 // templates leave out earlier turns' thoughts.
 func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
+	if t := r.Temperature; t != nil && !(*t >= 0 && *t <= 1) {
+		return nil, invalid("temperature", "temperature must be between 0 and 1, got %v", *t)
+	}
 	chat := &ChatRequest{}
 	f := &chat.SamplingFields
 	f.Model, f.Stream, f.Temperature, f.TopP, f.TopK = r.Model, r.Stream, r.Temperature, r.TopP, r.TopK
@@ -249,13 +253,10 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 	if err := r.tools(chat); err != nil {
 		return nil, err
 	}
-	format, param := r.OutputFormat, "output_format"
-	if oc := r.OutputConfig; oc != nil && oc.Format != nil {
-		format, param = oc.Format, "output_config"
-	}
+	format, param := r.formatParam()
 	if format != nil {
 		if format.Type != "json_schema" || !given(format.Schema) {
-			return nil, invalid(param, "%s.format must be {\"type\": \"json_schema\", \"schema\": ...}", param)
+			return nil, invalid(param, "%s must be {\"type\": \"json_schema\", \"schema\": ...}", param)
 		}
 		f.ResponseFormat = &ResponseFormat{Type: "json_object", Schema: format.Schema} // llama-server's spelling of a schema
 	}
@@ -422,6 +423,15 @@ func assistantTurn(out []Message, blocks AnthropicContent, where string) ([]Mess
 	return append(out, m), nil
 }
 
+// formatParam is r's output format and the field it is in: output_config.format,
+// or the older output_format.
+func (r *MessagesRequest) formatParam() (*outputFormat, string) {
+	if oc := r.OutputConfig; oc != nil && oc.Format != nil {
+		return oc.Format, "output_config.format"
+	}
+	return r.OutputFormat, "output_format"
+}
+
 // tools translates r's tools and tool_choice into chat's.
 func (r *MessagesRequest) tools(chat *ChatRequest) error {
 	if len(r.Tools) > 0 {
@@ -438,6 +448,9 @@ func (r *MessagesRequest) tools(chat *ChatRequest) error {
 		for i, t := range r.Tools {
 			if t.Type != "" && t.Type != "custom" {
 				return invalid("tools", "tools[%d]: %q tools are Anthropic's own and not served here; client tools (with an input_schema) are", i, t.Type)
+			}
+			if !given(t.InputSchema) {
+				return invalid("tools", "tools[%d].input_schema is required", i)
 			}
 			tools = append(tools, tool{Type: "function", Function: function{Name: t.Name, Description: t.Description, Parameters: t.InputSchema}})
 		}
@@ -491,7 +504,12 @@ func (s *Server) messages(c *gin.Context) {
 		one := 1
 		req.MaxTokens = &one
 	}
-	if p, ok := s.translatedPlan(c, b, req.chatRequest, anthropicParams); ok {
+	params := anthropicParams
+	if _, at := req.formatParam(); at != params["response_format"] {
+		params = maps.Clone(params)
+		params["response_format"] = at
+	}
+	if p, ok := s.translatedPlan(c, b, req.chatRequest, params); ok {
 		p.anthropic, p.warm = true, warm
 		s.routeOrRun(c, b, p, forwarded)
 	}
@@ -512,10 +530,8 @@ func (s *Server) translatedPlan(c *gin.Context, b *Backend, translate func() (*C
 		p, err = s.chatPlan(b, chat)
 	}
 	if err != nil {
-		if e := (*Error)(nil); errors.As(err, &e) && params[e.Param] != "" {
-			renamed := *e
-			renamed.Param = params[e.Param]
-			err = &renamed
+		if e := (*Error)(nil); errors.As(err, &e) {
+			err = e.renamed(params)
 		}
 		abort(c, err)
 		return nil, false
@@ -524,11 +540,12 @@ func (s *Server) translatedPlan(c *gin.Context, b *Backend, translate func() (*C
 	return p, true
 }
 
-// anthropicParams are the chat fields a message request names otherwise.
-var anthropicParams = map[string]string{"stop": "stop_sequences", "response_format": "output_config"}
+// anthropicParams are the chat fields a message request names otherwise
+// (a tool's parameters its input_schema).
+var anthropicParams = map[string]string{"stop": "stop_sequences", "response_format": "output_config.format", "parameters": "input_schema"}
 
 // responsesParams are the chat fields a Responses request names otherwise.
-var responsesParams = map[string]string{"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+var responsesParams = map[string]string{"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 // countTokens serves POST /v1/messages/count_tokens: the prompt tokens a
 // message request would have.

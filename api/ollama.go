@@ -226,6 +226,7 @@ func (o *OllamaCommon) sampling(f *SamplingFields, kwargs *json.RawMessage, b *B
 		}
 		f.Stop = opt.Stop
 	}
+	f.llamaMeanings()
 	format := bytes.TrimSpace(o.Format)
 	switch {
 	case len(format) == 0 || string(format) == "null" || string(format) == `""`:

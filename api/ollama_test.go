@@ -75,6 +75,13 @@ func TestOllamaShapes(t *testing.T) {
 			t.Errorf("%s: %d %s, want %s", body, w.Code, w.Body, reason)
 		}
 	}
+	// llama.cpp's values, which Ollama passes on: top_p 0 and a temperature
+	// below 0 draw the likeliest token; any temperature above is taken.
+	for _, o := range []string{`"top_p": 0`, `"temperature": -1`, `"temperature": 5`} {
+		if w := s.do(t, "POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "stream": false, "options": {"num_predict": 2, `+o+`}}`); w.Code != 200 {
+			t.Errorf("%s: %d %s", o, w.Code, w.Body)
+		}
+	}
 	for _, tc := range []struct {
 		method, path, body string
 		status             int
@@ -89,7 +96,8 @@ func TestOllamaShapes(t *testing.T) {
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "think": "max"}`, 400, "does not think"},
 		{"POST", "/api/chat", `{"model": "nope", "messages": []}`, 404, "not found"},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 1.5e300}}`, 400, "options.num_predict"},
-		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"temperature": -1}}`, 400, "temperature"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"temperature": "hot"}}`, 400, "options.temperature"},
+		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"min_p": 2}}`, 400, "options.min_p must be"},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"mirostat": 3}}`, 400, "mirostat must be 0 (off), 1 or 2"},
 		{"POST", "/api/chat", `{"messages": [{"role": "user", "content": "hi"}], "options": {"typical_p": 2}}`, 400, "typical_p must be"},
 		{"POST", "/api/generate", `{"prompt": "hi", "template": "{{ .Prompt }}"}`, 400, "template"},

@@ -149,7 +149,7 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 	case panicked != nil:
 		attrs = append(attrs, "panic", true)
 	case c.Request.Context().Err() != nil:
-		attrs = append(attrs, "client_gone", true) // its tokens are those of sequences that ended
+		attrs = append(attrs, "client_gone", true) // its tokens are those it was sent
 	}
 	s.log.Info("request", attrs...)
 }

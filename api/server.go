@@ -525,6 +525,12 @@ func (s *Server) admittedByMember(c *gin.Context) (bool, error) {
 // abort writes err in OpenAI's format (Anthropic's on the Messages API,
 // Ollama's on its API) and stops the handler chain.
 func abort(c *gin.Context, err error) {
+	if errors.Is(c.Request.Context().Err(), context.Canceled) {
+		// The client hung up: no one reads an answer, and whatever err is
+		// (the cancel's own, mostly), it is not the server's failure.
+		c.AbortWithStatus(StatusClientClosed)
+		return
+	}
 	e := toAPIError(err)
 	if e.RetryAfter > 0 {
 		c.Header("Retry-After", fmt.Sprint(e.RetryAfter))

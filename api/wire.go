@@ -37,7 +37,7 @@ func (s *StringOrList) UnmarshalJSON(b []byte) error {
 	}
 	var many []string
 	if err := json.Unmarshal(b, &many); err != nil {
-		return errors.New("must be a string or an array of strings")
+		return &json.UnmarshalTypeError{Value: jsonKind(b), Type: reflect.TypeFor[StringOrList]()} // named in decodeBody
 	}
 	*s = many
 	return nil
@@ -72,7 +72,7 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 		p.Tokens = tss
 		return nil
 	}
-	return errors.New("must be a string, an array of strings, an array of token ids, or an array of such arrays")
+	return &json.UnmarshalTypeError{Value: jsonKind(b), Type: reflect.TypeFor[Prompt]()} // named in decodeBody
 }
 
 // jsonKind names the kind of JSON value b is, as encoding/json's errors do.
@@ -115,7 +115,7 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 	}
 	if err := json.Unmarshal(b, &parts); err != nil {
 		// A type error names the field (messages.content) in decodeBody.
-		return &json.UnmarshalTypeError{Value: jsonKind(b), Type: reflect.TypeFor[string]()}
+		return &json.UnmarshalTypeError{Value: jsonKind(b), Type: reflect.TypeFor[Content]()}
 	}
 	var buf bytes.Buffer
 	for i, p := range parts {
@@ -218,6 +218,24 @@ type SamplingFields struct {
 	ReturnTokensAsTokenIDs bool `json:"return_tokens_as_token_ids"`
 	StructuredFields
 	LlamaSamplerFields
+	// llamaRanges: temperatures above OpenAI's 2 are taken, as llama.cpp's
+	// APIs (llama-server's, Ollama's) take them (llamaMeanings).
+	llamaRanges bool
+}
+
+// llamaMeanings gives f's values the meanings llama.cpp's samplers give them
+// and llama-server and Ollama pass on, where OpenAI's API refuses them: a
+// temperature below 0, as top_p 0, draws the likeliest token; one above 2 is
+// taken; an empty stop string stops nothing.
+func (f *SamplingFields) llamaMeanings() {
+	f.llamaRanges = true
+	if f.Temperature != nil && *f.Temperature < 0 {
+		f.Temperature = new(0.0)
+	}
+	if f.TopP != nil && *f.TopP <= 0 {
+		f.TopP, f.TopK = nil, new(1)
+	}
+	f.Stop = slices.DeleteFunc(slices.Clone(f.Stop), func(s string) bool { return s == "" })
 }
 
 // StructuredFields are the other servers' ways to constrain the output, besides
@@ -277,6 +295,9 @@ type CompletionRequest struct {
 	Echo     bool    `json:"echo"`
 	Logprobs *int    `json:"logprobs"`
 	Suffix   *string `json:"suffix"`
+	// BestOf is taken as vLLM's V1 engine takes it: as n (best_of equal to n,
+	// or 1), any more refused rather than ignored.
+	BestOf *int `json:"best_of"`
 }
 
 // Usage is OpenAI's usage object.

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -136,9 +137,16 @@ func TestGossipMembershipLoadAndSummaries(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, "b draining at a", func() bool { m, _ := member(a, "b"); return m.Draining })
-	// Leaving shows as left.
+	// Leaving shows as left, and counts as lost to forwards (a draining
+	// member is not).
+	if a.Lost("c") || a.Lost("b") {
+		t.Fatal("a live member is lost")
+	}
 	c.Leave(time.Second)
 	eventually(t, "c left at a", func() bool { m, _ := member(a, "c"); return m.State == "left" })
+	if !a.Lost("c") || a.Lost("b") {
+		t.Fatal("a member that left is not lost, or a draining one is")
+	}
 }
 
 // TestEveryPeerGetsEveryDelta: with push/pull out of the way, each change of one
@@ -226,6 +234,31 @@ func TestWrongGossipKeyNeverJoins(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	if _, ok := member(a, "intruder"); ok {
 		t.Fatal("a lists the intruder")
+	}
+}
+
+// TestTakenNameNeverJoins: a node started under the name of a live member
+// stops at start, saying so, and the member keeps its name and load.
+func TestTakenNameNeverJoins(t *testing.T) {
+	a := startTestNode(t, "a", nil, nil, &fakeLocal{})
+	b := startTestNode(t, "b", nil, []string{a.GossipAddr()}, &fakeLocal{})
+	eventually(t, "b sees a", func() bool { m, ok := member(b, "a"); return ok && m.State == "alive" })
+	cfg := DefaultConfig()
+	cfg.Name, cfg.Bind, cfg.Join, cfg.Secret = "a", freePort(t), []string{b.GossipAddr()}, []byte("s")
+	cfg.Meta = Meta{HTTP: "127.0.0.1:2", Models: []string{"m"}}
+	n, err := New(cfg, &fakeLocal{}, quiet())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Start(); err == nil || !strings.Contains(err.Error(), "--node-name") {
+		if err == nil {
+			n.Leave(time.Second)
+		}
+		t.Fatalf("a second node named a: %v", err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if m, _ := member(b, "a"); m.Addr != "127.0.0.1:1" || m.State != "alive" {
+		t.Fatalf("b's view of a: %+v", m)
 	}
 }
 
@@ -543,6 +576,68 @@ func TestForwardRefusalsAndCuts(t *testing.T) {
 	var te *TruncatedError
 	if err := f.Forward(ctx, Target{Name: "cut", HTTP: host(cut)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); !errors.As(err, &te) {
 		t.Fatalf("a cut body: %v, want a TruncatedError", err)
+	}
+}
+
+// TestForwardGivesUpOnALostPeer: a peer that hangs answers nothing and keeps
+// its connection open; once the cluster declares it dead, a forward awaiting
+// its first byte is retryable, and a stream it began ends with the failure.
+func TestForwardGivesUpOnALostPeer(t *testing.T) {
+	release := make(chan struct{})
+	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body) // then a closed connection cancels r's context
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer silent.Close()
+	stalled := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer stalled.Close()
+	defer close(release) // before the servers close
+	var lost atomic.Bool
+	f := NewForwarder("a", []byte("s"), nil)
+	f.Watch(func(peer string) bool { return lost.Load() && peer == "hung" })
+	host := func(s *httptest.Server) string { return strings.TrimPrefix(s.URL, "http://") }
+	forward := func(s *httptest.Server, w http.ResponseWriter) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			done <- f.Forward(context.Background(), Target{Name: "hung", HTTP: host(s)}, "POST", "/v1/completions", http.Header{}, []byte(`{}`), w)
+		}()
+		return done
+	}
+	wait := func(done <-chan error) error {
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(10 * time.Second):
+			t.Fatal("the forward still waits on a peer declared dead")
+			return nil
+		}
+	}
+	before, during := forward(silent, httptest.NewRecorder()), httptest.NewRecorder()
+	streaming := forward(stalled, during)
+	select {
+	case err := <-before:
+		t.Fatalf("gave up on a live peer: %v", err)
+	case <-time.After(3 * peerCheck):
+	}
+	lost.Store(true)
+	var re *RetryableError
+	if err := wait(before); !asRetryable(err, &re) || !re.Unreachable || !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("before the first byte: %v, want a retryable ErrPeerLost", err)
+	}
+	if err := wait(streaming); !errors.Is(err, ErrPeerLost) || !strings.Contains(during.Body.String(), "data: 1\n\n") || !strings.Contains(during.Body.String(), "peer_failed") {
+		t.Fatalf("mid-stream: %v %q", err, during.Body.String())
 	}
 }
 
@@ -1181,19 +1276,23 @@ func TestHolderWinsTiesOverTheKey(t *testing.T) {
 }
 
 // TestRejoinAfterRestart: a node that starts before the nodes it is told to
-// join keeps trying them, and a failed member that restarts with no --join
+// join keeps trying them, though another joined it meanwhile (else the two
+// would be a cluster apart), and a failed member that restarts with no --join
 // (a cluster's first node) is found again by the others.
 func TestRejoinAfterRestart(t *testing.T) {
 	fast := func(c *Config) { c.Reconnect = 100 * time.Millisecond }
 	seedAddr := freePort(t)
-	// b starts first: its --join address answers nothing yet.
+	// b starts first: its --join address answers nothing yet; c joins b.
 	b := startTestNode(t, "b", nil, []string{seedAddr}, &fakeLocal{}, fast)
-	seed := startTestNode(t, "seed", nil, nil, &fakeLocal{}, fast, func(c *Config) { c.Bind = seedAddr })
+	startTestNode(t, "c", nil, []string{b.GossipAddr()}, &fakeLocal{}, fast)
 	alive := func(n *Node, name string) func() bool {
 		return func() bool { m, ok := member(n, name); return ok && m.State == "alive" }
 	}
+	eventually(t, "b sees c", alive(b, "c"))
+	time.Sleep(300 * time.Millisecond) // reconnect rounds with c in the cluster
+	seed := startTestNode(t, "seed", nil, nil, &fakeLocal{}, fast, func(c *Config) { c.Bind = seedAddr })
 	eventually(t, "b joins the seed once it is up", alive(b, "seed"))
-	eventually(t, "the seed sees b", alive(seed, "b"))
+	eventually(t, "the seed sees b and c", func() bool { return alive(seed, "b")() && alive(seed, "c")() })
 
 	// The seed fails (no leave) and restarts alone on its address.
 	seed.stopOnce.Do(func() { close(seed.stop) }) // Leave, in the cleanup, does nothing more

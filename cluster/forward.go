@@ -12,6 +12,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -68,6 +69,40 @@ type Forwarder struct {
 	secret []byte
 	client *http.Client
 	tls    bool // forward over TLS only: the client's API key and prompt stay encrypted
+	lost   func(peer string) bool
+}
+
+// ErrPeerLost is why a forward was given up: the cluster declared its peer
+// dead (or it left) while the answer was awaited (Forwarder.Watch).
+var ErrPeerLost = errors.New("the cluster declared the peer dead")
+
+// peerCheck is how often a forward asks whether its peer is lost.
+const peerCheck = 250 * time.Millisecond
+
+// Watch makes f give up a forward whose peer lost reports gone (Node.Lost): a
+// process that hangs (stopped, swapping, wedged) keeps its connections open and
+// answers nothing, with no error to end the wait, while the cluster's probes
+// declare it dead within seconds. Before its first byte the forward is then
+// retried elsewhere (the peer will find its client gone, should it wake); a
+// stream it began ends with the API's failure event. Call Watch before the
+// first forward; lost must be safe to call from any goroutine.
+func (f *Forwarder) Watch(lost func(peer string) bool) { f.lost = lost }
+
+// watch cancels ctx with ErrPeerLost once f.lost reports peer gone.
+func (f *Forwarder) watch(ctx context.Context, cancel context.CancelCauseFunc, peer string) {
+	tick := time.NewTicker(peerCheck)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			if f.lost(peer) {
+				cancel(ErrPeerLost)
+				return
+			}
+		}
+	}
 }
 
 // NewForwarder makes a forwarder for node from. With tlsConf (nil: plain HTTP) it
@@ -126,6 +161,12 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 		// A misconfigured peer, not a failed one: not marked unreachable.
 		return &RetryableError{Err: fmt.Errorf("forward to %s: it serves plain HTTP and this node forwards over TLS only", t.Name)}
 	}
+	client := ctx // the client's: cancelled when it leaves
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	if f.lost != nil {
+		go f.watch(ctx, cancel, t.Name)
+	}
 	req, err := http.NewRequestWithContext(ctx, method, scheme+"://"+t.HTTP+path, strings.NewReader(string(body)))
 	if err != nil {
 		return err
@@ -142,8 +183,14 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 	req.Header.Set(HeaderAuth, sign(f.secret, f.from, ts, method, path, body))
 	resp, err := f.client.Do(req)
 	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
+		if client.Err() != nil {
+			return client.Err()
+		}
+		if errors.Is(context.Cause(ctx), ErrPeerLost) {
+			return &RetryableError{Err: fmt.Errorf("forward to %s: no answer: %w", t.Name, ErrPeerLost), Unreachable: true}
+		}
+		if ue := (*url.Error)(nil); errors.As(err, &ue) {
+			err = ue.Err // without the peer's URL, which clients see in errors
 		}
 		if dialFailed(err) {
 			return &RetryableError{Err: fmt.Errorf("forward to %s: %w", t.Name, err), Unreachable: true}
@@ -200,8 +247,11 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 			return nil
 		}
 		if rerr != nil {
-			if ctx.Err() != nil {
+			if client.Err() != nil {
 				return nil
+			}
+			if cause := context.Cause(ctx); errors.Is(cause, ErrPeerLost) {
+				rerr = cause
 			}
 			switch {
 			case sse:

@@ -142,6 +142,7 @@ type Node struct {
 	joined     chan string               // members to send the full summary to
 	joinAddrs  []string                  // cfg.Join less this node's own address
 	joinFailed atomic.Bool               // no joinAddrs answered yet (reconnect tries them again)
+	nameTaken  atomic.Pointer[string]    // the address of another live member under this node's name
 	loadSeq    atomic.Uint64
 	boot       uint64 // this process's Load.Boot
 	turns      int    // prompts routed by turn-taking policies, for the next turn (under mu)
@@ -250,6 +251,7 @@ func (n *Node) Start() error {
 	mc.GossipInterval = 100 * time.Millisecond
 	mc.Delegate = &delegate{n: n}
 	mc.Events = &events{n: n}
+	mc.Conflict = &events{n: n}
 	mc.Logger = log.New(&slogWriter{n.log}, "", 0)
 	for k, v := range n.cfg.metricLabels {
 		mc.MetricLabels = append(mc.MetricLabels, metrics.Label{Name: k, Value: v})
@@ -274,6 +276,12 @@ func (n *Node) Start() error {
 			ml.Shutdown()
 			return fmt.Errorf("cluster: join %v: %w", n.joinAddrs, err)
 		}
+		if other := n.nameTaken.Load(); other != nil {
+			// The members would take this node's load and summaries for the
+			// other's (and memberlist keeps the first): it must not join.
+			ml.Shutdown()
+			return fmt.Errorf("cluster: the node name %q is taken by the live member at %s: give each node its own --node-name", n.cfg.Name, *other)
+		}
 		if ml.NumMembers() < 2 {
 			// None is up yet (every node may be given the others' addresses and
 			// start in any order; an address of its own, under another name,
@@ -290,7 +298,9 @@ func (n *Node) Start() error {
 }
 
 // reconnect joins again, every Reconnect interval, what this node lost: the
-// --join addresses while none has answered, and members that failed or left
+// --join addresses while none has answered (though others joined this node:
+// a node that joined it through its own address alone would make a cluster
+// apart), and members that failed or left
 // while they are listed (goneLimit). A member that restarts without --join,
 // such as a cluster's first node, is found so by the others, instead of
 // forming a cluster of its own. One address at a time, each bounded by
@@ -312,18 +322,17 @@ func (n *Node) reconnect() {
 			}
 		}
 		n.mu.Unlock()
-		if n.ml.NumMembers() > 1 {
-			n.joinFailed.Store(false) // another found this node
-		} else if n.joinFailed.Load() {
+		lost := len(addrs) // members to rejoin; then the --join addresses
+		if n.joinFailed.Load() {
 			addrs = append(addrs, n.joinAddrs...)
 		}
-		for _, a := range addrs {
+		for i, a := range addrs {
 			select {
 			case <-n.stop:
 				return
 			default:
 			}
-			if _, err := n.ml.Join([]string{a}); err == nil && n.ml.NumMembers() > 1 && n.joinFailed.Swap(false) {
+			if _, err := n.ml.Join([]string{a}); err == nil && i >= lost && n.ml.NumMembers() > 1 && n.joinFailed.Swap(false) {
 				n.log.Info("joined the cluster", "through", a)
 			}
 		}
@@ -717,6 +726,19 @@ func (n *Node) prune(now time.Time) {
 // events tracks membership. memberlist calls it from one goroutine at a time.
 type events struct{ n *Node }
 
+// NotifyConflict hears of a member claiming a live member's name from another
+// address, which memberlist refuses: this node's own name, when this node is
+// the newcomer, stops its start (Start); otherwise it is logged.
+func (e *events) NotifyConflict(existing, other *memberlist.Node) {
+	if existing.Name == e.n.cfg.Name {
+		addr := other.Address()
+		e.n.nameTaken.CompareAndSwap(nil, &addr)
+		e.n.log.Error("another member has this node's name", "name", existing.Name, "other", addr)
+		return
+	}
+	e.n.log.Error("two members have one name; the first keeps it", "name", existing.Name, "member", existing.Address(), "other", other.Address())
+}
+
 // NotifyJoin also queues this node's whole summary for the newcomer, sent directly
 // over TCP by the loop, so that it learns every cache at once instead of waiting for
 // a push/pull with each node (broadcasts carry only new blocks).
@@ -834,6 +856,16 @@ func (n *Node) Unreachable(name string) {
 	if p := n.peers[name]; p != nil {
 		p.failedAt = time.Now()
 	}
+}
+
+// Lost reports whether the named member has been declared dead or has left
+// (Forwarder.Watch): memberlist's verdict, which its probes reach within
+// seconds of a process ceasing to answer.
+func (n *Node) Lost(name string) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	p := n.peers[name]
+	return p != nil && (p.state == "dead" || p.state == "left")
 }
 
 // Member is one row of GET /cluster.

@@ -52,6 +52,10 @@ type Request struct {
 	// Embed asks for the prompt's pooled embedding (EventEmbedding) instead of
 	// generation; the engine must be a pooling one. The prompt is computed in one pass.
 	Embed bool
+	// NoCache computes the whole prompt rather than take a cached prefix of it
+	// (llama-server's cache_prompt: false); its blocks are cached for others
+	// as any request's are.
+	NoCache bool
 	// Adapter is the LoRA adapter the request runs under: i for
 	// Config.Adapters[i-1], 0 for none.
 	Adapter int

@@ -491,7 +491,7 @@ func (s *Scheduler) enqueue(q *seq) {
 }
 
 // cachedPrompt is what q may take from the prefix cache: its prompt; nothing for
-// an embedding, which is pooled over its whole prompt in one pass (a cached
+// a request that asks so (Request.NoCache), nor for an embedding, which is pooled over its whole prompt in one pass (a cached
 // prefix would leave the pooling only the tail), unless the engine pools the last
 // token over causal attention (Capacity.PoolsLast); for a prompt being scored, the
 // tokens whose following token is scored already (a cached token has no
@@ -500,7 +500,7 @@ func (s *Scheduler) enqueue(q *seq) {
 // last block computed, which would stay kept for it past the cache budget.
 func (s *Scheduler) cachedPrompt(q *seq) []int32 {
 	switch {
-	case q.g.req.Embed && !s.cap.PoolsLast:
+	case q.g.req.NoCache, q.g.req.Embed && !s.cap.PoolsLast:
 		return nil
 	case q.scoring():
 		return toInt32(q.tokens[:min(len(q.scores)+1, len(q.tokens))])
@@ -658,7 +658,7 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 	if !s.cfg.KV.Caching {
 		return false
 	}
-	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.Embed && !s.cap.PoolsLast || q.scoring() {
+	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.NoCache || q.g.req.Embed && !s.cap.PoolsLast || q.scoring() {
 		return false // it does not read the cache
 	}
 	B := s.pool.BlockTokens()

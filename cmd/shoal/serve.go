@@ -658,7 +658,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 			hs.Close()
 			return err
 		}
-		srv.SetCluster(node, cluster.NewForwarder(node.Name(), secret, clientTLS), secret)
+		fwd := cluster.NewForwarder(node.Name(), secret, clientTLS)
+		fwd.Watch(node.Lost)
+		srv.SetCluster(node, fwd, secret)
 	}
 	backend := &api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
 		Sampling: samplingDefaults(log, f.sampling, info.Sampling), LlamaSampling: llamaSamplingDefaults(log, f.llamaSampling)}
