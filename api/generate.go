@@ -1274,23 +1274,27 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 		return c
 	}
 	st := statsOf(ctx) // the request log's, looked up once rather than per token
+	// cut ends a request that will not finish (its client gone, the server
+	// draining): its log line counts the tokens it was sent, and the prompt
+	// they followed.
+	cut := func(err error) (scheduler.Usage, error) {
+		var seen scheduler.Usage
+		for _, c := range choices {
+			seen.CompletionTokens += c.tokens
+		}
+		if seen.CompletionTokens > 0 {
+			seen.PromptTokens = sub.prompt
+		}
+		st.count(seen)
+		return scheduler.Usage{}, err
+	}
 	for {
 		ev, ok := sub.stream.Next(ctx)
 		if !ok {
 			if ctx.Err() != nil {
-				// The client is gone: its log line counts the tokens it was
-				// sent, and the prompt they followed.
-				var seen scheduler.Usage
-				for _, c := range choices {
-					seen.CompletionTokens += c.tokens
-				}
-				if seen.CompletionTokens > 0 {
-					seen.PromptTokens = sub.prompt
-				}
-				st.count(seen)
-				return scheduler.Usage{}, ctx.Err()
+				return cut(ctx.Err())
 			}
-			return scheduler.Usage{}, errors.New("stream ended without a result")
+			return cut(errors.New("stream ended without a result"))
 		}
 		switch ev.Kind {
 		case scheduler.EventToken:
@@ -1323,7 +1327,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			st.count(ev.Usage)
 			return ev.Usage, nil
 		case scheduler.EventError:
-			return scheduler.Usage{}, ev.Err
+			return cut(ev.Err)
 		}
 	}
 }

@@ -157,7 +157,10 @@ func (b *Backend) llamaSamplers(req *LlamaSamplerFields, sp *sample.Params) erro
 		if v == nil {
 			return float32(def), nil
 		}
-		if math.IsNaN(*v) || *v < lo || *v > hi {
+		switch {
+		case (math.IsNaN(*v) || *v < lo) && hi == math.MaxFloat32 && lo == 0:
+			return 0, invalid(param, "%s must not be negative, got %v", param, *v)
+		case math.IsNaN(*v) || *v < lo || *v > hi:
 			return 0, invalid(param, "%s must be between %v and %v, got %v", param, lo, hi, *v)
 		}
 		return float32(*v), nil

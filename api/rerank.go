@@ -15,6 +15,7 @@ import (
 
 	"github.com/shoal-ai/shoal/cluster"
 	"github.com/shoal-ai/shoal/engine"
+	"github.com/shoal-ai/shoal/scheduler"
 )
 
 // A reranker (a model served with rank pooling, --reranking) reads a query and a
@@ -269,7 +270,12 @@ func (s *Server) scorePairs(c *gin.Context, b *Backend, model string, pairs [][2
 			err = fitsOnePass(len(l.empty), b)
 		}
 		if err != nil {
-			abort(c, invalid(field, "%s: %v", field, err))
+			e := invalid(field, "%s: %v", field, err)
+			if errors.Is(err, scheduler.ErrPromptTooLong) {
+				s.metrics.rejected(err)
+				e.Code = "context_length_exceeded"
+			}
+			abort(c, e)
 			return nil, 0, false
 		}
 	}

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/shoal-ai/shoal/engine"
 	"github.com/shoal-ai/shoal/engine/enginetest"
 )
@@ -168,6 +170,18 @@ func TestRerankTruncation(t *testing.T) {
 		if w := s.do(t, "POST", "/v1/rerank", bad); w.Code != 400 {
 			t.Errorf("%.80s…: %d %s", bad, w.Code, w.Body)
 		}
+	}
+	// Too long, the document and the query alike: context_length_exceeded,
+	// counted as too_long.
+	tooLong := s.metrics.rejects.WithLabelValues("too_long")
+	before := testutil.ToFloat64(tooLong)
+	for _, bad := range []string{`{"query":"q","documents":["` + long + `"]}`, `{"query":"` + long + `","documents":["a"]}`} {
+		if w := s.do(t, "POST", "/v1/rerank", bad); w.Code != 400 || !strings.Contains(w.Body.String(), "context_length_exceeded") {
+			t.Errorf("%.80s…: %d %s", bad, w.Code, w.Body)
+		}
+	}
+	if got := testutil.ToFloat64(tooLong) - before; got != 2 {
+		t.Errorf("%v too-long inputs counted, want 2", got)
 	}
 	// A query that leaves no room for any document is the query's fault, not the
 	// documents': within the cut asked for, or within a step.

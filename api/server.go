@@ -786,6 +786,7 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 	// thousands would otherwise be found only when its turn came.
 	for i, in := range inputs {
 		if err := fitsOnePass(len(in), b); err != nil {
+			s.metrics.rejected(err)
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param,
 				Message: fmt.Sprintf("%s %d: %v", param, i, err)})
 			return nil, 0, false
@@ -853,12 +854,19 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 func fitsOnePass(n int, b *Backend) error {
 	switch budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext(); {
 	case n >= maxContext:
-		return fmt.Errorf("%d tokens, the context holds %d", n, maxContext)
+		return tooLongError(fmt.Sprintf("%d tokens, more than the %d an input may have (the context's %d, less one)", n, maxContext-1, maxContext))
 	case budget > 0 && n > budget:
-		return fmt.Errorf("%d tokens exceed the step budget of %d (--max-batch-tokens), in which an input is computed", n, budget)
+		return tooLongError(fmt.Sprintf("%d tokens exceed the step budget of %d (--max-batch-tokens), in which an input is computed", n, budget))
 	}
 	return nil
 }
+
+// tooLongError is an input too long to compute: a scheduler.ErrPromptTooLong
+// (counted as too_long), said in its own words.
+type tooLongError string
+
+func (e tooLongError) Error() string        { return string(e) }
+func (e tooLongError) Is(target error) bool { return target == scheduler.ErrPromptTooLong }
 
 // stepTokens is the longest input b computes in one pass: what one step takes,
 // shorter than the context.

@@ -63,7 +63,7 @@ var serveAliases = map[string]serveAlias{
 	"cb":                       {from: fromLlama, note: "batching is always continuous"},
 	"cont-batching":            {from: fromLlama, note: "batching is always continuous"},
 	"metrics":                  {from: fromLlama, note: "/metrics is always served"},
-	"served-model-name":        {flag: "model-name", from: fromVLLM, note: "one name"},
+	"served-model-name":        {flag: "model-name", from: fromVLLM, note: "one or more names, as vLLM's"},
 	"max-num-seqs":             {flag: "max-running", from: fromVLLM},
 	"max-num-batched-tokens":   {flag: "max-batch-tokens", from: fromVLLM},
 	"block-size":               {flag: "block-tokens", from: fromVLLM},

@@ -13,6 +13,7 @@ import (
 	"math"
 	"math/rand"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"slices"
@@ -100,8 +101,9 @@ type BenchResult struct {
 	FirstError string `json:"first_error,omitempty"`
 }
 
-// Pcts are percentiles in milliseconds.
+// Pcts are percentiles in milliseconds, of N samples (none: no data, not 0).
 type Pcts struct {
+	N    int     `json:"n"`
 	Mean float64 `json:"mean"`
 	P50  float64 `json:"p50"`
 	P90  float64 `json:"p90"`
@@ -142,6 +144,11 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if len(c.urls) == 0 {
 		c.urls = listFlag{"http://127.0.0.1:8080/v1"}
 	}
+	for _, u := range c.urls {
+		if err := checkURL(u); err != nil {
+			return fmt.Errorf("--url: %w", err)
+		}
+	}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	switch {
@@ -157,6 +164,15 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return errors.New("--max-requests must not be negative")
 	case c.systemLen < 0:
 		return errors.New("--system-len must not be negative")
+	}
+	for _, f := range []struct {
+		name   string
+		v, min int
+	}{{"num-prompts", c.numPrompts, 1}, {"input-len", c.inputLen, 1}, {"groups", c.groups, 1}, {"prompts-per-group", c.perGroup, 1},
+		{"sessions", c.sessions, 1}, {"turns", c.turns, 1}, {"prefix-len", c.prefixLen, 0}, {"question-len", c.qLen, 0}} {
+		if f.v < f.min {
+			return fmt.Errorf("--%s %d: must be at least %d", f.name, f.v, f.min)
+		}
 	}
 	reqs, err := c.plan()
 	if err != nil {
@@ -198,6 +214,25 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		} else if err := os.WriteFile(c.jsonOut, append(b, '\n'), 0o644); err != nil {
 			return err
 		}
+	}
+	if res.Completed == 0 && res.Requests > 0 {
+		// Nothing measured: a script must not read the run as one.
+		return fmt.Errorf("no request of %d completed (%d errors, %d rejected)", res.Requests, res.Errors, res.Rejected429)
+	}
+	return nil
+}
+
+// checkURL reports what is wrong with u as a node's address: it must parse,
+// as http or https, with a host.
+func checkURL(u string) error {
+	p, err := url.Parse(u)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%q is not a URL: %w", u, err)
+	case p.Scheme != "http" && p.Scheme != "https":
+		return fmt.Errorf("%q: want an http:// or https:// URL", u)
+	case p.Host == "":
+		return fmt.Errorf("%q has no host", u)
 	}
 	return nil
 }
@@ -553,7 +588,7 @@ func pcts(xs []float64) Pcts {
 	for _, x := range xs {
 		sum += x
 	}
-	return Pcts{Mean: sum / float64(len(xs)), P50: at(50), P90: at(90), P99: at(99)}
+	return Pcts{N: len(xs), Mean: sum / float64(len(xs)), P50: at(50), P90: at(90), P99: at(99)}
 }
 
 func printBench(w io.Writer, r BenchResult) {
@@ -569,6 +604,10 @@ func printBench(w io.Writer, r BenchResult) {
 		n string
 		p Pcts
 	}{{"TTFT", r.TTFTms}, {"TTFT, 2nd half", r.TTFTLateMS}, {"TPOT", r.TPOTms}, {"ITL", r.ITLms}, {"E2E", r.E2Ems}} {
+		if row.p.N == 0 { // nothing measured: not a time of 0
+			fmt.Fprintf(w, "%-15s %10s %10s %10s %10s\n", row.n, "-", "-", "-", "-")
+			continue
+		}
 		fmt.Fprintf(w, "%-15s %10.1f %10.1f %10.1f %10.1f\n", row.n, row.p.Mean, row.p.P50, row.p.P90, row.p.P99)
 	}
 }

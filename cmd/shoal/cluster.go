@@ -277,7 +277,13 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 	if !strings.Contains(url, "://") {
 		url = "http://" + url
 	}
-	req, _ := http.NewRequest("GET", strings.TrimSuffix(url, "/")+"/cluster", nil)
+	if err := checkURL(url); err != nil {
+		return fmt.Errorf("--addr: %w", err)
+	}
+	req, err := http.NewRequest("GET", strings.TrimSuffix(url, "/")+"/cluster", nil)
+	if err != nil {
+		return fmt.Errorf("--addr: %w", err)
+	}
 	if *key != "" {
 		req.Header.Set("Authorization", "Bearer "+*key)
 	}

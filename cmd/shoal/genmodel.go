@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"slices"
@@ -37,6 +38,11 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 	}
 	if *out == "" {
 		return fmt.Errorf("--out is required")
+	}
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "image-size" })
+	if given && !*mmproj {
+		return fmt.Errorf("--image-size is the projector's: give it with --mmproj")
 	}
 	spec := mk()
 	if *seed != 0 {

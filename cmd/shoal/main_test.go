@@ -26,13 +26,30 @@ func TestUnknownCommandAndHelp(t *testing.T) {
 	if code := run([]string{"nope"}, &out, &errb); code != 2 || !strings.Contains(errb.String(), "unknown command") {
 		t.Fatalf("exit %d: %s", code, errb.String())
 	}
-	out.Reset()
-	if code := run(nil, &out, &errb); code != 0 || !strings.Contains(out.String(), "gen-model") {
-		t.Fatalf("usage: %d %s", code, out.String())
+	errb.Reset()
+	if code := run(nil, &out, &errb); code != 2 || !strings.Contains(errb.String(), "gen-model") {
+		t.Fatalf("no command: %d %s", code, errb.String())
+	}
+	if code := run([]string{"help"}, &out, &errb); code != 0 || !strings.Contains(out.String(), "gen-model") {
+		t.Fatalf("help: %d %s", code, out.String())
 	}
 	out.Reset()
 	if code := run([]string{"gen-model", "-h"}, &out, &errb); code != 0 || !strings.Contains(out.String(), "-preset") {
 		t.Fatalf("gen-model -h: %d %s", code, out.String())
+	}
+	// A bad value is one line, not the help after it.
+	out.Reset()
+	errb.Reset()
+	if code := run([]string{"gen-model", "--seed", "abc"}, &out, &errb); code != 1 || strings.Count(errb.String(), "\n") != 1 ||
+		!strings.Contains(errb.String(), "-h lists the flags") || out.Len() > 0 {
+		t.Fatalf("a bad value: %d %q %q", code, errb.String(), out.String())
+	}
+	// A malformed address is an error, not a panic.
+	for _, args := range [][]string{{"status", "--addr", "::::"}, {"status", "--addr", "http://[::1"}, {"bench", "--url", "%zz"}} {
+		errb.Reset()
+		if code := run(args, &out, &errb); code != 1 || !strings.Contains(errb.String(), "URL") {
+			t.Errorf("%v: %d %s", args, code, errb.String())
+		}
 	}
 }
 

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strings"
 	"time"
@@ -23,6 +24,9 @@ func runQuantize(args []string, stdout, _ io.Writer) error {
 		return fmt.Errorf("--model and --out are required")
 	}
 	start := time.Now()
+	// llama.cpp's log in serve's format, its warnings only (it lists each
+	// tensor it writes).
+	llama.SetLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 	if err := llama.Quantize(*model, *out, *typ, *threads); err != nil {
 		return err
 	}

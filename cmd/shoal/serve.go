@@ -470,6 +470,19 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	if lc.KVMemory < 0 && (setFlags["ctx-size"] || os.Getenv("SHOAL_CTX_SIZE") != "") {
 		lc.KVMemory = 0 // an explicit --ctx-size wins over auto sizing
 	}
+	// The engine's Validate says the rest, in its own terms.
+	for _, c := range []struct {
+		flag   string
+		v, min int
+	}{{"ctx-size", f.ctx, 16}, {"parallel", f.seqs, 1}, {"batch-size", f.batch, 1}, {"ubatch-size", f.ubatch, 1},
+		{"threads", f.threads, 0}, {"threads-batch", f.threadsBatch, 0}, {"n-gpu-layers", f.gpuLayers, -1}, {"mmproj-cache-mib", f.mmprojCacheMiB, 0}} {
+		if c.v < c.min {
+			return fmt.Errorf("--%s %d: must be at least %d", c.flag, c.v, c.min)
+		}
+	}
+	if f.drainTimeout < 0 {
+		return fmt.Errorf("--drain-timeout %v: must not be negative", f.drainTimeout)
+	}
 	if err := lc.Validate(); err != nil {
 		return err
 	}
@@ -615,7 +628,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
 		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "weights", weightsSummary(info.Weights),
 		"context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
-		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_reuse", capacity.PrefixReuse,
+		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_caching", f.caching && capacity.PrefixReuse,
 		"chat_template", cmp.Or(f.chatTemplateFile, abbrev(info.ChatTemplate, 40)))
 	for _, a := range lc.LoRA {
 		log.Info("LoRA adapter applied", "file", a.Path, "scale", a.Scale)

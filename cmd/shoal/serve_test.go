@@ -572,19 +572,21 @@ func TestBenchAgainstNode(t *testing.T) {
 		}
 		t.Logf("%s", stdout.String())
 	}
-	// A run whose requests fail says why: prompt tokens outside the model's vocabulary.
+	// A run whose requests fail says why (prompt tokens outside the model's
+	// vocabulary), shows no times, and fails.
 	out := filepath.Join(t.TempDir(), "r.json")
 	var stdout, stderr strings.Builder
 	args := []string{"bench", "--url", n.url + "/v1", "--json", out, "--dataset", "random", "--num-prompts", "2",
 		"--input-len", "8", "--output-len", "2", "--token-min", "5000", "--token-max", "6000"}
-	if code := run(args, &stdout, &stderr); code != 0 {
+	if code := run(args, &stdout, &stderr); code != 1 || !strings.Contains(stderr.String(), "no request of 2 completed") {
 		t.Fatalf("bench with bad tokens: exit %d: %s", code, stderr.String())
 	}
 	var r BenchResult
 	if b, err := os.ReadFile(out); err != nil || json.Unmarshal(b, &r) != nil {
 		t.Fatalf("bench JSON: %v", err)
 	}
-	if r.Errors != 2 || !strings.Contains(r.FirstError, "outside the vocabulary") || !strings.Contains(stdout.String(), "first error: status 400") {
+	if r.Errors != 2 || !strings.Contains(r.FirstError, "outside the vocabulary") || !strings.Contains(stdout.String(), "first error: status 400") ||
+		r.TTFTms.N != 0 || !strings.Contains(stdout.String(), "TTFT                     -") {
 		t.Fatalf("a failing run should say why: %+v\n%s", r, stdout.String())
 	}
 }

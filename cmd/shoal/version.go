@@ -23,12 +23,21 @@ func newFlags(name string, stdout io.Writer) *flag.FlagSet {
 	return fs
 }
 
+// parse parses args into fs: -h prints the help; a bad flag or value is an
+// error of one line (the flag package would print the whole help after it).
 func parse(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
+	out, usage := fs.Output(), fs.Usage
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	err := fs.Parse(args)
+	fs.SetOutput(out)
+	fs.Usage = usage
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			fs.Usage()
 			return errHelp
 		}
-		return err
+		return fmt.Errorf("%w (%s -h lists the flags)", err, fs.Name())
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %v", fs.Args())

@@ -101,7 +101,7 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 		}
 	}
 	lv := logLevel
-	if lv == slog.LevelWarn && moot(line) {
+	if lv == slog.LevelWarn && moot(line) || lv == slog.LevelError && aborted(line) {
 		lv = slog.LevelDebug
 	}
 	l := logger.Load()
@@ -114,9 +114,20 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 // at debug. "n_ctx_seq (8192) > n_ctx_train (4096)": llama.cpp counts the whole
 // unified pool as one sequence's context, but the scheduler never lets a sequence
 // grow past the trained context unless --max-model-len asks for it (which the
-// ready line shows).
+// ready line shows). A tensor quantized to a fallback type: one line per tensor,
+// which llama.cpp's count of them at the end sums up.
 func moot(line string) bool {
-	return strings.Contains(line, "n_ctx_seq") && strings.Contains(line, "> n_ctx_train")
+	return strings.Contains(line, "n_ctx_seq") && strings.Contains(line, "> n_ctx_train") ||
+		strings.Contains(line, "are not divisible by") && strings.Contains(line, "using fallback quantization")
+}
+
+// aborted reports whether a llama.cpp error says only that a pass was aborted
+// (GGML_STATUS_ABORTED, llama_decode's 2): shoal's own doing, for a request
+// cancelled or a server draining, which Decode reports as engine.ErrAborted.
+func aborted(line string) bool {
+	return strings.HasSuffix(line, "failed to compute graph, compute status: 1") ||
+		strings.HasSuffix(line, "graph_compute_async failed with error 1") ||
+		strings.HasSuffix(line, "failed to decode, ret = 2")
 }
 
 func slogLevel(level C.int) slog.Level {
