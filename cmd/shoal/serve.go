@@ -160,6 +160,9 @@ func loraList(l []string) ([]llama.LoRA, error) {
 		if math.IsNaN(float64(a.Scale)) || math.IsInf(float64(a.Scale), 0) {
 			return nil, fmt.Errorf("%q: the scale must be a finite number", v)
 		}
+		if !isFile(a.Path) {
+			return nil, fmt.Errorf("%q: not a file", a.Path)
+		}
 		out = append(out, a)
 	}
 	return out, nil
@@ -422,6 +425,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	lc.ProjectorCache = f.mmprojCacheMiB << 20
 	if f.sim != "" && f.mmproj != "" {
 		return fmt.Errorf("--mmproj needs a model: a simulated engine (--sim) reads no images")
+	}
+	if f.mmproj != "" && !isFile(f.mmproj) {
+		// Said here, before llama.cpp's own errors of a failed load.
+		return fmt.Errorf("--mmproj %s: not a file", f.mmproj)
 	}
 	if f.reranking {
 		if f.pooling != "" && f.pooling != "rank" {
