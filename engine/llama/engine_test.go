@@ -1174,35 +1174,36 @@ func TestEmbeddingsNeedPooling(t *testing.T) {
 	}
 }
 
-// TestMootWarnings: llama.cpp's warning that a unified pool exceeds the trained
-// context goes to debug (the scheduler caps each sequence); other warnings stay.
-func TestMootWarnings(t *testing.T) {
-	for line, want := range map[string]bool{
-		"llama_context: n_ctx_seq (8192) > n_ctx_train (4096) -- possible training context overflow":                                 true,
-		"llama_context: n_ctx_seq (2048) < n_ctx_train (4096) -- the full capacity of the model will not be utilized":                false,
-		"load: control token 3 is not marked as EOG":                                                                                 false,
-		"llama_tensor_get_type : tensor cols 48 x 64 are not divisible by 256, required for q4_K - using fallback quantization q5_0": true,
-		"llama_model_quantize_impl: WARNING: 7 of 43 tensor(s) required fallback quantization":                                       false,
+// TestQuietedLines: llama.cpp lines that do not concern shoal go to debug: the
+// warning that a unified pool exceeds the trained context (the scheduler caps
+// each sequence), quantization's per-tensor fallbacks (its count stays), and
+// the errors of a pass shoal aborted itself (those of a failed pass stay).
+func TestQuietedLines(t *testing.T) {
+	for _, c := range []struct {
+		quiet func(string) bool
+		name  string
+		lines map[string]bool
+	}{
+		{moot, "moot", map[string]bool{
+			"llama_context: n_ctx_seq (8192) > n_ctx_train (4096) -- possible training context overflow":                                 true,
+			"llama_context: n_ctx_seq (2048) < n_ctx_train (4096) -- the full capacity of the model will not be utilized":                false,
+			"load: control token 3 is not marked as EOG":                                                                                 false,
+			"llama_tensor_get_type : tensor cols 48 x 64 are not divisible by 256, required for q4_K - using fallback quantization q5_0": true,
+			"llama_model_quantize_impl: WARNING: 7 of 43 tensor(s) required fallback quantization":                                       false,
+		}},
+		{aborted, "aborted", map[string]bool{
+			"process_ubatch: failed to compute graph, compute status: 1":                 true,
+			"graph_compute: ggml_backend_sched_graph_compute_async failed with error 1":  true,
+			"llama_decode: failed to decode, ret = 2":                                    true,
+			"process_ubatch: failed to compute graph, compute status: -2":                false,
+			"graph_compute: ggml_backend_sched_graph_compute_async failed with error -1": false,
+			"llama_decode: failed to decode, ret = -3":                                   false,
+		}},
 	} {
-		if moot(line) != want {
-			t.Errorf("moot(%q) = %v, want %v", line, !want, want)
-		}
-	}
-}
-
-// TestAbortedErrors: the errors llama.cpp logs for a pass shoal aborted go to
-// debug; those of a pass that failed stay.
-func TestAbortedErrors(t *testing.T) {
-	for line, want := range map[string]bool{
-		"process_ubatch: failed to compute graph, compute status: 1":                 true,
-		"graph_compute: ggml_backend_sched_graph_compute_async failed with error 1":  true,
-		"llama_decode: failed to decode, ret = 2":                                    true,
-		"process_ubatch: failed to compute graph, compute status: -2":                false,
-		"graph_compute: ggml_backend_sched_graph_compute_async failed with error -1": false,
-		"llama_decode: failed to decode, ret = -3":                                   false,
-	} {
-		if aborted(line) != want {
-			t.Errorf("aborted(%q) = %v, want %v", line, !want, want)
+		for line, want := range c.lines {
+			if c.quiet(line) != want {
+				t.Errorf("%s(%q) = %v, want %v", c.name, line, !want, want)
+			}
 		}
 	}
 }
