@@ -1179,17 +1179,24 @@ var alertSeriesRE = regexp.MustCompile(`([a-z_:][a-z0-9_:]*)(?:\{|\[)`)
 
 var seriesRE = regexp.MustCompile(`\b(?:vllm:|shoal_)[a-z0-9_:]+`)
 
-// TestForgetPeers: a member gone from the cluster's view takes its routing
-// series with it; the others stay.
-func TestForgetPeers(t *testing.T) {
+// TestSyncPeers: each member has its routing series from the start, at 0; a
+// member gone from the cluster's view takes its series with it; the others
+// stay.
+func TestSyncPeers(t *testing.T) {
 	s := newTestServer(t, nil)
 	s.metrics.routedTo("gone")
 	s.metrics.forwardFailedAt("gone", "busy")
 	s.metrics.routedTo("here")
-	s.metrics.forgetPeers([]cluster.Member{{Name: "here"}})
+	s.metrics.syncPeers([]cluster.Member{{Name: "here"}, {Name: "new"}}, "here")
 	body := s.do(t, "GET", "/metrics", "").Body.String()
-	if strings.Contains(body, `node="gone"`) || !strings.Contains(body, `shoal_routed_requests_total{model_name="fake",node="here"} 1`) {
-		t.Fatalf("after forgetting gone:\n%s", body)
+	for _, want := range []string{`shoal_routed_requests_total{model_name="fake",node="here"} 1`, `shoal_routed_requests_total{model_name="fake",node="new"} 0`,
+		`shoal_forward_failures_total{model_name="fake",node="new",reason="busy"} 0`, `shoal_forward_failures_total{model_name="fake",node="new",reason="refused"} 0`} {
+		if !strings.Contains(body, want+"\n") {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+	if strings.Contains(body, `node="gone"`) || strings.Contains(body, `shoal_forward_failures_total{model_name="fake",node="here"`) {
+		t.Fatalf("after syncing:\n%s", body)
 	}
 }
 

@@ -41,7 +41,7 @@ type metrics struct {
 	routed, forwardFailed *prometheus.CounterVec
 	fromPeers             prometheus.Counter
 	// peers are the node labels of routed and forwardFailed, so that a member
-	// gone from the cluster's view takes its series with it (forgetPeers).
+	// gone from the cluster's view takes its series with it (syncPeers).
 	peersMu sync.Mutex
 	peers   map[string]bool
 	// HTTP answers by route, method and status class, and their durations, as
@@ -324,10 +324,24 @@ func (m *metrics) notePeer(node string) {
 	m.peers[node] = true
 }
 
-// forgetPeers drops the series of nodes no longer among members: a cluster
-// whose nodes come and go under new names (autoscaled pods) keeps a bounded
-// set of them.
-func (m *metrics) forgetPeers(members []cluster.Member) {
+// forwardReasons are the reasons of shoal_forward_failures_total.
+var forwardReasons = []string{"failed", "busy", "refused"}
+
+// syncPeers gives each of members its routing series, at 0 until counted
+// (a series born at 1 hides its first increase from rate()), and drops those
+// of nodes no longer among them: a cluster whose nodes come and go under new
+// names (autoscaled pods) keeps a bounded set of them. self names this node,
+// which forwards nothing to itself.
+func (m *metrics) syncPeers(members []cluster.Member, self string) {
+	for _, mb := range members {
+		m.notePeer(mb.Name)
+		m.routed.WithLabelValues(mb.Name)
+		if mb.Name != self {
+			for _, r := range forwardReasons {
+				m.forwardFailed.WithLabelValues(mb.Name, r)
+			}
+		}
+	}
 	m.peersMu.Lock()
 	defer m.peersMu.Unlock()
 	for name := range m.peers {
@@ -358,11 +372,9 @@ func (c membersCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	count := map[string]int{}
-	members := node.Members()
-	for _, m := range members {
+	for _, m := range node.Members() {
 		count[m.State]++
 	}
-	c.s.metrics.forgetPeers(members)
 	for _, st := range memberStates {
 		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(count[st]), st)
 	}

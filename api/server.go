@@ -217,7 +217,13 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	r.GET("/v1/health", health) // llama-server's
 	r.GET("/ready", s.ready)
 	if g, ok := reg.(prometheus.Gatherer); ok {
-		r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(g, promhttp.HandlerOpts{})))
+		h := promhttp.HandlerFor(g, promhttp.HandlerOpts{})
+		r.GET("/metrics", func(c *gin.Context) {
+			if n := s.node(); n != nil {
+				s.metrics.syncPeers(n.Members(), n.Name()) // before the series are read
+			}
+			h.ServeHTTP(c.Writer, c.Request)
+		})
 	}
 	v1 := r.Group("/v1", s.counted, s.auth)
 	v1.GET("/models", s.models)
