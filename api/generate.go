@@ -295,8 +295,6 @@ func validateSampling(d engine.SamplingDefaults, maxTemp float64) error {
 		return v != nil && (math.IsNaN(*v) || *v < lo || *v > hi || loOpen && *v == lo)
 	}
 	switch {
-	case bad(d.Temperature, 0, maxTemp, false) && math.IsInf(maxTemp, 1):
-		return invalid("temperature", "temperature must not be negative, got %v", *d.Temperature)
 	case bad(d.Temperature, 0, maxTemp, false):
 		return invalid("temperature", "temperature must be between 0 and %v, got %v", maxTemp, *d.Temperature)
 	case bad(d.TopP, 0, 1, true):

@@ -491,21 +491,27 @@ func (s *Scheduler) enqueue(q *seq) {
 }
 
 // cachedPrompt is what q may take from the prefix cache: its prompt; nothing for
-// a request that asks so (Request.NoCache), nor for an embedding, which is pooled over its whole prompt in one pass (a cached
-// prefix would leave the pooling only the tail), unless the engine pools the last
-// token over causal attention (Capacity.PoolsLast); for a prompt being scored, the
+// a request that takes none (uncached); for a prompt being scored, the
 // tokens whose following token is scored already (a cached token has no
 // logits), and the next, which the pool always leaves to compute (its row
 // scores the one after it): cut one shorter, a resume would not take back its
 // last block computed, which would stay kept for it past the cache budget.
 func (s *Scheduler) cachedPrompt(q *seq) []int32 {
 	switch {
-	case q.g.req.NoCache, q.g.req.Embed && !s.cap.PoolsLast:
+	case s.uncached(q):
 		return nil
 	case q.scoring():
 		return toInt32(q.tokens[:min(len(q.scores)+1, len(q.tokens))])
 	}
 	return toInt32(q.tokens)
+}
+
+// uncached reports whether q takes nothing from the prefix cache: it asks so
+// (Request.NoCache), or it is an embedding, pooled over its whole prompt in one
+// pass (a cached prefix would leave the pooling only the tail), unless the
+// engine pools the last token over causal attention (Capacity.PoolsLast).
+func (s *Scheduler) uncached(q *seq) bool {
+	return q.g.req.NoCache || q.g.req.Embed && !s.cap.PoolsLast
 }
 
 func queueOrder(a, b *seq) int {
@@ -658,7 +664,7 @@ func (s *Scheduler) sharesInProgress(q *seq) bool {
 	if !s.cfg.KV.Caching {
 		return false
 	}
-	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || q.g.req.NoCache || q.g.req.Embed && !s.cap.PoolsLast || q.scoring() {
+	if q.gen > 0 || q.index > 0 || q.forkFrom != nil || s.uncached(q) || q.scoring() {
 		return false // it does not read the cache
 	}
 	B := s.pool.BlockTokens()

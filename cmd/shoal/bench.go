@@ -152,27 +152,16 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	switch {
-	case c.concurrency < 1:
-		return errors.New("--concurrency must be at least 1")
 	case c.vocabHi <= c.vocabLo || c.vocabLo < 0:
 		return errors.New("--token-max must exceed --token-min >= 0")
 	case c.dataset == "shared-prefix" && c.zipf != 0 && c.zipf <= 1:
 		return errors.New("--zipf must be greater than 1 (or 0 for uniform)")
-	case c.outputLen < 1:
-		return errors.New("--output-len must be at least 1")
-	case c.maxRequests < 0:
-		return errors.New("--max-requests must not be negative")
-	case c.systemLen < 0:
-		return errors.New("--system-len must not be negative")
 	}
-	for _, f := range []struct {
-		name   string
-		v, min int
-	}{{"num-prompts", c.numPrompts, 1}, {"input-len", c.inputLen, 1}, {"groups", c.groups, 1}, {"prompts-per-group", c.perGroup, 1},
-		{"sessions", c.sessions, 1}, {"turns", c.turns, 1}, {"prefix-len", c.prefixLen, 0}, {"question-len", c.qLen, 0}} {
-		if f.v < f.min {
-			return fmt.Errorf("--%s %d: must be at least %d", f.name, f.v, f.min)
-		}
+	if err := atLeast(intFlag{"concurrency", c.concurrency, 1}, intFlag{"output-len", c.outputLen, 1}, intFlag{"max-requests", c.maxRequests, 0},
+		intFlag{"system-len", c.systemLen, 0}, intFlag{"num-prompts", c.numPrompts, 1}, intFlag{"input-len", c.inputLen, 1},
+		intFlag{"groups", c.groups, 1}, intFlag{"prompts-per-group", c.perGroup, 1}, intFlag{"sessions", c.sessions, 1},
+		intFlag{"turns", c.turns, 1}, intFlag{"prefix-len", c.prefixLen, 0}, intFlag{"question-len", c.qLen, 0}); err != nil {
+		return err
 	}
 	reqs, err := c.plan()
 	if err != nil {

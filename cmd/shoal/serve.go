@@ -478,14 +478,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		lc.KVMemory = 0 // an explicit --ctx-size wins over auto sizing
 	}
 	// The engine's Validate says the rest, in its own terms.
-	for _, c := range []struct {
-		flag   string
-		v, min int
-	}{{"ctx-size", f.ctx, 16}, {"parallel", f.seqs, 1}, {"batch-size", f.batch, 1}, {"ubatch-size", f.ubatch, 1},
-		{"threads", f.threads, 0}, {"threads-batch", f.threadsBatch, 0}, {"n-gpu-layers", f.gpuLayers, -1}, {"mmproj-cache-mib", f.mmprojCacheMiB, 0}} {
-		if c.v < c.min {
-			return fmt.Errorf("--%s %d: must be at least %d", c.flag, c.v, c.min)
-		}
+	if err := atLeast(intFlag{"ctx-size", f.ctx, 16}, intFlag{"parallel", f.seqs, 1}, intFlag{"batch-size", f.batch, 1},
+		intFlag{"ubatch-size", f.ubatch, 1}, intFlag{"threads", f.threads, 0}, intFlag{"threads-batch", f.threadsBatch, 0},
+		intFlag{"n-gpu-layers", f.gpuLayers, -1}, intFlag{"mmproj-cache-mib", f.mmprojCacheMiB, 0}); err != nil {
+		return err
 	}
 	if f.drainTimeout < 0 {
 		return fmt.Errorf("--drain-timeout %v: must not be negative", f.drainTimeout)

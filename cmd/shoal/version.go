@@ -45,6 +45,22 @@ func parse(fs *flag.FlagSet, args []string) error {
 	return nil
 }
 
+// intFlag is an integer flag's name, value and least value.
+type intFlag struct {
+	name   string
+	v, min int
+}
+
+// atLeast says the first of flags below its least value, naming it.
+func atLeast(flags ...intFlag) error {
+	for _, f := range flags {
+		if f.v < f.min {
+			return fmt.Errorf("--%s %d: must be at least %d", f.name, f.v, f.min)
+		}
+	}
+	return nil
+}
+
 func runVersion(args []string, stdout, _ io.Writer) error {
 	fs := newFlags("version", stdout)
 	if err := parse(fs, args); err != nil {
