@@ -1273,15 +1273,12 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 	}
 	st := statsOf(ctx) // the request log's, looked up once rather than per token
 	// cut ends a request that will not finish (its client gone, the server
-	// draining): its log line counts the tokens it was sent, and the prompt
-	// they followed.
+	// draining): its log line counts its prompt (computed or not: a long prompt
+	// left during prefill is what an operator looks for) and the tokens it was sent.
 	cut := func(err error) (scheduler.Usage, error) {
-		var seen scheduler.Usage
+		seen := scheduler.Usage{PromptTokens: sub.prompt}
 		for _, c := range choices {
 			seen.CompletionTokens += c.tokens
-		}
-		if seen.CompletionTokens > 0 {
-			seen.PromptTokens = sub.prompt
 		}
 		st.count(seen)
 		return scheduler.Usage{}, err

@@ -648,10 +648,16 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("--chat-template-file %s: %w", f.chatTemplateFile, err)
 		}
 	}
-	if lc.Embeddings && !setFlags["max-batch-tokens"] && os.Getenv("SHOAL_MAX_BATCH_TOKENS") == "" {
+	switch stepGiven := setFlags["max-batch-tokens"] || os.Getenv("SHOAL_MAX_BATCH_TOKENS") != ""; {
+	case lc.Embeddings && !stepGiven:
 		// An embedding or reranker's input is computed in one step: let a step
 		// take what one batch holds (n_batch, which llama.cpp caps at the context).
 		sc.MaxBatchTokens = capacity.BatchTokens
+	case !stepGiven:
+		sc.MaxBatchTokens = min(sc.MaxBatchTokens, capacity.BatchTokens) // a context smaller than the default step
+	case sc.MaxBatchTokens > capacity.BatchTokens:
+		return fmt.Errorf("--max-batch-tokens %d: one engine batch holds %d tokens (--batch-size %d, which llama.cpp caps at the context of %d cells)",
+			sc.MaxBatchTokens, capacity.BatchTokens, f.batch, capacity.Cells)
 	}
 	sched, err := scheduler.New(sc, eng, log)
 	if err != nil {

@@ -345,6 +345,20 @@ func TestClientDisconnectFreesSequence(t *testing.T) {
 	}
 }
 
+// A context smaller than the default step (512 tokens) caps the step, as
+// llama-server caps its batch; a step asked for beyond it is refused by name.
+func TestSmallContextStep(t *testing.T) {
+	n := startNode(t, "--model", smallModel(t), "--ctx-size", "256")
+	resp, text := post(t, n.url+"/v1/completions", `{"prompt": "Once upon a time", "max_tokens": 4}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("--ctx-size 256: %d %s", resp.StatusCode, text)
+	}
+	err := runServe([]string{"--model", smallModel(t), "--ctx-size", "256", "--max-batch-tokens", "512"}, io.Discard, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "--max-batch-tokens 512: one engine batch holds 256 tokens") {
+		t.Fatalf("a step over the context: %v", err)
+	}
+}
+
 func TestSIGTERMDrains(t *testing.T) {
 	n := startNode(t, "--model", smallModel(t), "--drain-timeout", "20s")
 	result := make(chan error, 1)
