@@ -1,7 +1,9 @@
 package api
 
 import (
+	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,12 +11,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -202,6 +206,7 @@ func TestErrors(t *testing.T) {
 		{"continue a user message", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"continue_final_message":true}`, auth, 400, ""},
 		{"messages without max_tokens", "/v1/messages", `{"messages":[{"role":"user","content":"x"}]}`, auth, 400, ""},
 		{"priority under fcfs", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"priority":-1}`, auth, 400, ""},
+		{"compressed body", "/v1/completions", `{"prompt":"x"}`, []string{"Authorization", "Bearer k2", "Content-Encoding", "gzip"}, 415, "unsupported_content_encoding"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -391,6 +396,66 @@ func TestCloseConnectionMidBody(t *testing.T) {
 		resp.Body.Close()
 		srv.Close()
 	}
+}
+
+// TestHeadAndStalledBody: what may be read answers HEAD as GET; a request
+// whose body stalls for BodyIdleTimeout is answered 408 and its connection
+// let go, while a body that keeps coming (slowly) is read whole.
+func TestHeadAndStalledBody(t *testing.T) {
+	s := newTestServer(t, func(c *Config, _ *scheduler.Config) { c.BodyIdleTimeout = 300 * time.Millisecond })
+	for _, path := range []string{"/", "/health", "/ready", "/metrics", "/v1/models", "/v1/models/fake", "/models", "/props", "/api/tags", "/api/ps", "/api/version"} {
+		if w := s.do(t, http.MethodHead, path, ""); w.Code != http.StatusOK {
+			t.Errorf("HEAD %s: %d %s", path, w.Code, w.Body)
+		}
+	}
+	srv := httptest.NewServer(s.Handler())
+	defer srv.Close()
+	send := func(parts ...string) string {
+		t.Helper()
+		conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		body := strings.Join(parts, "")
+		fmt.Fprintf(conn, "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(body)+1)
+		for i, p := range parts {
+			if i > 0 {
+				time.Sleep(200 * time.Millisecond) // under the bound each time, over it in all
+			}
+			io.WriteString(conn, p)
+		}
+		// One byte short: the server waits for it.
+		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("no answer to a stalled body: %v", err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return fmt.Sprint(resp.StatusCode, " ", string(b))
+	}
+	if got := send(`{"prompt": "hi"`, `, "add_special": false`); !strings.HasPrefix(got, "408 ") || !strings.Contains(got, "request_timeout") {
+		t.Fatalf("a stalled body: %s", got)
+	}
+	// The whole body, in pieces slower than the bound altogether: it is read.
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	parts := []string{`{"prompt":`, ` "hi",`, ` "add_special": false}`}
+	fmt.Fprintf(conn, "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(strings.Join(parts, "")))
+	for _, p := range parts {
+		time.Sleep(200 * time.Millisecond)
+		io.WriteString(conn, p)
+	}
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("a slow but steady body: %v %v", resp, err)
+	}
+	resp.Body.Close()
 }
 
 // TestCORS: browsers may call the API only from the allowed origins; none by default.
@@ -730,7 +795,8 @@ func TestPromptLogprobs(t *testing.T) {
 			t.Fatalf("choice %d: the first token has %v %v; the first generated token is at %d", i, lp.TokenLogprobs[0], lp.TopLogprobs[0], lp.TextOffset[n])
 		}
 		for j := 1; j < n+3; j++ {
-			if lp.TokenLogprobs[j] == nil || *lp.TokenLogprobs[j] > 0 || lp.TopLogprobs[j][lp.Tokens[j]] != *lp.TokenLogprobs[j] || len(lp.TopLogprobs[j]) > 3 {
+			if lp.TokenLogprobs[j] == nil || *lp.TokenLogprobs[j] > 0 || !slices.Equal(lp.TopLogprobs[j], slices.SortedStableFunc(slices.Values(lp.TopLogprobs[j]), func(a, b NamedLogprob) int { return cmp.Compare(b.Logprob, a.Logprob) })) ||
+				!hasLogprob(lp.TopLogprobs[j], lp.Tokens[j], *lp.TokenLogprobs[j]) || len(lp.TopLogprobs[j]) > 3 {
 				t.Fatalf("choice %d token %d: %q %v %v", i, j, lp.Tokens[j], lp.TokenLogprobs[j], lp.TopLogprobs[j])
 			}
 		}
@@ -1299,5 +1365,34 @@ func TestRenameWord(t *testing.T) {
 	got := e.renamed(map[string]string{"response_format": "format", "top_p": "options.top_p", "temperature": "options.temperature"})
 	if want := "format: options.temperature, options.top_p, top_p_x, options.top_p and (options.top_p)"; got.Message != want || got.Param != "format" {
 		t.Fatalf("%q (%s), want %q", got.Message, got.Param, want)
+	}
+}
+
+// hasLogprob reports whether r gives token logprob.
+func hasLogprob(r RankedLogprobs, token string, logprob float32) bool {
+	lp, ok := r.Logprob(token)
+	return ok && lp == logprob
+}
+
+// TestRankedLogprobs: a legacy top_logprobs entry is written most likely
+// first, holds a text once, and reads back in its order.
+func TestRankedLogprobs(t *testing.T) {
+	var r RankedLogprobs
+	for _, x := range []NamedLogprob{{"b", -0.5}, {"a", -1}, {"b", -3}, {"<z>", -0.1}, {"c", -1}} {
+		r = r.with(x.Token, x.Logprob)
+	}
+	b, err := json.Marshal(r)
+	if want := `{"\u003cz\u003e":-0.1,"b":-0.5,"a":-1,"c":-1}`; err != nil || string(b) != want {
+		t.Fatalf("%s, %v; want %s", b, err, want)
+	}
+	var back RankedLogprobs
+	if err := json.Unmarshal(b, &back); err != nil || !slices.Equal(back, r) {
+		t.Fatalf("read back %v, %v; want %v", back, err, r)
+	}
+	if err := json.Unmarshal([]byte(`[1]`), &back); err == nil {
+		t.Fatal("an array read as an entry")
+	}
+	if b, _ := json.Marshal(RankedLogprobs{}); string(b) != "{}" {
+		t.Fatalf("empty: %s", b)
 	}
 }

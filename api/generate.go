@@ -1359,7 +1359,7 @@ func pieceString(v engine.Vocab, t engine.Token) string {
 }
 
 func newLegacyLogprobs() *CompletionLogprobs {
-	return &CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []*float32{}, TopLogprobs: []map[string]float32{}, TextOffset: []int{}}
+	return &CompletionLogprobs{Tokens: []string{}, TokenLogprobs: []*float32{}, TopLogprobs: []RankedLogprobs{}, TextOffset: []int{}}
 }
 
 // add appends chat-style logprobs in the completions format; offset is where
@@ -1368,11 +1368,10 @@ func newLegacyLogprobs() *CompletionLogprobs {
 // alternatives and itself, as OpenAI's and vLLM's do.
 func (out *CompletionLogprobs) add(ls []TokenLogprob, offset int) {
 	for _, l := range ls {
-		top := map[string]float32{}
+		top := append(make(RankedLogprobs, 0, len(l.TopLogprobs)+1), NamedLogprob{l.Token, l.Logprob})
 		for _, t := range l.TopLogprobs {
-			top[t.Token] = t.Logprob
+			top = top.with(t.Token, t.Logprob)
 		}
-		top[l.Token] = l.Logprob
 		out.Tokens = append(out.Tokens, l.Token)
 		out.TokenLogprobs = append(out.TokenLogprobs, &l.Logprob)
 		out.TopLogprobs = append(out.TopLogprobs, top)
@@ -1396,16 +1395,15 @@ func (out *CompletionLogprobs) addPrompt(p *plan, v engine.Vocab, prompt []engin
 		if i == 0 || i > len(scores) {
 			// null as OpenAI and vLLM write it; {} where they write null, which
 			// typed clients (OpenAI's Go SDK) cannot read in a list of maps.
-			out.TokenLogprobs, out.TopLogprobs = append(out.TokenLogprobs, nil), append(out.TopLogprobs, map[string]float32{})
+			out.TokenLogprobs, out.TopLogprobs = append(out.TokenLogprobs, nil), append(out.TopLogprobs, RankedLogprobs{})
 			continue
 		}
 		sc := scores[i-1]
 		lp := finite(sc.Logprob)
-		top := map[string]float32{}
+		top := append(make(RankedLogprobs, 0, n+1), NamedLogprob{tok, lp})
 		for _, a := range sc.Top[:min(n, len(sc.Top))] {
-			top[p.tokenName(v, a.Token)] = finite(a.Logprob)
+			top = top.with(p.tokenName(v, a.Token), finite(a.Logprob))
 		}
-		top[tok] = lp
 		out.TokenLogprobs, out.TopLogprobs = append(out.TokenLogprobs, &lp), append(out.TopLogprobs, top)
 	}
 	return offset

@@ -59,6 +59,9 @@ var (
 	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560}
 	itlBuckets  = []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80}
 	e2eBuckets  = []float64{0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680}
+	// httpBuckets time every route, from a health check's milliseconds to a
+	// stream's minutes.
+	httpBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
 	// lengthBuckets count tokens: 1, 2, 5, 10, ... as vLLM's, which end at the
 	// model's context; these end at a million, as they are made before a model
 	// is loaded.
@@ -127,7 +130,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	m.httpRequests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "http_requests_total",
 		Help: "HTTP requests answered, by route (none: no route), method and status class (2xx, 4xx, 5xx)."}, []string{"handler", "method", "status"})
 	m.httpDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "http_request_duration_seconds",
-		Help: "Time to answer an HTTP request (a stream: to its end), by route and method.", Buckets: e2eBuckets}, []string{"handler", "method"})
+		Help: "Time to answer an HTTP request (a stream: to its end), by route and method.", Buckets: httpBuckets}, []string{"handler", "method"})
 	// Every series from the start, at 0, so that a rate over them works before
 	// the first of each (and a dashboard shows 0, not "no data").
 	for _, r := range []string{string(scheduler.FinishStop), string(scheduler.FinishLength), abortLabel} {

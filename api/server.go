@@ -12,6 +12,7 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
 	"net/url"
 	"slices"
@@ -45,6 +46,8 @@ const (
 	MaxStops = 64
 	// MaxStopTokens bounds a request's stop_token_ids.
 	MaxStopTokens = 256
+	// DefaultBodyIdleTimeout bounds how long a request's body may stall.
+	DefaultBodyIdleTimeout = 60 * time.Second
 )
 
 // Config configures the API. Only cmd fills it.
@@ -65,6 +68,11 @@ type Config struct {
 	// node or a member of its cluster reads images for a model; 0: MaxBodyBytes
 	// always.
 	VisionBodyBytes int64
+	// BodyIdleTimeout ends a request whose body sends nothing for this long
+	// (408), so that a stalled upload does not hold its buffer and connection
+	// for ever; 0: no bound. (llama-server's --timeout bounds each socket
+	// read alike.)
+	BodyIdleTimeout time.Duration
 	MaxTokensCap    int
 	// SchemaToGrammar converts a JSON schema to GBNF (response_format json_schema).
 	SchemaToGrammar func(schema []byte) (string, error)
@@ -97,7 +105,7 @@ type Config struct {
 
 // DefaultConfig returns the defaults with no API keys.
 func DefaultConfig() Config {
-	return Config{MaxBodyBytes: DefaultMaxBodyBytes, MaxTokensCap: DefaultMaxTokensCap, ReasoningFormat: "auto", LogRequests: true}
+	return Config{MaxBodyBytes: DefaultMaxBodyBytes, BodyIdleTimeout: DefaultBodyIdleTimeout, MaxTokensCap: DefaultMaxTokensCap, ReasoningFormat: "auto", LogRequests: true}
 }
 
 // Validate rejects unusable settings.
@@ -107,6 +115,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("api: max body bytes %d is too small", c.MaxBodyBytes)
 	case c.VisionBodyBytes < 0:
 		return fmt.Errorf("api: vision body bytes %d must not be negative", c.VisionBodyBytes)
+	case c.BodyIdleTimeout < 0:
+		return fmt.Errorf("api: body idle timeout %v must not be negative", c.BodyIdleTimeout)
 	case c.MaxTokensCap < 0:
 		return fmt.Errorf("api: max tokens cap %d must not be negative", c.MaxTokensCap)
 	case c.ModelName == "":
@@ -212,13 +222,19 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	r.Use(s.requestLog)
 	r.Use(s.cors)
 	r.Use(s.limitBody)
+	// What may be read may be asked for by HEAD (a load balancer's health
+	// check, curl -I), answered as GET without the body.
+	get := func(g gin.IRoutes, path string, h ...gin.HandlerFunc) {
+		g.GET(path, h...)
+		g.HEAD(path, h...)
+	}
 	health := func(c *gin.Context) { c.JSON(http.StatusOK, gin.H{"status": "ok"}) }
-	r.GET("/health", health)
-	r.GET("/v1/health", health) // llama-server's
-	r.GET("/ready", s.ready)
+	get(r, "/health", health)
+	get(r, "/v1/health", health) // llama-server's
+	get(r, "/ready", s.ready)
 	if g, ok := reg.(prometheus.Gatherer); ok {
 		h := promhttp.HandlerFor(g, promhttp.HandlerOpts{})
-		r.GET("/metrics", func(c *gin.Context) {
+		get(r, "/metrics", func(c *gin.Context) {
 			if n := s.node(); n != nil {
 				s.metrics.syncPeers(n.Members(), n.Name()) // before the series are read
 			}
@@ -226,8 +242,8 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 		})
 	}
 	v1 := r.Group("/v1", s.counted, s.auth)
-	v1.GET("/models", s.models)
-	v1.GET("/models/*id", s.model) // ids may hold slashes ("org/name")
+	get(v1, "/models", s.models)
+	get(v1, "/models/*id", s.model) // ids may hold slashes ("org/name")
 	v1.POST("/chat/completions", s.chat)
 	v1.POST("/completions", s.completions)
 	embed, rerank, anyTask := withTask(cluster.TaskEmbed), withTask(cluster.TaskRerank), withTask(cluster.TaskAny)
@@ -245,35 +261,33 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	r.POST("/score", rerank, s.counted, s.auth, s.score) // vLLM's
 	// llama-server's paths of OpenAI's endpoints without /v1, for clients given
 	// the server's address as their base URL.
-	r.GET("/models", s.counted, s.auth, s.models)
+	get(r, "/models", s.counted, s.auth, s.models)
 	r.POST("/chat/completions", s.counted, s.auth, s.chat)
 	// llama-server's own completion endpoint (OpenAI's is /v1/completions).
 	for _, path := range []string{"/completion", "/completions"} {
 		r.POST(path, s.counted, s.auth, s.llamaCompletion)
 	}
-	r.GET("/props", s.counted, s.auth, s.props)
+	get(r, "/props", s.counted, s.auth, s.props)
 	r.POST("/reset_prefix_cache", s.counted, s.auth, s.resetPrefixCache) // vLLM's
 	r.POST("/apply-template", s.counted, s.auth, s.applyTemplate)
 	r.POST("/tokenize", anyTask, s.counted, s.auth, s.tokenize)
 	r.POST("/detokenize", anyTask, s.counted, s.auth, s.detokenize)
-	r.GET("/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
+	get(r, "/cluster", s.auth, s.clusterInfo) // 404 until SetCluster
 	ollama := r.Group("/api", ollamaErrors, s.counted, s.auth)
 	ollama.POST("/chat", s.ollamaChat)
 	ollama.POST("/generate", s.ollamaGenerate)
 	ollama.POST("/embed", embed, s.ollamaEmbed(false))
 	ollama.POST("/embeddings", embed, s.ollamaEmbed(true))
-	ollama.GET("/tags", s.ollamaTags)
-	ollama.GET("/ps", s.ollamaPS)
+	get(ollama, "/tags", s.ollamaTags)
+	get(ollama, "/ps", s.ollamaPS)
 	ollama.POST("/show", anyTask, s.ollamaShow)
-	ollama.GET("/version", s.ollamaVersion)
-	ollama.HEAD("/version", s.ollamaVersion)
+	get(ollama, "/version", s.ollamaVersion)
 	for _, path := range []string{"/pull", "/push", "/create", "/copy", "/delete"} {
 		ollama.Handle(http.MethodPost, path, s.ollamaManage)
 	}
 	ollama.DELETE("/delete", s.ollamaManage)
 	// Ollama's clients check that a server is up with GET or HEAD /.
-	r.GET("/", func(c *gin.Context) { c.String(http.StatusOK, "shoal is running") })
-	r.HEAD("/", func(c *gin.Context) { c.Status(http.StatusOK) })
+	get(r, "/", func(c *gin.Context) { c.String(http.StatusOK, "shoal is running") })
 	r.NoRoute(func(c *gin.Context) {
 		markAPI(c)
 		abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
@@ -434,14 +448,70 @@ func (s *Server) readyBackend(c *gin.Context) (*Backend, bool) {
 }
 
 func (s *Server) limitBody(c *gin.Context) {
-	if c.Request.Body != nil {
+	if c.Request.Body != nil && c.Request.Body != http.NoBody {
+		if enc := c.Request.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+			markAPI(c)
+			abort(c, &Error{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_content_encoding",
+				Message: fmt.Sprintf("Content-Encoding %q is not accepted: send the body uncompressed", enc)})
+			return
+		}
 		limit := s.bodyLimit(c.Request.URL.Path, c.Request.ContentLength)
 		if limit > s.cfg.MaxBodyBytes {
 			c.Set(imageBodyKey, s.cfg.MaxBodyBytes) // decodeBody refuses more without images
 		}
-		c.Request.Body = http.MaxBytesReader(c.Writer, c.Request.Body, limit)
+		body := http.MaxBytesReader(c.Writer, c.Request.Body, limit)
+		if s.cfg.BodyIdleTimeout > 0 {
+			body = &idleBody{ReadCloser: body, rc: http.NewResponseController(c.Writer), idle: s.cfg.BodyIdleTimeout}
+		}
+		c.Request.Body = body
 	}
 	c.Next()
+}
+
+// idleBody bounds the silences of a request body: each read must bring
+// something within idle. The connection's read deadline is cleared when the
+// body ends (or fails otherwise, or is closed), before the server watches
+// the connection for the client leaving, which a deadline would pass for.
+type idleBody struct {
+	io.ReadCloser
+	rc   *http.ResponseController
+	idle time.Duration
+	done bool
+}
+
+func (b *idleBody) Read(p []byte) (int, error) {
+	if b.done {
+		return b.ReadCloser.Read(p)
+	}
+	if err := b.rc.SetReadDeadline(time.Now().Add(b.idle)); err != nil {
+		b.done = true // a writer that cannot (a test's recorder): no bound
+	}
+	n, err := b.ReadCloser.Read(p)
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+		// The deadline stays: the server reads what is left of the body before
+		// it answers, and must not wait for it again.
+		b.done = true
+		err = &Error{Status: http.StatusRequestTimeout, Type: "invalid_request_error", Code: codeBodyStalled,
+			Message: fmt.Sprintf("the request body sent nothing for %v", b.idle)}
+	} else if err != nil {
+		b.end()
+	}
+	return n, err
+}
+
+func (b *idleBody) Close() error {
+	b.end()
+	return b.ReadCloser.Close()
+}
+
+// codeBodyStalled is the code of idleBody's error.
+const codeBodyStalled = "request_timeout"
+
+func (b *idleBody) end() {
+	if !b.done {
+		b.done = true
+		b.rc.SetReadDeadline(time.Time{})
+	}
 }
 
 // imageBodyKey holds, when a request may send more than MaxBodyBytes for its
@@ -531,7 +601,9 @@ func (s *Server) admittedByMember(c *gin.Context) (bool, error) {
 // abort writes err in OpenAI's format (Anthropic's on the Messages API,
 // Ollama's on its API) and stops the handler chain.
 func abort(c *gin.Context, err error) {
-	if errors.Is(c.Request.Context().Err(), context.Canceled) {
+	// (A stalled body's read error cancels the request's context too, but its
+	// client is there to read why.)
+	if ae, ok := errors.AsType[*Error](err); errors.Is(c.Request.Context().Err(), context.Canceled) && (!ok || ae.Code != codeBodyStalled) {
 		// The client hung up: no one reads an answer, and whatever err is
 		// (the cancel's own, mostly), it is not the server's failure.
 		c.AbortWithStatus(StatusClientClosed)

@@ -205,7 +205,8 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 			if !seen[named.Function.Name] {
 				return nil, invalid("tool_choice", "tool_choice names function %q, which is not among the tools", named.Function.Name)
 			}
-			choice, tp.named = "named", named.Function.Name
+			// One call of it, as vLLM answers a named choice.
+			choice, tp.named, tp.parallel = "named", named.Function.Name, false
 		default:
 			return nil, invalid("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}")
 		}

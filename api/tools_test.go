@@ -25,7 +25,7 @@ func TestToolsOf(t *testing.T) {
 		{`{"tools":[` + weather + `]}`, true, false, "", true},
 		{`{"tools":[` + weather + `],"tool_choice":"auto","parallel_tool_calls":false}`, true, false, "", false},
 		{`{"tools":[` + weather + `],"tool_choice":"required"}`, true, true, "", true},
-		{`{"tools":[` + weather + `],"tool_choice":{"type":"function","function":{"name":"get_weather"}}}`, true, true, "get_weather", true},
+		{`{"tools":[` + weather + `],"tool_choice":{"type":"function","function":{"name":"get_weather"}}}`, true, true, "get_weather", false}, // one call, as vLLM
 		{`{"tools":[` + weather + `],"tool_choice":"none"}`, false, false, "", true},
 		{`{"tools":[],"tool_choice":"auto"}`, false, false, "", true},
 		{`{"tool_choice":"none"}`, false, false, "", true},

@@ -410,10 +410,88 @@ type ChatChunk struct {
 
 // CompletionLogprobs is the legacy completions logprobs object.
 type CompletionLogprobs struct {
-	Tokens        []string             `json:"tokens"`
-	TokenLogprobs []*float32           `json:"token_logprobs"` // null for an echoed prompt's first token
-	TopLogprobs   []map[string]float32 `json:"top_logprobs"`   // the token and its alternatives; {} for an echoed prompt's first token
-	TextOffset    []int                `json:"text_offset"`
+	Tokens        []string         `json:"tokens"`
+	TokenLogprobs []*float32       `json:"token_logprobs"` // null for an echoed prompt's first token
+	TopLogprobs   []RankedLogprobs `json:"top_logprobs"`   // the token and its alternatives; {} for an echoed prompt's first token
+	TextOffset    []int            `json:"text_offset"`
+}
+
+// RankedLogprobs is a token's entry in the legacy top_logprobs: an object
+// from token text to logprob, written most likely first, as OpenAI and vLLM
+// write it (a Go map would come out in alphabetical order). A text is in it
+// once: the token's own logprob (it comes first, the alternatives after it),
+// or of two alternatives that read alike, the likelier's.
+type RankedLogprobs []NamedLogprob
+
+// NamedLogprob is one entry of RankedLogprobs.
+type NamedLogprob struct {
+	Token   string
+	Logprob float32
+}
+
+// with is r with token added in its place by logprob, unless r has it.
+func (r RankedLogprobs) with(token string, logprob float32) RankedLogprobs {
+	if slices.ContainsFunc(r, func(x NamedLogprob) bool { return x.Token == token }) {
+		return r
+	}
+	i := len(r)
+	for i > 0 && r[i-1].Logprob < logprob {
+		i--
+	}
+	return slices.Insert(r, i, NamedLogprob{token, logprob})
+}
+
+// Logprob is token's logprob in r.
+func (r RankedLogprobs) Logprob(token string) (float32, bool) {
+	for _, x := range r {
+		if x.Token == token {
+			return x.Logprob, true
+		}
+	}
+	return 0, false
+}
+
+func (r RankedLogprobs) MarshalJSON() ([]byte, error) {
+	b := []byte{'{'}
+	for i, x := range r {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		k, err := json.Marshal(x.Token)
+		if err != nil {
+			return nil, err
+		}
+		v, err := json.Marshal(x.Logprob)
+		if err != nil {
+			return nil, err
+		}
+		b = append(append(append(b, k...), ':'), v...)
+	}
+	return append(b, '}'), nil
+}
+
+func (r *RankedLogprobs) UnmarshalJSON(b []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if t, err := dec.Token(); err != nil || t == nil {
+		*r = nil
+		return err
+	} else if t != json.Delim('{') {
+		return fmt.Errorf("top_logprobs entry: want an object, got %v", t)
+	}
+	out := RankedLogprobs{}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		var lp float32
+		if err := dec.Decode(&lp); err != nil {
+			return err
+		}
+		out = append(out, NamedLogprob{Token: fmt.Sprint(t), Logprob: lp})
+	}
+	*r = out
+	return nil
 }
 
 // PromptLogprob is vLLM's score of a prompt token or one of its alternatives

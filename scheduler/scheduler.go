@@ -1741,9 +1741,21 @@ func (s *Scheduler) publish() {
 	// (The slot wait counts toward saturation only once measured: a prediction from
 	// generous max_tokens must not turn a starting node's first burst away. Once
 	// measured, a finish rate that has decayed towards zero, every slot held by long
-	// generations, is the longest wait, not none.)
+	// generations, is the longest wait, not none, unless the running sequences' own
+	// limits say when they end: finishes come in bursts (a batch started together
+	// ends together), and between bursts the measured rate decays far below the
+	// rate at which slots free.)
 	if need := l.Waiting + 1 - (s.maxRunning() - l.Running); need > 0 && s.endedAny {
-		l.QueueWait = max(l.QueueWait, waitFor(float64(need), l.FinishPS))
+		wait := waitFor(float64(need), l.FinishPS)
+		if len(s.running) > 0 && l.DecodeTokensPS > 0 {
+			maxContext := s.MaxContext()
+			left := make([]int, 0, len(s.running))
+			for _, q := range s.running {
+				left = append(left, max(min(q.maxNew-q.gen, maxContext-len(q.tokens)), 1))
+			}
+			wait = min(wait, slotsFreedIn(left, need, l.DecodeTokensPS))
+		}
+		l.QueueWait = max(l.QueueWait, wait)
 	}
 	if n := len(s.cfg.Adapters); n > 0 {
 		l.AdapterRunning, l.AdapterWaiting = make([]int, n), make([]int, n)
@@ -1760,6 +1772,29 @@ func (s *Scheduler) publish() {
 	}
 	l.UpdatedAt = time.Now()
 	s.load.Store(&l)
+}
+
+// slotsFreedIn bounds the time until need running sequences have ended, when
+// they may still generate left tokens each and the batch generates decodePS
+// tokens a second, shared among them: the need-th shortest ends first; beyond
+// the running ones, each further round of len(left) takes as long as an
+// average one left.
+func slotsFreedIn(left []int, need int, decodePS float64) time.Duration {
+	n := len(left)
+	if n == 0 || need < 1 || decodePS <= 0 {
+		return maxQueueWait
+	}
+	slices.Sort(left)
+	perSeq := decodePS / float64(n)
+	tokens := float64(left[min(need, n)-1])
+	if need > n {
+		mean := 0.0
+		for _, x := range left {
+			mean += float64(x) / float64(n)
+		}
+		tokens = float64(left[n-1]) + float64(need-n)/float64(n)*mean
+	}
+	return waitFor(tokens, perSeq)
 }
 
 // maxQueueWait bounds the estimate: beyond it a wait is as good as forever, and

@@ -836,14 +836,42 @@ func TestQueueWaitCountsSlots(t *testing.T) {
 		}
 		prefill := time.Duration(float64(l.PendingTokens) / l.PrefillTokensPS * float64(time.Second))
 		slots := time.Duration(5 / l.FinishPS * float64(time.Second))
-		if l.QueueWait != max(prefill, slots) || l.QueueWait <= prefill {
-			t.Fatalf("queue wait %v: want the wait for 5 finishes (%v), not the prefill ahead (%v)", l.QueueWait, slots, prefill)
+		// Five finishes: both long ones (400 tokens at half the decode speed
+		// each), then three of the short ones, unless the measured rate says sooner.
+		bound := time.Duration((400 + 3.0/2*400) / (l.DecodeTokensPS / 2) * float64(time.Second))
+		if want := min(slots, bound); l.QueueWait <= prefill || l.QueueWait > want || l.QueueWait < want*9/10 {
+			t.Fatalf("queue wait %v: want the wait for 5 finishes (%v measured, %v at most from the limits), not the prefill ahead (%v)", l.QueueWait, slots, bound, prefill)
 		}
 		cancel()
 		for _, st := range sts {
 			collect(context.Background(), st, 1)
 		}
 	})
+}
+
+// TestSlotsFreedIn: the time until slots free, from what the running
+// sequences may still generate, at the batch's decode speed shared among them.
+func TestSlotsFreedIn(t *testing.T) {
+	for _, c := range []struct {
+		left []int
+		need int
+		want time.Duration
+	}{
+		// 4 sequences at 10 tokens/s each (40/s in all).
+		{[]int{30, 10, 20, 40}, 1, time.Second},
+		{[]int{30, 10, 20, 40}, 3, 3 * time.Second},
+		{[]int{30, 10, 20, 40}, 4, 4 * time.Second},
+		// Two more after all four: half a round of the average (25 tokens) more.
+		{[]int{30, 10, 20, 40}, 6, 4*time.Second + 1250*time.Millisecond},
+		{nil, 1, maxQueueWait},
+	} {
+		if got := slotsFreedIn(c.left, c.need, 40); got != c.want {
+			t.Errorf("%v, %d: %v, want %v", c.left, c.need, got, c.want)
+		}
+	}
+	if got := slotsFreedIn([]int{5}, 1, 0); got != maxQueueWait {
+		t.Errorf("no decode speed yet: %v", got)
+	}
 }
 
 func TestRateStartsAtItsFirstSample(t *testing.T) {
@@ -1135,6 +1163,14 @@ func TestQueueWaitWithDecayedFinishRate(t *testing.T) {
 		if w := s.Load().QueueWait; w < time.Hour {
 			t.Fatalf("finish rate %g/s with 4 waiting and no free slot: queue wait %v", fps, w)
 		}
+	}
+	// The running sequence's limit bounds it: 40 tokens left at 20 a second,
+	// then four more rounds of 40 tokens for the four waiting.
+	s.running = []*seq{{maxNew: 100, gen: 60, tokens: make([]engine.Token, 70)}}
+	s.stats.FinishPS, s.stats.DecodeTokensPS = 1e-6, 20
+	s.publish()
+	if w := s.Load().QueueWait; w != 10*time.Second {
+		t.Fatalf("a decayed finish rate, the running sequence's limit 40 tokens away: queue wait %v, want 10s", w)
 	}
 }
 

@@ -121,7 +121,7 @@ func TestReasoningContent(t *testing.T) {
 		whole.Choices[0].Message.Content == nil || !strings.Contains(*whole.Choices[0].Message.Content, *m.ReasoningContent) {
 		t.Fatalf("--reasoning-format none: %s", b)
 	}
-	if err := runServe([]string{"--model", path, "--reasoning-format", "deepseek-legacy"}, nil, nil); err == nil || !strings.Contains(err.Error(), "reasoning") {
+	if err := runServe([]string{"--addr", "127.0.0.1:0", "--model", path, "--reasoning-format", "deepseek-legacy"}, nil, nil); err == nil || !strings.Contains(err.Error(), "reasoning") {
 		t.Fatalf("an unknown reasoning format: %v", err)
 	}
 }

@@ -563,7 +563,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, TLSConfig: serverTLS}
+	// No ReadTimeout: it would end long streams. A stalled body is bounded by
+	// the API (BodyIdleTimeout); a kept-alive connection sending nothing is
+	// closed after idleTimeout, longer than cluster forwarders keep theirs.
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: idleTimeout, TLSConfig: serverTLS}
 	httpDone := make(chan error, 1)
 	go func() {
 		if serverTLS != nil {
@@ -747,6 +750,11 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	log.Info("stopped")
 	return nil
 }
+
+// idleTimeout closes a kept-alive client connection that sends no request for
+// this long (Go's default is never, and each holds a descriptor); longer than
+// the 90 s for which a cluster member's forwarder keeps its idle connections.
+const idleTimeout = 2 * time.Minute
 
 // visionBodyBytes is the largest request body by default where images are
 // read, by the node (--mmproj) or a member of its cluster that a request may

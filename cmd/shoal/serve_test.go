@@ -353,7 +353,7 @@ func TestSmallContextStep(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatalf("--ctx-size 256: %d %s", resp.StatusCode, text)
 	}
-	err := runServe([]string{"--model", smallModel(t), "--ctx-size", "256", "--max-batch-tokens", "512"}, io.Discard, io.Discard)
+	err := runServe([]string{"--addr", "127.0.0.1:0", "--model", smallModel(t), "--ctx-size", "256", "--max-batch-tokens", "512"}, io.Discard, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "--max-batch-tokens 512: one engine batch holds 256 tokens") {
 		t.Fatalf("a step over the context: %v", err)
 	}

@@ -323,7 +323,7 @@ func TestModelSamplingDefaults(t *testing.T) {
 	if l := n.log(); !strings.Contains(l, "ignoring the model's recommended sampling parameters") {
 		t.Errorf("out-of-range recommendation not warned about:\n%s", l)
 	}
-	if err := runServe([]string{"--model", greedy, "--top-p", "0"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "top_p") {
+	if err := runServe([]string{"--addr", "127.0.0.1:0", "--model", greedy, "--top-p", "0"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "top_p") {
 		t.Errorf("--top-p 0: %v", err)
 	}
 }
@@ -524,7 +524,7 @@ func TestChatTemplateFile(t *testing.T) {
 		{"--chat-template-file", good, "--chat-template", "chatml"},
 		{"--chat-template-file", good, "--jinja=false"},
 	} {
-		if err := runServe(append([]string{"--model", smallModel(t)}, args...), io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "chat-template") {
+		if err := runServe(append([]string{"--addr", "127.0.0.1:0", "--model", smallModel(t)}, args...), io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "chat-template") {
 			t.Errorf("%q: %v", args, err)
 		}
 	}
