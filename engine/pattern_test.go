@@ -135,6 +135,8 @@ func TestCheckSchema(t *testing.T) {
 		`{"type":"object","properties":{"` + long + `":{"type":"string"}}}`: true,
 		`{"properties":{"x":{"$ref":"#/$defs/` + long + `"}}}`:              true,
 		chain: true,
+		`{"properties":{"p":{"$ref":"https://example.com/person.json"}}}`: true, // fetched by no one: it would match anything
+		`{"$ref":"defs.json#/a"}`: true,
 		`{"type":"object","properties":{"kids":{"type":"array","items":{"$ref":"#"}}}}`:            false, // a tree
 		`{"$ref":"#/$defs/node","$defs":{"node":{"properties":{"next":{"$ref":"#/$defs/node"}}}}}`: false,
 		`{"allOf":[{"$ref":"#/$defs/a"},{"$ref":"#/$defs/a"}],"$defs":{"a":{"type":"object"}}}`:    false,

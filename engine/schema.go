@@ -209,6 +209,10 @@ func CheckSchema(schema []byte) error {
 				}
 				if s, ok := x.(string); ok && k == "$ref" && len(s) > maxSchemaName {
 					return bad("a $ref of %d bytes (at most %d)", len(s), maxSchemaName)
+				} else if ok && k == "$ref" && !strings.HasPrefix(s, "#") {
+					// The converter fetches nothing: a remote one would match
+					// anything, unsaid.
+					return bad("$ref %.64q: only references within the schema (#/$defs/..., #/definitions/...) are followed", s)
 				}
 				if err := walk(x); err != nil {
 					return err

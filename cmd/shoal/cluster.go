@@ -313,7 +313,7 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 		return fmt.Errorf("GET /cluster: %w", err)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tDEVICE\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tFINISHED/S\tQUEUE WAIT\tCACHED BLOCKS\tUPDATED")
+	fmt.Fprintln(tw, "NODE\tADDR\tSTATE\tMODELS\tDEVICE\tWAITING\tRUNNING\tKV\tPREFILL TOK/S\tDECODE TOK/S\tFINISHED/S\tQUEUE WAIT\tPREFIX BLOCKS\tUPDATED")
 	for _, m := range info.Members {
 		name := m.Name
 		if name == info.Self {
