@@ -240,7 +240,7 @@ func serveFlagSet(stdout io.Writer) (*flag.FlagSet, *serveFlags) {
 	fs.IntVar(&f.seqs, "parallel", lc.MaxSeqs, "engine sequence ids (running sequences plus cached-prefix holders), up to 256")
 	fs.IntVar(&f.batch, "batch-size", lc.BatchTokens, "largest forward pass in tokens (llama.cpp n_batch)")
 	fs.IntVar(&f.ubatch, "ubatch-size", lc.MicroBatchTokens, "physical micro-batch in tokens (llama.cpp n_ubatch)")
-	fs.IntVar(&f.threads, "threads", 0, "decode threads (0: all cores)")
+	fs.IntVar(&f.threads, "threads", 0, "decode threads (0: one per physical core, at most the CPU limit, as llama.cpp's default)")
 	fs.IntVar(&f.threadsBatch, "threads-batch", 0, "prompt-processing threads (0: same as --threads)")
 	fs.Var(optional[bool]{&f.unified}, "kv-unified", "one KV cell pool shared by all sequences (prefix blocks shared in place); false: one stream per sequence (faster attention at large batches, prefixes reused by stream copy); unset: one stream per sequence when the pool is sized from GPU memory and every stream gets min(trained context, 8192) cells, else one pool")
 	fs.StringVar(&f.flash, "flash-attn", lc.FlashAttention, "flash attention: auto, on or off")
@@ -415,7 +415,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		lc.ModelPath = "(sim)"
 	}
 	lc.ContextCells, lc.MaxSeqs, lc.BatchTokens, lc.MicroBatchTokens = f.ctx, f.seqs, f.batch, f.ubatch
-	lc.Threads, lc.BatchThreads, lc.FlashAttention = f.threads, f.threadsBatch, f.flash
+	lc.Threads, lc.BatchThreads, lc.FlashAttention = cmp.Or(f.threads, llama.DefaultThreads()), f.threadsBatch, f.flash
 	lc.KVTypeK, lc.KVTypeV = cmp.Or(f.kvTypeK, f.kvType), cmp.Or(f.kvTypeV, f.kvType)
 	if f.unified != nil {
 		lc.Unified = *f.unified
@@ -632,7 +632,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	device := deviceSummary(info, f.sim != "")
 	log.Info("model loaded", "name", info.Name, "arch", info.Architecture, "desc", info.Description,
-		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "weights", weightsSummary(info.Weights),
+		"params", info.Params, "device", device, "gpu_layers", info.GPULayers, "threads", lc.Threads, "weights", weightsSummary(info.Weights),
 		"context", capacity.Cells, "per_seq", capacity.CellsPerSeq,
 		"seqs", capacity.MaxSeqs, "unified", capacity.Unified, "prefix_caching", f.caching && capacity.PrefixReuse,
 		"chat_template", cmp.Or(f.chatTemplateFile, abbrev(info.ChatTemplate, 40)))

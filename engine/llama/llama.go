@@ -136,7 +136,7 @@ type Config struct {
 	MaxSeqs          int  // n_seq_max, 1..256
 	BatchTokens      int  // n_batch
 	MicroBatchTokens int  // n_ubatch
-	Threads          int  // decode threads; 0 = runtime.NumCPU()
+	Threads          int  // decode threads; 0 = DefaultThreads()
 	BatchThreads     int  // prompt threads; 0 = Threads
 	Unified          bool // kv_unified: one cell pool for all sequences
 	// AutoUnified lets Open choose Unified: one stream per sequence (split) when the
@@ -561,7 +561,7 @@ func (e *Engine) newContext(cfg Config) error {
 	cp.n_seq_max = C.uint32_t(cfg.MaxSeqs)
 	threads := cfg.Threads
 	if threads == 0 {
-		threads = runtime.NumCPU()
+		threads = DefaultThreads()
 	}
 	bthreads := cfg.BatchThreads
 	if bthreads == 0 {

@@ -79,7 +79,6 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -191,7 +190,7 @@ func (e *Engine) openProjector(path string, threads, cacheBytes int, gpu bool) e
 	cp := C.mtmd_context_params_default()
 	cp.use_gpu = C.bool(gpu)
 	cp.print_timings = false
-	cp.n_threads = C.int(cmp.Or(threads, runtime.NumCPU()))
+	cp.n_threads = C.int(cmp.Or(threads, DefaultThreads()))
 	cp.media_marker = cm
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
