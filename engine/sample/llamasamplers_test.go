@@ -924,3 +924,26 @@ func TestMinKeep(t *testing.T) {
 		}
 	}
 }
+
+// TestMirostatWithoutPenalties: under Mirostat the penalties and DRY are left
+// out, as llama-server chains Mirostat after logit bias and temperature alone:
+// the draws are those of a sampler without them.
+func TestMirostatWithoutPenalties(t *testing.T) {
+	logits := randomLogits(11, 500)
+	for _, version := range []int{1, 2} {
+		plain := Params{Temperature: 1, Mirostat: version, MirostatTau: 5, MirostatEta: 0.1, Seed: 4}
+		penalised := plain
+		penalised.RepeatPenalty, penalised.FrequencyPenalty, penalised.PresencePenalty = 1.5, 1, 1
+		penalised.DRY = DRY{Multiplier: 0.8, Base: 1.75, AllowedLength: 2, LastN: -1}
+		a, b := mustNew(t, plain, nil), mustNew(t, penalised, nil)
+		for i := range 200 {
+			x, err1 := a.Sample(logits)
+			y, err2 := b.Sample(logits)
+			if err1 != nil || err2 != nil || x.Token != y.Token {
+				t.Fatalf("mirostat %d, draw %d: %v %v, %v %v", version, i, x.Token, err1, y.Token, err2)
+			}
+			a.Accept(x.Token, true)
+			b.Accept(y.Token, true)
+		}
+	}
+}

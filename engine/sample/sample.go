@@ -12,7 +12,8 @@
 // Order of operations: logit bias, end tokens banned before min tokens,
 // repetition/frequency/presence penalties, DRY, grammar, then greedy (temperature
 // 0) or, before drawing: top-n-sigma, top-k, temperature (or dynamic temperature),
-// typical-p, min-p, top-p and XTC; with Mirostat, temperature and Mirostat alone.
+// typical-p, min-p, top-p and XTC; with Mirostat, logit bias, temperature and
+// Mirostat alone (no penalties or DRY either), as llama-server chains them.
 // The truncations after temperature see its probabilities, and top-p follows
 // min-p, as in vLLM (llama.cpp applies temperature last, top-p before min-p). Log-probabilities are those of
 // the raw model distribution (log-softmax of the unmodified logits), as vLLM
@@ -234,6 +235,11 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 	}
 	if p.RepeatLastN == 0 {
 		p.RepeatLastN = DefaultRepeatLastN
+	}
+	if p.Mirostat != 0 {
+		// llama-server chains logit bias, temperature and Mirostat alone: no
+		// penalties, no DRY.
+		p.RepeatPenalty, p.FrequencyPenalty, p.PresencePenalty, p.DRY.Multiplier = 1, 0, 0, 0
 	}
 	if p.Order != nil && p.Mirostat == 0 { // Mirostat ignores the order, as llama-server's
 		if !slices.Contains(p.Order, StagePenalties) {
