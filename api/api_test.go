@@ -183,6 +183,7 @@ func TestErrors(t *testing.T) {
 		{"unknown model", "/v1/chat/completions", `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, auth, 404, "model_not_found"},
 		{"temperature", "/v1/completions", `{"prompt":"x","temperature":7}`, auth, 400, ""},
 		{"max tokens cap", "/v1/completions", `{"prompt":"x","max_tokens":101}`, auth, 400, ""},
+		{"long stop", "/v1/completions", `{"prompt":"x","stop":["` + strings.Repeat("s", 1025) + `"]}`, auth, 400, ""},
 		{"too many stops", "/v1/completions", `{"prompt":"x","stop":["` + strings.Repeat(`s","`, MaxStops) + `s"]}`, auth, 400, ""},
 		{"token out of range", "/v1/completions", `{"prompt":[1,999]}`, auth, 400, ""},
 		{"body too large", "/v1/completions", `{"prompt":"` + long + `"}`, auth, 413, "request_too_large"},
@@ -494,6 +495,11 @@ func TestContextLengthError(t *testing.T) {
 	}
 	if m := s.do(t, "GET", "/metrics", "").Body.String(); !strings.Contains(m, `shoal_requests_rejected_total{model_name="fake",reason="too_long"} 1`) {
 		t.Fatalf("the refusal is not counted as too_long:\n%s", m)
+	}
+	// A max_tokens whose sum with the prompt overflows is refused all the same.
+	w = s.do(t, "POST", "/v1/completions", `{"prompt":"hi","max_tokens":9223372036854775807}`)
+	if w.Code != 400 || !strings.Contains(w.Body.String(), "9223372036854775") {
+		t.Fatalf("max_tokens near the largest integer: %d %s", w.Code, w.Body)
 	}
 }
 

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"cmp"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -216,6 +217,9 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peer_failed", Message: err.Error()})
 			return true, noop
 		}
+		if st := statsOf(c.Request.Context()); err != nil && st != nil {
+			st.incomplete.Store(true) // not relayed whole
+		}
 		c.Abort()
 		return true, noop
 	}
@@ -242,6 +246,36 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 // closeConnection cuts the client's connection (HTTP/1) or stream (HTTP/2) without
 // finishing the response, through the server's recovery (see recovery). It does not
 // return.
+// taskModel is the model the first alive member serving task serves ("" when
+// none does), for a request that names no model at a node that does not
+// compute its task.
+func (s *Server) taskModel(task string) string {
+	n := s.node()
+	if n == nil {
+		return ""
+	}
+	for _, m := range n.Members() {
+		if m.State == "alive" && !m.Draining && cmp.Or(m.Task, cluster.TaskGenerate) == task && len(m.Models) > 0 {
+			return m.Models[0]
+		}
+	}
+	return ""
+}
+
+// visionServes reports whether an alive member reads images for model.
+func (s *Server) visionServes(model string) bool {
+	n := s.node()
+	if n == nil {
+		return false
+	}
+	for _, m := range n.Members() {
+		if m.State == "alive" && !m.Draining && m.Vision && (slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model)) {
+			return true
+		}
+	}
+	return false
+}
+
 func closeConnection(c *gin.Context) {
 	c.Abort()
 	panic(errCloseConnection)

@@ -192,6 +192,9 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		if st == "" {
 			return p, invalid("stop", "stop strings must not be empty")
 		}
+		if len(st) > scheduler.MaxStopBytes {
+			return p, invalid("stop", "a stop string may hold at most %d bytes, got %d", scheduler.MaxStopBytes, len(st))
+		}
 	}
 	r.Stop = f.Stop
 	r.IncludeStop = f.IncludeStopStr
@@ -873,6 +876,11 @@ func (s *Server) begin(c *gin.Context, req any, model *string, priority **int) (
 // has made its one hop: if this node does not serve its model (the router's view
 // was stale), it gets 404 rather than another model's answer.
 func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, priority int) bool {
+	if model == "" && !forwarded && !s.servesTask(c) {
+		// No model named, at a node that does not compute the request's task:
+		// the model a member serves for it (a reranker, for a rerank request).
+		model = s.taskModel(c.GetString(taskKey))
+	}
 	_, here := s.adapterOf(model)
 	if s.node() == nil || here && s.servesTask(c) {
 		return true
@@ -891,6 +899,12 @@ func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, pr
 	var tokens []engine.Token
 	if here {
 		tokens = []engine.Token{}
+	}
+	body, _ := c.Get(bodyKey)
+	if raw, _ := body.([]byte); c.GetString(taskKey) == "" && mayCarryImages(raw) && s.visionServes(model) {
+		// Pictures, maybe (not yet read): to a node that reads them, if one
+		// serves the model; the one it is sent to says if there were none.
+		c.Set(taskKey, cluster.TaskVision)
 	}
 	answered, done := s.route(c, model, tokens, nil, 1, priority, false)
 	done()
@@ -969,11 +983,11 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 			tooLong(i, len(toks))
 			return
 		}
-		if p.maxTokensAsked && len(toks)+p.req.MaxTokens > maxCtx && !p.req.IgnoreEOS {
+		if p.maxTokensAsked && p.req.MaxTokens > maxCtx-len(toks) && !p.req.IgnoreEOS {
 			// Like vLLM: the request can never be served in full.
 			s.metrics.rejected(scheduler.ErrPromptTooLong)
 			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
-				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, len(toks)+p.req.MaxTokens, len(toks), which(where, i, len(p.prompts)), p.req.MaxTokens, where)})
+				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, uint64(len(toks))+uint64(p.req.MaxTokens), len(toks), which(where, i, len(p.prompts)), p.req.MaxTokens, where)})
 			return
 		}
 	}
@@ -1012,10 +1026,15 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	default:
 		s.wholeResponse(c, b, p, subs)
 	}
-	if c.Request.Context().Err() != nil {
-		// The client left: the choices it did not see end are aborted (the
-		// scheduler ends them, but nobody reads their finish).
-		s.metrics.aborted(len(p.prompts)*p.n - p.finished)
+	if all := len(p.prompts) * p.n; p.finished < all {
+		if st := statsOf(c.Request.Context()); st != nil {
+			st.incomplete.Store(true)
+		}
+		if c.Request.Context().Err() != nil {
+			// The client left: the choices it did not see end are aborted (the
+			// scheduler ends them, but nobody reads their finish).
+			s.metrics.aborted(all - p.finished)
+		}
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	crand "crypto/rand"
 	"encoding/hex"
+	"net/http"
 	"sync/atomic"
 	"time"
 
@@ -31,7 +32,37 @@ type requestStats struct {
 	queued, first atomic.Int64
 	// images its prompt held, and the time the projector took to lay them out and encode them.
 	images, imageTime atomic.Int64
+	// A client that hangs up once it has read the whole answer (as clients do)
+	// did not leave it; one did when something was written after it hung up
+	// (missed), or its choices were not all written (incomplete).
+	missed, incomplete atomic.Bool
 }
+
+// goneWriter notes a write made after its request's client hung up.
+type goneWriter struct {
+	gin.ResponseWriter
+	ctx context.Context
+	st  *requestStats
+}
+
+func (w *goneWriter) Write(b []byte) (int, error) {
+	w.note()
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *goneWriter) WriteString(s string) (int, error) {
+	w.note()
+	return w.ResponseWriter.WriteString(s)
+}
+
+func (w *goneWriter) note() {
+	if w.ctx.Err() != nil {
+		w.st.missed.Store(true)
+	}
+}
+
+// Unwrap lets http.ResponseController reach the connection.
+func (w *goneWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 type requestStatsKey struct{}
 
@@ -92,6 +123,7 @@ func (s *Server) requestLog(c *gin.Context) {
 	c.Set(requestIDKey, id)
 	st := &requestStats{}
 	c.Request = c.Request.WithContext(context.WithValue(c.Request.Context(), requestStatsKey{}, st))
+	c.Writer = &goneWriter{ResponseWriter: c.Writer, ctx: c.Request.Context(), st: st}
 	start := time.Now()
 	defer func() {
 		// A panic (a forward cut short closes the connection so) is logged on
@@ -148,7 +180,7 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 		attrs = append(attrs, "cut", true) // a forwarded answer cut short: the connection was closed
 	case panicked != nil:
 		attrs = append(attrs, "panic", true)
-	case c.Request.Context().Err() != nil:
+	case c.Request.Context().Err() != nil && (st.missed.Load() || st.incomplete.Load() || status == StatusClientClosed):
 		attrs = append(attrs, "client_gone", true) // its tokens are those it was sent
 	}
 	s.log.Info("request", attrs...)

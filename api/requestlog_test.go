@@ -2,7 +2,9 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"log/slog"
+	"net/http/httptest"
 	"regexp"
 	"strings"
 	"sync"
@@ -78,5 +80,40 @@ func TestRequestLog(t *testing.T) {
 	quiet.log = slog.New(slog.NewTextHandler(&none, nil))
 	if w := quiet.do(t, "POST", "/v1/completions", `{"prompt": "hello", "max_tokens": 1}`); w.Code != 200 || none.String() != "" || w.Header().Get("X-Request-Id") == "" {
 		t.Fatalf("LogRequests false: %d, logged %q", w.Code, none.String())
+	}
+}
+
+// cancelAfter is a response writer whose client hangs up once the answer holds
+// mark: its request's context is cancelled then.
+type cancelAfter struct {
+	*httptest.ResponseRecorder
+	mark   string
+	cancel context.CancelFunc
+}
+
+func (w *cancelAfter) Write(p []byte) (int, error) {
+	n, err := w.ResponseRecorder.Write(p)
+	if strings.Contains(w.Body.String(), w.mark) {
+		w.cancel()
+	}
+	return n, err
+}
+
+// TestClientGoneLogged: a stream's client that hangs up once it has read the
+// whole answer did not leave it; one that hangs up in the middle did.
+func TestClientGoneLogged(t *testing.T) {
+	s := newTestServer(t, nil)
+	var logs syncBuffer
+	s.log = slog.New(slog.NewTextHandler(&logs, nil))
+	for mark, gone := range map[string]bool{"[DONE]": false, `"index":0`: true} {
+		ctx, cancel := context.WithCancel(context.Background())
+		req := httptest.NewRequestWithContext(ctx, "POST", "/v1/completions", strings.NewReader(`{"prompt": "hello", "max_tokens": 50, "ignore_eos": true, "stream": true}`))
+		req.Header.Set("Content-Type", "application/json")
+		before := len(logs.String())
+		s.Handler().ServeHTTP(&cancelAfter{httptest.NewRecorder(), mark, cancel}, req)
+		cancel()
+		if line := logs.String()[before:]; strings.Contains(line, "client_gone=true") != gone {
+			t.Errorf("a client gone after %s: client_gone %v wanted, logged %s", mark, gone, line)
+		}
 	}
 }

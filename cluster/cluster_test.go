@@ -504,6 +504,17 @@ func TestForwardRetryAndMidStreamFailure(t *testing.T) {
 	if err := f.Forward(ctx, Target{Name: "gone", HTTP: "127.0.0.1:1"}, "POST", "/v1/completions", http.Header{}, body, w); !asRetryable(err, &re) {
 		t.Fatalf("connect failure must be retryable: %v", err)
 	}
+	// A redirect is not followed: the prompt and the credential stay here.
+	var followed atomic.Bool
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { followed.Store(true) }))
+	defer elsewhere.Close()
+	redirecting := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, elsewhere.URL+"/v1/completions", http.StatusTemporaryRedirect)
+	}))
+	defer redirecting.Close()
+	if err := f.Forward(ctx, Target{Name: "r", HTTP: host(redirecting)}, "POST", "/v1/completions", http.Header{}, body, httptest.NewRecorder()); !asRetryable(err, &re) || followed.Load() {
+		t.Fatalf("a redirect: %v, followed %v", err, followed.Load())
+	}
 	w = httptest.NewRecorder()
 	if err := f.Forward(ctx, Target{Name: "g", HTTP: host(good)}, "POST", "/v1/completions", http.Header{}, body, w); err != nil {
 		t.Fatal(err)

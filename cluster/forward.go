@@ -115,11 +115,18 @@ func NewForwarder(from string, secret []byte, tlsConf *tls.Config) *Forwarder {
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 		TLSClientConfig:     tlsConf,
+		// A peer that takes the connection but never completes a handshake
+		// (its accept backlog full) is given up as unreachable, and the next tried.
+		TLSHandshakeTimeout: 5 * time.Second,
 		// No header timeout: an answer that is not streamed sends its headers only
 		// once the whole generation is done, which may take as long as it takes. A
 		// peer that dies closes the connection; a client that leaves cancels.
 	}
-	return &Forwarder{from: from, secret: secret, client: &http.Client{Transport: tr}, tls: tlsConf != nil}
+	// A redirect is not followed: it would carry the prompt, the client's key
+	// and this node's credential to wherever the answer points, over plain
+	// HTTP even.
+	noRedirect := func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	return &Forwarder{from: from, secret: secret, client: &http.Client{Transport: tr, CheckRedirect: noRedirect}, tls: tlsConf != nil}
 }
 
 // RetryableError means nothing reached the client and the peer ran nothing (it could
@@ -200,9 +207,11 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 		return fmt.Errorf("forward to %s: %w", t.Name, err)
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusUnauthorized {
+	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusUnauthorized ||
+		resp.StatusCode >= 300 && resp.StatusCode < 400 {
 		// Refused before running it (its own queue full: gossip lags; a
-		// misconfigured peer refusing this node's credential), or failed.
+		// misconfigured peer refusing this node's credential; a redirect, not
+		// followed), or failed.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return &RetryableError{Err: fmt.Errorf("forward to %s: status %d: %s", t.Name, resp.StatusCode, strings.TrimSpace(string(b))), Status: resp.StatusCode}
 	}
@@ -286,5 +295,6 @@ func dialFailed(err error) bool {
 	var cert *tls.CertificateVerificationError
 	var rec tls.RecordHeaderError
 	return errors.As(err, &op) && (op.Op == "dial" || op.Op == "remote error") ||
-		errors.As(err, &cert) || errors.As(err, &rec)
+		errors.As(err, &cert) || errors.As(err, &rec) ||
+		err.Error() == "net/http: TLS handshake timeout" // net/http's unexported error: nothing was sent
 }

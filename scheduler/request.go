@@ -13,6 +13,10 @@ import (
 // MaxChoices bounds n.
 const MaxChoices = 16
 
+// MaxStopBytes bounds a stop string: each step looks for the longest start of
+// each one at the output's end, which costs the square of its length.
+const MaxStopBytes = 1024
+
 // Request is one generation request.
 type Request struct {
 	Prompt    []engine.Token
@@ -150,8 +154,8 @@ func (r *Request) validate(vocab, adapters, width int) error {
 		return fmt.Errorf("%w: n %d must be in [1, %d]", ErrInvalid, r.N, MaxChoices)
 	}
 	for _, s := range r.Stop {
-		if s == "" {
-			return fmt.Errorf("%w: empty stop string", ErrInvalid)
+		if s == "" || len(s) > MaxStopBytes {
+			return fmt.Errorf("%w: a stop string of %d bytes: want 1 to %d", ErrInvalid, len(s), MaxStopBytes)
 		}
 	}
 	for _, t := range r.StopTokens {

@@ -615,7 +615,11 @@ func (s *Scheduler) step(ctx context.Context) {
 		}
 		s.place(kv.ID, q.g.req)
 		if err := s.apply(ops); err != nil {
-			s.pool.Release(kv)
+			// Its sequence's cells go too: copies applied before the failure must
+			// not be read by the next sequence given its id.
+			if rerr := s.apply(s.pool.Release(kv)); rerr != nil {
+				s.log.Error("release a sequence whose start failed", "err", rerr)
+			}
 			s.building = false
 			s.failAll(fmt.Errorf("apply KV ops: %w", err))
 			return

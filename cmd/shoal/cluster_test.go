@@ -568,6 +568,13 @@ func TestRerankerInCluster(t *testing.T) {
 	if resp, out := post(t, gen.url+"/v1/score", `{"model":"gen","text_1":"a","text_2":"b"}`); resp.StatusCode != 400 || !strings.Contains(out, "--reranking") {
 		t.Fatalf("score on the generation model: %d %s", resp.StatusCode, out)
 	}
+	// No model named: the cluster's reranker answers, as the node alone would.
+	if resp, out := post(t, gen.url+"/v1/rerank", `{"query":"what is it","documents":["a cat","a dog","a boat"]}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") == "" {
+		t.Fatalf("rerank without a model via gen: %d %s", resp.StatusCode, out)
+	}
+	if resp, out := post(t, rr.url+"/v1/completions", `{"prompt":"Once upon","max_tokens":2}`); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") == "" {
+		t.Fatalf("completions without a model via the reranker: %d %s", resp.StatusCode, out)
+	}
 }
 
 // TestRerankersSpread: rerank requests sent to one of two nodes serving the same
