@@ -274,7 +274,10 @@ func (n *Node) Start() error {
 		if err != nil && !unreachableOnly(err) {
 			// One answered and refused (another gossip key): misconfigured.
 			ml.Shutdown()
-			return fmt.Errorf("cluster: join %v: %w", n.joinAddrs, err)
+			if strings.Contains(err.Error(), "no installed keys could decrypt") {
+				return fmt.Errorf("cluster: join %v: a node there gossips with another --gossip-key (every node of a cluster needs the same one): %s", n.joinAddrs, oneLine(err))
+			}
+			return fmt.Errorf("cluster: join %v: %s", n.joinAddrs, oneLine(err))
 		}
 		if other := n.nameTaken.Load(); other != nil {
 			// The members would take this node's load and summaries for the
@@ -295,6 +298,12 @@ func (n *Node) Start() error {
 	go n.reconnect() // not waited for, as summaries: memberlist's shutdown ends a join in progress
 	go n.summaries()
 	return nil
+}
+
+// oneLine is err's message on one line: memberlist lists a join's errors one
+// per line, with blank lines around them.
+func oneLine(err error) string {
+	return strings.Join(strings.Fields(err.Error()), " ")
 }
 
 // reconnect joins again, every Reconnect interval, what this node lost: the

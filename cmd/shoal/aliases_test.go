@@ -65,6 +65,7 @@ func TestServeArgs(t *testing.T) {
 		"--served-model-name a b a m.gguf":    "neither empty nor repeated",
 		"m.gguf --gpu-memory-utilization 0.9": "flag provided but not defined: --gpu-memory-utilization",
 		"m.gguf --max-num-seqs 300":           "llama.cpp runs at most 256 sequences",
+		"m.gguf --parallel 300":               "--parallel 300: llama.cpp runs at most 256 sequences",
 	} {
 		err := runServe(strings.Fields(in), io.Discard, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), want) {
@@ -194,5 +195,9 @@ func TestAliasesInCluster(t *testing.T) {
 		if r.StatusCode != 200 || r.Header.Get("X-Shoal-Served-By") != "a" || !strings.Contains(out, `"model":"small"`) {
 			t.Fatalf("tiny at b: %d served by %q: %s", r.StatusCode, r.Header.Get("X-Shoal-Served-By"), out)
 		}
+	}
+	var stdout, stderr strings.Builder
+	if code := run([]string{"status", "--addr", b.url}, &stdout, &stderr); code != 0 || !strings.Contains(stdout.String(), "small (alias tiny)") {
+		t.Fatalf("status names a's alias: exit %d:\n%s%s", code, stdout.String(), stderr.String())
 	}
 }

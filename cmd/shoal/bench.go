@@ -144,9 +144,12 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if len(c.urls) == 0 {
 		c.urls = listFlag{"http://127.0.0.1:8080/v1"}
 	}
-	for _, u := range c.urls {
+	for i, u := range c.urls {
 		if err := checkURL(u); err != nil {
 			return fmt.Errorf("--url: %w", err)
+		}
+		if pu, err := url.Parse(u); err == nil && strings.Trim(pu.Path, "/") == "" {
+			c.urls[i] = strings.TrimSuffix(u, "/") + "/v1" // a node's address: its OpenAI API
 		}
 	}
 	given := map[string]bool{}

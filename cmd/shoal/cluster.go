@@ -186,7 +186,11 @@ func startCluster(cf *clusterFlags, httpAddr, model string, meta cluster.Meta, s
 	if err := node.Start(); err != nil {
 		return nil, nil, err
 	}
-	log.Info("joined cluster", "node", node.Name(), "gossip", node.GossipAddr(), "route", policy, "peers", len(node.Members())-1)
+	msg := "joined cluster"
+	if len(node.Members()) < 2 {
+		msg = "gossiping, alone so far" // the warning above says why
+	}
+	log.Info(msg, "node", node.Name(), "gossip", node.GossipAddr(), "route", policy, "peers", len(node.Members())-1)
 	return node, secret, nil
 }
 
@@ -280,7 +284,9 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 	if err := checkURL(url); err != nil {
 		return fmt.Errorf("--addr: %w", err)
 	}
-	req, err := http.NewRequest("GET", strings.TrimSuffix(url, "/")+"/cluster", nil)
+	// The API's base URL, as clients and bench are given it, names the node too.
+	base := strings.TrimSuffix(strings.TrimSuffix(url, "/"), "/v1")
+	req, err := http.NewRequest("GET", base+"/cluster", nil)
 	if err != nil {
 		return fmt.Errorf("--addr: %w", err)
 	}
@@ -332,6 +338,9 @@ func runStatus(args []string, stdout, _ io.Writer) error {
 			load = strings.Repeat("-\t", 7) + "-" // its last load is not its load now
 		}
 		models := strings.Join(m.Models, ",")
+		if len(m.Aliases) > 0 {
+			models += " (alias " + strings.Join(m.Aliases, ",") + ")" // other ids of its first model
+		}
 		if m.Task != "" {
 			models += " (" + m.Task + ")" // served to embed or to rerank, not to generate
 		} else if m.Vision {

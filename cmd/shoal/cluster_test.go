@@ -166,6 +166,10 @@ func TestClusterRoutesAndForwards(t *testing.T) {
 	if code := run([]string{"status", "--addr", strings.TrimPrefix(a.url, "http://")}, &stdout, &stderr); code != 0 {
 		t.Fatalf("status: %s", stderr.String())
 	}
+	var v1 bytes.Buffer
+	if code := run([]string{"status", "--addr", a.url + "/v1"}, &v1, &stderr); code != 0 || !strings.Contains(v1.String(), "a (self)") {
+		t.Fatalf("status at the API's base URL: %s", stderr.String())
+	}
 	if !strings.Contains(stdout.String(), "a (self)") || strings.Count(stdout.String(), "alive") != 3 {
 		t.Fatalf("status table:\n%s", stdout.String())
 	}
@@ -214,7 +218,7 @@ func TestWrongGossipKeyProcessFails(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	code := run([]string{"serve", "--model", smallModel(t), "--addr", "127.0.0.1:0", "--gossip-addr", freeAddr(t), "--join", g1,
 		"--gossip-key", "ZmVkY2JhOTg3NjU0MzIxMA=="}, &stdout, &stderr)
-	if code == 0 || !strings.Contains(stderr.String(), "join") {
+	if code == 0 || !strings.Contains(stderr.String(), "another --gossip-key") || strings.Contains(stderr.String(), "\n\n") {
 		t.Fatalf("a node with the wrong key joined (exit %d): %s", code, stderr.String())
 	}
 }

@@ -483,6 +483,9 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		intFlag{"n-gpu-layers", f.gpuLayers, -1}, intFlag{"mmproj-cache-mib", f.mmprojCacheMiB, 0}); err != nil {
 		return err
 	}
+	if most := llama.MaxParallel(); f.seqs > most {
+		return fmt.Errorf("--parallel %d: llama.cpp runs at most %d sequences", f.seqs, most)
+	}
 	if f.drainTimeout < 0 {
 		return fmt.Errorf("--drain-timeout %v: must not be negative", f.drainTimeout)
 	}
