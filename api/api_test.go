@@ -592,6 +592,11 @@ func TestNotReadyAndDrain(t *testing.T) {
 	if w := ts.do(t, "GET", "/health", ""); w.Code != 200 {
 		t.Fatalf("health: %d", w.Code)
 	}
+	for _, path := range []string{"/v1/models", "/v1/models/m", "/models"} {
+		if w := ts.do(t, "GET", path, ""); w.Code != 503 || strings.Contains(w.Body.String(), "max_model_len") {
+			t.Fatalf("%s before load: %d %s", path, w.Code, w.Body)
+		}
+	}
 	full := newTestServer(t, nil)
 	if w := full.do(t, "GET", "/ready", ""); w.Code != 200 {
 		t.Fatalf("ready: %d", w.Code)
@@ -1400,5 +1405,59 @@ func TestRankedLogprobs(t *testing.T) {
 	}
 	if b, _ := json.Marshal(RankedLogprobs{}); string(b) != "{}" {
 		t.Fatalf("empty: %s", b)
+	}
+}
+
+// TestVLLMSamplingExtras: vLLM's allowed_token_ids, bad_words,
+// truncate_prompt_tokens and continuous_usage_stats do what vLLM does with
+// them; use_beam_search is refused, not ignored.
+func TestVLLMSamplingExtras(t *testing.T) {
+	s := newTestServer(t, nil)
+	tokensOf := func(body string) []string {
+		t.Helper()
+		w := s.do(t, "POST", "/v1/completions", body)
+		var r CompletionResponse
+		if w.Code != 200 || json.Unmarshal(w.Body.Bytes(), &r) != nil || r.Choices[0].Logprobs == nil {
+			t.Fatalf("%s: %d %s", body, w.Code, w.Body)
+		}
+		return r.Choices[0].Logprobs.Tokens
+	}
+	const base = `"prompt":"hello","max_tokens":6,"temperature":1,"seed":3,"ignore_eos":true,"logprobs":0,"return_tokens_as_token_ids":true`
+	for _, tok := range tokensOf(`{` + base + `,"allowed_token_ids":[7,9]}`) {
+		if tok != "token_id:7" && tok != "token_id:9" {
+			t.Fatalf("allowed 7 and 9, drew %s", tok)
+		}
+	}
+	// Of two tokens allowed, the bad word's is never drawn.
+	x, _ := s.fake.Vocab().Tokenize("x", false, false)
+	bad := fmt.Sprintf("token_id:%d", x[0])
+	for _, tok := range tokensOf(`{` + base + fmt.Sprintf(`,"allowed_token_ids":[%d,40],"bad_words":["x"]}`, x[0])) {
+		if tok != "token_id:40" {
+			t.Fatalf("bad word x (%s) or a token not allowed drawn: %s", bad, tok)
+		}
+	}
+	w := s.do(t, "POST", "/v1/completions", `{"prompt":[`+strings.TrimSuffix(strings.Repeat("5,", 100), ",")+`],"max_tokens":1,"truncate_prompt_tokens":10}`)
+	if w.Code != 200 || !strings.Contains(w.Body.String(), `"prompt_tokens":10,`) {
+		t.Fatalf("truncate_prompt_tokens 10: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"x","use_beam_search":true}`); w.Code != 400 || !strings.Contains(w.Body.String(), "use_beam_search") {
+		t.Fatalf("use_beam_search: %d %s", w.Code, w.Body)
+	}
+	w = s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"ignore_eos":true,"stream":true,
+		"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`)
+	last := -1
+	for line := range strings.Lines(w.Body.String()) {
+		data, ok := strings.CutPrefix(strings.TrimSpace(line), "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var chunk struct{ Usage *Usage }
+		if err := json.Unmarshal([]byte(data), &chunk); err != nil || chunk.Usage == nil || chunk.Usage.PromptTokens == 0 || chunk.Usage.CompletionTokens < last {
+			t.Fatalf("a chunk without the usage so far: %s", data)
+		}
+		last = chunk.Usage.CompletionTokens
+	}
+	if last != 3 {
+		t.Fatalf("the last chunk counts %d tokens, want 3:\n%s", last, w.Body)
 	}
 }

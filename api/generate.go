@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"reflect"
 	"strconv"
+	"slices"
 	"strings"
 	"time"
 	"unicode"
@@ -105,6 +106,12 @@ type plan struct {
 	n        int
 	stream   bool
 	usage    bool // stream_options.include_usage
+	// continuousUsage: every chunk carries the usage so far
+	// (stream_options.continuous_usage_stats, with include_usage).
+	continuousUsage bool
+	// truncate keeps each prompt's last truncate tokens (truncate_prompt_tokens;
+	// -1: as many as the context leaves room for a token; 0: all).
+	truncate int
 	logprobs bool
 	top      int
 	// promptScores answers with the prompt's scores (prompt_logprobs, with
@@ -166,6 +173,16 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 			return p, invalid("stream_options", "stream_options is only allowed with stream: true")
 		}
 		p.usage = f.StreamOptions.IncludeUsage
+		p.continuousUsage = p.usage && f.StreamOptions.ContinuousUsageStats
+	}
+	if f.UseBeamSearch {
+		return p, invalid("use_beam_search", "beam search is not served (vLLM serves it apart from its sampling API): ask for n choices with logprobs and keep those whose logprobs sum highest")
+	}
+	if k := f.TruncatePromptTokens; k != nil {
+		if *k < -1 || *k == 0 {
+			return p, invalid("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (as many as the context takes) or at least 1, got %d", *k)
+		}
+		p.truncate = *k
 	}
 	p.n = 1
 	if f.N != nil {
@@ -279,11 +296,47 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 	if err := b.llamaSamplers(&f.LlamaSamplerFields, &sp); err != nil {
 		return p, err
 	}
+	if sp.Allowed, sp.BadWords, err = vllmTokens(b.Vocab, f); err != nil {
+		return p, err
+	}
 	r.Sampling = sp
 	if p.grammarParam, r.Grammar, err = s.grammarFor(b.Vocab, f); err != nil {
 		return p, err
 	}
 	return p, nil
+}
+
+// vllmTokens reads vLLM's allowed_token_ids and bad_words: each bad word as
+// it is tokenized alone and after a space, as vLLM bans it.
+func vllmTokens(v engine.Vocab, f *SamplingFields) (allowed []engine.Token, bad [][]engine.Token, err error) {
+	if len(f.AllowedTokenIDs) > v.Size() {
+		return nil, nil, invalid("allowed_token_ids", "at most %d token ids (the vocabulary), got %d", v.Size(), len(f.AllowedTokenIDs))
+	}
+	for _, id := range f.AllowedTokenIDs {
+		if id < 0 || id >= v.Size() {
+			return nil, nil, invalid("allowed_token_ids", "allowed token id %d is not a token id of this model (0..%d)", id, v.Size()-1)
+		}
+		allowed = append(allowed, engine.Token(id))
+	}
+	if len(f.BadWords) > MaxStops {
+		return nil, nil, invalid("bad_words", "at most %d bad words are allowed, got %d", MaxStops, len(f.BadWords))
+	}
+	for _, w := range f.BadWords {
+		w = strings.TrimLeft(w, " ")
+		if w == "" || len(w) > scheduler.MaxStopBytes {
+			return nil, nil, invalid("bad_words", "a bad word must hold 1 to %d bytes (besides leading spaces), got %d", scheduler.MaxStopBytes, len(w))
+		}
+		for _, text := range []string{w, " " + w} {
+			toks, err := v.Tokenize(text, false, false)
+			if err != nil {
+				return nil, nil, invalid("bad_words", "bad word %q: %v", w, err)
+			}
+			if len(toks) > 0 && !slices.ContainsFunc(bad, func(b []engine.Token) bool { return slices.Equal(b, toks) }) {
+				bad = append(bad, toks)
+			}
+		}
+	}
+	return allowed, bad, nil
 }
 
 // ValidateSampling checks sampling parameters against the ranges OpenAI and vLLM
@@ -965,6 +1018,11 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 		}
 		abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: param, Message: msg})
 	}
+	if p.truncate != 0 && (p.images != nil || len(p.echo) > 0) {
+		// An image cut in two, or an echo of what was not computed.
+		abort(c, invalid("truncate_prompt_tokens", "truncate_prompt_tokens is not served with images or echo"))
+		return
+	}
 	if p.images != nil {
 		var long *engine.PromptTooLongError
 		if err := s.imagePrompt(ctx, b, p, maxCtx); errors.As(err, &long) {
@@ -979,6 +1037,15 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 		}
 	}
 	for i, toks := range p.prompts {
+		if k := p.truncate; k != 0 {
+			if k < 0 {
+				k = maxCtx - 1
+			}
+			if len(toks) > k {
+				toks = toks[len(toks)-k:]
+				p.prompts[i] = toks
+			}
+		}
 		if len(toks) >= maxCtx {
 			tooLong(i, len(toks))
 			return
@@ -1296,6 +1363,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 	// left during prefill is what an operator looks for) and the tokens it was sent.
 	cut := func(err error) (scheduler.Usage, error) {
 		seen := scheduler.Usage{PromptTokens: sub.prompt}
+		seen.CachedTokens, seen.QueueTime = sub.stream.Started()
 		for _, c := range choices {
 			seen.CompletionTokens += c.tokens
 		}

@@ -671,10 +671,28 @@ func (s *Server) served() string {
 	return where + " " + strings.Join(ids, ", ")
 }
 
-func (s *Server) models(c *gin.Context) { c.JSON(http.StatusOK, s.modelList()) }
+func (s *Server) models(c *gin.Context) {
+	if s.loading(c) {
+		return
+	}
+	c.JSON(http.StatusOK, s.modelList())
+}
+
+// loading answers 503 while the model loads, as llama-server does: a
+// client reading max_model_len at its start must not read 0.
+func (s *Server) loading(c *gin.Context) bool {
+	if s.backend.Load() == nil {
+		abort(c, errNotReady)
+		return true
+	}
+	return false
+}
 
 // model answers GET /v1/models/{id}, as OpenAI's models.retrieve.
 func (s *Server) model(c *gin.Context) {
+	if s.loading(c) {
+		return
+	}
 	id := strings.TrimPrefix(c.Param("id"), "/")
 	for _, m := range s.modelList().Data {
 		if m.ID == id {

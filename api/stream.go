@@ -118,7 +118,13 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 	created := s.now().Unix()
 	var usage Usage
 	var nullUsage *Usage // OpenAI sends "usage": null on every chunk when include_usage is set
+	var sofar Usage      // continuous_usage_stats: the prompts begun and the tokens generated so far
 	chunkUsage := func() *Usage {
+		if p.continuousUsage {
+			u := sofar
+			u.TotalTokens = u.PromptTokens + u.CompletionTokens
+			return &u
+		}
 		if p.usage {
 			return nullUsage
 		}
@@ -180,6 +186,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 		}
 	}
 	for pi, sub := range subs {
+		sofar.PromptTokens += sub.prompt
 		for j := range p.n {
 			idx := sub.base + j
 			switch {
@@ -209,6 +216,7 @@ func (s *Server) streamResponse(c *gin.Context, b *Backend, p *plan, subs []subm
 					sendCompletion(ch)
 				}
 			case scheduler.EventToken:
+				sofar.CompletionTokens++
 				reasoning, text := follow(sub, ev)
 				think(idx, reasoning)
 				var lp *TokenLogprob

@@ -168,6 +168,9 @@ type Message struct {
 // StreamOptions is OpenAI's stream_options.
 type StreamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
+	// ContinuousUsageStats is vLLM's: with IncludeUsage, every chunk carries
+	// the usage so far.
+	ContinuousUsageStats bool `json:"continuous_usage_stats"`
 }
 
 // ResponseFormat is OpenAI's response_format.
@@ -216,6 +219,13 @@ type SamplingFields struct {
 	// ReturnTokensAsTokenIDs is vLLM's: logprobs name tokens "token_id:ID",
 	// for tokens whose text is not whole UTF-8 or not unique.
 	ReturnTokensAsTokenIDs bool `json:"return_tokens_as_token_ids"`
+	// vLLM's: AllowedTokenIDs are the only tokens drawn; BadWords are never
+	// generated; TruncatePromptTokens keeps the prompt's last k tokens (-1:
+	// as many as leave room for a token); UseBeamSearch is refused.
+	AllowedTokenIDs      []int    `json:"allowed_token_ids"`
+	BadWords             []string `json:"bad_words"`
+	TruncatePromptTokens *int     `json:"truncate_prompt_tokens"`
+	UseBeamSearch        bool     `json:"use_beam_search"`
 	StructuredFields
 	LlamaSamplerFields
 	// llamaRanges: temperatures above OpenAI's 2 are taken, as llama.cpp's

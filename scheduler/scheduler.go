@@ -631,6 +631,8 @@ func (s *Scheduler) step(ctx context.Context) {
 		if q.gen == 0 && q.index == 0 && q.firstStart {
 			q.g.usage.CachedTokens = kv.Cached()
 			q.g.usage.QueueTime = time.Since(q.g.enqueued)
+			q.g.stream.cached.Store(int64(q.g.usage.CachedTokens))
+			q.g.stream.queued.Store(int64(q.g.usage.QueueTime))
 			q.firstStart = false
 		}
 		s.running = append(s.running, q)

@@ -2026,3 +2026,34 @@ func TestResetPrefixCache(t *testing.T) {
 		t.Fatalf("after the reset, %d prompt tokens were cached", u.CachedTokens)
 	}
 }
+
+// TestStreamStarted: a stream says what its request took from the prefix
+// cache and how long it queued once it is scheduled, before it ends (for a
+// reader that leaves early).
+func TestStreamStarted(t *testing.T) {
+	f := enginetest.New(4096, 32, 512)
+	s, cancel := startScheduler(t, f, nil)
+	defer cancel()
+	ctx := context.Background()
+	p := prompt(5, 100)
+	if r := collect(ctx, mustSubmit(t, s, &Request{Prompt: p, MaxTokens: 2, IgnoreEOS: true}), 1); r.err != nil {
+		t.Fatal(r.err)
+	}
+	st := mustSubmit(t, s, &Request{Prompt: p, MaxTokens: 50, IgnoreEOS: true})
+	if ev, ok := st.Next(ctx); !ok || ev.Kind != EventToken {
+		t.Fatalf("first event: %+v", ev)
+	}
+	if cached, _ := st.Started(); cached == 0 || cached >= len(p) {
+		t.Fatalf("cached %d of a %d-token prompt computed before", cached, len(p))
+	}
+	collect(ctx, st, 1)
+}
+
+func mustSubmit(t *testing.T, s *Scheduler, r *Request) *Stream {
+	t.Helper()
+	st, err := s.Submit(context.Background(), r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}

@@ -94,6 +94,17 @@ type Stream struct {
 	stop      map[int]FinishReason
 	stopAsked atomic.Bool
 	wake      func() // the scheduler's, to act on Stop while it waits
+	// cached and queued are the request's Usage.CachedTokens and QueueTime,
+	// set when it is first scheduled (Started), for a reader that leaves
+	// before EventDone.
+	cached, queued atomic.Int64
+}
+
+// Started reports the prompt tokens the request took from the prefix cache
+// and how long it waited to be scheduled, once it has been (else 0, 0). Any
+// goroutine.
+func (s *Stream) Started() (cached int, queued time.Duration) {
+	return int(s.cached.Load()), time.Duration(s.queued.Load())
 }
 
 func newStream(wake func()) *Stream {

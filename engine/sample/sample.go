@@ -58,6 +58,13 @@ type Params struct {
 	RepeatLastN      int // RepeatPenalty's window; 0: DefaultRepeatLastN, -1: whole sequence
 
 	LogitBias map[engine.Token]float32 // added to the logit; -100 or less bans the token
+	// Allowed, when not empty, are the only tokens that may be drawn (vLLM's
+	// allowed_token_ids).
+	Allowed []engine.Token
+	// BadWords are token sequences never generated (vLLM's bad_words): the
+	// last token of each is banned where the generated tokens end with the
+	// rest of it (a one-token word, always).
+	BadWords [][]engine.Token
 
 	// EndTokens are banned until MinTokens tokens have been generated (vLLM's
 	// min_tokens: the end-of-generation and stop tokens).
@@ -121,6 +128,10 @@ func (p Params) Validate() error {
 		return fmt.Errorf("top_logprobs %d must be in [0, %d]", p.TopLogprobs, MaxTopLogprobs)
 	case p.MinTokens < 0:
 		return fmt.Errorf("min_tokens %d must be >= 0", p.MinTokens)
+	case slices.ContainsFunc(p.Allowed, func(t engine.Token) bool { return t < 0 }):
+		return errors.New("allowed_token_ids: token ids must not be negative")
+	case slices.ContainsFunc(p.BadWords, func(w []engine.Token) bool { return len(w) == 0 }):
+		return errors.New("bad_words: a word of no tokens")
 	case !finite(p.TopNSigma):
 		return fmt.Errorf("top_n_sigma %v must be a number", p.TopNSigma)
 	case p.TypicalP < 0 || p.TypicalP > 1 || isNaN(p.TypicalP):
@@ -211,6 +222,8 @@ type Sampler struct {
 	rng     *rand.Rand
 
 	history   []engine.Token       // recent tokens for RepeatPenalty (ring of RepeatLastN)
+	recent    []engine.Token       // the last generated tokens, as many as BadWords need
+	kept      []float32            // scratch: the Allowed tokens' logits
 	counts    map[engine.Token]int // occurrences within history
 	generated map[engine.Token]int // occurrences among generated tokens (OpenAI penalties)
 	ngen      int                  // tokens generated so far
@@ -274,6 +287,12 @@ func (s *Sampler) Accept(t engine.Token, generated bool) {
 	if generated && s.grammar != nil {
 		s.grammar.Accept(t)
 	}
+	if generated && len(s.p.BadWords) > 0 {
+		s.recent = append(s.recent, t)
+		if longest := s.longestBadWord(); len(s.recent) > 2*longest {
+			s.recent = append(s.recent[:0], s.recent[len(s.recent)-longest:]...)
+		}
+	}
 	if generated && (s.p.FrequencyPenalty != 0 || s.p.PresencePenalty != 0) {
 		s.generated[t]++
 	}
@@ -294,6 +313,20 @@ func (s *Sampler) Accept(t engine.Token, generated bool) {
 	}
 }
 
+// longestBadWord is the length of the longest of BadWords.
+func (s *Sampler) longestBadWord() int {
+	n := 0
+	for _, w := range s.p.BadWords {
+		n = max(n, len(w))
+	}
+	return n
+}
+
+// endsWith reports whether seq ends with suffix.
+func endsWith(seq, suffix []engine.Token) bool {
+	return len(seq) >= len(suffix) && slices.Equal(seq[len(seq)-len(suffix):], suffix)
+}
+
 // Close releases the grammar.
 func (s *Sampler) Close() error {
 	if s.grammar != nil {
@@ -311,7 +344,7 @@ func (s *Sampler) Sample(logits []float32) (engine.Sampled, error) {
 	}
 	var tok engine.Token
 	var err error
-	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 {
+	if s.p.greedy() && !s.p.penalised() && len(s.p.LogitBias) == 0 && len(s.p.Allowed) == 0 && len(s.p.BadWords) == 0 {
 		// Greedy reads the logits once: the best token, or while min_tokens
 		// holds the end tokens back, the best other (vocabulary-wide
 		// candidates cost a copy of the row).
@@ -428,6 +461,30 @@ func (s *Sampler) candidates(logits []float32, holdEnd bool) []engine.TokenLogit
 			} else {
 				c[t].Logit += b
 			}
+		}
+	}
+	negInf := float32(math.Inf(-1))
+	if len(s.p.Allowed) > 0 {
+		s.kept = s.kept[:0]
+		for _, t := range s.p.Allowed {
+			if int(t) < len(c) {
+				s.kept = append(s.kept, c[t].Logit)
+			}
+		}
+		for i := range c {
+			c[i].Logit = negInf
+		}
+		j := 0
+		for _, t := range s.p.Allowed {
+			if int(t) < len(c) {
+				c[t].Logit = s.kept[j]
+				j++
+			}
+		}
+	}
+	for _, w := range s.p.BadWords {
+		if last := w[len(w)-1]; int(last) < len(c) && endsWith(s.recent, w[:len(w)-1]) {
+			c[last].Logit = negInf
 		}
 	}
 	if holdEnd {

@@ -535,3 +535,43 @@ func TestGreedyMinTokensFastPath(t *testing.T) {
 		}
 	}
 }
+
+// TestAllowedAndBadWords: vLLM's allowed_token_ids leave only those tokens to
+// draw; its bad_words never complete: a word's last token is banned where the
+// output ends with the rest of it.
+func TestAllowedAndBadWords(t *testing.T) {
+	logits := make([]float32, 10)
+	for i := range logits {
+		logits[i] = float32(i) // 9 is the likeliest, then 8, ...
+	}
+	s := mustNew(t, Params{Allowed: []engine.Token{2, 5}}, nil)
+	if x, err := s.Sample(logits); err != nil || x.Token != 5 {
+		t.Fatalf("allowed 2 and 5, greedy: %v %v", x.Token, err)
+	}
+	hot := mustNew(t, Params{Temperature: 5, Allowed: []engine.Token{2, 5}, Seed: 1}, nil)
+	for range 50 {
+		if x, _ := hot.Sample(logits); x.Token != 2 && x.Token != 5 {
+			t.Fatalf("drew %d, not allowed", x.Token)
+		}
+	}
+	// "9" alone is banned; "8 7" may not follow 8.
+	b := mustNew(t, Params{BadWords: [][]engine.Token{{9}, {8, 7}}}, nil)
+	var got []engine.Token
+	for i := range 3 {
+		if i == 1 {
+			logits[6], logits[7], logits[8] = 8, 8.5, 7 // after 9: 7, then 6, then 8
+		}
+		x, err := b.Sample(logits)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, x.Token)
+		b.Accept(x.Token, true)
+	}
+	if want := []engine.Token{8, 6, 7}; !slices.Equal(got, want) {
+		t.Fatalf("with bad words 9 and 8 7: drew %v, want %v", got, want)
+	}
+	if _, err := New(Params{BadWords: [][]engine.Token{{}}}, nil); err == nil {
+		t.Fatal("an empty bad word was taken")
+	}
+}
