@@ -623,7 +623,12 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		return nil
 	}
-	defer eng.Close()
+	closeEngine := true // not when handlers may still be in it (see the end)
+	defer func() {
+		if closeEngine {
+			eng.Close()
+		}
+	}()
 	info, capacity := eng.Info(), eng.Capacity()
 	if f.sim != "" {
 		log.Warn("SIMULATED ENGINE: this node sleeps instead of computing and answers with letters, not a model's output",
@@ -748,7 +753,10 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := hs.Shutdown(shutdownCtx); err != nil {
+		// Handlers still running may call into the engine (a tokenizer, a
+		// template): it is left to the process's exit rather than freed under them.
 		hs.Close()
+		closeEngine = false
 	}
 	log.Info("stopped")
 	return nil
