@@ -1440,8 +1440,14 @@ func TestVLLMSamplingExtras(t *testing.T) {
 	if w.Code != 200 || !strings.Contains(w.Body.String(), `"prompt_tokens":10,`) {
 		t.Fatalf("truncate_prompt_tokens 10: %d %s", w.Code, w.Body)
 	}
-	if w := s.do(t, "POST", "/v1/completions", `{"prompt":"x","use_beam_search":true}`); w.Code != 400 || !strings.Contains(w.Body.String(), "use_beam_search") {
-		t.Fatalf("use_beam_search: %d %s", w.Code, w.Body)
+	for _, body := range []string{
+		`{"prompt":"x","use_beam_search":true}`,
+		`{"prompt":"x","allowed_token_ids":[]}`,
+		fmt.Sprintf(`{"prompt":"x","allowed_token_ids":[%d],"bad_words":["x"]}`, x[0]), // nothing left to draw
+	} {
+		if w := s.do(t, "POST", "/v1/completions", body); w.Code != 400 {
+			t.Fatalf("%s: %d %s", body, w.Code, w.Body)
+		}
 	}
 	w = s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"ignore_eos":true,"stream":true,
 		"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`)

@@ -202,7 +202,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		}
 		done()
 		s.metrics.routedTo(t.Name) // the peer took it, whatever came of it
-		if err != nil {
+		if err != nil && !errors.Is(err, cluster.ErrClientGone) {
 			s.log.Warn("forward ended with an error", "peer", t.Name, "err", err)
 		}
 		var te *cluster.TruncatedError

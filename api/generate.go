@@ -11,8 +11,8 @@ import (
 	"math"
 	"net/http"
 	"reflect"
-	"strconv"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 	"unicode"
@@ -100,12 +100,12 @@ func jsonField(path string) string {
 
 // plan is a validated generation request ready for the scheduler.
 type plan struct {
-	prompts  [][]engine.Token
-	echo     []string // per prompt, when echo is set
-	req      scheduler.Request
-	n        int
-	stream   bool
-	usage    bool // stream_options.include_usage
+	prompts [][]engine.Token
+	echo    []string // per prompt, when echo is set
+	req     scheduler.Request
+	n       int
+	stream  bool
+	usage   bool // stream_options.include_usage
 	// continuousUsage: every chunk carries the usage so far
 	// (stream_options.continuous_usage_stats, with include_usage).
 	continuousUsage bool
@@ -309,6 +309,9 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 // vllmTokens reads vLLM's allowed_token_ids and bad_words: each bad word as
 // it is tokenized alone and after a space, as vLLM bans it.
 func vllmTokens(v engine.Vocab, f *SamplingFields) (allowed []engine.Token, bad [][]engine.Token, err error) {
+	if f.AllowedTokenIDs != nil && len(f.AllowedTokenIDs) == 0 {
+		return nil, nil, invalid("allowed_token_ids", "allowed_token_ids is empty: no token could be drawn (leave it out for any)")
+	}
 	if len(f.AllowedTokenIDs) > v.Size() {
 		return nil, nil, invalid("allowed_token_ids", "at most %d token ids (the vocabulary), got %d", v.Size(), len(f.AllowedTokenIDs))
 	}
@@ -322,7 +325,7 @@ func vllmTokens(v engine.Vocab, f *SamplingFields) (allowed []engine.Token, bad 
 		return nil, nil, invalid("bad_words", "at most %d bad words are allowed, got %d", MaxStops, len(f.BadWords))
 	}
 	for _, w := range f.BadWords {
-		w = strings.TrimLeft(w, " ")
+		w = strings.TrimLeftFunc(w, unicode.IsSpace)
 		if w == "" || len(w) > scheduler.MaxStopBytes {
 			return nil, nil, invalid("bad_words", "a bad word must hold 1 to %d bytes (besides leading spaces), got %d", scheduler.MaxStopBytes, len(w))
 		}
@@ -1042,7 +1045,13 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 				k = maxCtx - 1
 			}
 			if len(toks) > k {
-				toks = toks[len(toks)-k:]
+				// The BOS a text prompt starts with stays, as a tokenizer
+				// truncating from the left keeps its special tokens.
+				if toks[0] == b.Vocab.BOS() && b.Vocab.AddBOS() && k > 1 {
+					toks = append([]engine.Token{toks[0]}, toks[len(toks)-k+1:]...)
+				} else {
+					toks = toks[len(toks)-k:]
+				}
 				p.prompts[i] = toks
 			}
 		}

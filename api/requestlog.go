@@ -180,7 +180,8 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 		attrs = append(attrs, "cut", true) // a forwarded answer cut short: the connection was closed
 	case panicked != nil:
 		attrs = append(attrs, "panic", true)
-	case c.Request.Context().Err() != nil && (st.missed.Load() || st.incomplete.Load() || status == StatusClientClosed):
+	case c.Request.Context().Err() != nil && (st.missed.Load() || st.incomplete.Load() || status == StatusClientClosed) &&
+		status != http.StatusRequestTimeout: // a stalled body's 408 cancels the context too
 		attrs = append(attrs, "client_gone", true) // its tokens are those it was sent
 	}
 	s.log.Info("request", attrs...)

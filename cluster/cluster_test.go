@@ -1475,3 +1475,38 @@ func TestAliasesHashedPerNode(t *testing.T) {
 		}
 	}
 }
+
+// TestForwardClientGone: a client that leaves mid-relay ends the forward with
+// ErrClientGone, not as a whole answer.
+func TestForwardClientGone(t *testing.T) {
+	release := make(chan struct{})
+	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer slow.Close()
+	defer close(release)
+	f := NewForwarder("a", []byte("s"), nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	w := &cancelOnWrite{ResponseRecorder: httptest.NewRecorder(), cancel: cancel}
+	err := f.ForwardStream(ctx, Target{Name: "slow", HTTP: strings.TrimPrefix(slow.URL, "http://")}, "POST", "/v1/completions", http.Header{}, []byte(`{}`), w, nil)
+	if !errors.Is(err, ErrClientGone) {
+		t.Fatalf("a client gone mid-relay: %v", err)
+	}
+}
+
+// cancelOnWrite is a client that leaves once it has read something.
+type cancelOnWrite struct {
+	*httptest.ResponseRecorder
+	cancel context.CancelFunc
+}
+
+func (w *cancelOnWrite) Write(p []byte) (int, error) {
+	defer w.cancel()
+	return w.ResponseRecorder.Write(p)
+}

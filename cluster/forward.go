@@ -76,6 +76,10 @@ type Forwarder struct {
 // dead (or it left) while the answer was awaited (Forwarder.Watch).
 var ErrPeerLost = errors.New("the cluster declared the peer dead")
 
+// ErrClientGone means the client left while its answer was relayed: what it
+// did not read is lost to it, and nothing is wrong with the peer.
+var ErrClientGone = errors.New("the client left mid-answer")
+
 // peerCheck is how often a forward asks whether its peer is lost.
 const peerCheck = 250 * time.Millisecond
 
@@ -240,7 +244,7 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 		}
 		if len(out) > 0 {
 			if _, werr := w.Write(out); werr != nil {
-				return nil // the client left; ctx cancels upstream
+				return ErrClientGone // ctx cancels upstream
 			}
 			if flusher != nil {
 				flusher.Flush()
@@ -257,7 +261,7 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 		}
 		if rerr != nil {
 			if client.Err() != nil {
-				return nil
+				return ErrClientGone
 			}
 			if cause := context.Cause(ctx); errors.Is(cause, ErrPeerLost) {
 				rerr = cause

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"cmp"
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -1456,7 +1457,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 		case errors.Is(serr, sample.ErrNoneAllowed):
 			// The request's own constraint: a schema no value meets, a bias
 			// that bans every token.
-			serr = fmt.Errorf("%w: the request's output constraint (grammar, schema, logit_bias) allows no next token, or is too costly to follow", ErrInvalid)
+			serr = fmt.Errorf("%w: the request's output constraint (grammar, schema, logit_bias, allowed_token_ids, bad_words) allows no next token, or is too costly to follow", ErrInvalid)
 		case !errors.Is(serr, ErrInvalid):
 			serr = fmt.Errorf("sample: %w", serr)
 		}
@@ -1754,12 +1755,18 @@ func (s *Scheduler) publish() {
 	if need := l.Waiting + 1 - (s.maxRunning() - l.Running); need > 0 && s.endedAny {
 		wait := waitFor(float64(need), l.FinishPS)
 		if len(s.running) > 0 && l.DecodeTokensPS > 0 {
+			// What each running and queued sequence may still generate, at most.
 			maxContext := s.MaxContext()
+			most := func(q *seq) int { return max(min(q.maxNew-q.gen, maxContext-len(q.tokens)), 1) }
 			left := make([]int, 0, len(s.running))
 			for _, q := range s.running {
-				left = append(left, max(min(q.maxNew-q.gen, maxContext-len(q.tokens)), 1))
+				left = append(left, most(q))
 			}
-			wait = min(wait, slotsFreedIn(left, need, l.DecodeTokensPS))
+			queued := make([]int, 0, len(s.queue))
+			for _, q := range s.queue {
+				queued = append(queued, most(q))
+			}
+			wait = min(wait, slotsFreedIn(left, queued, need, l.DecodeTokensPS))
 		}
 		l.QueueWait = max(l.QueueWait, wait)
 	}
@@ -1780,27 +1787,45 @@ func (s *Scheduler) publish() {
 	s.load.Store(&l)
 }
 
-// slotsFreedIn bounds the time until need running sequences have ended, when
-// they may still generate left tokens each and the batch generates decodePS
-// tokens a second, shared among them: the need-th shortest ends first; beyond
-// the running ones, each further round of len(left) takes as long as an
-// average one left.
-func slotsFreedIn(left []int, need int, decodePS float64) time.Duration {
+// slotsFreedIn bounds the time until need sequences have ended, when the
+// running ones may still generate left tokens each, the queued ones (in
+// order) queued tokens each once they run, and the batch generates decodePS
+// tokens a second shared among len(left) slots: each slot, freed, takes the
+// next queued sequence.
+func slotsFreedIn(left, queued []int, need int, decodePS float64) time.Duration {
 	n := len(left)
 	if n == 0 || need < 1 || decodePS <= 0 {
 		return maxQueueWait
 	}
-	slices.Sort(left)
-	perSeq := decodePS / float64(n)
-	tokens := float64(left[min(need, n)-1])
-	if need > n {
-		mean := 0.0
-		for _, x := range left {
-			mean += float64(x) / float64(n)
-		}
-		tokens = float64(left[n-1]) + float64(need-n)/float64(n)*mean
+	// ends holds when each slot frees, in tokens of one sequence's time.
+	ends := &tokenHeap{}
+	for _, x := range left {
+		heap.Push(ends, float64(x))
 	}
-	return waitFor(tokens, perSeq)
+	var at float64
+	for ended := 0; ended < need; ended++ {
+		at = heap.Pop(ends).(float64)
+		if ended < len(queued) {
+			heap.Push(ends, at+float64(queued[ended]))
+		} else if ends.Len() == 0 {
+			break
+		}
+	}
+	return waitFor(at, decodePS/float64(n))
+}
+
+// tokenHeap is a min-heap of times, for slotsFreedIn.
+type tokenHeap []float64
+
+func (h tokenHeap) Len() int           { return len(h) }
+func (h tokenHeap) Less(i, j int) bool { return h[i] < h[j] }
+func (h tokenHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *tokenHeap) Push(x any)        { *h = append(*h, x.(float64)) }
+func (h *tokenHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
 }
 
 // maxQueueWait bounds the estimate: beyond it a wait is as good as forever, and

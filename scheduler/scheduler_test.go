@@ -838,7 +838,7 @@ func TestQueueWaitCountsSlots(t *testing.T) {
 		slots := time.Duration(5 / l.FinishPS * float64(time.Second))
 		// Five finishes: both long ones (400 tokens at half the decode speed
 		// each), then three of the short ones, unless the measured rate says sooner.
-		bound := time.Duration((400 + 3.0/2*400) / (l.DecodeTokensPS / 2) * float64(time.Second))
+		bound := time.Duration((400 + 4 + 4) / (l.DecodeTokensPS / 2) * float64(time.Second))
 		if want := min(slots, bound); l.QueueWait <= prefill || l.QueueWait > want || l.QueueWait < want*9/10 {
 			t.Fatalf("queue wait %v: want the wait for 5 finishes (%v measured, %v at most from the limits), not the prefill ahead (%v)", l.QueueWait, slots, bound, prefill)
 		}
@@ -849,27 +849,30 @@ func TestQueueWaitCountsSlots(t *testing.T) {
 	})
 }
 
-// TestSlotsFreedIn: the time until slots free, from what the running
-// sequences may still generate, at the batch's decode speed shared among them.
+// TestSlotsFreedIn: the time until slots free, from what the running and
+// queued sequences may still generate, at the batch's decode speed shared
+// among its slots, each freed slot taking the next queued sequence.
 func TestSlotsFreedIn(t *testing.T) {
 	for _, c := range []struct {
-		left []int
-		need int
-		want time.Duration
+		left, queued []int
+		need         int
+		want         time.Duration
 	}{
-		// 4 sequences at 10 tokens/s each (40/s in all).
-		{[]int{30, 10, 20, 40}, 1, time.Second},
-		{[]int{30, 10, 20, 40}, 3, 3 * time.Second},
-		{[]int{30, 10, 20, 40}, 4, 4 * time.Second},
-		// Two more after all four: half a round of the average (25 tokens) more.
-		{[]int{30, 10, 20, 40}, 6, 4*time.Second + 1250*time.Millisecond},
-		{nil, 1, maxQueueWait},
+		// 4 slots at 10 tokens/s each (40/s in all).
+		{[]int{30, 10, 20, 40}, nil, 1, time.Second},
+		{[]int{30, 10, 20, 40}, nil, 3, 3 * time.Second},
+		{[]int{30, 10, 20, 40}, []int{50, 5}, 3, 2500 * time.Millisecond}, // 20+5 ends before 30
+		{[]int{30, 10, 20, 40}, []int{50, 5}, 6, 6 * time.Second},         // 10+50, the first queued
+		// The end of a burst: 4 running with a token left, 100 queued of 40:
+		// 25 rounds of 40 after the first token.
+		{[]int{1, 1, 1, 1}, slices.Repeat([]int{40}, 100), 101, 100*time.Second + 100*time.Millisecond},
+		{nil, nil, 1, maxQueueWait},
 	} {
-		if got := slotsFreedIn(c.left, c.need, 40); got != c.want {
-			t.Errorf("%v, %d: %v, want %v", c.left, c.need, got, c.want)
+		if got := slotsFreedIn(c.left, c.queued, c.need, 40); got != c.want {
+			t.Errorf("%v, %v, %d: %v, want %v", c.left, c.queued, c.need, got, c.want)
 		}
 	}
-	if got := slotsFreedIn([]int{5}, 1, 0); got != maxQueueWait {
+	if got := slotsFreedIn([]int{5}, nil, 1, 0); got != maxQueueWait {
 		t.Errorf("no decode speed yet: %v", got)
 	}
 }
@@ -1165,8 +1168,11 @@ func TestQueueWaitWithDecayedFinishRate(t *testing.T) {
 		}
 	}
 	// The running sequence's limit bounds it: 40 tokens left at 20 a second,
-	// then four more rounds of 40 tokens for the four waiting.
+	// then the four waiting, of 40 tokens each, in turn.
 	s.running = []*seq{{maxNew: 100, gen: 60, tokens: make([]engine.Token, 70)}}
+	for range 4 {
+		s.queue = append(s.queue, &seq{maxNew: 40, tokens: make([]engine.Token, 10)})
+	}
 	s.stats.FinishPS, s.stats.DecodeTokensPS = 1e-6, 20
 	s.publish()
 	if w := s.Load().QueueWait; w != 10*time.Second {

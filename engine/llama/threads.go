@@ -22,7 +22,8 @@ func DefaultThreads() int {
 }
 
 // defaultThreads counts the cores of cpus in sys (a /sys/devices/system/cpu),
-// at most procs.
+// at most procs. A CPU without a topology (offline, though allowed) counts
+// for none; none with one, every CPU counts.
 func defaultThreads(sys fs.FS, cpus []int, procs int) int {
 	cores := map[string]bool{}
 	for _, c := range cpus {
@@ -30,14 +31,12 @@ func defaultThreads(sys fs.FS, cpus []int, procs int) int {
 		if err != nil {
 			b, err = fs.ReadFile(sys, fmt.Sprintf("cpu%d/topology/thread_siblings_list", c)) // before Linux 5.7
 		}
-		if err != nil {
-			cores = nil
-			break
+		if err == nil {
+			cores[strings.TrimSpace(string(b))] = true
 		}
-		cores[strings.TrimSpace(string(b))] = true
 	}
 	n := len(cores)
-	if cores == nil {
+	if n == 0 {
 		n = len(cpus)
 	}
 	return max(1, min(n, procs))

@@ -22,7 +22,8 @@ func TestDefaultThreads(t *testing.T) {
 		{[]int{0, 1, 2, 3, 4, 5, 6, 7}, 8, 4},
 		{[]int{0, 4}, 8, 1},                   // one core's two hyperthreads
 		{[]int{0, 1, 2, 3, 4, 5, 6, 7}, 2, 2}, // a container's limit of 2 CPUs
-		{[]int{0, 9}, 8, 2},                   // cpu9's topology is missing: every CPU
+		{[]int{0, 9}, 8, 1},                   // cpu9 is offline (no topology): cpu0's core alone
+		{[]int{9, 10}, 8, 2},                  // no topology at all: every CPU
 	} {
 		if got := defaultThreads(sys, c.cpus, c.procs); got != c.want {
 			t.Errorf("cpus %v, GOMAXPROCS %d: %d threads, want %d", c.cpus, c.procs, got, c.want)

@@ -213,7 +213,7 @@ var ErrNoCandidates = errors.New("sampling: no allowed token")
 // ErrNoneAllowed means the request's own constraints, its grammar or the
 // tokens its logit_bias bans, ruled out every token: a schema no value meets,
 // a bias that bans the whole vocabulary. It wraps ErrNoCandidates.
-var ErrNoneAllowed = fmt.Errorf("%w: the request's grammar or logit_bias allows none", ErrNoCandidates)
+var ErrNoneAllowed = fmt.Errorf("%w: the request's grammar, logit_bias, allowed_token_ids or bad_words allow none", ErrNoCandidates)
 
 // Sampler is the Go engine.Sampler. See the package doc for the order of operations.
 type Sampler struct {
@@ -393,9 +393,9 @@ func (s *Sampler) sampleAll(logits []float32) (engine.Token, error) {
 }
 
 // constrained reports whether the request rules tokens out itself: a grammar,
-// or a logit_bias that bans some.
+// allowed tokens, bad words, or a logit_bias that bans some.
 func (s *Sampler) constrained() bool {
-	if s.grammar != nil {
+	if s.grammar != nil || len(s.p.Allowed) > 0 || len(s.p.BadWords) > 0 {
 		return true
 	}
 	for _, b := range s.p.LogitBias {
