@@ -1467,3 +1467,32 @@ func TestVLLMSamplingExtras(t *testing.T) {
 		t.Fatalf("the last chunk counts %d tokens, want 3:\n%s", last, w.Body)
 	}
 }
+
+// TestAnthropicModels: Anthropic's SDK (anthropic-version on every request)
+// gets GET /v1/models in Anthropic's shape; other clients in OpenAI's.
+func TestAnthropicModels(t *testing.T) {
+	s := newTestServer(t, nil)
+	w := s.do(t, "GET", "/v1/models", "", "anthropic-version", "2023-06-01")
+	var list struct {
+		Data []struct {
+			Type        string
+			ID          string
+			DisplayName string `json:"display_name"`
+			CreatedAt   string `json:"created_at"`
+		}
+		HasMore bool   `json:"has_more"`
+		FirstID string `json:"first_id"`
+	}
+	if w.Code != 200 || json.Unmarshal(w.Body.Bytes(), &list) != nil || len(list.Data) != 1 || list.FirstID != "fake" || list.Data[0].Type != "model" || list.Data[0].DisplayName != "fake" || list.Data[0].CreatedAt == "" || list.HasMore {
+		t.Fatalf("%d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "GET", "/v1/models/fake", "", "anthropic-version", "2023-06-01"); w.Code != 200 || !strings.Contains(w.Body.String(), `"type":"model"`) {
+		t.Fatalf("one model: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "GET", "/v1/models/nope", "", "anthropic-version", "2023-06-01"); w.Code != 404 || !strings.Contains(w.Body.String(), `"type":"error"`) {
+		t.Fatalf("an unknown model: %d %s", w.Code, w.Body)
+	}
+	if w := s.do(t, "GET", "/v1/models", ""); !strings.Contains(w.Body.String(), `"object":"list"`) {
+		t.Fatalf("OpenAI's shape: %s", w.Body)
+	}
+}

@@ -726,6 +726,11 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 	}
 	stats := &ollamaStats{TotalDuration: int64(s.now().Sub(o.start)), PromptEvalCount: u.PromptTokens, EvalCount: u.CompletionTokens,
 		PromptEvalDuration: int64(times.prompt(sub, u)), EvalDuration: int64(times.generating())}
+	if stats.EvalCount > 0 && stats.EvalDuration <= 0 {
+		// One token: drawn with the prompt's pass, it took no time of its own to
+		// measure; clients divide by this (tokens per second), so never 0.
+		stats.EvalDuration = int64(time.Microsecond)
+	}
 	reason := "stop"
 	if a.finish == "length" {
 		reason = "length"
@@ -782,9 +787,9 @@ type OllamaModel struct {
 	Details    OllamaModelDetails `json:"details"`
 	// /api/ps's: when the model would be unloaded (never, while the node
 	// serves), the part in GPU memory, the context in force.
-	ExpiresAt     string `json:"expires_at,omitempty"`
-	SizeVRAM      uint64 `json:"size_vram,omitempty"`
-	ContextLength int    `json:"context_length,omitempty"`
+	ExpiresAt     string  `json:"expires_at,omitempty"`
+	SizeVRAM      *uint64 `json:"size_vram,omitempty"` // /api/ps's, 0 included
+	ContextLength int     `json:"context_length,omitempty"`
 }
 
 // ollamaModels lists the models this node serves (and, in a cluster, those of
@@ -805,13 +810,15 @@ func (s *Server) ollamaModels(running bool) []OllamaModel {
 		if running {
 			om.ExpiresAt = time.Date(2318, 1, 1, 0, 0, 0, 0, time.UTC).Format(time.RFC3339) // never, as Ollama writes keep_alive -1
 			om.ContextLength = m.MaxModelLen
+			var vram uint64
 			switch {
 			case b == nil || b.Info.GPULayers <= 0:
 			case b.Info.GPULayers >= b.Info.Layers: // every layer offloaded
-				om.SizeVRAM = om.Size
+				vram = om.Size
 			default:
-				om.SizeVRAM = om.Size * uint64(b.Info.GPULayers) / uint64(b.Info.Layers+1)
+				vram = om.Size * uint64(b.Info.GPULayers) / uint64(b.Info.Layers+1)
 			}
+			om.SizeVRAM = &vram
 		}
 		out = append(out, om)
 	}

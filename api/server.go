@@ -675,7 +675,44 @@ func (s *Server) models(c *gin.Context) {
 	if s.loading(c) {
 		return
 	}
-	c.JSON(http.StatusOK, s.modelList())
+	list := s.modelList()
+	if anthropicClient(c) {
+		out := anthropicModelList{Data: []anthropicModel{}}
+		for _, m := range list.Data {
+			out.Data = append(out.Data, anthropicModelOf(m))
+		}
+		if n := len(out.Data); n > 0 {
+			out.FirstID, out.LastID = out.Data[0].ID, out.Data[n-1].ID
+		}
+		c.JSON(http.StatusOK, out)
+		return
+	}
+	c.JSON(http.StatusOK, list)
+}
+
+// anthropicClient reports whether c comes from Anthropic's SDK (which sends
+// anthropic-version on every request): GET /v1/models answers it in
+// Anthropic's shape.
+func anthropicClient(c *gin.Context) bool { return c.GetHeader("anthropic-version") != "" }
+
+// anthropicModelList is Anthropic's GET /v1/models answer.
+type anthropicModelList struct {
+	Data    []anthropicModel `json:"data"`
+	HasMore bool             `json:"has_more"`
+	FirstID string           `json:"first_id"`
+	LastID  string           `json:"last_id"`
+}
+
+// anthropicModel is Anthropic's model object.
+type anthropicModel struct {
+	Type        string `json:"type"`
+	ID          string `json:"id"`
+	DisplayName string `json:"display_name"`
+	CreatedAt   string `json:"created_at"`
+}
+
+func anthropicModelOf(m Model) anthropicModel {
+	return anthropicModel{Type: "model", ID: m.ID, DisplayName: m.ID, CreatedAt: time.Unix(m.Created, 0).UTC().Format(time.RFC3339)}
 }
 
 // loading answers 503 while the model loads, as llama-server does: a
@@ -690,12 +727,19 @@ func (s *Server) loading(c *gin.Context) bool {
 
 // model answers GET /v1/models/{id}, as OpenAI's models.retrieve.
 func (s *Server) model(c *gin.Context) {
+	if anthropicClient(c) {
+		c.Set(anthropicKey, true) // its errors in Anthropic's shape too
+	}
 	if s.loading(c) {
 		return
 	}
 	id := strings.TrimPrefix(c.Param("id"), "/")
 	for _, m := range s.modelList().Data {
 		if m.ID == id {
+			if anthropicClient(c) {
+				c.JSON(http.StatusOK, anthropicModelOf(m))
+				return
+			}
 			c.JSON(http.StatusOK, m)
 			return
 		}
