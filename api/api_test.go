@@ -1363,6 +1363,9 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"tools":[{"name":"f","input_schema":{"type":"string"}}],"messages":[{"role":"user","content":"x"}]}`, "input_schema must describe an object", "parameters"},
 		{"/v1/messages", `{"max_tokens":2,"output_config":{"format":{"type":"xml"}},"messages":[{"role":"user","content":"x"}]}`, "output_config.format must be", ""},
 		{"/v1/messages", `{"max_tokens":2,"output_format":{"type":"xml"},"messages":[{"role":"user","content":"x"}]}`, "output_format must be", ""},
+		{"/v1/messages", `{"max_tokens":2,"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"tool"},"messages":[{"role":"user","content":"x"}]}`, `needs the tool's \"name\"`, `\"function\"`},
+		{"/v1/responses", `{"input":"x","tool_choice":"bogus"}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},
+		{"/v1/responses", `{"input":"x","tool_choice":{"type":"function","function":{"name":"f"}}}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},
 	} {
 		w := s.do(t, "POST", c.path, c.body)
 		if w.Code != 400 || !strings.Contains(w.Body.String(), c.says) || c.not != "" && strings.Contains(w.Body.String(), c.not) {

@@ -473,6 +473,9 @@ func (r *MessagesRequest) tools(chat *ChatRequest) error {
 	case "none":
 		choice = "none"
 	case "tool":
+		if tc.Name == "" {
+			return invalid("tool_choice", `tool_choice {"type": "tool"} needs the tool's "name"`)
+		}
 		choice = map[string]any{"type": "function", "function": map[string]string{"name": tc.Name}}
 	default:
 		return invalid("tool_choice", "tool_choice.type must be auto, any, tool or none, got %q", tc.Type)

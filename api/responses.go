@@ -216,8 +216,12 @@ func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 		}
 		switch {
 		case bytes.HasPrefix(bytes.TrimSpace(r.ToolChoice), []byte(`"`)):
-			chat.ToolChoice = r.ToolChoice // auto, none, required
-		case json.Unmarshal(r.ToolChoice, &named) == nil && (named.Type == "function" || named.Type == "custom"):
+			var word string
+			if json.Unmarshal(r.ToolChoice, &word) != nil || word != "auto" && word != "none" && word != "required" {
+				return nil, invalid("tool_choice", "tool_choice must be auto, none, required or {\"type\": \"function\" (or \"custom\"), \"name\": ...}")
+			}
+			chat.ToolChoice = r.ToolChoice
+		case json.Unmarshal(r.ToolChoice, &named) == nil && (named.Type == "function" || named.Type == "custom") && named.Name != "":
 			chat.ToolChoice, _ = json.Marshal(map[string]any{"type": "function", "function": map[string]string{"name": named.Name}})
 		default:
 			return nil, invalid("tool_choice", "tool_choice must be auto, none, required or {\"type\": \"function\" (or \"custom\"), \"name\": ...}")
@@ -310,7 +314,7 @@ func inputMessages(input json.RawMessage) ([]Message, error) {
 		case "reasoning", "web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call":
 			// Thoughts (templates leave earlier ones out), hosted tools' work.
 		default:
-			return nil, invalid("input", "%s: items of type %q are not supported (messages, function_call, function_call_output and reasoning are)", where, it.Type)
+			return nil, invalid("input", "%s: items of type %q are not supported (message, function_call, function_call_output, custom_tool_call, custom_tool_call_output and reasoning are)", where, it.Type)
 		}
 	}
 	flush()
