@@ -415,6 +415,12 @@ func finishResponse(resp *Response, a *chatAnswer, items []any, u Usage) {
 }
 
 // itemStatus is the status of a's items: incomplete when max_output_tokens cut it.
+// cutBeforeText reports whether max_output_tokens cut a before any text or
+// call (while it thought, or named a call): it has no message item.
+func cutBeforeText(a *chatAnswer) bool {
+	return a.finish == "length" && a.text == "" && len(a.calls) == 0
+}
+
 func (a *chatAnswer) itemStatus() string {
 	if a.finish == "length" {
 		return "incomplete"
@@ -475,8 +481,9 @@ func (s *Server) responseItems(r *ResponsesRequest, a *chatAnswer) []any {
 		items = append(items, reasoningItem{Type: "reasoning", ID: s.newID("rs"), Summary: []any{}, Content: []reasoningText{{Type: "reasoning_text", Text: a.reasoning}}})
 	}
 	status := a.itemStatus()
-	if a.text != "" && (len(a.calls) == 0 || strings.TrimSpace(a.text) != "") || len(a.calls) == 0 {
-		// An empty answer is an empty message.
+	if a.text != "" && (len(a.calls) == 0 || strings.TrimSpace(a.text) != "") || len(a.calls) == 0 && !cutBeforeText(a) {
+		// An empty answer is an empty message (unless max_output_tokens cut it
+		// before it began, as OpenAI leaves it out then).
 		items = append(items, messageItem{Type: "message", ID: s.newID("msg"), Status: status, Role: "assistant",
 			Content: []outputText{{Type: "output_text", Text: a.text, Annotations: []any{}}}})
 	}
@@ -649,7 +656,7 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 	addUsage(&usage, u)
 	endCall(a.itemStatus())
 	emit("message", a.text)
-	if open != "message" && len(a.calls) == 0 && !slices.ContainsFunc(items, func(it any) bool { _, ok := it.(messageItem); return ok }) {
+	if open != "message" && len(a.calls) == 0 && !cutBeforeText(&a) && !slices.ContainsFunc(items, func(it any) bool { _, ok := it.(messageItem); return ok }) {
 		start("message") // an empty answer is an empty message, as in a whole response
 	}
 	closeItem(a.itemStatus())
