@@ -21,6 +21,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -1497,5 +1498,27 @@ func TestAnthropicModels(t *testing.T) {
 	}
 	if w := s.do(t, "GET", "/v1/models", ""); !strings.Contains(w.Body.String(), `"object":"list"`) {
 		t.Fatalf("OpenAI's shape: %s", w.Body)
+	}
+}
+
+// TestResponseFailedKeepsOutput: a Responses stream that fails midway says so
+// in response.failed, with the output streamed before it.
+func TestResponseFailedKeepsOutput(t *testing.T) {
+	s := newTestServer(t, nil)
+	var steps atomic.Int32
+	s.fake.Failing = func(*engine.Batch) error {
+		if steps.Add(1) > 6 {
+			return errors.New("the device fell over")
+		}
+		return nil
+	}
+	w := s.do(t, "POST", "/v1/responses", `{"input":"hi","max_output_tokens":50,"stream":true}`)
+	i := strings.Index(w.Body.String(), "event: response.failed")
+	if i < 0 {
+		t.Fatalf("no response.failed:\n%s", w.Body)
+	}
+	failed := w.Body.String()[i:]
+	if !strings.Contains(failed, `"status":"failed"`) || !strings.Contains(failed, `"type":"message"`) || !strings.Contains(failed, `"status":"incomplete"`) {
+		t.Fatalf("response.failed without what was streamed: %s", failed)
 	}
 }

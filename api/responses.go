@@ -642,7 +642,13 @@ func (s *Server) responseStream(c *gin.Context, b *Backend, p *plan, subs []subm
 	}, toolCalls)
 	if err != nil {
 		if ctx.Err() == nil {
-			// Headers are sent: the failure is the response's, as OpenAI sends it.
+			// Headers are sent: the failure is the response's, as OpenAI sends
+			// it, with what was streamed of it.
+			closeItem("incomplete")
+			endCall("incomplete")
+			if len(items) > 0 {
+				resp.Output = items
+			}
 			e := toAPIError(err)
 			resp.Status, resp.Error = "failed", &ErrorDetail{Message: e.Message, Type: e.Type}
 			if e.Code != "" {
