@@ -90,7 +90,10 @@ var listenRE = regexp.MustCompile(`msg=listening addr=(\S+)`)
 
 func startNode(t testing.TB, args ...string) *node {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], append([]string{"serve", "--addr", "127.0.0.1:0", "--threads", "2"}, args...)...)
+	// One thread each: tests run several nodes at once, and llama.cpp's threads
+	// spin while they wait for each other (two nodes of two threads on two
+	// cores ran sixty times slower).
+	cmd := exec.Command(os.Args[0], append([]string{"serve", "--addr", "127.0.0.1:0", "--threads", "1"}, args...)...)
 	cmd.Env = append(os.Environ(), "SHOAL_TEST_BE_MAIN=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
