@@ -603,16 +603,7 @@ func TestForwardGivesUpOnALostPeer(t *testing.T) {
 		}
 	}))
 	defer silent.Close()
-	stalled := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
-		io.WriteString(w, "data: 1\n\n")
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-	}))
+	stalled := stallingStream(release)
 	defer stalled.Close()
 	defer close(release) // before the servers close
 	var lost atomic.Bool
@@ -1480,15 +1471,7 @@ func TestAliasesHashedPerNode(t *testing.T) {
 // ErrClientGone, not as a whole answer.
 func TestForwardClientGone(t *testing.T) {
 	release := make(chan struct{})
-	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		io.WriteString(w, "data: 1\n\n")
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-	}))
+	slow := stallingStream(release)
 	defer slow.Close()
 	defer close(release)
 	f := NewForwarder("a", []byte("s"), nil)
@@ -1509,4 +1492,19 @@ type cancelOnWrite struct {
 func (w *cancelOnWrite) Write(p []byte) (int, error) {
 	defer w.cancel()
 	return w.ResponseRecorder.Write(p)
+}
+
+// stallingStream serves one SSE event, then nothing until release is closed or
+// the request ends.
+func stallingStream(release <-chan struct{}) *httptest.Server {
+	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
 }
