@@ -653,7 +653,7 @@ func FuzzRequests(f *testing.F) {
 	// Anthropic's Messages API (its errors also have error.message).
 	for _, b := range []string{
 		`{"max_tokens":3,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{"a":1}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"r"},{"type":"text","text":"y"}]}],"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"any"},"stream":true}`,
-		`{"max_tokens":2,"messages":[{"role":"user","content":"x"}],"thinking":{"type":"enabled","budget_tokens":9},"output_config":{"format":{"type":"json_schema","schema":{"type":"object"}}},"stop_sequences":["a"]}`,
+		`{"max_tokens":2,"messages":[{"role":"user","content":"x"}],"thinking":{"type":"enabled","budget_tokens":1024},"output_config":{"format":{"type":"json_schema","schema":{"type":"object"}}},"stop_sequences":["a"]}`,
 	} {
 		f.Add(b, uint8(4))
 		f.Add(b, uint8(5))
@@ -1365,6 +1365,7 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"output_config":{"format":{"type":"xml"}},"messages":[{"role":"user","content":"x"}]}`, "output_config.format must be", ""},
 		{"/v1/messages", `{"max_tokens":2,"output_format":{"type":"xml"},"messages":[{"role":"user","content":"x"}]}`, "output_format must be", ""},
 		{"/v1/messages", `{"max_tokens":2,"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"tool"},"messages":[{"role":"user","content":"x"}]}`, `needs the tool's \"name\"`, `\"function\"`},
+		{"/v1/messages", `{"max_tokens":2,"thinking":{"type":"enabled"},"messages":[{"role":"user","content":"x"}]}`, "budget_tokens: at least 1024", ""},
 		{"/v1/responses", `{"input":"x","tool_choice":"bogus"}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},
 		{"/v1/responses", `{"input":"x","tool_choice":{"type":"function","function":{"name":"f"}}}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},
 	} {

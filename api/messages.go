@@ -262,7 +262,14 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 	}
 	if r.Thinking != nil {
 		switch r.Thinking.Type {
-		case "enabled", "disabled":
+		case "enabled":
+			// As Anthropic's API checks it (the budget is not enforced here, so
+			// one beyond max_tokens is taken).
+			if r.Thinking.BudgetTokens < 1024 {
+				return nil, invalid("thinking.budget_tokens", "thinking.budget_tokens: at least 1024 when thinking is enabled, got %d", r.Thinking.BudgetTokens)
+			}
+			fallthrough
+		case "disabled":
 			chat.ChatTemplateKwargs = json.RawMessage(fmt.Sprintf(`{"enable_thinking": %v}`, r.Thinking.Type == "enabled"))
 		case "adaptive": // the template's default
 		default:
