@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"slices"
 	"strings"
 
 	"github.com/gin-gonic/gin"
@@ -379,6 +380,9 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 			if b.ToolUseID == "" {
 				return nil, invalid("messages", "%s: a tool_result needs its tool_use_id", where)
 			}
+			if !calledBefore(out, b.ToolUseID) {
+				return nil, invalid("messages", "%s: tool_result for tool_use_id %q, which no earlier tool_use block has", where, b.ToolUseID)
+			}
 			result, err := blockText(b.Content, where+" tool_result", true)
 			if err != nil {
 				return nil, err
@@ -394,6 +398,21 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 	}
 	flush()
 	return out, nil
+}
+
+// calledBefore reports whether an assistant turn of msgs made the call id, as
+// Anthropic's API requires of a tool_result.
+func calledBefore(msgs []Message, id string) bool {
+	for _, m := range slices.Backward(msgs) {
+		if m.Role != "assistant" || len(m.ToolCalls) == 0 {
+			continue
+		}
+		var calls []ToolCall
+		if json.Unmarshal(m.ToolCalls, &calls) == nil && slices.ContainsFunc(calls, func(c ToolCall) bool { return c.ID == id }) {
+			return true
+		}
+	}
+	return false
 }
 
 // assistantTurn appends an assistant turn: its text, and its tool_use blocks
