@@ -1367,6 +1367,7 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"tool"},"messages":[{"role":"user","content":"x"}]}`, `needs the tool's \"name\"`, `\"function\"`},
 		{"/v1/messages", `{"max_tokens":2,"thinking":{"type":"enabled"},"messages":[{"role":"user","content":"x"}]}`, "budget_tokens: at least 1024", ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t9","content":"r"}]}]}`, `tool_use_id \"t9\", which no earlier tool_use`, ""},
+		{"/v1/responses", `{"input":[{"type":"function_call_output","call_id":"c9","output":"r"}]}`, `no tool call found for function_call_output with call_id \"c9\"`, ""},
 		{"/v1/responses", `{"input":"x","tool_choice":"bogus"}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},
 		{"/v1/responses", `{"input":"x","tool_choice":{"type":"function","function":{"name":"f"}}}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},
 	} {

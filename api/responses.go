@@ -261,7 +261,8 @@ func inputMessages(input json.RawMessage) ([]Message, error) {
 		return nil, invalid("input", "input must be a string or a non-empty list of items")
 	}
 	var out []Message
-	var calls []ToolCall // of the assistant turn being built
+	var calls []ToolCall        // of the assistant turn being built
+	called := map[string]bool{} // call ids of the calls so far
 	flush := func() {
 		if len(calls) == 0 {
 			return
@@ -301,9 +302,14 @@ func inputMessages(input json.RawMessage) ([]Message, error) {
 				args = "{}" // a call cut short by max_output_tokens, as clients send it back
 			}
 			calls = append(calls, ToolCall{ID: it.CallID, Type: "function", Function: FunctionCall{Name: it.Name, Arguments: args}})
+			called[it.CallID] = true
 		case "function_call_output", "custom_tool_call_output":
 			if it.CallID == "" {
 				return nil, invalid("input", "%s: a %s needs the call_id of its call", where, it.Type)
+			}
+			if !called[it.CallID] {
+				// As OpenAI's API refuses it: the input carries the whole conversation.
+				return nil, invalid("input", "%s: no tool call found for %s with call_id %q", where, it.Type, it.CallID)
 			}
 			flush()
 			result, err := itemText(it.Output, where)
