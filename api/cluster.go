@@ -243,39 +243,41 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 	return true, noop
 }
 
-// closeConnection cuts the client's connection (HTTP/1) or stream (HTTP/2) without
-// finishing the response, through the server's recovery (see recovery). It does not
-// return.
 // taskModel is the model the first alive member serving task serves ("" when
 // none does), for a request that names no model at a node that does not
 // compute its task.
 func (s *Server) taskModel(task string) string {
-	n := s.node()
-	if n == nil {
+	m, ok := s.servingMember(func(m cluster.Member) bool { return cmp.Or(m.Task, cluster.TaskGenerate) == task && len(m.Models) > 0 })
+	if !ok {
 		return ""
 	}
-	for _, m := range n.Members() {
-		if m.State == "alive" && !m.Draining && cmp.Or(m.Task, cluster.TaskGenerate) == task && len(m.Models) > 0 {
-			return m.Models[0]
-		}
-	}
-	return ""
+	return m.Models[0]
 }
 
 // visionServes reports whether an alive member reads images for model.
 func (s *Server) visionServes(model string) bool {
-	n := s.node()
-	if n == nil {
-		return false
-	}
-	for _, m := range n.Members() {
-		if m.State == "alive" && !m.Draining && m.Vision && (slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model)) {
-			return true
-		}
-	}
-	return false
+	_, ok := s.servingMember(func(m cluster.Member) bool {
+		return m.Vision && (slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model))
+	})
+	return ok
 }
 
+// servingMember is the first member, this node first, that is alive, not
+// draining, and of which want is true.
+func (s *Server) servingMember(want func(cluster.Member) bool) (cluster.Member, bool) {
+	if n := s.node(); n != nil {
+		for _, m := range n.Members() {
+			if m.State == "alive" && !m.Draining && want(m) {
+				return m, true
+			}
+		}
+	}
+	return cluster.Member{}, false
+}
+
+// closeConnection cuts the client's connection (HTTP/1) or stream (HTTP/2) without
+// finishing the response, through the server's recovery (see recovery). It does not
+// return.
 func closeConnection(c *gin.Context) {
 	c.Abort()
 	panic(errCloseConnection)

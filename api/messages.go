@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
-	"slices"
 	"strings"
 
 	"github.com/gin-gonic/gin"
@@ -224,12 +223,13 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 		}
 		chat.Messages = append(chat.Messages, Message{Role: "system", Content: Content(text)})
 	}
+	called := map[string]bool{} // ids of the tool_use blocks so far
 	for i, m := range r.Messages {
 		where := fmt.Sprintf("messages[%d]", i)
 		var err error
 		switch m.Role {
 		case "user":
-			chat.Messages, err = userTurn(chat.Messages, m.Content, where)
+			chat.Messages, err = userTurn(chat.Messages, m.Content, where, called)
 		case "system":
 			// Clients add reminders as system turns within a conversation;
 			// templates take system turns first only: it is the user's text.
@@ -241,7 +241,7 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 			if i == len(r.Messages)-1 && emptyTurn(m.Content) {
 				continue // an empty prefill: the answer starts afresh
 			}
-			chat.Messages, err = assistantTurn(chat.Messages, m.Content, where)
+			chat.Messages, err = assistantTurn(chat.Messages, m.Content, where, called)
 			chat.ContinueFinalMessage = i == len(r.Messages)-1 // Anthropic's prefill: the answer goes on from it
 		default:
 			err = invalid("messages", "%s: role must be user or assistant, got %q", where, m.Role)
@@ -357,8 +357,9 @@ func (b *ContentBlock) image(where string) (string, error) {
 }
 
 // userTurn appends a user turn's blocks: runs of text as user messages, tool
-// results as tool messages, in their order.
-func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, error) {
+// results as tool messages, in their order. A tool result answers one of the
+// calls called has, as Anthropic's API requires.
+func userTurn(out []Message, blocks AnthropicContent, where string, called map[string]bool) ([]Message, error) {
 	var text []string
 	flush := func() {
 		if len(text) > 0 {
@@ -380,7 +381,7 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 			if b.ToolUseID == "" {
 				return nil, invalid("messages", "%s: a tool_result needs its tool_use_id", where)
 			}
-			if !calledBefore(out, b.ToolUseID) {
+			if !called[b.ToolUseID] {
 				return nil, invalid("messages", "%s: tool_result for tool_use_id %q, which no earlier tool_use block has", where, b.ToolUseID)
 			}
 			result, err := blockText(b.Content, where+" tool_result", true)
@@ -400,24 +401,9 @@ func userTurn(out []Message, blocks AnthropicContent, where string) ([]Message, 
 	return out, nil
 }
 
-// calledBefore reports whether an assistant turn of msgs made the call id, as
-// Anthropic's API requires of a tool_result.
-func calledBefore(msgs []Message, id string) bool {
-	for _, m := range slices.Backward(msgs) {
-		if m.Role != "assistant" || len(m.ToolCalls) == 0 {
-			continue
-		}
-		var calls []ToolCall
-		if json.Unmarshal(m.ToolCalls, &calls) == nil && slices.ContainsFunc(calls, func(c ToolCall) bool { return c.ID == id }) {
-			return true
-		}
-	}
-	return false
-}
-
 // assistantTurn appends an assistant turn: its text, and its tool_use blocks
-// as calls.
-func assistantTurn(out []Message, blocks AnthropicContent, where string) ([]Message, error) {
+// as calls, their ids added to called.
+func assistantTurn(out []Message, blocks AnthropicContent, where string, called map[string]bool) ([]Message, error) {
 	var text []string
 	var calls []ToolCall
 	for _, b := range blocks {
@@ -433,6 +419,7 @@ func assistantTurn(out []Message, blocks AnthropicContent, where string) ([]Mess
 				return nil, invalid("messages", "%s: tool_use %q: input must be an object", where, b.Name)
 			}
 			calls = append(calls, ToolCall{ID: b.ID, Type: "function", Function: FunctionCall{Name: b.Name, Arguments: string(input)}})
+			called[b.ID] = true
 		case "thinking", "redacted_thinking":
 		default:
 			return nil, invalid("messages", "%s: content blocks of type %q are not supported in an assistant turn", where, b.Type)

@@ -1,7 +1,6 @@
 package api
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -214,12 +213,9 @@ func (r *ResponsesRequest) chatRequest() (*ChatRequest, error) {
 			Type string `json:"type"`
 			Name string `json:"name"`
 		}
+		var word string
 		switch {
-		case bytes.HasPrefix(bytes.TrimSpace(r.ToolChoice), []byte(`"`)):
-			var word string
-			if json.Unmarshal(r.ToolChoice, &word) != nil || word != "auto" && word != "none" && word != "required" {
-				return nil, invalid("tool_choice", "tool_choice must be auto, none, required or {\"type\": \"function\" (or \"custom\"), \"name\": ...}")
-			}
+		case json.Unmarshal(r.ToolChoice, &word) == nil && (word == "auto" || word == "none" || word == "required"):
 			chat.ToolChoice = r.ToolChoice
 		case json.Unmarshal(r.ToolChoice, &named) == nil && (named.Type == "function" || named.Type == "custom") && named.Name != "":
 			chat.ToolChoice, _ = json.Marshal(map[string]any{"type": "function", "function": map[string]string{"name": named.Name}})
@@ -420,13 +416,13 @@ func finishResponse(resp *Response, a *chatAnswer, items []any, u Usage) {
 	resp.Usage = ru
 }
 
-// itemStatus is the status of a's items: incomplete when max_output_tokens cut it.
 // cutBeforeText reports whether max_output_tokens cut a before any text or
 // call (while it thought, or named a call): it has no message item.
 func cutBeforeText(a *chatAnswer) bool {
 	return a.finish == "length" && a.text == "" && len(a.calls) == 0
 }
 
+// itemStatus is the status of a's items: incomplete when max_output_tokens cut it.
 func (a *chatAnswer) itemStatus() string {
 	if a.finish == "length" {
 		return "incomplete"

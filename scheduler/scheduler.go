@@ -205,12 +205,16 @@ func (s *seq) scoring() bool {
 // generation stops at max_tokens or when the context is full, whichever first, and
 // a request without a limit reserves only openReserve of that.
 func (s *seq) reserve(maxContext int) int {
-	need := min(s.maxNew-s.gen, maxContext-len(s.tokens))
+	need := s.room(maxContext)
 	if s.open {
 		need = min(need, openReserve)
 	}
 	return max(need, 0)
 }
+
+// room is how many tokens q may still generate: to max_tokens, or until the
+// context is full, whichever is first.
+func (s *seq) room(maxContext int) int { return min(s.maxNew-s.gen, maxContext-len(s.tokens)) }
 
 func (s *seq) computed() int {
 	if s.kv == nil {
@@ -1757,7 +1761,7 @@ func (s *Scheduler) publish() {
 		if len(s.running) > 0 && l.DecodeTokensPS > 0 {
 			// What each running and queued sequence may still generate, at most.
 			maxContext := s.MaxContext()
-			most := func(q *seq) int { return max(min(q.maxNew-q.gen, maxContext-len(q.tokens)), 1) }
+			most := func(q *seq) int { return max(q.room(maxContext), 1) }
 			left := make([]int, 0, len(s.running))
 			for _, q := range s.running {
 				left = append(left, most(q))

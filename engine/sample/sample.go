@@ -223,6 +223,7 @@ type Sampler struct {
 
 	history   []engine.Token       // recent tokens for RepeatPenalty (ring of RepeatLastN)
 	recent    []engine.Token       // the last generated tokens, as many as BadWords need
+	badLen    int                  // the longest of BadWords
 	kept      []float32            // scratch: the Allowed tokens' logits
 	counts    map[engine.Token]int // occurrences within history
 	generated map[engine.Token]int // occurrences among generated tokens (OpenAI penalties)
@@ -273,6 +274,9 @@ func New(p Params, grammar engine.Grammar) (*Sampler, error) {
 	if p.DRY.on() {
 		s.dry = newDRY(p.DRY)
 	}
+	for _, w := range p.BadWords {
+		s.badLen = max(s.badLen, len(w))
+	}
 	return s, nil
 }
 
@@ -289,8 +293,8 @@ func (s *Sampler) Accept(t engine.Token, generated bool) {
 	}
 	if generated && len(s.p.BadWords) > 0 {
 		s.recent = append(s.recent, t)
-		if longest := s.longestBadWord(); len(s.recent) > 2*longest {
-			s.recent = append(s.recent[:0], s.recent[len(s.recent)-longest:]...)
+		if len(s.recent) > 2*s.badLen {
+			s.recent = append(s.recent[:0], s.recent[len(s.recent)-s.badLen:]...)
 		}
 	}
 	if generated && (s.p.FrequencyPenalty != 0 || s.p.PresencePenalty != 0) {
@@ -311,15 +315,6 @@ func (s *Sampler) Accept(t engine.Token, generated bool) {
 			delete(s.counts, old)
 		}
 	}
-}
-
-// longestBadWord is the length of the longest of BadWords.
-func (s *Sampler) longestBadWord() int {
-	n := 0
-	for _, w := range s.p.BadWords {
-		n = max(n, len(w))
-	}
-	return n
 }
 
 // endsWith reports whether seq ends with suffix.
