@@ -368,6 +368,37 @@ func TestTokenizeMessagesLikeChat(t *testing.T) {
 	}
 }
 
+// TestMessageWithoutContent: a message needs content, or an assistant's
+// tool_calls, as OpenAI's API and llama-server require; content null on an
+// assistant turn with calls is fine.
+func TestMessageWithoutContent(t *testing.T) {
+	s := newTestServer(t, nil)
+	for body, want := range map[string]string{
+		`{"messages":[{"role":"user"}]}`: "messages[0].content",
+		`{"messages":[{"role":"system","content":"hi"},{"role":"user","content":null}]}`: "messages[1].content",
+		`{"messages":[{"role":"user","content":"hi"},{"role":"assistant"}]}`:             "messages[1].content",
+		`{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1","content":"ok"}],"max_tokens":2}`: "",
+		`{"messages":[{"role":"user","content":""}],"max_tokens":2}`: "",
+	} {
+		w := s.do(t, "POST", "/v1/chat/completions", body)
+		var e struct {
+			Error struct{ Param *string } `json:"error"`
+		}
+		json.Unmarshal(w.Body.Bytes(), &e)
+		switch {
+		case want == "" && w.Code != 200:
+			t.Errorf("%s: %d %s", body, w.Code, w.Body)
+		case want != "" && (w.Code != 400 || e.Error.Param == nil || *e.Error.Param != want):
+			t.Errorf("%s: %d %s, want 400 on %s", body, w.Code, w.Body, want)
+		}
+	}
+	// A field of the wrong type is still named by its path.
+	w := s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":5,"content":"hi"}]}`)
+	if w.Code != 400 || !strings.Contains(w.Body.String(), `"messages.role"`) {
+		t.Fatalf("role 5: %d %s", w.Code, w.Body)
+	}
+}
+
 // TestCloseConnectionMidBody: a forwarded answer cut short after its first bytes
 // reaches the client as a broken response, not as a complete one.
 func TestCloseConnectionMidBody(t *testing.T) {

@@ -157,6 +157,15 @@ func turnEndOf(add *bool, cont bool) (turnEnd, error) {
 
 // chatPromptEnding is chatPrompt, its end as end says.
 func chatPromptEnding(b *Backend, in []Message, tp *toolPlan, kwargs json.RawMessage, end turnEnd) (string, error) {
+	for i, m := range in {
+		if m.noContent {
+			want := "content (a string or an array of content parts)"
+			if m.Role == "assistant" {
+				want += " or tool_calls"
+			}
+			return "", invalid(fmt.Sprintf("messages[%d].content", i), "messages[%d]: a %q message needs %s", i, m.Role, want)
+		}
+	}
 	if !end.continueLast {
 		return layOut(b, in, tp, kwargs, end)
 	}

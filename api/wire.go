@@ -163,6 +163,26 @@ type Message struct {
 	// history is rendered); FunctionCall, the deprecated form, is refused.
 	ToolCalls    json.RawMessage `json:"tool_calls,omitempty"`
 	FunctionCall json.RawMessage `json:"function_call,omitempty"`
+	// noContent: the message came with neither content (or content null)
+	// nor tool calls, which OpenAI's API and llama-server refuse.
+	noContent bool
+}
+
+func (m *Message) UnmarshalJSON(b []byte) error {
+	type Fields Message // without this method; the name is dropped from error paths (jsonField)
+	var v struct {
+		Fields
+		Content *Content `json:"content"` // nil: absent or null
+	}
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	*m = Message(v.Fields)
+	if v.Content != nil {
+		m.Content = *v.Content
+	}
+	m.noContent = v.Content == nil && !given(m.ToolCalls) && !given(m.FunctionCall)
+	return nil
 }
 
 // StreamOptions is OpenAI's stream_options.
