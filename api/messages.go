@@ -98,6 +98,24 @@ type ContentBlock struct {
 	ToolUseID string           `json:"tool_use_id"`
 	Content   AnthropicContent `json:"content"` // a tool result's
 	IsError   bool             `json:"is_error"`
+	noText    bool             // a text block without its text field
+}
+
+func (b *ContentBlock) UnmarshalJSON(data []byte) error {
+	type Fields ContentBlock // without this method; the name is dropped from error paths (jsonField)
+	var v struct {
+		Fields
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(data, &v); err != nil {
+		return err
+	}
+	*b = ContentBlock(v.Fields)
+	if v.Text != nil {
+		b.Text = *v.Text
+	}
+	b.noText = v.Type == "text" && v.Text == nil
+	return nil
 }
 
 // AnthropicTool is a client tool: its name, description and the JSON schema
@@ -211,6 +229,12 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 	if t := r.Temperature; t != nil && !(*t >= 0 && *t <= 1) {
 		return nil, invalid("temperature", "temperature must be between 0 and 1, got %v", *t)
 	}
+	if k := r.TopK; k != nil && *k < 0 { // -1 is vLLM's "off", not Anthropic's
+		return nil, invalid("top_k", "top_k must be at least 0, got %d", *k)
+	}
+	if m := bytes.TrimSpace(r.Metadata); len(m) > 0 && m[0] != '{' && !bytes.Equal(m, []byte("null")) {
+		return nil, invalid("metadata", "metadata must be an object ({\"user_id\": ...})")
+	}
 	chat := &ChatRequest{}
 	f := &chat.SamplingFields
 	f.Model, f.Stream, f.Temperature, f.TopP, f.TopK = r.Model, r.Stream, r.Temperature, r.TopP, r.TopK
@@ -321,6 +345,9 @@ func blockText(blocks AnthropicContent, where string, images bool) (string, erro
 	for _, b := range blocks {
 		switch {
 		case b.Type == "text":
+			if b.noText {
+				return "", errNoText(where)
+			}
 			parts = append(parts, b.Text)
 		case b.Type == "image" && images:
 			m, err := b.image(where)
@@ -335,6 +362,11 @@ func blockText(blocks AnthropicContent, where string, images bool) (string, erro
 		}
 	}
 	return strings.Join(parts, "\n"), nil
+}
+
+// errNoText refuses a text block without its text, as Anthropic's API does.
+func errNoText(where string) error {
+	return invalid("messages", "%s: a text block needs its text field", where)
 }
 
 // image is an image block's marker.
@@ -370,6 +402,9 @@ func userTurn(out []Message, blocks AnthropicContent, where string, called map[s
 	for _, b := range blocks {
 		switch b.Type {
 		case "text":
+			if b.noText {
+				return nil, errNoText(where)
+			}
 			text = append(text, b.Text)
 		case "image":
 			m, err := b.image(where)
@@ -409,6 +444,9 @@ func assistantTurn(out []Message, blocks AnthropicContent, where string, called 
 	for _, b := range blocks {
 		switch b.Type {
 		case "text":
+			if b.noText {
+				return nil, errNoText(where)
+			}
 			text = append(text, b.Text)
 		case "tool_use":
 			if b.ID == "" || b.Name == "" {
