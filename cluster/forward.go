@@ -228,19 +228,30 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 	w.WriteHeader(resp.StatusCode)
 	flusher, _ := w.(http.Flusher)
 	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-	// Newline-delimited JSON (Ollama's streams) passes on whole lines only, so
-	// that a peer failing mid-line leaves no half object before the failure's.
+	// A stream passes on whole events (SSE) or whole lines (newline-delimited
+	// JSON, Ollama's streams) only, so that a peer failing mid-event leaves no
+	// half event before the failure's.
 	ndjson := strings.HasPrefix(resp.Header.Get("Content-Type"), "application/x-ndjson")
-	var partial []byte // ndjson: the line begun, not yet passed on
+	var end []byte // what ends an event or line
+	switch {
+	case sse:
+		end = []byte("\n\n")
+	case ndjson:
+		end = []byte("\n")
+	}
+	var partial []byte // the event begun, not yet passed on
 	buf := make([]byte, 32<<10)
 	for {
 		n, rerr := resp.Body.Read(buf)
 		out := buf[:n]
-		if ndjson {
+		if end != nil {
 			partial = append(partial, out...)
-			i := bytes.LastIndexByte(partial, '\n')
-			out = partial[:i+1]
-			partial = partial[i+1:]
+			i := bytes.LastIndex(partial, end) + len(end)
+			if i < len(end) {
+				i = 0
+			}
+			out = partial[:i]
+			partial = partial[i:]
 		}
 		if len(out) > 0 {
 			if _, werr := w.Write(out); werr != nil {
@@ -250,11 +261,11 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 				flusher.Flush()
 			}
 		}
-		if ndjson {
+		if end != nil {
 			partial = bytes.Clone(partial) // out, written, may share its array
 		}
 		if rerr == io.EOF {
-			if len(partial) > 0 { // a last line without its newline
+			if len(partial) > 0 { // a last event without its end
 				_, _ = w.Write(partial)
 			}
 			return nil
@@ -267,10 +278,7 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 				rerr = cause
 			}
 			switch {
-			case sse:
-				// A blank line first ends whatever event the cut left half written.
-				_, _ = io.WriteString(w, "\n\n"+failure(t.Name))
-			case ndjson:
+			case end != nil:
 				_, _ = io.WriteString(w, failure(t.Name))
 			default:
 				// A body cut short must not end like a whole one: the caller
