@@ -652,6 +652,14 @@ func TestMetricsNames(t *testing.T) {
 			t.Errorf("metrics lack %s", name)
 		}
 	}
+	// A request with n = 2 counts as two, as vLLM counts its children.
+	s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":3,"n":2}`)
+	w = s.do(t, "GET", "/metrics", "")
+	for _, name := range []string{"vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count", "vllm:request_prompt_tokens_count"} {
+		if want := name + `{model_name="fake"} 3`; !strings.Contains(w.Body.String(), want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
 }
 
 // FuzzRequests posts arbitrary bodies to every JSON endpoint: the answer is never a

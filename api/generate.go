@@ -1401,6 +1401,7 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			fn(ev)
 		case scheduler.EventFinish:
 			s.metrics.finished(ev.Finish)
+			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds()) // per choice, as vLLM's n>1 children
 			choice(ev.Index).ended = true
 			p.finished++
 			fn(ev)
@@ -1409,8 +1410,6 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 				fn(ev)
 			}
 		case scheduler.EventDone:
-			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())
-			s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
 			s.metrics.requestEnded(sub.start, ev.Usage, max(p.n, 1), choices, !p.warm)
 			if p.warm {
 				ev.Usage.CompletionTokens = 0 // the token drawn is not the answer's
