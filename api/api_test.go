@@ -379,6 +379,7 @@ func TestMessageWithoutContent(t *testing.T) {
 		`{"messages":[{"role":"user","content":"hi"},{"role":"assistant"}]}`:             "messages[1].content",
 		`{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1","content":"ok"}],"max_tokens":2}`: "",
 		`{"messages":[{"role":"user","content":""}],"max_tokens":2}`: "",
+		`{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"refusal","refusal":"no"}]},{"role":"user","content":[{"type":"input_text","text":"y"}]}],"max_tokens":2}`: "",
 	} {
 		w := s.do(t, "POST", "/v1/chat/completions", body)
 		var e struct {
@@ -1382,7 +1383,7 @@ func TestHTTPMetrics(t *testing.T) {
 // spells it, in its param and its message, and a wrong JSON type in words.
 func TestErrorsNameRequestFields(t *testing.T) {
 	s := newTestServer(t, nil)
-	for _, ok := range []string{`{"prompt":"x","max_tokens":1,"best_of":1}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":2}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":1}`} {
+	for _, ok := range []string{`{"prompt":"x","max_tokens":1,"best_of":1}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":2}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":1}`, `{"prompt":"x","max_tokens":1,"logit_bias":{" 5":1}}`} {
 		if w := s.do(t, "POST", "/v1/completions", ok); w.Code != 200 {
 			t.Errorf("%s: %d %s", ok, w.Code, w.Body)
 		}
@@ -1407,6 +1408,16 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"thinking":{"type":"enabled"},"messages":[{"role":"user","content":"x"}]}`, "budget_tokens: at least 1024", ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t9","content":"r"}]}]}`, `tool_use_id \"t9\", which no earlier tool_use`, ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}`, `field \"messages.content.text\": expected a string, got JSON number`, ""},
+		{"/v1/completions", `{"prompt":[null,5]}`, `field \"prompt\": expected an integer, got JSON null","type":"invalid_request_error","param":"prompt"`, ""},
+		{"/v1/completions", `{"prompt":[[1],[2,null]]}`, `field \"prompt\": expected an integer, got JSON null`, ""},
+		{"/v1/completions", `{"prompt":["a",null]}`, `field \"prompt\": expected a string, got JSON null`, ""},
+		{"/v1/completions", `{"prompt":"a","stop_token_ids":[null]}`, `"param":"stop_token_ids"`, ""},
+		{"/detokenize", `{"tokens":[1,null]}`, `"param":"tokens"`, ""},
+		{"/v1/completions", `{"prompt":"a","logit_bias":{"99999999999999999999":100}}`, `logit_bias key \"99999999999999999999\" is not a token id of this model","type":"invalid_request_error","param":"logit_bias"`, ""},
+		{"/v1/completions", `{"prompt":"a","logit_bias":{" 99999":100}}`, `logit_bias key 99999 is not a token id`, ""},
+		{"/v1/completions", `{"prompt":"a","logit_bias":5}`, `logit_bias must be {\"token id\": bias}`, "invalid JSON body"},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":[{"type":"input_audio","input_audio":{}}]}]}`, `messages: content part 0: parts of type \"text\" with a text field, \"refusal\" with a refusal field, or \"image_url\" are read, got type \"input_audio\"","type":"invalid_request_error","param":"messages"`, ""},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":100000}`, `"param":"max_completion_tokens","code":"context_length_exceeded"`, ""},
 		{"/v1/messages", `{"max_tokens":2,"top_k":-1,"messages":[{"role":"user","content":"x"}]}`, "top_k must be at least 0", ""},
 		{"/v1/messages", `{"max_tokens":2,"metadata":"me","messages":[{"role":"user","content":"x"}]}`, "metadata must be an object", ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"text"}]}]}`, "messages[0]: a text block needs its text field", ""},

@@ -43,6 +43,10 @@ func decodeBody(c *gin.Context, v any) error {
 		return invalid("", "request body is empty; expected a JSON object")
 	}
 	if err := json.Unmarshal(body, v); err != nil {
+		var fe *fieldError
+		if errors.As(err, &fe) {
+			return invalid(fe.param, "%v", fe.err)
+		}
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
 			field := jsonField(te.Field)
@@ -693,6 +697,9 @@ func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 		return nil, err
 	}
 	p.chat = true
+	if param != "max_tokens" {
+		p.params = map[string]string{"max_tokens": param}
+	}
 	if len(req.Messages) == 0 {
 		return nil, invalid("messages", "messages must not be empty")
 	}
@@ -1062,7 +1069,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 		if p.maxTokensAsked && p.req.MaxTokens > maxCtx-len(toks) && !p.req.IgnoreEOS {
 			// Like vLLM: the request can never be served in full.
 			s.metrics.rejected(scheduler.ErrPromptTooLong)
-			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: "max_tokens",
+			abort(c, &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded", Param: p.param("max_tokens"),
 				Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d for the completion). Please reduce the length of the %s or the completion.", maxCtx, uint64(len(toks))+uint64(p.req.MaxTokens), len(toks), which(where, i, len(p.prompts)), p.req.MaxTokens, where)})
 			return
 		}

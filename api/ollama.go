@@ -163,7 +163,7 @@ type OllamaGenerateRequest struct {
 	Template string `json:"template"`
 	// Context is an earlier answer's context (its prompt and output tokens): the
 	// prompt goes on from it.
-	Context []int64           `json:"context"`
+	Context TokenIDs[int64]   `json:"context"`
 	Raw     bool              `json:"raw"` // the prompt as it is, without the chat template
 	Images  []json.RawMessage `json:"images"`
 }

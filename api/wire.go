@@ -10,6 +10,7 @@ import (
 	"reflect"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/shoal-ai/shoal/engine"
 )
@@ -53,27 +54,76 @@ type Prompt struct {
 func (p *Prompt) UnmarshalJSON(b []byte) error {
 	b = bytes.TrimSpace(b)
 	var s string
-	if err := json.Unmarshal(b, &s); err == nil {
+	if err := json.Unmarshal(b, &s); err == nil && !bytes.Equal(b, []byte("null")) {
 		p.Texts = []string{s}
 		return nil
 	}
-	var ss []string
+	var ss []*string // nil: a null, which would read as ""
 	if err := json.Unmarshal(b, &ss); err == nil {
-		p.Texts = ss
+		p.Texts = make([]string, len(ss))
+		for i, s := range ss {
+			if s == nil {
+				return nullElement[string]()
+			}
+			p.Texts[i] = *s
+		}
 		return nil
 	}
-	var ts []int64
-	if err := json.Unmarshal(b, &ts); err == nil {
+	var ts TokenIDs[int64]
+	err := json.Unmarshal(b, &ts)
+	if err == nil {
 		p.Tokens = [][]int64{ts}
 		return nil
 	}
-	var tss [][]int64
-	if err := json.Unmarshal(b, &tss); err == nil {
-		p.Tokens = tss
+	var tss []TokenIDs[int64]
+	if err2 := json.Unmarshal(b, &tss); err2 == nil {
+		p.Tokens = make([][]int64, len(tss))
+		for i, ts := range tss {
+			p.Tokens[i] = ts
+		}
 		return nil
+	} else if isNull(err) || isNull(err2) {
+		return nullElement[int64]()
 	}
 	return &json.UnmarshalTypeError{Value: jsonKind(b), Type: reflect.TypeFor[Prompt]()} // named in decodeBody
 }
+
+// nullElement refuses a null in a list of T (encoding/json would read it as
+// T's zero: "", or token 0); decodeBody names the field.
+func nullElement[T any]() error {
+	return &json.UnmarshalTypeError{Value: "null", Type: reflect.TypeFor[T]()}
+}
+
+// isNull reports whether err is nullElement's.
+func isNull(err error) bool {
+	var te *json.UnmarshalTypeError
+	return errors.As(err, &te) && te.Value == "null"
+}
+
+// TokenIDs is a list of token ids, none of them null.
+type TokenIDs[T int | int64] []T
+
+func (t *TokenIDs[T]) UnmarshalJSON(b []byte) error {
+	var ids []T
+	if err := json.Unmarshal(b, &ids); err != nil {
+		return err
+	}
+	// Numbers only were read: any "null" is one.
+	if ids != nil && bytes.Contains(b, []byte("null")) {
+		return nullElement[T]()
+	}
+	*t = ids
+	return nil
+}
+
+// fieldError is a decoder's refusal of a field's value; decodeBody answers it
+// as an invalid request on param.
+type fieldError struct {
+	param string
+	err   error
+}
+
+func (e *fieldError) Error() string { return e.err.Error() }
 
 // jsonKind names the kind of JSON value b is, as encoding/json's errors do.
 func jsonKind(b []byte) string {
@@ -111,6 +161,7 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 	var parts []struct {
 		Type     string          `json:"type"`
 		Text     *string         `json:"text"`
+		Refusal  *string         `json:"refusal"` // an assistant's part, text as vLLM reads it
 		ImageURL json.RawMessage `json:"image_url"`
 	}
 	if err := json.Unmarshal(b, &parts); err != nil {
@@ -123,16 +174,18 @@ func (c *Content) UnmarshalJSON(b []byte) error {
 			buf.WriteByte('\n') // as vLLM joins text parts
 		}
 		switch {
-		case p.Type == "text" && p.Text != nil:
+		case (p.Type == "text" || p.Type == "input_text") && p.Text != nil: // input_text: vLLM reads the Responses API's spelling too
 			buf.WriteString(*p.Text)
+		case p.Type == "refusal" && p.Refusal != nil:
+			buf.WriteString(*p.Refusal)
 		case p.Type == "image_url":
 			m, err := partImage(p.ImageURL)
 			if err != nil {
-				return fmt.Errorf("content part %d: %w", i, err)
+				return &fieldError{"messages", fmt.Errorf("messages: content part %d: %w", i, err)}
 			}
 			buf.WriteString(m)
 		default:
-			return fmt.Errorf("content part %d: parts of type \"text\" with a text field, or \"image_url\", are read", i)
+			return &fieldError{"messages", fmt.Errorf("messages: content part %d: parts of type \"text\" with a text field, \"refusal\" with a refusal field, or \"image_url\" are read, got type %q", i, p.Type)}
 		}
 	}
 	*c = Content(buf.String())
@@ -226,13 +279,13 @@ type SamplingFields struct {
 	RepetitionPenalty *float64        `json:"repetition_penalty"`
 	// RepeatLastN is llama-server's and Ollama's window of repetition_penalty:
 	// the last N tokens (64 by default), -1 the whole sequence, 0 none.
-	RepeatLastN       *int  `json:"repeat_last_n"`
-	Priority          *int  `json:"priority"`
-	IgnoreEOS         bool  `json:"ignore_eos"`
-	SkipSpecialTokens *bool `json:"skip_special_tokens"`
-	MinTokens         *int  `json:"min_tokens"`
-	StopTokenIDs      []int `json:"stop_token_ids"`
-	IncludeStopStr    bool  `json:"include_stop_str_in_output"`
+	RepeatLastN       *int          `json:"repeat_last_n"`
+	Priority          *int          `json:"priority"`
+	IgnoreEOS         bool          `json:"ignore_eos"`
+	SkipSpecialTokens *bool         `json:"skip_special_tokens"`
+	MinTokens         *int          `json:"min_tokens"`
+	StopTokenIDs      TokenIDs[int] `json:"stop_token_ids"`
+	IncludeStopStr    bool          `json:"include_stop_str_in_output"`
 	// PromptLogprobs is vLLM's: score the prompt's tokens, with this many
 	// alternatives each (PromptLogprob).
 	PromptLogprobs *int `json:"prompt_logprobs"`
@@ -242,10 +295,10 @@ type SamplingFields struct {
 	// vLLM's: AllowedTokenIDs are the only tokens drawn; BadWords are never
 	// generated; TruncatePromptTokens keeps the prompt's last k tokens (-1:
 	// as many as leave room for a token); UseBeamSearch is refused.
-	AllowedTokenIDs      []int    `json:"allowed_token_ids"`
-	BadWords             []string `json:"bad_words"`
-	TruncatePromptTokens *int     `json:"truncate_prompt_tokens"`
-	UseBeamSearch        bool     `json:"use_beam_search"`
+	AllowedTokenIDs      TokenIDs[int] `json:"allowed_token_ids"`
+	BadWords             []string      `json:"bad_words"`
+	TruncatePromptTokens *int          `json:"truncate_prompt_tokens"`
+	UseBeamSearch        bool          `json:"use_beam_search"`
 	StructuredFields
 	LlamaSamplerFields
 	// llamaRanges: temperatures above OpenAI's 2 are taken, as llama.cpp's
@@ -620,8 +673,8 @@ type TokenizeResponse struct {
 
 // DetokenizeRequest is the body of POST /detokenize.
 type DetokenizeRequest struct {
-	Model  string  `json:"model"`
-	Tokens []int64 `json:"tokens"`
+	Model  string          `json:"model"`
+	Tokens TokenIDs[int64] `json:"tokens"`
 }
 
 // DetokenizeResponse is the body of a /detokenize answer.
@@ -693,7 +746,7 @@ const banBias = -100
 
 // UnmarshalJSON takes an object or an array of pairs.
 func (l *LogitBias) UnmarshalJSON(b []byte) error {
-	errShape := errors.New(`logit_bias must be {"token id": bias} or [[token id or text, bias or false], ...]`)
+	errShape := &fieldError{"logit_bias", errors.New(`logit_bias must be {"token id": bias} or [[token id or text, bias or false], ...]`)}
 	var out LogitBias
 	// entry reads a key (a text is an id when idText and it is one, as an
 	// object's keys are) and a value.
@@ -706,7 +759,14 @@ func (l *LogitBias) UnmarshalJSON(b []byte) error {
 		switch {
 		case json.Unmarshal(key, &e.ID) == nil:
 		case json.Unmarshal(key, &s) == nil:
-			if id, err := strconv.ParseInt(s, 10, 64); err == nil && idText {
+			// A key of digits is a token id (spaces around it read as
+			// llama-server's strtol reads them), never a text of digits.
+			t := strings.TrimSpace(s)
+			if digits := strings.TrimPrefix(t, "-"); idText && digits != "" && strings.Trim(digits, "0123456789") == "" {
+				id, err := strconv.ParseInt(t, 10, 64)
+				if err != nil {
+					return &fieldError{"logit_bias", fmt.Errorf("logit_bias key %q is not a token id of this model", s)}
+				}
 				e.ID = id
 			} else {
 				e.Text, e.IsText = s, true
