@@ -139,7 +139,11 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
 			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
 		return true, noop
-	case errors.Is(err, cluster.ErrNoNode):
+	case errors.Is(err, cluster.ErrDraining) && tokens == nil:
+		abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",
+			Message: "every node serving the model " + model + " is shutting down; retry later", RetryAfter: 1})
+		return true, noop
+	case errors.Is(err, cluster.ErrNoNode), errors.Is(err, cluster.ErrDraining):
 		if tokens == nil {
 			abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
 				Message: "no node of this cluster serves the model " + model})

@@ -390,6 +390,25 @@ func TestRouterFiltersAndSaturation(t *testing.T) {
 	if _, err := n.Route("nope", nil, 0); err != ErrNoNode {
 		t.Fatalf("unknown model: %v", err)
 	}
+	// A model whose nodes all drain comes back: not "no node serves it".
+	n = routerWith(t, LeastLoaded, &peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"x"}}},
+		&peer{name: "drain", meta: Meta{HTTP: "d:1", Models: []string{"m"}, Capacity: 8, Draining: true}})
+	if _, err := n.Route("m", nil, 0); err != ErrDraining {
+		t.Fatalf("only a draining node serves it: %v", err)
+	}
+	// Requests sent there that its load does not show yet take its free
+	// running slots first: only those beyond them wait.
+	roomy := &peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"m"}, Capacity: 2}, load: Load{MaxWaiting: 2}}
+	n = routerWith(t, LeastLoaded, roomy)
+	for i := range 4 {
+		if _, err := n.Route("m", nil, 0); err != nil {
+			t.Fatalf("with %d sent to 2 slots and a queue of 2: %v", i, err)
+		}
+		n.Sent(Target{Name: "self"})
+	}
+	if _, err := n.Route("m", nil, 0); err != ErrSaturated {
+		t.Fatalf("2 slots and a queue of 2, 4 sent: %v", err)
+	}
 }
 
 func TestRoundRobinAndInflight(t *testing.T) {
@@ -417,10 +436,11 @@ func TestRoundRobinAndInflight(t *testing.T) {
 	if reqs, toks := n.peers["b"].unreflected(); reqs != 8 || toks != 310 {
 		t.Fatalf("a batch's flight = %d sequences, %d tokens; want 8, 310", reqs, toks)
 	}
-	n.peers["b"].load.MaxWaiting = 8
+	n.peers["b"].load.Running, n.peers["b"].load.MaxWaiting = 8, 8
 	if ts, _ := n.Route("m", prompt, 0); slices.ContainsFunc(ts, func(t Target) bool { return t.Name == "b" }) {
-		t.Fatalf("a node with a full queue's worth of sequences in flight is a candidate: %+v", ts)
+		t.Fatalf("a node with its slots taken and a full queue's worth of sequences in flight is a candidate: %+v", ts)
 	}
+	n.peers["b"].load.Running = 0
 	batch()
 	// Two load updates later the node's own load shows them: they stop counting twice.
 	n.peers["self"].load.Seq += 2

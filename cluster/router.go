@@ -43,6 +43,10 @@ var ErrSaturated = errors.New("cluster: every node serving the model is saturate
 // ErrNoNode means no alive node serves the model.
 var ErrNoNode = errors.New("cluster: no node serves the model")
 
+// ErrDraining means the nodes that serve the model are all draining (a rolling
+// restart): the model is served again soon, answer 503.
+var ErrDraining = errors.New("cluster: every node serving the model is draining")
+
 // Target is a routing candidate.
 type Target struct {
 	Name  string
@@ -126,7 +130,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	// recent failed hop) are candidates only when no other serves it: one whose
 	// load is late because its machine is busy still answers, and a request
 	// tried there gets its answer or a 502, not a 404 saying nobody serves it.
-	suspects := false
+	suspects, draining := false, false
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
 		for _, p := range n.peers {
 			self := p.name == n.cfg.Name
@@ -138,6 +142,7 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 				continue
 			}
 			if p.meta.Draining {
+				draining = true
 				continue
 			}
 			anyServes = true
@@ -195,8 +200,11 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 		}
 	}
 	if len(cands) == 0 {
-		if anyServes {
+		switch {
+		case anyServes:
 			return nil, ErrSaturated
+		case draining:
+			return nil, ErrDraining
 		}
 		return nil, ErrNoNode
 	}
@@ -594,10 +602,12 @@ func (n *Node) clusterPrefillRate(model string) float64 {
 const defaultPrefillTPS = 1000
 
 // saturated: the node's queue, with the reqs this router sent that its load does not
-// show yet, is nearly full, or its estimated wait too long.
+// show yet (those beyond its free running slots, which they take first), is full,
+// or its estimated wait too long.
 func (n *Node) saturated(p *peer, reqs int) bool {
 	l := p.load
-	if l.MaxWaiting > 0 && l.Waiting+reqs >= l.MaxWaiting {
+	queued := max(reqs-max(p.meta.Capacity-l.Running, 0), 0)
+	if l.MaxWaiting > 0 && l.Waiting+queued >= l.MaxWaiting {
 		return true
 	}
 	return n.cfg.MaxQueueWait > 0 && time.Duration(l.QueueWaitMS*float64(time.Millisecond)) > n.cfg.MaxQueueWait
