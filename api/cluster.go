@@ -2,6 +2,7 @@ package api
 
 import (
 	"cmp"
+	"context"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -79,31 +80,37 @@ func (s *Server) forwardedRequest(c *gin.Context, body []byte) (bool, error) {
 	return fwd, nil
 }
 
-// streamFailure ends c's stream, relayed from a peer that failed mid-way, in
-// the format of c's API: Anthropic's and the Responses API's clients act on
-// named events only, Ollama's read lines of JSON.
-func streamFailure(c *gin.Context) func(peer string) string {
+// streamFailure ends c's stream, relayed from a peer, that failed mid-way
+// (code peer_failed or draining), in the format of c's API: Anthropic's and the
+// Responses API's clients act on named events only, Ollama's read lines of JSON.
+func streamFailure(c *gin.Context) func(code, message string) string {
 	event := func(name string, v any) string {
 		b, _ := json.Marshal(v)
 		return "event: " + name + "\ndata: " + string(b) + "\n\n"
 	}
+	status := func(code string) int {
+		if code == "draining" {
+			return http.StatusServiceUnavailable
+		}
+		return http.StatusBadGateway
+	}
 	switch {
 	case c.GetBool(anthropicKey):
-		return func(peer string) string {
-			return event("error", anthropicError(&Error{Status: http.StatusBadGateway, Message: "peer " + peer + " failed mid-stream"}))
+		return func(code, message string) string {
+			return event("error", anthropicError(&Error{Status: status(code), Message: message}))
 		}
 	case strings.HasSuffix(c.Request.URL.Path, "/responses"):
-		return func(peer string) string {
-			return event("error", gin.H{"type": "error", "code": "peer_failed", "message": "peer " + peer + " failed mid-stream", "param": nil})
+		return func(code, message string) string {
+			return event("error", gin.H{"type": "error", "code": code, "message": message, "param": nil})
 		}
 	case c.GetBool(ollamaKey): // a line of newline-delimited JSON
-		return func(peer string) string {
-			b, _ := json.Marshal(ollamaError(&Error{Message: "peer " + peer + " failed mid-stream"}))
+		return func(code, message string) string {
+			b, _ := json.Marshal(ollamaError(&Error{Message: message}))
 			return string(b) + "\n"
 		}
 	case slices.Contains([]string{"/infill", "/completion", "/completions"}, c.Request.URL.Path): // llama-server's streams end without [DONE]
-		return func(peer string) string {
-			b, _ := json.Marshal((&Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peer_failed", Message: "peer " + peer + " failed mid-stream"}).body())
+		return func(code, message string) string {
+			b, _ := json.Marshal((&Error{Status: status(code), Type: "server_error", Code: code, Message: message}).body())
 			return "data: " + string(b) + "\n\n"
 		}
 	}
@@ -176,7 +183,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			return false, cs.node.Sent(t)
 		}
 		done := cs.node.Sent(t)
-		err := cs.fwd.ForwardStream(c.Request.Context(), t, c.Request.Method, path, c.Request.Header, raw, c.Writer, streamFailure(c))
+		err := s.forward(c, cs.fwd, t, path, raw)
 		var re *cluster.RetryableError
 		if errors.As(err, &re) {
 			cs.node.Refused(t)
@@ -216,6 +223,10 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			closeConnection(c)
 			return true, noop
 		}
+		if errors.Is(err, cluster.ErrStopping) && !c.Writer.Written() {
+			abort(c, errDraining)
+			return true, noop
+		}
 		if err != nil && !c.Writer.Written() {
 			// Connected, but no answer (the peer may have run it, so no retry).
 			abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peer_failed", Message: err.Error()})
@@ -245,6 +256,16 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 	}
 	abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peers_unavailable", Message: "no peer serving the model answered: " + errString(lastErr)})
 	return true, noop
+}
+
+// forward relays c's request to t until it ends, the client leaves or the
+// node stops (StopRelays).
+func (s *Server) forward(c *gin.Context, fwd *cluster.Forwarder, t cluster.Target, path string, body []byte) error {
+	ctx, cancel := context.WithCancelCause(c.Request.Context())
+	defer cancel(nil)
+	stop := context.AfterFunc(s.relays, func() { cancel(context.Cause(s.relays)) })
+	defer stop()
+	return fwd.ForwardStream(ctx, t, c.Request.Method, path, c.Request.Header, body, c.Writer, streamFailure(c))
 }
 
 // taskModel is the model the first alive member serving task serves ("" when

@@ -24,8 +24,8 @@ func TestStreamFailureFormats(t *testing.T) {
 		f := streamFailure(c)
 		switch {
 		case want == "" && f != nil:
-			t.Errorf("%s: %q, want the forwarder's OpenAI default", path, f("p"))
-		case want != "" && (f == nil || f("p") != want):
+			t.Errorf("%s: %q, want the forwarder's OpenAI default", path, f("peer_failed", "peer p failed mid-stream"))
+		case want != "" && (f == nil || f("peer_failed", "peer p failed mid-stream") != want):
 			t.Errorf("%s: got a different end, want %q", path, want)
 		}
 	}

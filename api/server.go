@@ -197,6 +197,9 @@ type Server struct {
 	engine   *gin.Engine
 	started  time.Time
 	cluster  atomic.Pointer[clusterState]
+	// relays is cancelled, with cause cluster.ErrStopping, by StopRelays.
+	relays     context.Context
+	stopRelays context.CancelCauseFunc
 	// now and newID are replaced by golden tests for stable output.
 	now   func() time.Time
 	newID func(prefix string) string
@@ -212,6 +215,7 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	}
 	gin.SetMode(gin.ReleaseMode)
 	s := &Server{cfg: cfg, log: log, started: time.Now(), now: time.Now, newID: randomID}
+	s.relays, s.stopRelays = context.WithCancelCause(context.Background())
 	m, err := newMetrics(reg, s)
 	if err != nil {
 		return nil, err
@@ -378,6 +382,11 @@ func (s *Server) SetBackend(b *Backend) {
 
 // Drain makes the server refuse new generation requests with 503.
 func (s *Server) Drain() { s.draining.Store(true) }
+
+// StopRelays ends the answers this node is relaying from peers, as a drain
+// that timed out ends its own: a stream with an error event (code draining),
+// an answer not begun with 503. Call it after the scheduler has stopped.
+func (s *Server) StopRelays() { s.stopRelays(cluster.ErrStopping) }
 
 // InFlight is how many API requests are being answered now: served here, being
 // forwarded to a peer, or still being read. A draining node waits for it to reach 0

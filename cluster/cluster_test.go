@@ -547,7 +547,7 @@ func TestForwardRetryAndMidStreamFailure(t *testing.T) {
 	w = httptest.NewRecorder()
 	err := f.Forward(ctx, Target{Name: "d", HTTP: host(dying)}, "POST", "/v1/completions", http.Header{}, body, w)
 	// Events pass on whole: the one the peer left half written is dropped.
-	if want := "data: 1\n\n" + openAIFailure("d"); err == nil || w.Body.String() != want {
+	if want := "data: 1\n\n" + openAIFailure("peer_failed", "peer d failed mid-stream"); err == nil || w.Body.String() != want {
 		t.Fatalf("mid-stream death: %v %q, want %q", err, w.Body.String(), want)
 	}
 	// Newline-delimited JSON (Ollama's) passes on whole lines: a line the peer
@@ -564,8 +564,8 @@ func TestForwardRetryAndMidStreamFailure(t *testing.T) {
 	defer dyingLines.Close()
 	w = httptest.NewRecorder()
 	err = f.ForwardStream(ctx, Target{Name: "d", HTTP: host(dyingLines)}, "POST", "/api/chat", http.Header{}, body, w,
-		func(peer string) string { return `{"error":"peer ` + peer + ` failed"}` + "\n" })
-	if want := `{"a":1}` + "\n" + `{"b":2}` + "\n" + `{"error":"peer d failed"}` + "\n"; err == nil || w.Body.String() != want {
+		func(code, message string) string { return `{"error":"` + message + `"}` + "\n" })
+	if want := `{"a":1}` + "\n" + `{"b":2}` + "\n" + `{"error":"peer d failed mid-stream"}` + "\n"; err == nil || w.Body.String() != want {
 		t.Fatalf("ndjson mid-stream death: %v %q, want %q", err, w.Body.String(), want)
 	}
 }
@@ -1503,6 +1503,23 @@ func TestForwardClientGone(t *testing.T) {
 	err := f.ForwardStream(ctx, Target{Name: "slow", HTTP: strings.TrimPrefix(slow.URL, "http://")}, "POST", "/v1/completions", http.Header{}, []byte(`{}`), w, nil)
 	if !errors.Is(err, ErrClientGone) {
 		t.Fatalf("a client gone mid-relay: %v", err)
+	}
+}
+
+// TestForwardStopping: a node that stops (its drain timed out) ends the
+// streams it relays with a failure event, code draining, not as if their
+// clients had left.
+func TestForwardStopping(t *testing.T) {
+	release := make(chan struct{})
+	slow := stallingStream(release)
+	defer slow.Close()
+	defer close(release)
+	f := NewForwarder("a", []byte("s"), nil)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	w := &cancelOnWrite{ResponseRecorder: httptest.NewRecorder(), cancel: func() { cancel(ErrStopping) }}
+	err := f.ForwardStream(ctx, Target{Name: "slow", HTTP: strings.TrimPrefix(slow.URL, "http://")}, "POST", "/v1/completions", http.Header{}, []byte(`{}`), w, nil)
+	if want := "data: 1\n\n" + openAIFailure("draining", "the node relaying this answer is shutting down"); !errors.Is(err, ErrStopping) || w.Body.String() != want {
+		t.Fatalf("stopping mid-relay: %v %q, want %q", err, w.Body.String(), want)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -154,14 +155,24 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 	return f.ForwardStream(ctx, t, method, path, header, body, w, openAIFailure)
 }
 
-// openAIFailure is the end of an OpenAI stream whose peer failed mid-way.
-func openAIFailure(peer string) string {
-	return fmt.Sprintf(`data: {"error":{"message":"peer %s failed mid-stream","type":"server_error","param":null,"code":"peer_failed"}}`+"\n\ndata: [DONE]\n\n", peer)
+// openAIFailure is the end of an OpenAI stream that failed mid-way.
+func openAIFailure(code, message string) string {
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": message, "type": "server_error", "param": nil, "code": code}})
+	return "data: " + string(b) + "\n\ndata: [DONE]\n\n"
 }
 
+// ErrStopping, as the cause of a forward's context, means this node stops
+// (its drain timed out): a relayed stream ends with a failure event, code
+// "draining", rather than as one whose client left.
+var ErrStopping = errors.New("this node is shutting down")
+
+// stopping reports whether ctx was cancelled because this node stops.
+func stopping(ctx context.Context) bool { return errors.Is(context.Cause(ctx), ErrStopping) }
+
 // ForwardStream is Forward, ending a stream whose peer failed mid-way with
-// failure's events (each API has its own stream format).
-func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path string, header http.Header, body []byte, w http.ResponseWriter, failure func(peer string) string) error {
+// failure's events (each API has its own stream format) for an error code
+// (peer_failed; draining when ctx's cause is ErrStopping) and message.
+func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path string, header http.Header, body []byte, w http.ResponseWriter, failure func(code, message string) string) error {
 	if failure == nil {
 		failure = openAIFailure
 	}
@@ -194,6 +205,9 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 	req.Header.Set(HeaderAuth, sign(f.secret, f.from, ts, method, path, body))
 	resp, err := f.client.Do(req)
 	if err != nil {
+		if stopping(client) {
+			return fmt.Errorf("forward to %s: %w", t.Name, ErrStopping)
+		}
 		if client.Err() != nil {
 			return client.Err()
 		}
@@ -271,15 +285,18 @@ func (f *Forwarder) ForwardStream(ctx context.Context, t Target, method, path st
 			return nil
 		}
 		if rerr != nil {
-			if client.Err() != nil {
+			code, message := "peer_failed", "peer "+t.Name+" failed mid-stream"
+			switch cause := context.Cause(ctx); {
+			case stopping(client):
+				rerr, code, message = ErrStopping, "draining", "the node relaying this answer is shutting down"
+			case client.Err() != nil:
 				return ErrClientGone
-			}
-			if cause := context.Cause(ctx); errors.Is(cause, ErrPeerLost) {
+			case errors.Is(cause, ErrPeerLost):
 				rerr = cause
 			}
 			switch {
 			case end != nil:
-				_, _ = io.WriteString(w, failure(t.Name))
+				_, _ = io.WriteString(w, failure(code, message))
 			default:
 				// A body cut short must not end like a whole one: the caller
 				// aborts the connection.

@@ -743,6 +743,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	}
 	stopSched() // cancels whatever is still running
 	<-schedDone
+	srv.StopRelays() // and what it is relaying from peers
 	if node != nil {
 		// Peers already route around it (draining since the signal): the leave
 		// only tells them it left rather than failed, so it does not wait long.
