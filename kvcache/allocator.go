@@ -29,7 +29,10 @@ type Allocator interface {
 	// committed since (draft tokens the model turned down): their blocks are
 	// freed, and the ops remove their cells.
 	Trim(s *Seq, n int) ([]Op, error)
-	Commit(s *Seq)
+	// Commit makes s's computed full blocks shareable; the ops (which may swap
+	// a block s computed again for the cached one equal to it) are applied
+	// before s's next decode.
+	Commit(s *Seq) []Op
 	Release(s *Seq) []Op
 	// Suspend ends a preempted sequence that will Resume.
 	Suspend(s *Seq) []Op

@@ -129,7 +129,7 @@ func mediaWorkload(t *testing.T, seed uint64, split bool) {
 		}
 		sim.apply(t, ops)
 		sim.decode(t, l.seq.ID, from, to)
-		p.Commit(l.seq)
+		sim.apply(t, p.Commit(l.seq))
 		return true
 	}
 	start := func(f func(string, []int32) (*Seq, []Op, error), toks []int32, plen int) {
@@ -229,7 +229,7 @@ func mediaWorkload(t *testing.T, seed uint64, split bool) {
 			}
 			sim.apply(t, ops)
 			l.tokens = append(l.tokens[:from], toks[0])
-			p.Commit(l.seq)
+			sim.apply(t, p.Commit(l.seq))
 		}
 		check(live)
 	}

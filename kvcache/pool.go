@@ -752,28 +752,46 @@ func (s *Seq) checkTrim(n int) error {
 // blocks among them are hashed and indexed, so other sequences may copy them. Call it
 // after each successful decode of s's tokens, never before (a copy of cells the engine
 // has not written yet would copy nothing).
-func (p *Pool) Commit(s *Seq) {
+func (p *Pool) Commit(s *Seq) []Op {
 	B := p.cfg.BlockTokens
+	var ops []Op
 	for range sealable(p.cfg, s.tail, len(s.tail)/B) {
-		p.seal(s, s.blocks[s.sealed], s.tail[:B])
+		ops = p.seal(s, s.blocks[s.sealed], s.tail[:B], ops)
 		s.sealed++
 		s.tail = s.tail[B:]
 	}
 	s.tail = append(s.tail[:0:0], s.tail...)
+	return ops
 }
 
-// seal hashes full block b of s and indexes it unless an equal block is already
-// indexed (then it stays private to s).
-func (p *Pool) seal(s *Seq, b *block, toks []int32) {
+// seal hashes full block b of s and indexes it. When an equal block is already
+// indexed (a prompt cached whole computes its last block again, for the logits
+// of its last token; sequences that computed the same prompt side by side), s
+// takes that one instead and b is freed (the ops swap s's cells for the
+// holder's), so that the chain goes on and the blocks s computes after it are
+// cached too; one an image goes on past stays private to s, ending the chain.
+func (p *Pool) seal(s *Seq, b *block, toks []int32, ops []Op) []Op {
 	h := s.hasher.Block(s.parent, toks)
 	s.parent = h
 	glued := p.cfg.UncutMedia && s.lastNeg && toks[0] < 0
 	s.lastNeg = toks[len(toks)-1] < 0
 	if !p.cfg.Caching {
-		return
+		return ops
 	}
-	if _, dup := p.index[h]; dup {
-		return
+	if dup, ok := p.index[h]; ok {
+		// Neither end of the block in an image: neither is glued to
+		// another, nor ever will be.
+		if toks[0] >= 0 && toks[len(toks)-1] >= 0 && dup.holder != s.ID && (b.index == 0 || s.blocks[b.index-1] == dup.parent) {
+			B := int32(p.cfg.BlockTokens)
+			p0, p1 := b.index*B, (b.index+1)*B
+			ops = append(ops, Op{Kind: OpRemove, Seq: s.ID, P0: p0, P1: p1}, Op{Kind: OpCopy, Src: dup.holder, Seq: s.ID, P0: p0, P1: p1})
+			p.ref(dup)
+			dup.reused = true
+			s.blocks[b.index] = dup
+			*b = block{id: b.id}
+			p.free = append(p.free, b.id)
+		}
+		return ops
 	}
 	var parent *block
 	if b.index > 0 {
@@ -783,7 +801,7 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 			// have two holders, or another picture goes on from the parent
 			// in its holder's block (the parent is evicted with it, never
 			// with another child): keep this one private.
-			return
+			return ops
 		}
 	}
 	p.ghosts.forget(h)
@@ -798,6 +816,7 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32) {
 	p.index[h] = b
 	p.holders[s.ID]++
 	p.generation++
+	return ops
 }
 
 // errNoLeaf cannot happen while the invariants hold: a non-empty LRU always has a

@@ -251,7 +251,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 		}
 		sim.apply(t, ops)
 		sim.decode(t, s.ID, from, s.Len())
-		p.Commit(s)
+		sim.apply(t, p.Commit(s))
 		live = append(live, &running{seq: s, model: model, tokens: prompt})
 	}
 	for step := 0; len(data) > 0 && step < 400; step++ {
@@ -299,7 +299,7 @@ func driveWith(t *testing.T, data []byte, cfg Config, p Allocator, sim engineSim
 			if r.seq.Len() != from+n {
 				t.Fatalf("trimmed to %d, want %d", r.seq.Len(), from+n)
 			}
-			p.Commit(r.seq)
+			sim.apply(t, p.Commit(r.seq))
 		case 3: // finish
 			if len(live) == 0 {
 				continue
@@ -407,7 +407,7 @@ func computeSeq(t *testing.T, p *Pool, sim *simCells, prompt []int32) *Seq {
 	}
 	sim.apply(t, ops)
 	sim.decode(t, s.ID, from, s.Len())
-	p.Commit(s)
+	sim.apply(t, p.Commit(s))
 	return s
 }
 
@@ -464,6 +464,44 @@ func TestPrefixReuseAndEviction(t *testing.T) {
 	if _, err := p.Grow(c, make([]int32, 8)); !errors.Is(err, ErrNoSpace) {
 		t.Fatalf("grow past capacity: %v", err)
 	}
+}
+
+// TestRecomputedBlockJoinsTheChain: a prompt cached whole computes its last
+// block again (its last token's logits); that block is swapped for the cached
+// one, so what the sequence generates after it is cached too, and the pool
+// holds the block once.
+func TestRecomputedBlockJoinsTheChain(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Cells, cfg.MaxSeqs, cfg.BlockTokens, cfg.CacheFloor = 64, 4, 4, 1
+	p, _ := New(cfg)
+	sim := newSim(cfg.Cells)
+	prompt := seqPrompt(1, 16) // 4 full blocks
+	sim.apply(t, p.Release(computeSeq(t, p, sim, prompt)))
+	s := computeSeq(t, p, sim, prompt)
+	if s.Cached() != 12 {
+		t.Fatalf("a block-aligned prompt cached %d, want 12", s.Cached())
+	}
+	p.Publish()
+	if st := p.Stats(); st.Used != 4 || st.Cached != 0 {
+		t.Fatalf("the last block computed again is held once: %+v", st)
+	}
+	// Its answer, 6 tokens (one full block), one at a time.
+	for tok := int32(100); tok < 106; tok++ {
+		ops, err := p.Grow(s, []int32{tok})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim.apply(t, ops)
+		sim.decode(t, s.ID, s.Len()-1, s.Len())
+		sim.apply(t, p.Commit(s))
+		checkInvariants(t, p, sim, []*running{{seq: s}})
+	}
+	sim.apply(t, p.Release(s))
+	next := append(slices.Clone(prompt), 100, 101, 102, 103, 104, 105, 7)
+	if got := p.CachedPrefix("", next); got != 20 {
+		t.Fatalf("the next turn finds %d tokens cached, want 20 (the prompt and the answer's full block)", got)
+	}
+	checkInvariants(t, p, sim, nil)
 }
 
 // TestSuspendAndResume: a preempted sequence keeps its blocks past the cache
@@ -780,7 +818,7 @@ func TestUncutMedia(t *testing.T) {
 			cuts(gops)
 			sim.apply(t, gops)
 			sim.decode(t, s.ID, at, to)
-			p.Commit(s)
+			sim.apply(t, p.Commit(s))
 		}
 		return s
 	}
@@ -804,7 +842,7 @@ func TestUncutMedia(t *testing.T) {
 		}
 		sim.apply(t, gops)
 		sim.decode(t, a.ID, from, to)
-		p.Commit(a)
+		sim.apply(t, p.Commit(a))
 	}
 	release(a)
 	if got := p.CachedPrefix("", prompt); got != 8 {

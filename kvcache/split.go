@@ -337,7 +337,7 @@ func (p *SplitPool) Trim(s *Seq, n int) ([]Op, error) {
 }
 
 // Commit hashes and indexes s's computed full blocks.
-func (p *SplitPool) Commit(s *Seq) {
+func (p *SplitPool) Commit(s *Seq) []Op {
 	B := p.cfg.BlockTokens
 	st := &p.streams[s.ID]
 	for range sealable(p.cfg, s.tail, len(s.tail)/B) {
@@ -360,6 +360,7 @@ func (p *SplitPool) Commit(s *Seq) {
 		}
 	}
 	s.tail = append(s.tail[:0:0], s.tail...)
+	return nil
 }
 
 // Release ends s: its stream keeps its full blocks as a holder, or is freed.

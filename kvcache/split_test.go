@@ -186,7 +186,7 @@ func TestSplitReuseByCopyAndAdoption(t *testing.T) {
 		}
 		sim.apply(t, gops)
 		sim.decode(t, s.ID, from, s.Len())
-		p.Commit(s)
+		sim.apply(t, p.Commit(s))
 		return s, ops
 	}
 	a, _ := start(prompt)

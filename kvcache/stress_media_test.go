@@ -336,7 +336,7 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, probe int) (a
 				}
 				eng.apply(t, ops)
 				eng.decode(t, l.seq.ID, l.tokens, from, l.seq.Len())
-				p.Commit(l.seq)
+				eng.apply(t, p.Commit(l.seq))
 				check(live)
 				checkTokens()
 			}
@@ -368,7 +368,7 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, probe int) (a
 		eng.apply(t, ops)
 		eng.decode(t, l.seq.ID, l.tokens, from, l.seq.Len())
 		if commit {
-			p.Commit(l.seq)
+			eng.apply(t, p.Commit(l.seq))
 		}
 		return true
 	}
@@ -454,7 +454,7 @@ func stressProbe(t *testing.T, seed uint64, split bool, steps int, probe int) (a
 			eng.apply(t, ops)
 			l.tokens = l.tokens[:at+keep]
 			place(l)
-			p.Commit(l.seq)
+			eng.apply(t, p.Commit(l.seq))
 		case r < 16: // fork after the prompt
 			if len(live) == 0 {
 				continue

@@ -836,8 +836,20 @@ func (s *Scheduler) takeDrafts(q *seq, first engine.Token) {
 		s.fail(q.g, fmt.Errorf("trim proposals: %w", err))
 		return
 	}
-	s.pool.Commit(q.kv)
-	q.committed = q.computed()
+	if s.commit(q) {
+		q.committed = q.computed()
+	}
+}
+
+// commit makes q's computed full blocks shareable (kvcache.Allocator.Commit),
+// applying what that changes in the engine's memory; false when that failed
+// and q's request with it.
+func (s *Scheduler) commit(q *seq) bool {
+	if err := s.apply(s.pool.Commit(q.kv)); err != nil {
+		s.fail(q.g, fmt.Errorf("commit KV blocks: %w", err))
+		return false
+	}
+	return true
 }
 
 // maxPassedOver bounds how many waiting requests (each waiting for a prefix in
@@ -1149,12 +1161,13 @@ func (s *Scheduler) decode(ctx context.Context) {
 
 	// The batch's cells now exist: make its full blocks shareable. Those of a
 	// sequence with proposals wait until they are checked (takeDrafts).
-	for _, q := range s.running {
+	for _, q := range slices.Clone(s.running) { // a failed commit ends q's request
 		switch {
-		case !s.inBatch(q):
+		case q.done || !s.inBatch(q):
 		case q.draft == nil:
-			s.pool.Commit(q.kv)
-			q.committed = q.computed()
+			if s.commit(q) {
+				q.committed = q.computed()
+			}
 		default:
 			q.draftOK = q.draftAt // computed for certain: what an end before the check keeps
 		}
@@ -1623,7 +1636,7 @@ func (s *Scheduler) finish(q *seq, ev Event) {
 func (s *Scheduler) keepVerified(q *seq) {
 	if q.kv != nil && q.draftOK > 0 {
 		if ops, err := s.pool.Trim(q.kv, q.draftOK); err == nil && s.apply(ops) == nil {
-			s.pool.Commit(q.kv)
+			_ = s.apply(s.pool.Commit(q.kv)) // q ends: a failure costs only the cache
 		}
 	}
 	q.draftOK = 0
