@@ -1513,6 +1513,10 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	var stop string
 	if q.gen >= g.req.MinTokens {
 		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
+	} else {
+		// No stop yet, but one that ends at min_tokens or after may begin
+		// here (vLLM matches the stop strings that end in a new token's text).
+		text, q.held = holdBack(text, g.req.Stop)
 	}
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps}
 	g.stream.push(ev)
@@ -1593,6 +1597,13 @@ func MatchStop(text string, stops []string, include bool) (emit, held, stop stri
 		}
 		return text[:first], "", text[first:end]
 	}
+	emit, held = holdBack(text, stops)
+	return emit, held, ""
+}
+
+// holdBack splits text into what can be emitted and the longest suffix that
+// could still begin a stop string; a whole stop string in text is emitted.
+func holdBack(text string, stops []string) (emit, held string) {
 	keep := 0
 	for _, st := range stops {
 		for k := min(len(st)-1, len(text)); k > keep; k-- {
@@ -1602,7 +1613,7 @@ func MatchStop(text string, stops []string, include bool) (emit, held, stop stri
 			}
 		}
 	}
-	return text[:len(text)-keep], text[len(text)-keep:], ""
+	return text[:len(text)-keep], text[len(text)-keep:]
 }
 
 // finish ends choice q with ev, an EventFinish without its kind and index:

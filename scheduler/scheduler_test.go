@@ -490,6 +490,33 @@ func TestMinTokensAndStopTokens(t *testing.T) {
 		t.Fatalf("stop before min_tokens: text %q finish %v, want %q", got.text[0], got.finish[0], text)
 	}
 
+	// One that begins before min_tokens and ends at it stops the choice (vLLM
+	// matches the stop strings that end in a new token's text).
+	var off []int // bytes before each token
+	n := 0
+	for _, tok := range toks {
+		off = append(off, n)
+		p, _ := f.Vocab().Piece(tok, false)
+		n += len(p)
+	}
+	found := false
+	for k := 5; k+1 < len(toks); k++ {
+		// Its last byte is token k's first, and it is nowhere before.
+		if off[k] == 0 || off[k+1] == off[k] || strings.Index(text, text[off[k]-1:off[k]+1]) != off[k]-1 {
+			continue
+		}
+		across := text[off[k]-1 : off[k]+1]
+		got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, Stop: []string{across}, MinTokens: k + 1}})[0]
+		if got.text[0] != text[:off[k]-1] || got.finish[0] != FinishStop {
+			t.Fatalf("stop %q across min_tokens %d: text %q finish %v, want %q", across, k+1, got.text[0], got.finish[0], text[:off[k]-1])
+		}
+		found = true
+		break
+	}
+	if !found {
+		t.Fatal("no stop string across a token boundary found")
+	}
+
 	at := slices.Index(toks, toks[5]) // the stop token's first place
 	got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, StopTokens: []engine.Token{toks[5]}}})[0]
 	if !slices.Equal(got.tokens[0], toks[:at+1]) || got.finish[0] != FinishStop || got.usage.CompletionTokens != at+1 {
