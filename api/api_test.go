@@ -1383,7 +1383,7 @@ func TestHTTPMetrics(t *testing.T) {
 // spells it, in its param and its message, and a wrong JSON type in words.
 func TestErrorsNameRequestFields(t *testing.T) {
 	s := newTestServer(t, nil)
-	for _, ok := range []string{`{"prompt":"x","max_tokens":1,"best_of":1}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":2}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":1}`, `{"prompt":"x","max_tokens":1,"logit_bias":{" 5":1}}`} {
+	for _, ok := range []string{`{"prompt":"x","max_tokens":1,"best_of":1}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":2}`, `{"prompt":"x","max_tokens":1,"n":2,"best_of":1}`, `{"prompt":"x","max_tokens":1,"logit_bias":{" 5":1}}`, `{"prompt":"x","max_tokens":1,"logit_bias":{"+5":1}}`} {
 		if w := s.do(t, "POST", "/v1/completions", ok); w.Code != 200 {
 			t.Errorf("%s: %d %s", ok, w.Code, w.Body)
 		}
@@ -1409,6 +1409,7 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t9","content":"r"}]}]}`, `tool_use_id \"t9\", which no earlier tool_use`, ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}`, `field \"messages.content.text\": expected a string, got JSON number`, ""},
 		{"/v1/completions", `{"prompt":[null,5]}`, `field \"prompt\": expected an integer, got JSON null","type":"invalid_request_error","param":"prompt"`, ""},
+		{"/v1/completions", `{"prompt":[[1,2],null]}`, `field \"prompt\": expected an integer, got JSON null`, ""},
 		{"/v1/completions", `{"prompt":[[1],[2,null]]}`, `field \"prompt\": expected an integer, got JSON null`, ""},
 		{"/v1/completions", `{"prompt":["a",null]}`, `field \"prompt\": expected a string, got JSON null`, ""},
 		{"/v1/completions", `{"prompt":"a","stop_token_ids":[null]}`, `"param":"stop_token_ids"`, ""},
@@ -1421,6 +1422,7 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"top_k":-1,"messages":[{"role":"user","content":"x"}]}`, "top_k must be at least 0", ""},
 		{"/v1/messages", `{"max_tokens":2,"metadata":"me","messages":[{"role":"user","content":"x"}]}`, "metadata must be an object", ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"text"}]}]}`, "messages[0]: a text block needs its text field", ""},
+		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":"x"},{"role":"assistant","content":[{"type":"text"}]}]}`, "messages[1]: a text block needs its text field", ""},
 		{"/v1/messages", `{"max_tokens":2,"system":[{"type":"text"}],"messages":[{"role":"user","content":"x"}]}`, "system: a text block needs its text field", ""},
 		{"/v1/responses", `{"input":[{"type":"function_call_output","call_id":"c9","output":"r"}]}`, `no tool call found for function_call_output with call_id \"c9\"`, ""},
 		{"/v1/responses", `{"input":"x","tool_choice":"bogus"}`, `{\"type\": \"function\" (or \"custom\"), \"name\": ...}`, ""},

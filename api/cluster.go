@@ -88,16 +88,16 @@ func streamFailure(c *gin.Context) func(code, message string) string {
 		b, _ := json.Marshal(v)
 		return "event: " + name + "\ndata: " + string(b) + "\n\n"
 	}
-	status := func(code string) int {
+	failed := func(code, message string) *Error {
 		if code == "draining" {
-			return http.StatusServiceUnavailable
+			return &Error{Status: errDraining.Status, Type: errDraining.Type, Code: code, Message: message}
 		}
-		return http.StatusBadGateway
+		return &Error{Status: http.StatusBadGateway, Type: "server_error", Code: code, Message: message}
 	}
 	switch {
 	case c.GetBool(anthropicKey):
 		return func(code, message string) string {
-			return event("error", anthropicError(&Error{Status: status(code), Message: message}))
+			return event("error", anthropicError(failed(code, message)))
 		}
 	case strings.HasSuffix(c.Request.URL.Path, "/responses"):
 		return func(code, message string) string {
@@ -110,7 +110,7 @@ func streamFailure(c *gin.Context) func(code, message string) string {
 		}
 	case slices.Contains([]string{"/infill", "/completion", "/completions"}, c.Request.URL.Path): // llama-server's streams end without [DONE]
 		return func(code, message string) string {
-			b, _ := json.Marshal((&Error{Status: status(code), Type: "server_error", Code: code, Message: message}).body())
+			b, _ := json.Marshal(failed(code, message).body())
 			return "data: " + string(b) + "\n\n"
 		}
 	}

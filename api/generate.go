@@ -1408,7 +1408,10 @@ func (s *Server) drain(ctx context.Context, b *Backend, p *plan, sub submitted, 
 			fn(ev)
 		case scheduler.EventFinish:
 			s.metrics.finished(ev.Finish)
-			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds()) // per choice, as vLLM's n>1 children
+			// Per choice, as vLLM observes the children of a request with n > 1.
+			_, queued := sub.stream.Started()
+			s.metrics.e2e.Observe(ev.At.Sub(sub.start).Seconds())
+			s.metrics.queue.Observe(queued.Seconds())
 			choice(ev.Index).ended = true
 			p.finished++
 			fn(ev)

@@ -307,7 +307,7 @@ func (r *MessagesRequest) chatRequest() (*ChatRequest, error) {
 // emptyTurn reports whether blocks hold no text and no call.
 func emptyTurn(blocks AnthropicContent) bool {
 	for _, b := range blocks {
-		if b.Type != "text" || strings.TrimSpace(b.Text) != "" {
+		if b.Type != "text" || b.noText || strings.TrimSpace(b.Text) != "" {
 			return false
 		}
 	}

@@ -219,7 +219,7 @@ func (c *choiceStats) token(ev scheduler.Event) (time.Duration, bool) {
 
 // requestEnded observes a prompt's request, from its start to its end with
 // usage u: per choice whose finish was read (as vLLM counts the children of a
-// request with n > 1), its queue time, lengths and times, and per
+// request with n > 1), its lengths and times, and per
 // prompt its n and the most tokens a choice generated. counted says whether
 // the tokens read are the answer's (not a warm-up's drawn token).
 func (m *metrics) requestEnded(start time.Time, u scheduler.Usage, n int, choices map[int]*choiceStats, counted bool) {
@@ -238,7 +238,6 @@ func (m *metrics) requestEnded(start time.Time, u scheduler.Usage, n int, choice
 		if !c.first.IsZero() {
 			prefill, decode = max(c.first.Sub(scheduled), 0), c.last.Sub(c.first)
 		}
-		m.queue.Observe(u.QueueTime.Seconds())
 		m.promptLen.Observe(float64(u.PromptTokens))
 		m.genLen.Observe(float64(gen))
 		if counted { // not max_tokens 0's warm-up, which vLLM leaves out

@@ -635,11 +635,16 @@ func (m *stopMatcher) cut(text string, final bool) string {
 	switch {
 	case m.stopped:
 		return ""
-	case len(m.stops) == 0 || m.gen < m.min:
-		return text // held is empty: nothing is held before min tokens
+	case len(m.stops) == 0:
+		return text
 	}
-	emit, held, stop := scheduler.MatchStop(m.held+text, m.stops, m.include)
-	m.held = held
+	var emit, stop string
+	if m.gen < m.min {
+		// No stop yet, but one that ends at min tokens or after may begin here.
+		emit, m.held = scheduler.HoldBack(m.held+text, m.stops)
+	} else {
+		emit, m.held, stop = scheduler.MatchStop(m.held+text, m.stops, m.include)
+	}
 	if stop != "" {
 		m.stopped, m.held, m.matched = true, "", stop
 	}

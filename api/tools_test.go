@@ -218,6 +218,20 @@ func feed(out string, k int, stops ...string) (string, []ToolCall, bool) {
 	return text.String() + rest, calls, a.stop.stopped
 }
 
+// TestStopMatcherMinTokens: before min_tokens no stop string ends the answer,
+// but one that ends at min_tokens or after does, even begun before it.
+func TestStopMatcherMinTokens(t *testing.T) {
+	m := stopMatcher{stops: []string{"END"}, min: 5}
+	var out strings.Builder
+	for _, piece := range []string{"END", "a", "b", "E", "ND", "x"} {
+		m.gen++
+		out.WriteString(m.cut(piece, false))
+	}
+	if out.String() != "ENDab" || !m.stopped || m.matched != "END" {
+		t.Fatalf("passed on %q, stopped %v; want \"ENDab\", stopped at the END that ends at token 5", out.String(), m.stopped)
+	}
+}
+
 func TestAnswerStream(t *testing.T) {
 	cases := []struct {
 		out, text string

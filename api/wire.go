@@ -79,6 +79,9 @@ func (p *Prompt) UnmarshalJSON(b []byte) error {
 	if err2 := json.Unmarshal(b, &tss); err2 == nil {
 		p.Tokens = make([][]int64, len(tss))
 		for i, ts := range tss {
+			if ts == nil {
+				return nullElement[int64]()
+			}
 			p.Tokens[i] = ts
 		}
 		return nil
@@ -759,10 +762,14 @@ func (l *LogitBias) UnmarshalJSON(b []byte) error {
 		switch {
 		case json.Unmarshal(key, &e.ID) == nil:
 		case json.Unmarshal(key, &s) == nil:
-			// A key of digits is a token id (spaces around it read as
-			// llama-server's strtol reads them), never a text of digits.
-			t := strings.TrimSpace(s)
-			if digits := strings.TrimPrefix(t, "-"); idText && digits != "" && strings.Trim(digits, "0123456789") == "" {
+			// A key of digits is a token id, never a text of digits: as
+			// llama-server's strtol reads it (leading spaces, one sign).
+			t := strings.TrimLeft(s, " \t\n\v\f\r")
+			digits := t
+			if t != "" && (t[0] == '+' || t[0] == '-') {
+				digits = t[1:]
+			}
+			if idText && digits != "" && strings.Trim(digits, "0123456789") == "" {
 				id, err := strconv.ParseInt(t, 10, 64)
 				if err != nil {
 					return &fieldError{"logit_bias", fmt.Errorf("logit_bias key %q is not a token id of this model", s)}

@@ -409,6 +409,14 @@ func TestRouterFiltersAndSaturation(t *testing.T) {
 	if _, err := n.Route("m", nil, 0); err != ErrSaturated {
 		t.Fatalf("2 slots and a queue of 2, 4 sent: %v", err)
 	}
+	// While some wait, no slot is free (KV space holds them back): a request
+	// sent there waits too.
+	busy := &peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"m"}, Capacity: 2}, load: Load{Waiting: 1, MaxWaiting: 2}}
+	n = routerWith(t, LeastLoaded, busy)
+	n.Sent(Target{Name: "self"})
+	if _, err := n.Route("m", nil, 0); err != ErrSaturated {
+		t.Fatalf("1 waiting and 1 sent to a queue of 2: %v", err)
+	}
 }
 
 func TestRoundRobinAndInflight(t *testing.T) {

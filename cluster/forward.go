@@ -157,7 +157,11 @@ func (f *Forwarder) Forward(ctx context.Context, t Target, method, path string, 
 
 // openAIFailure is the end of an OpenAI stream that failed mid-way.
 func openAIFailure(code, message string) string {
-	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": message, "type": "server_error", "param": nil, "code": code}})
+	typ := "server_error"
+	if code == "draining" {
+		typ = "service_unavailable" // as the node's own drain says it
+	}
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": message, "type": typ, "param": nil, "code": code}})
 	return "data: " + string(b) + "\n\ndata: [DONE]\n\n"
 }
 

@@ -602,11 +602,16 @@ func (n *Node) clusterPrefillRate(model string) float64 {
 const defaultPrefillTPS = 1000
 
 // saturated: the node's queue, with the reqs this router sent that its load does not
-// show yet (those beyond its free running slots, which they take first), is full,
-// or its estimated wait too long.
+// show yet (those beyond its free running slots, which they take first; none is
+// free while some wait: KV space holds them back), is full, or its estimated
+// wait too long.
 func (n *Node) saturated(p *peer, reqs int) bool {
 	l := p.load
-	queued := max(reqs-max(p.meta.Capacity-l.Running, 0), 0)
+	free := 0
+	if l.Waiting == 0 {
+		free = max(p.meta.Capacity-l.Running, 0)
+	}
+	queued := max(reqs-free, 0)
 	if l.MaxWaiting > 0 && l.Waiting+queued >= l.MaxWaiting {
 		return true
 	}

@@ -161,6 +161,8 @@ type Seq struct {
 	parent Hash    // hash of the last sealed block
 	cached int
 	hasher Hasher // its model's: the adapter's, under a LoRA adapter
+	// resumed: started by Resume; its own blocks taken back are not reuse.
+	resumed bool
 	// lastNeg: the last token of its sealed blocks is an image's placeholder
 	// (Config.UncutMedia).
 	lastNeg bool
@@ -519,7 +521,7 @@ func (p *Pool) start(model string, prompt []int32, resume bool) (*Seq, []Op, err
 	if err != nil {
 		return nil, nil, err
 	}
-	s := &Seq{ID: id, hasher: p.hasher.For(model)}
+	s := &Seq{ID: id, hasher: p.hasher.For(model), resumed: resume}
 	mode := planAcross
 	if slices.Equal(prompt, p.chose.prompt) {
 		mode = p.chose.mode
@@ -785,8 +787,11 @@ func (p *Pool) seal(s *Seq, b *block, toks []int32, ops []Op) []Op {
 			B := int32(p.cfg.BlockTokens)
 			p0, p1 := b.index*B, (b.index+1)*B
 			ops = append(ops, Op{Kind: OpRemove, Seq: s.ID, P0: p0, P1: p1}, Op{Kind: OpCopy, Src: dup.holder, Seq: s.ID, P0: p0, P1: p1})
+			if dup.lru != nil && !dup.reused && !s.resumed {
+				p.budget = min(len(p.blocks), p.budget+1) // as Start credits a first reuse
+			}
 			p.ref(dup)
-			dup.reused = true
+			dup.reused = dup.reused || !s.resumed
 			s.blocks[b.index] = dup
 			*b = block{id: b.id}
 			p.free = append(p.free, b.id)

@@ -1516,7 +1516,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	} else {
 		// No stop yet, but one that ends at min_tokens or after may begin
 		// here (vLLM matches the stop strings that end in a new token's text).
-		text, q.held = holdBack(text, g.req.Stop)
+		text, q.held = HoldBack(text, g.req.Stop)
 	}
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps}
 	g.stream.push(ev)
@@ -1597,13 +1597,14 @@ func MatchStop(text string, stops []string, include bool) (emit, held, stop stri
 		}
 		return text[:first], "", text[first:end]
 	}
-	emit, held = holdBack(text, stops)
+	emit, held = HoldBack(text, stops)
 	return emit, held, ""
 }
 
-// holdBack splits text into what can be emitted and the longest suffix that
-// could still begin a stop string; a whole stop string in text is emitted.
-func holdBack(text string, stops []string) (emit, held string) {
+// HoldBack splits text into what can be emitted and the longest suffix that
+// could still begin a stop string; a whole stop string in text is emitted
+// (before min_tokens, when none may stop the choice yet).
+func HoldBack(text string, stops []string) (emit, held string) {
 	keep := 0
 	for _, st := range stops {
 		for k := min(len(st)-1, len(text)); k > keep; k-- {
