@@ -141,7 +141,7 @@ func TestCallStreamStops(t *testing.T) {
 		{[]string{"Nothing in O"}, "Nothing in ", "O", 0, "stop"},
 		{[]string{"Nothing in O<tool_c"}, "Nothing in ", "O", 0, "stop"},  // a call cut in its tag: the text held stays
 		{[]string{"In Oslo", "? " + call}, "In Oslo", "", 0, "stop"},      // include_stop_str_in_output
-		{[]string{"Oslo ", "Oslo ", "Oslo"}, "Oslo Oslo ", "", 0, "stop"}, // min_tokens 3
+		{[]string{"Oslo ", "Oslo ", "Oslo"}, "Oslo Oslo ", "", 0, "stop"}, // min_tokens 2
 		// Text held as the possible start of a stop string goes out before
 		// the calls begin (they are streamed as written).
 		{[]string{"Off to Os", call}, "Off to Os", "", 1, "tool_calls"},
@@ -151,7 +151,7 @@ func TestCallStreamStops(t *testing.T) {
 		case "In Oslo":
 			cs.stop.include = true
 		case "Oslo ":
-			cs.stop.min = 3
+			cs.stop.min = 2
 		}
 		ev := scheduler.Event{Kind: scheduler.EventToken}
 		var sent strings.Builder

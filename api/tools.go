@@ -623,7 +623,7 @@ type answerStream struct {
 type stopMatcher struct {
 	stops    []string
 	include  bool   // a stop string is part of the answer (include_stop_str_in_output)
-	min, gen int    // none is matched before min tokens (min_tokens); gen so far
+	min, gen int    // none is matched within the first min tokens (min_tokens); gen so far
 	held     string // text that may begin a stop string
 	stopped  bool   // a stop string ended the answer
 	matched  string // which
@@ -639,8 +639,9 @@ func (m *stopMatcher) cut(text string, final bool) string {
 		return text
 	}
 	var emit, stop string
-	if m.gen < m.min {
-		// No stop yet, but one that ends at min tokens or after may begin here.
+	if m.min > 0 && m.gen <= m.min {
+		// No stop within the first min tokens, but one that ends after them
+		// may begin here (as the scheduler's).
 		emit, m.held = scheduler.HoldBack(m.held+text, m.stops)
 	} else {
 		emit, m.held, stop = scheduler.MatchStop(m.held+text, m.stops, m.include)

@@ -218,17 +218,18 @@ func feed(out string, k int, stops ...string) (string, []ToolCall, bool) {
 	return text.String() + rest, calls, a.stop.stopped
 }
 
-// TestStopMatcherMinTokens: before min_tokens no stop string ends the answer,
-// but one that ends at min_tokens or after does, even begun before it.
+// TestStopMatcherMinTokens: no stop string that ends within the first
+// min_tokens ends the answer, but one that ends after them does, even begun
+// within them.
 func TestStopMatcherMinTokens(t *testing.T) {
-	m := stopMatcher{stops: []string{"END"}, min: 5}
+	m := stopMatcher{stops: []string{"END"}, min: 4}
 	var out strings.Builder
 	for _, piece := range []string{"END", "a", "b", "E", "ND", "x"} {
 		m.gen++
 		out.WriteString(m.cut(piece, false))
 	}
 	if out.String() != "ENDab" || !m.stopped || m.matched != "END" {
-		t.Fatalf("passed on %q, stopped %v; want \"ENDab\", stopped at the END that ends at token 5", out.String(), m.stopped)
+		t.Fatalf("passed on %q, stopped %v; want \"ENDab\", stopped at the END that ends in token 5", out.String(), m.stopped)
 	}
 }
 

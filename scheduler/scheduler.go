@@ -1511,12 +1511,13 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	text := q.held + q.detok.Add(piece)
 	q.held = ""
 	var stop string
-	if q.gen >= g.req.MinTokens {
-		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
-	} else {
-		// No stop yet, but one that ends at min_tokens or after may begin
-		// here (vLLM matches the stop strings that end in a new token's text).
+	if g.req.MinTokens > 0 && q.gen <= g.req.MinTokens {
+		// No stop within the first min_tokens, but one that ends after them
+		// may begin here: vLLM matches the stop strings that end in the text
+		// of a token after them, wherever they begin.
 		text, q.held = HoldBack(text, g.req.Stop)
+	} else {
+		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
 	}
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps}
 	g.stream.push(ev)

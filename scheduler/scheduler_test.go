@@ -490,8 +490,9 @@ func TestMinTokensAndStopTokens(t *testing.T) {
 		t.Fatalf("stop before min_tokens: text %q finish %v, want %q", got.text[0], got.finish[0], text)
 	}
 
-	// One that begins before min_tokens and ends at it stops the choice (vLLM
-	// matches the stop strings that end in a new token's text).
+	// One that begins within the first min_tokens and ends after them stops
+	// the choice (vLLM matches the stop strings that end in a new token's
+	// text); one that ends within them does not.
 	var off []int // bytes before each token
 	n := 0
 	for _, tok := range toks {
@@ -505,10 +506,14 @@ func TestMinTokensAndStopTokens(t *testing.T) {
 		if off[k] == 0 || off[k+1] == off[k] || strings.Index(text, text[off[k]-1:off[k]+1]) != off[k]-1 {
 			continue
 		}
-		across := text[off[k]-1 : off[k]+1]
-		got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, Stop: []string{across}, MinTokens: k + 1}})[0]
+		across := text[off[k]-1 : off[k]+1] // ends in token k+1
+		got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, Stop: []string{across}, MinTokens: k}})[0]
 		if got.text[0] != text[:off[k]-1] || got.finish[0] != FinishStop {
-			t.Fatalf("stop %q across min_tokens %d: text %q finish %v, want %q", across, k+1, got.text[0], got.finish[0], text[:off[k]-1])
+			t.Fatalf("stop %q across min_tokens %d: text %q finish %v, want %q", across, k, got.text[0], got.finish[0], text[:off[k]-1])
+		}
+		got = runConcurrently(t, s, []*Request{{Prompt: prompt(5, 20), MaxTokens: 30, Stop: []string{across}, MinTokens: k + 1}})[0]
+		if got.text[0] != text || got.finish[0] != FinishLength {
+			t.Fatalf("stop %q within min_tokens %d: text %q finish %v, want %q", across, k+1, got.text[0], got.finish[0], text)
 		}
 		found = true
 		break
