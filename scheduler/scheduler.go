@@ -1494,8 +1494,13 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	g.usage.CompletionTokens++
 
 	if !g.req.IgnoreEOS && s.vocab.IsEOG(tok) {
-		// Text held back as the possible start of a stop string is output after all.
-		s.finish(q, Event{Finish: FinishStop, Text: q.held + q.detok.Flush()})
+		// Counted in completion_tokens, it has its logprobs as every token
+		// drawn has (vLLM's and llama-server's answers list it too), and no
+		// text: text held back as the possible start of a stop string is
+		// output after all.
+		g.stream.push(Event{Kind: EventToken, Index: q.index, Token: tok, Text: q.held + q.detok.Flush(), Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps})
+		q.held = ""
+		s.finish(q, Event{Finish: FinishStop})
 		return
 	}
 	q.tokens = append(q.tokens, tok)
