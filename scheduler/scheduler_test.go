@@ -551,6 +551,11 @@ func TestMinTokensAndStopTokens(t *testing.T) {
 	if got.finish[0] != FinishStop || got.usage.CompletionTokens != 16 {
 		t.Fatalf("EOS before min_tokens: finish %v usage %+v, want stop after 16", got.finish, got.usage)
 	}
+	// The EOS that ended it is a token of the answer, with its logprob, as
+	// vLLM lists it.
+	if toks := got.tokens[0]; len(toks) != 16 || !f.Vocab().IsEOG(toks[15]) {
+		t.Fatalf("EOS before min_tokens: tokens %v, want 16 ending with the EOS", toks)
+	}
 	for _, r := range []*Request{
 		{Prompt: prompt(1, 4), MaxTokens: 4, MinTokens: 5},
 		{Prompt: prompt(1, 4), MinTokens: -1},
