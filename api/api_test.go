@@ -1582,3 +1582,13 @@ func TestResponseFailedKeepsOutput(t *testing.T) {
 		t.Fatalf("response.failed without what was streamed: %s", failed)
 	}
 }
+
+// TestResponseOutputAlwaysAnArray: a Responses answer cut before any item
+// has output [], never null (clients range over it).
+func TestResponseOutputAlwaysAnArray(t *testing.T) {
+	var resp Response
+	finishResponse(&resp, &chatAnswer{finish: "length"}, nil, Usage{})
+	if b, _ := json.Marshal(resp); !strings.Contains(string(b), `"output":[]`) || resp.Status != "incomplete" {
+		t.Fatalf("%s", b)
+	}
+}

@@ -316,6 +316,12 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 		}
 		chat.Messages = append(chat.Messages, out)
 	}
+	// A final assistant message is continued (prefilled), as Ollama
+	// continues it: Open WebUI's "continue response" sends one.
+	if n := len(chat.Messages); n > 0 {
+		last := chat.Messages[n-1]
+		chat.ContinueFinalMessage = last.Role == "assistant" && last.Content != "" && !given(last.ToolCalls)
+	}
 	return chat, nil
 }
 

@@ -2,6 +2,7 @@ package api
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -63,6 +64,14 @@ func TestOllamaShapes(t *testing.T) {
 	// A line per token that has text (a sampled token may have none), then the last.
 	if w.Header().Get("Content-Type") != "application/x-ndjson" || len(lines) < 2 || len(lines) > 4 || text.Len() == 0 {
 		t.Fatalf("generate stream: %s", w.Body)
+	}
+	// A final assistant message is continued, as Ollama continues it.
+	msgs := `[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there,"}]`
+	w = s.do(t, "POST", "/api/chat", `{"messages": `+msgs+`, "stream": false, "options": {"num_predict": 1}}`)
+	var tok TokenizeResponse
+	json.Unmarshal(s.do(t, "POST", "/tokenize", `{"messages": `+msgs+`, "continue_final_message": true, "add_generation_prompt": false}`).Body.Bytes(), &tok)
+	if w.Code != 200 || !strings.Contains(w.Body.String(), fmt.Sprintf(`"prompt_eval_count":%d,`, tok.Count)) {
+		t.Fatalf("a final assistant message, continued: %d %s, want %d prompt tokens", w.Code, w.Body, tok.Count)
 	}
 	// Integer options as JSON floats, roles in capitals, as Ollama reads them.
 	w = s.do(t, "POST", "/api/chat", `{"messages": [{"role": "User", "content": "hi"}], "stream": false, "options": {"num_predict": 2.0, "top_k": 40.0, "seed": 7.0}}`)

@@ -406,6 +406,9 @@ func (s *Server) newResponse(p *plan) Response {
 // finishResponse completes resp with a's output items (as given) and the usage.
 func finishResponse(resp *Response, a *chatAnswer, items []any, u Usage) {
 	resp.Output = items
+	if items == nil {
+		resp.Output = []any{} // always an array, cut before any item too
+	}
 	resp.Status = "completed"
 	if a.finish == "length" {
 		resp.Status, resp.IncompleteDetails = "incomplete", &incomplete{Reason: "max_output_tokens"}
