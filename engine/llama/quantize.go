@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"unsafe"
@@ -50,31 +51,48 @@ func QuantTypes() []string {
 // QuantTypes, case-insensitive), as llama.cpp's llama-quantize does without an
 // importance matrix; norms and other 1-d tensors stay as they are. Matrices whose
 // rows do not fit typ's blocks get llama.cpp's fallback type. threads 0 uses every
-// core. out is written in place of any file there; on failure nothing is left at out.
+// core. out is written in place of any file there, once whole; on failure what was
+// at out stays.
 // It holds no engine and may run beside one.
 func Quantize(in, out, typ string, threads int) error {
 	ftype, ok := quantTypes[strings.ToLower(typ)]
 	if !ok {
 		return fmt.Errorf("llama: quantize: unknown type %q (want one of %s)", typ, strings.Join(QuantTypes(), ", "))
 	}
-	if _, err := os.Stat(in); err != nil {
+	fi, err := os.Stat(in)
+	if err != nil {
 		return fmt.Errorf("llama: quantize: %w", err)
 	}
-	if in == out {
+	// The input is mapped while the output is written: one file under two
+	// names (./m.gguf, a link) would be truncated under the mapping.
+	if fo, err := os.Stat(out); in == out || err == nil && os.SameFile(fi, fo) {
 		return errors.New("llama: quantize: the output must be another file than the input")
+	}
+	// Written beside out and renamed over it once whole: a failure leaves
+	// whatever was at out as it was.
+	tmp, err := os.CreateTemp(filepath.Dir(out), "."+filepath.Base(out)+".*.tmp")
+	if err != nil {
+		return fmt.Errorf("llama: quantize: %w", err)
+	}
+	tmp.Close()
+	defer os.Remove(tmp.Name())                         // after the rename, nothing there
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil { // a model file, as llama-quantize leaves it (not CreateTemp's 0600)
+		return fmt.Errorf("llama: quantize: %w", err)
 	}
 	initBackend()
 	p := C.llama_model_quantize_default_params()
 	p.nthread = C.int32_t(threads)
 	p.ftype = ftype
-	cin, cout := C.CString(in), C.CString(out)
+	cin, cout := C.CString(in), C.CString(tmp.Name())
 	defer C.free(unsafe.Pointer(cin))
 	defer C.free(unsafe.Pointer(cout))
 	var rc C.uint32_t
 	failed := llamaErrors(func() { rc = C.llama_model_quantize(cin, cout, &p) })
 	if rc != 0 {
-		os.Remove(out)
 		return fmt.Errorf("llama: quantize %s to %s: %s", in, typ, cmp.Or(failed, "llama.cpp refused it"))
+	}
+	if err := os.Rename(tmp.Name(), out); err != nil {
+		return fmt.Errorf("llama: quantize: %w", err)
 	}
 	return nil
 }

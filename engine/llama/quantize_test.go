@@ -82,10 +82,18 @@ func TestQuantizeRefusesBadInput(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := filepath.Join(dir, "out.gguf")
+	// The input under another name: its own path spelled otherwise, a link.
+	link := filepath.Join(dir, "link.gguf")
+	if err := os.Symlink(src, link); err != nil {
+		t.Fatal(err)
+	}
+	srcInfo, _ := os.Stat(src)
 	for _, c := range []struct{ in, out, typ, want string }{
 		{src, out, "q9_9", "unknown type"},
 		{filepath.Join(dir, "missing.gguf"), out, "q8_0", "no such file"},
 		{src, src, "q8_0", "another file"},
+		{src, filepath.Join(filepath.Dir(src), ".", filepath.Base(src)), "q8_0", "another file"},
+		{src, link, "q8_0", "another file"},
 		{junk, out, "q8_0", "quantize"},
 	} {
 		err := Quantize(c.in, c.out, c.typ, 1)
@@ -95,6 +103,12 @@ func TestQuantizeRefusesBadInput(t *testing.T) {
 		if _, err := os.Stat(out); err == nil {
 			t.Errorf("Quantize(%s, %s) left %s behind", filepath.Base(c.in), c.typ, out)
 		}
+		if fi, err := os.Stat(src); err != nil || fi.Size() != srcInfo.Size() {
+			t.Fatalf("Quantize(%s, %s, %s) changed the input: %v", filepath.Base(c.in), c.out, c.typ, err)
+		}
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, ".*.tmp")); len(left) > 0 {
+		t.Fatalf("left behind: %v", left)
 	}
 }
 
