@@ -75,8 +75,9 @@ func Quantize(in, out, typ string, threads int) error {
 		return fmt.Errorf("llama: quantize: %w", err)
 	}
 	tmp.Close()
-	defer os.Remove(tmp.Name())                         // after the rename, nothing there
-	if err := os.Chmod(tmp.Name(), 0o644); err != nil { // a model file, as llama-quantize leaves it (not CreateTemp's 0600)
+	defer os.Remove(tmp.Name()) // after the rename, nothing there
+	// A model file's mode, as llama-quantize leaves it (not CreateTemp's 0600).
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
 		return fmt.Errorf("llama: quantize: %w", err)
 	}
 	initBackend()
