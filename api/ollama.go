@@ -1044,7 +1044,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 			abort(c, invalid("input", "at most %d inputs per request", maxInputs))
 			return
 		}
-		limit := b.Generator.MaxContext() - 1
+		limit := stepTokens(b) // truncate cuts to what the node computes
 		var inputs [][]engine.Token
 		for i, t := range texts {
 			toks, err := b.Vocab.Tokenize(t, true, false)
@@ -1069,7 +1069,7 @@ func (s *Server) ollamaEmbed(legacy bool) gin.HandlerFunc {
 		for i, toks := range inputs {
 			if len(toks) > limit {
 				if req.Truncate != nil && !*req.Truncate {
-					abort(c, invalid("input", "input %d has %d tokens, more than the context's %d (truncate: false)", i, len(toks), limit))
+					abort(c, invalid("input", "input %d has %d tokens, more than the %d the node computes in one pass (truncate: false)", i, len(toks), limit))
 					return
 				}
 				inputs[i] = toks[:limit]

@@ -1001,11 +1001,12 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 // as its scheduler would refuse it: in one step (Load.MaxBatchTokens, 0: any),
 // shorter than the context.
 func fitsOnePass(n int, b *Backend) error {
+	// The smaller bound is the one to say.
 	switch budget, maxContext := b.Generator.Load().MaxBatchTokens, b.Generator.MaxContext(); {
+	case budget > 0 && budget < maxContext && n > budget:
+		return tooLongError(fmt.Sprintf("%d tokens exceed the step budget of %d (--max-batch-tokens), in which an input is computed", n, budget))
 	case n >= maxContext:
 		return tooLongError(fmt.Sprintf("%d tokens, more than the %d an input may have (the context's %d, less one)", n, maxContext-1, maxContext))
-	case budget > 0 && n > budget:
-		return tooLongError(fmt.Sprintf("%d tokens exceed the step budget of %d (--max-batch-tokens), in which an input is computed", n, budget))
 	}
 	return nil
 }

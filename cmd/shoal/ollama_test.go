@@ -306,7 +306,7 @@ func TestOllamaThinkingAndEmbeddings(t *testing.T) {
 		t.Fatalf("the thoughts did not come apart: %+v", r)
 	}
 
-	e := startNode(t, "--model", smallModel(t), "--embeddings", "--pooling", "mean")
+	e := startNode(t, "--model", smallModel(t), "--embeddings", "--pooling", "mean", "--max-batch-tokens", "64")
 	ec := ollamaClient(t, e)
 	emb, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: []string{"hello there", "general kenobi"}})
 	if err != nil || len(emb.Embeddings) != 2 || emb.PromptEvalCount == 0 {
@@ -347,5 +347,11 @@ func TestOllamaThinkingAndEmbeddings(t *testing.T) {
 	}
 	if none, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: []string{}}); err != nil || len(none.Embeddings) != 0 {
 		t.Fatalf("no input: %+v %v", none, err)
+	}
+	// truncate (by default) cuts an input to what the node computes in one
+	// pass: here its step budget, smaller than the context.
+	long, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: strings.Repeat("a ", 200)})
+	if err != nil || len(long.Embeddings) != 1 || long.PromptEvalCount != 64 {
+		t.Fatalf("an input longer than a step, truncated: %d prompt tokens (%v)", long.PromptEvalCount, err)
 	}
 }
