@@ -671,6 +671,10 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) error {
 	if r < 1 || r > spec.Embd {
 		return fmt.Errorf("generate LoRA %s: rank %d: want 1..%d", path, r, spec.Embd)
 	}
+	if spec.Gemma3 || spec.QwenVL || spec.Reranker {
+		// llama.cpp loads an adapter only on a model of its architecture.
+		return fmt.Errorf("generate LoRA %s: adapters are written for the llama-architecture models, not %s's", path, spec.Name)
+	}
 	seed = cmp.Or(seed, spec.Seed) ^ 0x4c6f5241 // "LoRA": not the base weights' draws
 	kv := ggml.KV{
 		"general.architecture":      "llama",

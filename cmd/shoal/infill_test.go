@@ -96,6 +96,11 @@ func TestLoRA(t *testing.T) {
 	if code := run([]string{"gen-model", "--preset", "small", "--lora", "8", "--out", adapter}, &out, &errb); code != 0 {
 		t.Fatalf("gen-model --lora: %d %s", code, errb.String())
 	}
+	// Not for a preset of another architecture: llama.cpp would not load it.
+	errb.Reset()
+	if code := run([]string{"gen-model", "--preset", "gemma3-tiny", "--lora", "4", "--out", filepath.Join(t.TempDir(), "g.gguf")}, &out, &errb); code == 0 || !strings.Contains(errb.String(), "llama-architecture") {
+		t.Fatalf("gen-model --preset gemma3-tiny --lora: %d %s", code, errb.String())
+	}
 	const body = `{"prompt":"Once upon a time","max_tokens":12,"temperature":0}`
 	answer := func(args ...string) string {
 		n := startNode(t, append([]string{"--model", smallModel(t)}, args...)...)
