@@ -66,6 +66,9 @@ func TestServeArgs(t *testing.T) {
 		"m.gguf --gpu-memory-utilization 0.9": "flag provided but not defined: --gpu-memory-utilization",
 		"m.gguf --max-num-seqs 300":           "llama.cpp runs at most 256 sequences",
 		"m.gguf --parallel 300":               "--parallel 300: llama.cpp runs at most 256 sequences",
+		"m.gguf --sim-speed 5":                "--sim-speed needs --sim",
+		"--sim p.json --sim-speed 0":          "--sim-speed 0: want more than 0",
+		"m.gguf --pooling mean":               "--pooling needs --embeddings",
 	} {
 		err := runServe(strings.Fields(in), io.Discard, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), want) {

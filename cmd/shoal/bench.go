@@ -159,6 +159,8 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return errors.New("--token-max must exceed --token-min >= 0")
 	case c.dataset == "shared-prefix" && c.zipf != 0 && c.zipf <= 1:
 		return errors.New("--zipf must be greater than 1 (or 0 for uniform)")
+	case !(c.rate >= 0) || math.IsInf(c.rate, 0):
+		return fmt.Errorf("--rate %v: want requests per second, or 0 for a closed loop", c.rate)
 	}
 	if err := atLeast(intFlag{"concurrency", c.concurrency, 1}, intFlag{"output-len", c.outputLen, 1}, intFlag{"max-requests", c.maxRequests, 0},
 		intFlag{"system-len", c.systemLen, 0}, intFlag{"num-prompts", c.numPrompts, 1}, intFlag{"input-len", c.inputLen, 1},

@@ -381,6 +381,19 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		template = string(b)
 	}
+	given := func(name string) bool { // on the command line or in the environment (applyEnv sets them)
+		set := false
+		fs.Visit(func(fl *flag.Flag) { set = set || fl.Name == name })
+		return set
+	}
+	switch {
+	case given("sim-speed") && f.sim == "":
+		return errors.New("--sim-speed needs --sim: a model runs at its own speed")
+	case !(f.simSpeed > 0):
+		return fmt.Errorf("--sim-speed %v: want more than 0", f.simSpeed)
+	case given("pooling") && !f.embeddings && !f.reranking:
+		return errors.New("--pooling needs --embeddings: a generation node pools nothing")
+	}
 	var profile sim.Profile
 	if f.sim != "" {
 		if f.chatTemplate != "" || f.chatTemplateFile != "" {

@@ -610,6 +610,10 @@ func TestBenchAgainstNode(t *testing.T) {
 		r.TTFTms.N != 0 || !strings.Contains(stdout.String(), "TTFT                     -") {
 		t.Fatalf("a failing run should say why: %+v\n%s", r, stdout.String())
 	}
+	stderr.Reset()
+	if code := run([]string{"bench", "--url", n.url, "--rate", "-2"}, &stdout, &stderr); code != 1 || !strings.Contains(stderr.String(), "--rate -2") {
+		t.Fatalf("bench --rate -2: exit %d: %s", code, stderr.String())
+	}
 }
 
 // TestBenchInterrupted: SIGTERM (a timeout, Ctrl-C's SIGINT alike) ends shoal bench
