@@ -1002,6 +1002,19 @@ type submitted struct {
 	prompt int // its prompt's tokens
 }
 
+// keepLast is toks cut to its last k tokens (truncate_prompt_tokens). The BOS
+// a text prompt starts with stays, as a tokenizer truncating from the left
+// keeps its special tokens.
+func keepLast(b *Backend, toks []engine.Token, k int) []engine.Token {
+	switch {
+	case len(toks) <= k:
+		return toks
+	case toks[0] == b.Vocab.BOS() && b.Vocab.AddBOS() && k > 1:
+		return append([]engine.Token{toks[0]}, toks[len(toks)-k+1:]...)
+	}
+	return toks[len(toks)-k:]
+}
+
 // which names prompt i of n in an error: "messages", or "prompt 2" among several.
 func which(where string, i, n int) string {
 	if n > 1 {
@@ -1051,16 +1064,8 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 			if k < 0 {
 				k = maxCtx - 1
 			}
-			if len(toks) > k {
-				// The BOS a text prompt starts with stays, as a tokenizer
-				// truncating from the left keeps its special tokens.
-				if toks[0] == b.Vocab.BOS() && b.Vocab.AddBOS() && k > 1 {
-					toks = append([]engine.Token{toks[0]}, toks[len(toks)-k+1:]...)
-				} else {
-					toks = toks[len(toks)-k:]
-				}
-				p.prompts[i] = toks
-			}
+			toks = keepLast(b, toks, k)
+			p.prompts[i] = toks
 		}
 		if len(toks) >= maxCtx {
 			tooLong(i, len(toks))

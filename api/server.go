@@ -831,13 +831,26 @@ func (s *Server) embeddings(c *gin.Context) {
 		abort(c, invalid("input", "at most %d inputs per request", maxInputs))
 		return
 	}
+	if k := req.TruncatePromptTokens; k != nil {
+		keep := *k
+		switch {
+		case keep == -1:
+			keep = stepTokens(b)
+		case keep < 1:
+			abort(c, invalid("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (as many as one pass computes) or at least 1, got %d", keep))
+			return
+		}
+		for i := range inputs {
+			inputs[i] = keepLast(b, inputs[i], keep)
+		}
+	}
 	answered, done := s.spread(c, b, req.Model, inputs)
 	defer done()
 	if answered {
 		return
 	}
 	adapter, _ := s.adapterOf(req.Model)
-	vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input", true)
+	vecs, tokens, ok := s.embed(c, b, inputs, adapter, "input", req.Normalize == nil || *req.Normalize)
 	if !ok {
 		return
 	}

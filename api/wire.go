@@ -706,6 +706,12 @@ type EmbeddingRequest struct {
 	EncodingFormat string  `json:"encoding_format"`
 	Dimensions     *int    `json:"dimensions"`
 	User           string  `json:"user"`
+	// TruncatePromptTokens keeps each input's last k tokens (vLLM's; -1: as
+	// many as one pass computes).
+	TruncatePromptTokens *int `json:"truncate_prompt_tokens"`
+	// Normalize false answers the model's vectors as they are (vLLM's; by
+	// default, at unit length).
+	Normalize *bool `json:"normalize"`
 }
 
 // EmbeddingData is one embedding: []float32, or a base64 string.

@@ -348,10 +348,36 @@ func TestOllamaThinkingAndEmbeddings(t *testing.T) {
 	if none, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: []string{}}); err != nil || len(none.Embeddings) != 0 {
 		t.Fatalf("no input: %+v %v", none, err)
 	}
+	// vLLM's normalize: false answers the model's own vector (the older
+	// /api/embeddings'); truncate_prompt_tokens keeps an input's last tokens.
+	resp, body := post(t, e.url+"/v1/embeddings", `{"input":"hello there","normalize":false}`)
+	var raw EmbeddingsBody
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &raw) != nil || len(raw.Data) != 1 {
+		t.Fatalf("normalize false: %d %s", resp.StatusCode, body)
+	}
+	for j, x := range raw.Data[0].Embedding {
+		if math.Abs(x-old.Embedding[j]) > 1e-4*max(1, math.Abs(x)) {
+			t.Fatalf("normalize false, value %d: %v, /api/embeddings %v", j, x, old.Embedding[j])
+		}
+	}
+	resp, body = post(t, e.url+"/v1/embeddings", `{"input":"`+strings.Repeat("a ", 200)+`","truncate_prompt_tokens":8}`)
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &raw) != nil || raw.Usage.PromptTokens != 8 {
+		t.Fatalf("truncate_prompt_tokens 8: %d %s", resp.StatusCode, body)
+	}
 	// truncate (by default) cuts an input to what the node computes in one
 	// pass: here its step budget, smaller than the context.
 	long, err := ec.Embed(ctx, &ollama.EmbedRequest{Model: "small", Input: strings.Repeat("a ", 200)})
 	if err != nil || len(long.Embeddings) != 1 || long.PromptEvalCount != 64 {
 		t.Fatalf("an input longer than a step, truncated: %d prompt tokens (%v)", long.PromptEvalCount, err)
 	}
+}
+
+// EmbeddingsBody is a /v1/embeddings answer as a test reads it.
+type EmbeddingsBody struct {
+	Data []struct {
+		Embedding []float64 `json:"embedding"`
+	} `json:"data"`
+	Usage struct {
+		PromptTokens int `json:"prompt_tokens"`
+	} `json:"usage"`
 }
