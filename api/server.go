@@ -959,7 +959,9 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 		window = max(1, min(window, mw/2))
 	}
 	streams := make([]*scheduler.Stream, len(inputs))
+	started := make([]time.Time, len(inputs))
 	submit := func(i int) bool {
+		started[i] = time.Now()
 		st, err := b.Generator.Submit(ctx, &scheduler.Request{Prompt: inputs[i], Embed: true, Adapter: adapter})
 		if err != nil {
 			s.metrics.rejected(err)
@@ -999,6 +1001,11 @@ func (s *Server) embed(c *gin.Context, b *Backend, inputs [][]engine.Token, adap
 			if ev.Kind == scheduler.EventDone {
 				statsOf(ctx).count(ev.Usage)
 				tokens += ev.Usage.PromptTokens
+				// Each input is a request, as vLLM counts a pooling one.
+				s.metrics.finished(scheduler.FinishStop)
+				s.metrics.e2e.Observe(ev.At.Sub(started[i]).Seconds())
+				s.metrics.queue.Observe(ev.Usage.QueueTime.Seconds())
+				s.metrics.promptLen.Observe(float64(ev.Usage.PromptTokens))
 				break
 			}
 		}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"regexp"
 	"net/http"
 	"net/url"
 	"slices"
@@ -363,6 +364,12 @@ func TestOllamaThinkingAndEmbeddings(t *testing.T) {
 	resp, body = post(t, e.url+"/v1/embeddings", `{"input":"`+strings.Repeat("a ", 200)+`","truncate_prompt_tokens":8}`)
 	if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &raw) != nil || raw.Usage.PromptTokens != 8 {
 		t.Fatalf("truncate_prompt_tokens 8: %d %s", resp.StatusCode, body)
+	}
+	// Each input counts as a request, as vLLM counts pooling requests.
+	for _, name := range []string{`vllm:request_success_total{finished_reason="stop",model_name="small"}`, `vllm:e2e_request_latency_seconds_count{model_name="small"}`} {
+		if m := regexp.MustCompile(regexp.QuoteMeta(name) + ` (\d+)`).FindStringSubmatch(getBody(e.url + "/metrics")); m == nil || m[1] == "0" {
+			t.Errorf("an embedding node's metrics: %s is %v", name, m)
+		}
 	}
 	// truncate (by default) cuts an input to what the node computes in one
 	// pass: here its step budget, smaller than the context.
