@@ -345,9 +345,15 @@ func (s *Server) infillOne(c *gin.Context, b *Backend, p *plan, sub submitted, i
 		case scheduler.EventToken:
 			if p.logprobs {
 				probs = append(probs, llamaProb(p, b.Vocab, ev))
-				pieces += len(probs[len(probs)-1].Bytes)
+				if !ev.EndOfGeneration { // listed, but its text is none of the answer's
+					pieces += len(probs[len(probs)-1].Bytes)
+				}
 			}
-			text, how := cut.add(ev.Text, ev.At.Sub(times.first))
+			elapsed := ev.At.Sub(times.first)
+			if ev.EndOfGeneration {
+				elapsed = 0 // the end, which wins over a time cut, as llama-server's
+			}
+			text, how := cut.add(ev.Text, elapsed)
 			switch how {
 			case cutIndent: // what the scheduler holds comes after the cut
 				sub.stream.Stop(ev.Index)

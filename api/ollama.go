@@ -318,9 +318,9 @@ func (r *OllamaChatRequest) chatRequest(b *Backend) (*ChatRequest, error) {
 	}
 	// A final assistant message is continued (prefilled), as Ollama
 	// continues it: Open WebUI's "continue response" sends one.
-	if n := len(chat.Messages); n > 0 {
-		last := chat.Messages[n-1]
-		chat.ContinueFinalMessage = last.Role == "assistant" && last.Content != "" && !given(last.ToolCalls)
+	if n := len(r.Messages); n > 0 {
+		last := r.Messages[n-1]
+		chat.ContinueFinalMessage = strings.ToLower(last.Role) == "assistant" && strings.TrimSpace(last.Content) != "" && len(last.Images) == 0 && len(last.ToolCalls) == 0
 	}
 	return chat, nil
 }
@@ -682,6 +682,9 @@ func (s *Server) ollamaAnswer(c *gin.Context, b *Backend, p *plan, sub submitted
 			return
 		}
 		times.see(ev)
+		if ev.EndOfGeneration {
+			return // as Ollama: neither in the logprobs nor in the context
+		}
 		output = append(output, ev.Token)
 		if p.logprobs {
 			logprobs = append(logprobs, ollamaLogprob(b.Vocab, p, ev))

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 
@@ -64,6 +65,21 @@ func TestOllamaShapes(t *testing.T) {
 	// A line per token that has text (a sampled token may have none), then the last.
 	if w.Header().Get("Content-Type") != "application/x-ndjson" || len(lines) < 2 || len(lines) > 4 || text.Len() == 0 {
 		t.Fatalf("generate stream: %s", w.Body)
+	}
+	// The end-of-generation token that ends an answer is neither in its
+	// logprobs nor in its context, as Ollama leaves it out.
+	s.fake.EOSAt = 6
+	w = s.do(t, "POST", "/api/generate", `{"prompt": "hi", "raw": true, "stream": false, "logprobs": true, "options": {"num_predict": 50}}`)
+	s.fake.EOSAt = 0
+	var ended struct {
+		Context  []int
+		Logprobs []struct{ Token string }
+		Reason   string `json:"done_reason"`
+		Evals    int    `json:"eval_count"`
+	}
+	eos := int(s.backend.Load().Vocab.EOS())
+	if w.Code != 200 || json.Unmarshal(w.Body.Bytes(), &ended) != nil || ended.Reason != "stop" || len(ended.Logprobs) != ended.Evals-1 || slices.Contains(ended.Context, eos) {
+		t.Fatalf("an answer ended by EOS: %d %s", w.Code, w.Body)
 	}
 	// A final assistant message is continued, as Ollama continues it.
 	msgs := `[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there,"}]`

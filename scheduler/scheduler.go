@@ -1498,7 +1498,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 		// drawn has (vLLM's and llama-server's answers list it too), and no
 		// text: text held back as the possible start of a stop string is
 		// output after all.
-		g.stream.push(Event{Kind: EventToken, Index: q.index, Token: tok, Text: q.held + q.detok.Flush(), Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps})
+		g.stream.push(Event{Kind: EventToken, Index: q.index, Token: tok, Text: q.held + q.detok.Flush(), Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps, EndOfGeneration: true})
 		q.held = ""
 		s.finish(q, Event{Finish: FinishStop})
 		return

@@ -64,10 +64,14 @@ type Event struct {
 	// vLLM's stop_reason).
 	StopString  string
 	ByStopToken bool
-	Usage       Usage
-	Err         error
-	Vector      []float32
-	Prompt      []engine.TokenScore // EventPromptLogprobs: Prompt[i] scores prompt token i+1
+	// EndOfGeneration: the token (EventToken) is the end-of-generation token
+	// that ends its choice: listed with its logprobs, it has no text of its
+	// own (Text is what was held back before it).
+	EndOfGeneration bool
+	Usage           Usage
+	Err             error
+	Vector          []float32
+	Prompt          []engine.TokenScore // EventPromptLogprobs: Prompt[i] scores prompt token i+1
 	// At is when the scheduler produced the event: latency metrics read it, not the
 	// time a reader (busy with another choice, or a slow client) got to it.
 	At time.Time

@@ -339,6 +339,8 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	// Cluster flags do nothing without --gossip-addr: on the command line that is
 	// a mistake; in the environment (one file for every node) only worth a warning.
 	clusterArgs := f.cluster.setWithoutGossip(fs)
+	onCommandLine := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { onCommandLine[fl.Name] = true })
 	if err := applyEnv(fs, os.Getenv); err != nil {
 		return err
 	}
@@ -381,17 +383,14 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		}
 		template = string(b)
 	}
-	given := func(name string) bool { // on the command line or in the environment (applyEnv sets them)
-		set := false
-		fs.Visit(func(fl *flag.Flag) { set = set || fl.Name == name })
-		return set
-	}
+	// Flags of another kind of node: a mistake on the command line; in the
+	// environment (one file for every node) left to the nodes they are for.
 	switch {
-	case given("sim-speed") && f.sim == "":
+	case onCommandLine["sim-speed"] && f.sim == "":
 		return errors.New("--sim-speed needs --sim: a model runs at its own speed")
-	case !(f.simSpeed > 0):
+	case f.sim != "" && !(f.simSpeed > 0):
 		return fmt.Errorf("--sim-speed %v: want more than 0", f.simSpeed)
-	case given("pooling") && !f.embeddings && !f.reranking:
+	case onCommandLine["pooling"] && !f.embeddings && !f.reranking:
 		return errors.New("--pooling needs --embeddings: a generation node pools nothing")
 	}
 	var profile sim.Profile

@@ -68,23 +68,31 @@ func Quantize(in, out, typ string, threads int) error {
 	if fo, err := os.Stat(out); in == out || err == nil && os.SameFile(fi, fo) {
 		return errors.New("llama: quantize: the output must be another file than the input")
 	}
-	// Written beside out and renamed over it once whole: a failure leaves
-	// whatever was at out as it was.
-	tmp, err := os.CreateTemp(filepath.Dir(out), "."+filepath.Base(out)+".*.tmp")
+	// Written beside out (through a link, where it points) and renamed over
+	// it once whole: a failure leaves whatever was at out as it was, and an
+	// interrupted run its .part, which the next overwrites.
+	if real, err := filepath.EvalSymlinks(out); err == nil {
+		out = real
+	}
+	mode := os.FileMode(0o666) // less the umask, as llama-quantize's file
+	if fo, err := os.Stat(out); err == nil {
+		mode = fo.Mode().Perm()
+	}
+	part := out + ".part"
+	if fp, err := os.Stat(part); err == nil && os.SameFile(fi, fp) {
+		return fmt.Errorf("llama: quantize: %s is written on the way to %s: quantize another file", part, out)
+	}
+	f, err := os.OpenFile(part, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, mode)
 	if err != nil {
 		return fmt.Errorf("llama: quantize: %w", err)
 	}
-	tmp.Close()
-	defer os.Remove(tmp.Name()) // after the rename, nothing there
-	// A model file's mode, as llama-quantize leaves it (not CreateTemp's 0600).
-	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
-		return fmt.Errorf("llama: quantize: %w", err)
-	}
+	f.Close()
+	defer os.Remove(part) // after the rename, nothing there
 	initBackend()
 	p := C.llama_model_quantize_default_params()
 	p.nthread = C.int32_t(threads)
 	p.ftype = ftype
-	cin, cout := C.CString(in), C.CString(tmp.Name())
+	cin, cout := C.CString(in), C.CString(part)
 	defer C.free(unsafe.Pointer(cin))
 	defer C.free(unsafe.Pointer(cout))
 	var rc C.uint32_t
@@ -92,7 +100,7 @@ func Quantize(in, out, typ string, threads int) error {
 	if rc != 0 {
 		return fmt.Errorf("llama: quantize %s to %s: %s", in, typ, cmp.Or(failed, "llama.cpp refused it"))
 	}
-	if err := os.Rename(tmp.Name(), out); err != nil {
+	if err := os.Rename(part, out); err != nil {
 		return fmt.Errorf("llama: quantize: %w", err)
 	}
 	return nil
