@@ -605,6 +605,13 @@ func TestQueueFull429(t *testing.T) {
 	if full == 0 || ok == 0 {
 		t.Fatalf("%d succeeded, %d refused", ok, full)
 	}
+	// A request with more sequences than the queue holds is never admitted:
+	// 400, not a 429 no retry gets past.
+	for _, body := range []string{`{"prompt":"abc","max_tokens":2,"n":2}`, `{"prompt":["a","b"],"max_tokens":2}`} {
+		if w := s.do(t, "POST", "/v1/completions", body); w.Code != 400 || !strings.Contains(w.Body.String(), "--max-waiting 1") {
+			t.Errorf("%s: %d %s", body, w.Code, w.Body)
+		}
+	}
 }
 
 func TestNotReadyAndDrain(t *testing.T) {

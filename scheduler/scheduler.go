@@ -329,6 +329,9 @@ func (s *Scheduler) Submit(ctx context.Context, req *Request) (*Stream, error) {
 		}
 	}
 	n := max(req.N, 1)
+	if n > s.cfg.MaxWaiting {
+		return nil, fmt.Errorf("%w: %d sequences, more than the waiting queue holds (%d): never admitted", ErrInvalid, n, s.cfg.MaxWaiting)
+	}
 	if s.waiting.Add(int64(n)) > int64(s.cfg.MaxWaiting) {
 		s.waiting.Add(-int64(n))
 		return nil, ErrQueueFull
