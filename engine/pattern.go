@@ -45,7 +45,10 @@ func GrammarPattern(p string) (string, error) {
 	if end {
 		body = body[:len(body)-1]
 	}
-	if body == "" {
+	switch {
+	case body == "" && start && end:
+		return "^$", nil // the empty string alone
+	case body == "":
 		return "^" + jsonDot + "*$", nil // matches every string
 	}
 	var b strings.Builder

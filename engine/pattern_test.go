@@ -17,6 +17,8 @@ func TestGrammarPattern(t *testing.T) {
 		"abc$":            "^" + dot + "*(abc)$",
 		"^a|b$":           "^((a)" + dot + "*|" + dot + "*(b))$", // each alternative its own anchor
 		"":                "^" + dot + "*$",
+		"^$":              "^$", // the empty string alone
+		"^":               "^" + dot + "*$",
 		`^\d{3}-\w+\s?$`:  `^[0-9]{3}-[a-zA-Z0-9_]+( |\\t|\\n|\\r)?$`,
 		"^(?:ab)+$":       "^(ab)+$",
 		`^[\d\-.]+$`:      `^[0-9\x2D.]+$`,
