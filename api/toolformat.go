@@ -100,6 +100,10 @@ func detectCallFormat(tmpl string) *callFormat {
 	return nil
 }
 
+// bareTrigger begins a bare format's call (Llama 3's JSON): at the start of
+// the answer it makes the calls' lazy grammar hold.
+const bareTrigger = `{"name"`
+
 // callGrammar is the GBNF of tp's calls in its format, and the triggers that
 // make it lazy when the model may also answer in text.
 func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigger, err error) {
@@ -107,7 +111,7 @@ func (s *Server) callGrammar(tp *toolPlan) (gbnf string, triggers []engine.Trigg
 	if !tp.required {
 		triggers = []engine.Trigger{{Text: f.open, Special: f.control}}
 		if f.bare() {
-			triggers = []engine.Trigger{{Text: `{"name"`, AtStart: true}}
+			triggers = []engine.Trigger{{Text: bareTrigger, AtStart: true}}
 		}
 	}
 	switch {
@@ -254,13 +258,16 @@ func renameRules(gbnf string, rename func(string) string) string {
 // a call, and cut at a stop string), the calls are kept until the output is
 // whole. Stop strings are matched in the text only, never inside a call.
 type callStream struct {
-	f       *callFormat
-	params  map[string][]toolParam // the XML format's: each tool's parameters
-	stop    stopMatcher
-	buf     strings.Builder
-	sent    int  // bytes of buf passed on, or held as the start of the calls
-	calls   bool // buf[sent:] begins the calls
-	text    bool // a bare format's answer is text, not a call
+	f      *callFormat
+	params map[string][]toolParam // the XML format's: each tool's parameters
+	stop   stopMatcher
+	buf    strings.Builder
+	sent   int  // bytes of buf passed on, or held as the start of the calls
+	calls  bool // buf[sent:] begins the calls
+	text   bool // a bare format's answer is text, not a call
+	// lazy: the calls' grammar holds only once triggered (tool_choice auto),
+	// so only output that triggered it is read as calls.
+	lazy    bool
 	partial bool // end: the last call was cut short
 	ids     callIDs
 	tail    argsTail
@@ -290,8 +297,16 @@ func (c *callStream) next() string {
 	}
 	s := c.buf.String()
 	if c.f.bare() && !c.text {
-		// One call or text: decided by the answer's first character.
+		// One call or text: decided by the answer's first character; under a
+		// lazy grammar, as its trigger decides (bareTrigger at the start),
+		// since only then does the grammar hold the call to the tools.
 		switch t := strings.TrimLeft(s, jsonSpace); {
+		case c.lazy && strings.HasPrefix(s, bareTrigger):
+			c.calls = true
+			return ""
+		case c.lazy && strings.HasPrefix(bareTrigger, s):
+			return "" // undecided yet
+		case c.lazy:
 		case t == "":
 			return ""
 		case t[0] == '{':

@@ -124,6 +124,26 @@ func TestBareCallStream(t *testing.T) {
 			t.Errorf("%q: passed on %q then %q, calls %v, finish %q", c.pieces, sent.String(), rest, calls, cs.finishReason(c.generated, calls))
 		}
 	}
+	// Under tool_choice auto the grammar holds a call only once its trigger
+	// begins the answer: output that did not trigger it is text, whatever it
+	// looks like (its name was never held to the tools).
+	for pieces, call := range map[string]string{
+		`{"name": "get_weather", "parameters": {"city": "Oslo"}}`: `get_weather{"city":"Oslo"}`,
+		`{"type": "function", "name": "rm_rf", "parameters": {}}`: "",
+		"\n" + `{"name": "nope", "parameters": {}}`:               "",
+		`{ "name": "nope", "parameters": {}}`:                     "",
+	} {
+		cs := &callStream{f: &llama3Format, lazy: true}
+		sent := cs.add(pieces[:3]) + cs.add(pieces[3:])
+		rest, calls := cs.end(newID)
+		var got string
+		if len(calls) == 1 {
+			got = calls[0].Function.Name + calls[0].Function.Arguments
+		}
+		if got != call || call == "" && sent+rest != pieces {
+			t.Errorf("lazy %q: passed on %q then %q, calls %v", pieces, sent, rest, calls)
+		}
+	}
 }
 
 // TestCallStreamStops: stop strings end the text before calls, and are not

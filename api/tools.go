@@ -123,7 +123,7 @@ type toolFollower interface {
 // follow follows one choice's output.
 func (tp *toolPlan) follow() toolFollower {
 	if tp.format != nil {
-		return &callStream{f: tp.format, params: tp.params, stop: tp.stopAt}
+		return &callStream{f: tp.format, params: tp.params, stop: tp.stopAt, lazy: !tp.required}
 	}
 	return &answerStream{stop: tp.stopAt}
 }
