@@ -1415,6 +1415,8 @@ func TestErrorsNameRequestFields(t *testing.T) {
 		{"/v1/messages", `{"max_tokens":2,"thinking":{"type":"enabled"},"messages":[{"role":"user","content":"x"}]}`, "budget_tokens: at least 1024", ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t9","content":"r"}]}]}`, `tool_use_id \"t9\", which no earlier tool_use`, ""},
 		{"/v1/messages", `{"max_tokens":2,"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}`, `field \"messages.content.text\": expected a string, got JSON number`, ""},
+		{"/v1/completions", `{"prompt":"a","structured_outputs":{"structural_tag":{"type":"structural_tag"}}}`, "structural_tag is not supported", ""},
+		{"/v1/completions", `{"prompt":"a","structured_outputs":{"json_object":true},"guided_json":{}}`, "at most one output constraint", ""},
 		{"/v1/completions", `{"prompt":[null,5]}`, `field \"prompt\": expected an integer, got JSON null","type":"invalid_request_error","param":"prompt"`, ""},
 		{"/v1/completions", `{"prompt":[[1,2],null]}`, `field \"prompt\": expected an integer, got JSON null`, ""},
 		{"/v1/completions", `{"prompt":[[1],[2,null]]}`, `field \"prompt\": expected an integer, got JSON null`, ""},

@@ -449,6 +449,12 @@ func constraintOf(f *SamplingFields) (*constraint, error) {
 		if so.Grammar != nil {
 			cs = append(cs, constraint{param: "structured_outputs", grammar: *so.Grammar})
 		}
+		if so.JSONObject {
+			cs = append(cs, constraint{param: "structured_outputs", schema: json.RawMessage(`{"type":"object"}`)})
+		}
+		if present(so.StructuralTag) {
+			return nil, invalid("structured_outputs", "structured_outputs.structural_tag is not supported: use json, choice, regex, grammar or json_object")
+		}
 	}
 	if f.GuidedRegex != nil {
 		cs = append(cs, constraint{param: "guided_regex", regex: f.GuidedRegex})

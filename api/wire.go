@@ -339,10 +339,14 @@ type StructuredFields struct {
 
 // StructuredOutputs is vLLM's structured_outputs.
 type StructuredOutputs struct {
-	JSON    json.RawMessage `json:"json"`
-	Choice  []string        `json:"choice"`
-	Regex   *string         `json:"regex"`
-	Grammar *string         `json:"grammar"`
+	JSON       json.RawMessage `json:"json"`
+	Choice     []string        `json:"choice"`
+	Regex      *string         `json:"regex"`
+	Grammar    *string         `json:"grammar"`
+	JSONObject bool            `json:"json_object"` // any JSON object
+	// StructuralTag (vLLM's, xgrammar's) is refused: no llama.cpp grammar
+	// expresses it here.
+	StructuralTag json.RawMessage `json:"structural_tag"`
 }
 
 // ChatRequest is the body of POST /v1/chat/completions.
