@@ -89,6 +89,9 @@ type toolPlan struct {
 	// answer is the JSON schema of an answer without calls: a string, or what
 	// the request's output constraint (response_format, ...) asks for.
 	answer json.RawMessage
+	// constrained: the request has an output constraint (answer is its
+	// schema, which may be a string's too: its answer is JSON still).
+	constrained bool
 	// format is the model's own way of calling tools (toolformat.go), when its
 	// chat template shows the tools; nil: the tool protocol described here.
 	format *callFormat
@@ -228,6 +231,7 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 		if tp.answer, err = answerSchema(oc); err != nil {
 			return nil, err
 		}
+		tp.constrained = oc != nil
 	}
 	return tp, nil
 }
@@ -403,7 +407,7 @@ const textAnswer = `{"type":"string"}`
 
 // plainAnswer reports whether an answer is any text.
 func (tp *toolPlan) plainAnswer() bool {
-	return string(compactJSON(tp.answer)) == textAnswer
+	return !tp.constrained
 }
 
 // orderedProps marshals as a JSON object keeping its order: llama.cpp's converter
