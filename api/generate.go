@@ -1036,7 +1036,11 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	// Its sequences wait together: more than the queue holds would be refused
 	// with 429 however long the client waited to retry.
 	if seqs, most := max(len(p.prompts), 1)*max(p.n, 1), b.Generator.Load().MaxWaiting; most > 0 && seqs > most {
-		abort(c, invalid("n", "the request runs %d sequences (prompts × n), more than this node's waiting queue holds (--max-waiting %d)", seqs, most))
+		param := "n"
+		if len(p.prompts) > 1 {
+			param = "prompt"
+		}
+		abort(c, invalid(param, "the request runs %d sequences (prompts × n), more than this node's waiting queue holds (--max-waiting %d)", seqs, most))
 		return
 	}
 	// OpenAI's wording (vLLM keeps it too): clients such as LiteLLM recognise a

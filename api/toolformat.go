@@ -265,13 +265,17 @@ type callStream struct {
 	sent   int  // bytes of buf passed on, or held as the start of the calls
 	calls  bool // buf[sent:] begins the calls
 	text   bool // a bare format's answer is text, not a call
-	// lazy: the calls' grammar holds only once triggered (tool_choice auto),
-	// so only output that triggered it is read as calls.
-	lazy    bool
-	partial bool // end: the last call was cut short
-	ids     callIDs
-	tail    argsTail
-	xmlTail valueTail
+	// lazy: the calls' grammar holds only once triggered (tool_choice auto).
+	// A bare format's answer that did not trigger it (another spelling of a
+	// call, as {"type": "function", "name": ...}) is unchecked: read as a
+	// call only if it calls an offered tool (offered), else as text, and not
+	// streamed until then.
+	lazy, unchecked bool
+	offered         map[string]bool
+	partial         bool // end: the last call was cut short
+	ids             callIDs
+	tail            argsTail
+	xmlTail         valueTail
 }
 
 func (c *callStream) follow(st *scheduler.Stream, ev scheduler.Event) string {
@@ -298,19 +302,18 @@ func (c *callStream) next() string {
 	s := c.buf.String()
 	if c.f.bare() && !c.text {
 		// One call or text: decided by the answer's first character; under a
-		// lazy grammar, as its trigger decides (bareTrigger at the start),
-		// since only then does the grammar hold the call to the tools.
+		// lazy grammar, one that did not begin with its trigger (after any
+		// spaces, as the engine matches it) is unchecked.
 		switch t := strings.TrimLeft(s, jsonSpace); {
-		case c.lazy && strings.HasPrefix(s, bareTrigger):
+		case c.lazy && strings.HasPrefix(t, bareTrigger):
 			c.calls = true
 			return ""
-		case c.lazy && strings.HasPrefix(bareTrigger, s):
+		case c.lazy && strings.HasPrefix(bareTrigger, t):
 			return "" // undecided yet
-		case c.lazy:
 		case t == "":
 			return ""
 		case t[0] == '{':
-			c.calls = true
+			c.calls, c.unchecked = true, c.lazy
 			return ""
 		}
 		c.text = true
@@ -348,6 +351,13 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 		return c.stop.cut(rest, true), nil
 	}
 	calls, after, whole, ok := c.parse(rest, newID)
+	if ok && c.lazy && c.f.bare() {
+		// Held to the tools only if the grammar held it (not after thoughts,
+		// nor an unchecked spelling): a call of another name is text.
+		for _, call := range calls {
+			ok = ok && c.offered[call.Function.Name]
+		}
+	}
 	if !ok {
 		return c.stop.cut(rest, true), nil // not calls after all: nothing generated is lost
 	}
@@ -358,7 +368,7 @@ func (c *callStream) end(newID func() string) (string, []ToolCall) {
 // progress returns the calls written so far, each with the part of its
 // arguments that the whole answer's begin with (calldeltas.go).
 func (c *callStream) progress(newID func() string) []ToolCall {
-	if !c.calls || c.stop.stopped {
+	if !c.calls || c.unchecked || c.stop.stopped {
 		return nil
 	}
 	text := c.buf.String()[c.sent:]

@@ -125,15 +125,16 @@ func TestBareCallStream(t *testing.T) {
 		}
 	}
 	// Under tool_choice auto the grammar holds a call only once its trigger
-	// begins the answer: output that did not trigger it is text, whatever it
-	// looks like (its name was never held to the tools).
+	// begins the answer (after any spaces): another spelling of a call is
+	// read as one only if it calls an offered tool, else as text.
 	for pieces, call := range map[string]string{
-		`{"name": "get_weather", "parameters": {"city": "Oslo"}}`: `get_weather{"city":"Oslo"}`,
-		`{"type": "function", "name": "rm_rf", "parameters": {}}`: "",
-		"\n" + `{"name": "nope", "parameters": {}}`:               "",
-		`{ "name": "nope", "parameters": {}}`:                     "",
+		`{"name": "get_weather", "parameters": {"city": "Oslo"}}`:        `get_weather{"city":"Oslo"}`,
+		"\n" + `{"name": "get_weather", "parameters": {"city": "Oslo"}}`: `get_weather{"city":"Oslo"}`,
+		`{"type": "function", "name": "get_weather", "parameters": {}}`:  `get_weather{}`,
+		`{"type": "function", "name": "rm_rf", "parameters": {}}`:        "",
+		`{ "name": "nope", "parameters": {}}`:                            "",
 	} {
-		cs := &callStream{f: &llama3Format, lazy: true}
+		cs := &callStream{f: &llama3Format, lazy: true, offered: map[string]bool{"get_weather": true}}
 		sent := cs.add(pieces[:3]) + cs.add(pieces[3:])
 		rest, calls := cs.end(newID)
 		var got string

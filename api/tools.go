@@ -126,7 +126,14 @@ type toolFollower interface {
 // follow follows one choice's output.
 func (tp *toolPlan) follow() toolFollower {
 	if tp.format != nil {
-		return &callStream{f: tp.format, params: tp.params, stop: tp.stopAt, lazy: !tp.required}
+		cs := &callStream{f: tp.format, params: tp.params, stop: tp.stopAt, lazy: !tp.required}
+		if cs.lazy {
+			cs.offered = map[string]bool{}
+			for _, t := range tp.tools {
+				cs.offered[t.Name] = true
+			}
+		}
+		return cs
 	}
 	return &answerStream{stop: tp.stopAt}
 }
