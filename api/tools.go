@@ -90,9 +90,8 @@ type toolPlan struct {
 	// the request's output constraint (response_format, ...) asks for.
 	answer json.RawMessage
 	// constrained: the request has an output constraint (answer is its
-	// schema, which may be a string's too); schemaAnswer: a JSON schema, so
-	// the answer is JSON (guided_choice's is its choice's text).
-	constrained, schemaAnswer bool
+	// schema, which may be a string's too: its answer is JSON still).
+	constrained bool
 	// format is the model's own way of calling tools (toolformat.go), when its
 	// chat template shows the tools; nil: the tool protocol described here.
 	format *callFormat
@@ -136,7 +135,7 @@ func (tp *toolPlan) follow() toolFollower {
 		}
 		return cs
 	}
-	return &answerStream{stop: tp.stopAt, json: tp.schemaAnswer}
+	return &answerStream{stop: tp.stopAt}
 }
 
 // maxTools bounds a request's tools.
@@ -240,7 +239,6 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 			return nil, err
 		}
 		tp.constrained = oc != nil
-		tp.schemaAnswer = oc != nil && oc.schema != nil
 	}
 	return tp, nil
 }
@@ -541,17 +539,17 @@ func jsonOrString(s string) json.RawMessage {
 // max_tokens, its complete calls are returned, and a call cut in its arguments
 // with the arguments generated so far (as OpenAI returns a cut call). ok is
 // false when the output is not a protocol answer.
-func parseCalls(text string, newID func() string, quoted bool) (calls []ToolCall, response *string, ok bool) {
+func parseCalls(text string, newID func() string) (calls []ToolCall, response *string, ok bool) {
 	var a struct {
 		ToolCalls []protocolCall  `json:"tool_calls"`
 		Response  json.RawMessage `json:"response"`
 	}
 	whole := json.Unmarshal([]byte(text), &a) == nil && (len(a.ToolCalls) > 0 || a.Response != nil)
 	if whole && a.Response != nil {
-		// A string answer is its text; another JSON value, or any under a
-		// JSON schema (quoted), is its JSON.
+		// A string answer is its text; another JSON value (under an output
+		// constraint) is its JSON.
 		response = new(string)
-		if quoted || a.Response[0] != '"' || json.Unmarshal(a.Response, response) != nil {
+		if a.Response[0] != '"' || json.Unmarshal(a.Response, response) != nil {
 			*response = string(compactJSON(a.Response))
 		}
 	}
@@ -629,9 +627,6 @@ type answerStream struct {
 	done bool            // the answer's text has ended
 	ids  callIDs
 	tail argsTail
-	// json: the answer follows a JSON schema (response_format, ...), so a
-	// string answer is its JSON, quoted, as it is without tools; kept whole.
-	json bool
 }
 
 // stopMatcher cuts an answer's text at the first of the request's stop
@@ -730,7 +725,7 @@ func (a *answerStream) end(newID func() string) (text string, calls []ToolCall) 
 	case a.mode == streamUndecided && mayStartResponse(a.buf.String()):
 		return "", nil // cut short before the answer's text began
 	}
-	calls, response, ok := parseCalls(a.buf.String(), a.ids.reader(newID), a.json)
+	calls, response, ok := parseCalls(a.buf.String(), a.ids.reader(newID))
 	stableArgs(calls) // a call cut short has its arguments as far as they stay
 	switch {
 	case !ok && answerStart.MatchString(a.buf.String()):
@@ -756,7 +751,7 @@ func (a *answerStream) progress(newID func() string) []ToolCall {
 		return nil
 	}
 	return a.tail.follow(a.buf.String(), func(text string) []ToolCall {
-		calls, response, ok := parseCalls(text, a.ids.reader(newID), a.json)
+		calls, response, ok := parseCalls(text, a.ids.reader(newID))
 		if !ok || response != nil {
 			return nil
 		}
@@ -790,10 +785,7 @@ func (a *answerStream) add(piece string) string {
 	switch a.mode {
 	case streamUndecided:
 		s := a.buf.String()
-		if loc := responseStart.FindStringIndex(s); loc != nil && a.json {
-			a.mode = streamCalls // a string under a JSON schema: kept whole, as its JSON
-			return ""
-		} else if loc != nil {
+		if loc := responseStart.FindStringIndex(s); loc != nil {
 			a.mode = streamResponse
 			return a.release(a.decode(s[loc[1]:]))
 		}

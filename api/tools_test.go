@@ -218,22 +218,6 @@ func feed(out string, k int, stops ...string) (string, []ToolCall, bool) {
 	return text.String() + rest, calls, a.stop.stopped
 }
 
-// TestAnswerUnderSchema: under a JSON schema a string answer is its JSON,
-// quoted, as the same constraint gives without tools; otherwise its text.
-func TestAnswerUnderSchema(t *testing.T) {
-	for quoted, want := range map[bool]string{true: `"a \"b\""`, false: `a "b"`} {
-		a := answerStream{json: quoted}
-		var got strings.Builder
-		for _, piece := range []string{`{"resp`, `onse": "a \"`, `b\""}`} {
-			got.WriteString(a.add(piece))
-		}
-		rest, calls := a.end(func() string { return "id" })
-		if got.String()+rest != want || len(calls) != 0 {
-			t.Errorf("json %v: %q then %q, want %q", quoted, got.String(), rest, want)
-		}
-	}
-}
-
 // TestStopMatcherMinTokens: no stop string that ends within the first
 // min_tokens ends the answer, but one that ends after them does, even begun
 // within them.
