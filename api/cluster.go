@@ -146,17 +146,18 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
 			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
 		return true, noop
-	case errors.Is(err, cluster.ErrDraining) && tokens == nil:
-		abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",
-			Message: "every node serving the model " + model + " is shutting down; retry later", RetryAfter: 1})
-		return true, noop
 	case errors.Is(err, cluster.ErrNoNode), errors.Is(err, cluster.ErrDraining):
-		if tokens == nil {
+		switch {
+		case tokens != nil:
+			return false, noop // no member serves it: this node, if it can
+		case errors.Is(err, cluster.ErrDraining):
+			abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",
+				Message: "every node serving the model " + model + " is shutting down; retry later", RetryAfter: 1})
+		default:
 			abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
 				Message: "no node of this cluster serves the model " + model})
-			return true, noop
 		}
-		return false, noop // no member serves it: this node, if it can
+		return true, noop
 	case err != nil:
 		abort(c, err)
 		return true, noop

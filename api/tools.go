@@ -649,14 +649,8 @@ func (m *stopMatcher) cut(text string, final bool) string {
 	case len(m.stops) == 0:
 		return text
 	}
-	var emit, stop string
-	if m.min > 0 && m.gen <= m.min {
-		// No stop within the first min tokens, but one that ends after them
-		// may begin here (as the scheduler's).
-		emit, m.held = scheduler.HoldBack(m.held+text, m.stops)
-	} else {
-		emit, m.held, stop = scheduler.MatchStop(m.held+text, m.stops, m.include)
-	}
+	emit, held, stop := scheduler.MatchStopAfter(m.held+text, m.stops, m.include, m.gen, m.min)
+	m.held = held
 	if stop != "" {
 		m.stopped, m.held, m.matched = true, "", stop
 	}

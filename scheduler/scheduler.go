@@ -1519,14 +1519,7 @@ func (s *Scheduler) emitSampled(q *seq, out engine.Sampled, serr error) {
 	text := q.held + q.detok.Add(piece)
 	q.held = ""
 	var stop string
-	if g.req.MinTokens > 0 && q.gen <= g.req.MinTokens {
-		// No stop within the first min_tokens, but one that ends after them
-		// may begin here: vLLM matches the stop strings that end in the text
-		// of a token after them, wherever they begin.
-		text, q.held = HoldBack(text, g.req.Stop)
-	} else {
-		text, q.held, stop = MatchStop(text, g.req.Stop, g.req.IncludeStop)
-	}
+	text, q.held, stop = MatchStopAfter(text, g.req.Stop, g.req.IncludeStop, q.gen, g.req.MinTokens)
 	ev := Event{Kind: EventToken, Index: q.index, Token: tok, Text: text, Logprob: out.Logprob, Top: out.Top, Step: s.stats.Steps}
 	g.stream.push(ev)
 	switch {
@@ -1606,14 +1599,26 @@ func MatchStop(text string, stops []string, include bool) (emit, held, stop stri
 		}
 		return text[:first], "", text[first:end]
 	}
-	emit, held = HoldBack(text, stops)
+	emit, held = holdBack(text, stops)
 	return emit, held, ""
 }
 
-// HoldBack splits text into what can be emitted and the longest suffix that
-// could still begin a stop string; a whole stop string in text is emitted
-// (before min_tokens, when none may stop the choice yet).
-func HoldBack(text string, stops []string) (emit, held string) {
+// MatchStopAfter is MatchStop for text that ends with a choice's gen-th
+// token: within its first minTokens tokens no stop string ends it, but one
+// that ends after them may begin there (vLLM matches the stop strings that end
+// in the text of a token after them, wherever they begin), so the end that may
+// begin one is held back all the same.
+func MatchStopAfter(text string, stops []string, include bool, gen, minTokens int) (emit, held, stop string) {
+	if minTokens > 0 && gen <= minTokens {
+		emit, held = holdBack(text, stops)
+		return emit, held, ""
+	}
+	return MatchStop(text, stops, include)
+}
+
+// holdBack splits text into what can be emitted and the longest suffix that
+// could still begin a stop string; a whole stop string in text is emitted.
+func holdBack(text string, stops []string) (emit, held string) {
 	keep := 0
 	for _, st := range stops {
 		for k := min(len(st)-1, len(text)); k > keep; k-- {

@@ -80,9 +80,6 @@ func runGenModel(args []string, stdout, _ io.Writer) error {
 		return nil
 	}
 	if *lora != 0 {
-		if *reranker {
-			return errors.New("--lora with --reranker: adapters are written for the llama-architecture models")
-		}
 		if err := models.GenerateLoRA(*out, spec, *lora, 0); err != nil {
 			return err
 		}

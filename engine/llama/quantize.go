@@ -65,7 +65,8 @@ func Quantize(in, out, typ string, threads int) error {
 	}
 	// The input is mapped while the output is written: one file under two
 	// names (./m.gguf, a link) would be truncated under the mapping.
-	if fo, err := os.Stat(out); in == out || err == nil && os.SameFile(fi, fo) {
+	fo, outErr := os.Stat(out) // through a link, where it points
+	if in == out || outErr == nil && os.SameFile(fi, fo) {
 		return errors.New("llama: quantize: the output must be another file than the input")
 	}
 	// Written beside out (through a link, where it points) and renamed over
@@ -75,7 +76,7 @@ func Quantize(in, out, typ string, threads int) error {
 		out = real
 	}
 	mode := os.FileMode(0o666) // less the umask, as llama-quantize's file
-	if fo, err := os.Stat(out); err == nil {
+	if outErr == nil {
 		mode = fo.Mode().Perm()
 	}
 	part := out + ".part"
