@@ -560,7 +560,7 @@ func TestMaxTokensDefaults(t *testing.T) {
 		}
 		return r.Usage.CompletionTokens, r.Choices[0].FinishReason
 	}
-	if n, why := usage("/v1/completions", `{"prompt":"abc"}`); n != 16 || why != "length" {
+	if n, why := usage("/v1/completions", `{"prompt":"abc","seed":1}`); n != 16 || why != "length" {
 		t.Fatalf("completions without max_tokens: %d tokens, %s", n, why)
 	}
 	// EOS at position 300: the chat prompt is a few dozen tokens, so well past 256.

@@ -472,7 +472,7 @@ func (d *inputDecoder) more(args string) string {
 		if !strings.HasPrefix(args, head) {
 			return ""
 		}
-		d.at = len(head)
+		d.at = len(head) - 1 // from the string's opening quote
 	}
 	piece := args[d.at:]
 	d.at = len(args)

@@ -90,8 +90,11 @@ type toolPlan struct {
 	// the request's output constraint (response_format, ...) asks for.
 	answer json.RawMessage
 	// constrained: the request has an output constraint (answer is its
-	// schema, which may be a string's too: its answer is JSON still).
-	constrained bool
+	// schema, which may be a string's too: its answer is JSON still);
+	// quoted: a JSON schema, so a string answer is passed on as its JSON,
+	// quoted, as the same constraint gives without tools (guided_choice's,
+	// guided_regex's are their text).
+	constrained, quoted bool
 	// format is the model's own way of calling tools (toolformat.go), when its
 	// chat template shows the tools; nil: the tool protocol described here.
 	format *callFormat
@@ -135,7 +138,7 @@ func (tp *toolPlan) follow() toolFollower {
 		}
 		return cs
 	}
-	return &answerStream{stop: tp.stopAt}
+	return &answerStream{stop: tp.stopAt, str: jsonString{quoted: tp.quoted}}
 }
 
 // maxTools bounds a request's tools.
@@ -239,6 +242,7 @@ func toolsOf(req *ToolFields, out *SamplingFields) (*toolPlan, error) {
 			return nil, err
 		}
 		tp.constrained = oc != nil
+		tp.quoted = oc != nil && oc.schema != nil
 	}
 	return tp, nil
 }
@@ -781,7 +785,7 @@ func (a *answerStream) add(piece string) string {
 		s := a.buf.String()
 		if loc := responseStart.FindStringIndex(s); loc != nil {
 			a.mode = streamResponse
-			return a.release(a.decode(s[loc[1]:]))
+			return a.release(a.decode(s[loc[1]-1:]))
 		}
 		if !mayStartResponse(s) {
 			a.mode = streamCalls // tool calls, or not a protocol answer: kept to the end
@@ -814,12 +818,15 @@ func (a *answerStream) release(text string) string {
 	return emit
 }
 
-// jsonString decodes a JSON string's text as it comes, from after its
-// opening quote: whole characters as they complete, an escape cut short kept
-// for the next piece; done once the closing quote has come.
+// jsonString decodes a JSON string's text as it comes, from its opening
+// quote: whole characters as they complete, an escape cut short kept for the
+// next piece; done once the closing quote has come. Quoted, it passes on the
+// string's JSON as it is, quotes and escapes included.
 type jsonString struct {
-	rest []byte // not yet decoded
-	done bool
+	rest   []byte // not yet decoded
+	opened bool   // the opening quote has come
+	done   bool
+	quoted bool
 }
 
 // add takes the next piece of the string's JSON and returns the text it
@@ -832,18 +839,25 @@ func (j *jsonString) add(piece string) string {
 		c := s[0]
 		switch {
 		case c == '"':
-			j.done = true
+			j.done, j.opened = j.opened, true
+			if j.quoted {
+				out.WriteByte(c)
+			}
 			s = s[1:]
 		case c != '\\':
 			out.WriteByte(c)
 			s = s[1:]
 		default:
 			r, n := unescape(s)
-			if n == 0 {
+			switch {
+			case n == 0:
 				j.rest = s
 				return out.String()
+			case j.quoted:
+				out.Write(s[:n])
+			default:
+				out.WriteRune(r)
 			}
-			out.WriteRune(r)
 			s = s[n:]
 		}
 	}

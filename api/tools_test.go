@@ -218,6 +218,37 @@ func feed(out string, k int, stops ...string) (string, []ToolCall, bool) {
 	return text.String() + rest, calls, a.stop.stopped
 }
 
+// TestAnswerUnderSchema: under a JSON schema a string answer is passed on as
+// its JSON, quoted, as the same constraint gives without tools, streamed as it
+// is generated and cut at a stop string matched in that JSON; otherwise it is
+// its text.
+func TestAnswerUnderSchema(t *testing.T) {
+	pieces := []string{`{"resp`, `onse": "a \`, `"b\"`, ` c\u00e9"}`}
+	for _, tc := range []struct {
+		quoted      bool
+		stops       []string
+		first, want string
+	}{
+		{false, nil, "a ", `a "b" cé`},
+		{true, nil, `"a `, `"a \"b\" c\u00e9"`},
+		{true, []string{`\"b`}, `"a `, `"a `},
+		{false, []string{`"b`}, "a ", `a `},
+	} {
+		a := answerStream{stop: stopMatcher{stops: tc.stops}, str: jsonString{quoted: tc.quoted}}
+		var got strings.Builder
+		for i, piece := range pieces {
+			got.WriteString(a.add(piece))
+			if i == 1 && got.String() != tc.first {
+				t.Errorf("quoted %v, stops %q: %q passed on after two pieces, want %q", tc.quoted, tc.stops, got.String(), tc.first)
+			}
+		}
+		rest, calls := a.end(func() string { return "id" })
+		if got.String()+rest != tc.want || len(calls) != 0 {
+			t.Errorf("quoted %v, stops %q: %q then %q, want %q", tc.quoted, tc.stops, got.String(), rest, tc.want)
+		}
+	}
+}
+
 // TestStopMatcherMinTokens: no stop string that ends within the first
 // min_tokens ends the answer, but one that ends after them does, even begun
 // within them.

@@ -79,6 +79,7 @@ func TestToolCalling(t *testing.T) {
 	// A stop string in an answer ends it, and its generation: the JSON around
 	// the answer is not generated on to its end. (The one answer the constraint
 	// allows makes the cut's place known; seeds that call a tool say nothing.)
+	// A string under a JSON schema is its JSON, quoted, as without tools.
 	fixed := openai.ChatCompletionNewParamsResponseFormatUnion{OfJSONSchema: &openai.ResponseFormatJSONSchemaParam{
 		JSONSchema: openai.ResponseFormatJSONSchemaJSONSchemaParam{Name: "fixed", Schema: map[string]any{
 			"type": "string", "enum": []string{"one two three four five six seven eight nine ten"}}}}}
@@ -100,7 +101,7 @@ func TestToolCalling(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if cc := cut.Choices[0]; cc.FinishReason != "stop" || cc.Message.Content != "one two " {
+		if cc := cut.Choices[0]; cc.FinishReason != "stop" || cc.Message.Content != `"one two ` {
 			t.Fatalf("seed %d, stop at three: finish %q, content %q", seed, cc.FinishReason, cc.Message.Content)
 		}
 		// The rest of the answer and its JSON are dozens of tokens; the choice
@@ -116,7 +117,7 @@ func TestToolCalling(t *testing.T) {
 		if err := stream.Err(); err != nil {
 			t.Fatal(err)
 		}
-		if acc.Choices[0].Message.Content != "one two " || acc.Usage.CompletionTokens > whole.Usage.CompletionTokens-15 {
+		if acc.Choices[0].Message.Content != `"one two ` || acc.Usage.CompletionTokens > whole.Usage.CompletionTokens-15 {
 			t.Fatalf("seed %d streamed: content %q after %d tokens, %d without the stop string", seed, acc.Choices[0].Message.Content, acc.Usage.CompletionTokens, whole.Usage.CompletionTokens)
 		}
 		t.Logf("seed %d: stop string under tools: %d tokens, %d without it", seed, cut.Usage.CompletionTokens, whole.Usage.CompletionTokens)
