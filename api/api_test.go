@@ -1362,19 +1362,22 @@ func TestResetPrefixCache(t *testing.T) {
 }
 
 // TestHTTPMetrics: answers are counted by route, method and status class, an
-// unknown path under "none" and a made-up method as "other".
+// unknown path under "none", a method a route does not take (405) under the
+// route, and a made-up method as "other".
 func TestHTTPMetrics(t *testing.T) {
 	s := newTestServer(t, nil)
 	s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":2}`)
 	s.do(t, "POST", "/v1/completions", `{"prompt":"abc","max_tokens":-2}`)
 	s.do(t, "GET", "/no/such/path/123", "")
 	s.do(t, "BREW", "/v1/models", "")
+	s.do(t, "GET", "/v1/completions", "")
 	body := s.do(t, "GET", "/metrics", "").Body.String()
 	for _, want := range []string{
 		`http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 1`,
 		`http_requests_total{handler="/v1/completions",method="POST",status="4xx"} 1`,
 		`http_requests_total{handler="none",method="GET",status="4xx"} 1`,
-		`http_requests_total{handler="none",method="other",status="4xx"} 1`,
+		`http_requests_total{handler="/v1/models",method="other",status="4xx"} 1`,
+		`http_requests_total{handler="/v1/completions",method="GET",status="4xx"} 1`,
 		`http_request_duration_seconds_count{handler="/v1/completions",method="POST"} 2`,
 	} {
 		if !strings.Contains(body, want+"\n") {

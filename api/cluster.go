@@ -125,8 +125,9 @@ func streamFailure(c *gin.Context) func(code, message string) string {
 // prefix cache (Node.RouteUncached). more are the request's other prompts (a
 // batch's other inputs, a completion request's other prompts) and choices the
 // sequences it runs besides tokens' (n): the router counts them all against
-// the node it is sent to.
-func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more [][]engine.Token, choices, priority int, uncached bool) (answered bool, done func()) {
+// the node it is sent to. need is what the request asks of a node (its
+// length, output and sequences), which only nodes whose limits it fits give.
+func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more [][]engine.Token, choices int, need cluster.Need, priority int, uncached bool) (answered bool, done func()) {
 	noop := func() {}
 	cs := s.cluster.Load()
 	if cs == nil {
@@ -139,7 +140,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			t32[i] = int32(t)
 		}
 	}
-	targets, err := cs.node.RouteTask(c.GetString(taskKey), model, t32, priority, !uncached)
+	targets, err := cs.node.RouteTask(c.GetString(taskKey), model, t32, need, priority, !uncached)
 	switch {
 	case errors.Is(err, cluster.ErrSaturated):
 		s.metrics.rejected(errSaturatedMarker)
@@ -151,9 +152,17 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		case tokens != nil:
 			return false, noop // no member serves it: this node, if it can
 		case errors.Is(err, cluster.ErrDraining):
-			abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",
-				Message: "every node serving the model " + model + " is shutting down; retry later", RetryAfter: 1})
+			abort(c, allDraining(model))
 		default:
+			task := c.GetString(taskKey)
+			if m, ok := s.servingMember(func(m cluster.Member) bool {
+				return cmp.Or(m.Task, cluster.TaskGenerate) != task && (slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model))
+			}); ok && taskNeeds[task] != "" {
+				// Served, for another task (an embedding model asked to generate):
+				// what a node of its own would answer.
+				abort(c, invalid("model", "the model %s is served as %s; %s", model, taskUse[cmp.Or(m.Task, cluster.TaskGenerate)], taskNeeds[task]))
+				return true, noop
+			}
 			abort(c, &Error{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found", Param: "model",
 				Message: "no node of this cluster serves the model " + model})
 		}
@@ -173,7 +182,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		path = "/v1/chat/completions" // llama-server's path of it: a peer of an older version has only OpenAI's
 	}
 	var lastErr error
-	busy, broken, refused := 0, 0, 0 // peers that answered 429 (queue full), that failed, that answered 401
+	busy, broken, refused, draining := 0, 0, 0, 0 // peers that answered 429 (queue full), that failed, that answered 401, that were shutting down
 	for i, t := range targets {
 		if i == maxForwardTries {
 			break
@@ -204,6 +213,12 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 				} else {
 					refused++ // the client's key
 					reason = "refused"
+				}
+			case http.StatusServiceUnavailable:
+				if strings.Contains(err.Error(), `"code":"draining"`) {
+					draining++ // its drain ended before it ran the request
+				} else {
+					broken++
 				}
 			default:
 				broken++
@@ -247,6 +262,10 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		// Every peer refused the client's key (this node, without keys of its
 		// own, forwarded it): the client's to mend, not a failure.
 		abort(c, errUnauthorized)
+		return true, noop
+	}
+	if draining > 0 && busy == 0 && broken == 0 {
+		abort(c, allDraining(model))
 		return true, noop
 	}
 	if busy > 0 && broken == 0 { // every peer tried was busy, none broken: come back later
@@ -317,6 +336,13 @@ func errString(err error) string {
 		return "no candidates"
 	}
 	return err.Error()
+}
+
+// allDraining is the answer when every node serving model is shutting down
+// (a rolling restart): 503, to retry soon.
+func allDraining(model string) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",
+		Message: "every node serving the model " + model + " is shutting down; retry later", RetryAfter: 1}
 }
 
 // errSaturatedMarker labels cluster-wide 429s in shoal_requests_rejected_total.

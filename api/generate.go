@@ -145,6 +145,11 @@ type plan struct {
 	// maxTokensAsked: the request gave max_tokens (a default filled in is not
 	// checked against the context; the context cuts it short instead).
 	maxTokensAsked bool
+	// maxTokens is the max_tokens the request gave, under the name it gave
+	// it as, for the node's cap (--max-tokens-cap), checked where it runs:
+	// a cluster routes it to a node whose cap it fits.
+	maxTokens      int
+	maxTokensParam string
 	// finished counts the choices whose finish was read (and counted in metrics).
 	finished int
 	// images is the prompt with its images, computed where the request runs
@@ -201,10 +206,8 @@ func (s *Server) samplingPlan(b *Backend, f *SamplingFields, param string, maxTo
 		if *maxTokens < 1 {
 			return p, invalid(param, "%s must be at least 1, got %d", param, *maxTokens)
 		}
-		if s.cfg.MaxTokensCap > 0 && *maxTokens > s.cfg.MaxTokensCap {
-			return p, invalid(param, "%s %d exceeds this server's cap of %d", param, *maxTokens, s.cfg.MaxTokensCap)
-		}
 		r.MaxTokens, p.maxTokensAsked = *maxTokens, true
+		p.maxTokens, p.maxTokensParam = *maxTokens, param
 	}
 	if len(f.Stop) > MaxStops {
 		return p, invalid("stop", "at most %d stop strings are allowed, got %d", MaxStops, len(f.Stop))
@@ -770,6 +773,23 @@ func given(raw json.RawMessage) bool {
 // make it look dearer).
 const maxGrammarCompile = 100 * time.Millisecond
 
+// need is what p asks of the node that runs it: the routing constraints run
+// checks.
+func (p *plan) need() cluster.Need {
+	need := cluster.Need{Seqs: max(len(p.prompts), 1) * max(p.n, 1), MaxTokens: p.maxTokens}
+	if p.truncate != 0 {
+		return need // fits any context
+	}
+	out := 1
+	if p.maxTokensAsked && !p.req.IgnoreEOS {
+		out = p.req.MaxTokens
+	}
+	for _, toks := range p.prompts {
+		need.Length = max(need.Length, len(toks)+out)
+	}
+	return need
+}
+
 // routeOrRun serves the request here unless routing sends it elsewhere (by
 // its first prompt's tokens).
 func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool) {
@@ -802,7 +822,7 @@ func (s *Server) routeOrRun(c *gin.Context, b *Backend, p *plan, forwarded bool)
 	}
 	if !forwarded {
 		// A scored prompt reads nothing from the cache: placed by load alone.
-		answered, done := s.route(c, p.model, p.prompts[0], p.prompts[1:], p.n, p.req.Priority, p.req.PromptLogprobs)
+		answered, done := s.route(c, p.model, p.prompts[0], p.prompts[1:], p.n, p.need(), p.req.Priority, p.req.PromptLogprobs)
 		defer done()
 		if answered {
 			return
@@ -975,7 +995,7 @@ func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, pr
 		// serves the model; the one it is sent to says if there were none.
 		c.Set(taskKey, cluster.TaskVision)
 	}
-	answered, done := s.route(c, model, tokens, nil, 1, priority, false)
+	answered, done := s.route(c, model, tokens, nil, 1, cluster.Need{}, priority, false)
 	done()
 	return !answered
 }
@@ -1033,6 +1053,10 @@ func which(where string, i, n int) string {
 func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	ctx := c.Request.Context()
 	maxCtx := b.Generator.MaxContext()
+	if most := s.cfg.MaxTokensCap; most > 0 && p.maxTokens > most {
+		abort(c, invalid(p.maxTokensParam, "%s %d exceeds this server's cap of %d", p.maxTokensParam, p.maxTokens, most))
+		return
+	}
 	// Its sequences wait together: more than the queue holds would be refused
 	// with 429 however long the client waited to retry.
 	if seqs, most := max(len(p.prompts), 1)*max(p.n, 1), b.Generator.Load().MaxWaiting; most > 0 && seqs > most {

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"slices"
@@ -291,11 +292,17 @@ func (m *metrics) rejected(err error) {
 	m.rejects.WithLabelValues(reason).Inc()
 }
 
+// routePathKey holds the path of a route asked with a method it does not take
+// (405), for the metrics' handler label.
+const routePathKey = "shoal.routePath"
+
 // answered counts an HTTP request c answered with status after d.
 func (m *metrics) answered(c *gin.Context, status int, d time.Duration) {
 	handler := c.FullPath()
 	if handler == "" {
-		handler = "none" // no route: the path itself would grow the series without bound
+		// Another method's route (405), else no route: the path itself
+		// would grow the series without bound.
+		handler = cmp.Or(c.GetString(routePathKey), "none")
 	}
 	method := c.Request.Method
 	if !slices.Contains(httpMethods, method) {

@@ -301,8 +301,15 @@ func New(cfg Config, reg prometheus.Registerer, log *slog.Logger) (*Server, erro
 	// A path with a trailing slash is a 404 (through the middleware, with an id
 	// and a log line), not gin's redirect, which clients do not follow with a body.
 	r.RedirectTrailingSlash = false
+	routes := map[string]bool{} // the routes' paths, which a 405 is counted under
+	for _, rt := range r.Routes() {
+		routes[rt.Path] = true
+	}
 	r.NoMethod(func(c *gin.Context) {
 		markAPI(c)
+		if routes[c.Request.URL.Path] {
+			c.Set(routePathKey, c.Request.URL.Path)
+		}
 		abort(c, &Error{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error",
 			Message: fmt.Sprintf("method %s not allowed on %s", c.Request.Method, c.Request.URL.Path)})
 	})
@@ -768,6 +775,14 @@ func (s *Server) modelList() ModelList {
 	if sim {
 		owner = "shoal (simulated engine)"
 	}
+	var served []cluster.ServedModel
+	if node := s.node(); node != nil {
+		served = node.Models()
+		// The longest any node of the cluster takes: requests go to one they fit.
+		if i := slices.IndexFunc(served, func(m cluster.ServedModel) bool { return m.ID == s.cfg.ModelName }); i >= 0 {
+			maxLen = max(maxLen, served[i].MaxModelLen)
+		}
+	}
 	list := ModelList{Object: "list", Data: []Model{{
 		ID: s.cfg.ModelName, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Simulated: sim,
 	}}}
@@ -777,11 +792,9 @@ func (s *Server) modelList() ModelList {
 	for _, a := range s.cfg.Adapters {
 		list.Data = append(list.Data, Model{ID: a, Object: "model", Created: s.started.Unix(), OwnedBy: owner, MaxModelLen: maxLen, Parent: s.cfg.ModelName})
 	}
-	if node := s.node(); node != nil {
-		for _, m := range node.Models() {
-			if _, here := s.adapterOf(m.ID); !here {
-				list.Data = append(list.Data, Model{ID: m.ID, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: m.MaxModelLen, Parent: m.Parent})
-			}
+	for _, m := range served {
+		if _, here := s.adapterOf(m.ID); !here {
+			list.Data = append(list.Data, Model{ID: m.ID, Object: "model", Created: s.started.Unix(), OwnedBy: "shoal", MaxModelLen: m.MaxModelLen, Parent: m.Parent})
 		}
 	}
 	return list
@@ -906,7 +919,7 @@ func (s *Server) spread(c *gin.Context, b *Backend, model string, inputs [][]eng
 	if _, forwarded := c.Get(forwardedByKey); forwarded || len(inputs) == 0 {
 		return false, func() {}
 	}
-	return s.route(c, cmp.Or(model, s.cfg.ModelName), inputs[0], inputs[1:], 1, 0, !b.Capacity.PoolsLast)
+	return s.route(c, cmp.Or(model, s.cfg.ModelName), inputs[0], inputs[1:], 1, cluster.Need{}, 0, !b.Capacity.PoolsLast)
 }
 
 // taskUse names what a node of each task serves and the endpoints that ask for

@@ -1409,8 +1409,9 @@ func TestSuspectPeerAsLastResort(t *testing.T) {
 }
 
 // TestServedModelsAndParents: the models every alive member serves, each with
-// the smallest max_model_len any gives, and a LoRA adapter with its base
-// model, the first of its member's models.
+// the largest max_model_len any gives (requests are routed to a node they
+// fit), and a LoRA adapter with its base model, the first of its member's
+// models.
 func TestServedModelsAndParents(t *testing.T) {
 	n := routerWith(t, RoundRobin,
 		&peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"base", "tuned"}, Capacity: 8, MaxModelLen: 4096}},
@@ -1418,9 +1419,56 @@ func TestServedModelsAndParents(t *testing.T) {
 		&peer{name: "c", meta: Meta{HTTP: "c:1", Models: []string{"other"}, Capacity: 8}})
 	n.peers["c"].state = "dead"
 	got := n.Models()
-	want := []ServedModel{{ID: "base", MaxModelLen: 2048}, {ID: "tuned", MaxModelLen: 4096, Parent: "base"}}
+	want := []ServedModel{{ID: "base", MaxModelLen: 4096}, {ID: "tuned", MaxModelLen: 4096, Parent: "base"}}
 	if !slices.Equal(got, want) {
 		t.Fatalf("models %+v, want %+v", got, want)
+	}
+}
+
+// TestRouteFitsLimits: in a cluster of unlike nodes a request goes only to
+// nodes whose context, output cap and queue it fits, however loaded the
+// others are; one that fits none goes to the node it misses least by (whose
+// refusal names the cluster's highest limit).
+func TestRouteFitsLimits(t *testing.T) {
+	n := routerWith(t, LeastLoaded,
+		&peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"m"}, Capacity: 8, MaxModelLen: 64, MaxTokensCap: 10}, load: Load{MaxWaiting: 2}},
+		&peer{name: "b", meta: Meta{HTTP: "b:1", Models: []string{"m"}, Capacity: 8, MaxModelLen: 1024}, load: Load{MaxWaiting: 64, Running: 8, Waiting: 20}},
+		&peer{name: "c", meta: Meta{HTTP: "c:1", Models: []string{"m"}, Capacity: 8, MaxModelLen: 2048}, load: Load{MaxWaiting: 4, Running: 8, Waiting: 3}})
+	names := func(need Need) []string {
+		t.Helper()
+		ts, err := n.RouteTask(TaskGenerate, "m", nil, need, 0, true)
+		if err != nil {
+			t.Fatalf("%+v: %v", need, err)
+		}
+		var out []string
+		for _, t := range ts {
+			out = append(out, t.Name)
+		}
+		slices.Sort(out)
+		return out
+	}
+	for _, c := range []struct {
+		need Need
+		want []string
+	}{
+		{Need{}, []string{"b", "c", "self"}},
+		{Need{Length: 64, Seqs: 1}, []string{"b", "c", "self"}},
+		{Need{Length: 65, Seqs: 1}, []string{"b", "c"}},
+		{Need{Length: 1500, Seqs: 1}, []string{"c"}},
+		{Need{Length: 20, Seqs: 1, MaxTokens: 11}, []string{"b", "c"}},
+		{Need{Length: 20, Seqs: 3}, []string{"b", "c"}},
+		{Need{Length: 1500, Seqs: 8}, []string{"c"}}, // fits none: c misses by its queue alone
+		{Need{Length: 4000, Seqs: 1}, []string{"c"}}, // fits none: c's context is the longest
+		{Need{Length: 20, Seqs: 100}, []string{"b"}}, // fits none: b's queue is the longest
+	} {
+		if got := names(c.need); !slices.Equal(got, c.want) {
+			t.Errorf("%+v: routed to %v, want %v", c.need, got, c.want)
+		}
+	}
+	// c fits but is saturated (its queue full): 429, not the node it misses least by.
+	n.peers["c"].load.Waiting = 4
+	if _, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != ErrSaturated {
+		t.Fatalf("the one node it fits is saturated: %v", err)
 	}
 }
 

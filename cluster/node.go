@@ -893,6 +893,7 @@ type Member struct {
 	Simulated     bool     `json:"simulated,omitempty"`
 	Device        string   `json:"device,omitempty"`
 	MaxModelLen   int      `json:"max_model_len,omitempty"`
+	MaxTokensCap  int      `json:"max_tokens_cap,omitempty"`
 	Task          string   `json:"task,omitempty"`   // Meta.Task: embed or rerank; omitted: generate
 	Vision        bool     `json:"vision,omitempty"` // Meta.Vision: reads images
 }
@@ -923,7 +924,7 @@ func (n *Node) Members() []Member {
 		}
 		out = append(out, Member{Name: p.name, Addr: p.meta.HTTP, Gossip: p.gossip, State: st, Models: p.meta.Models, Aliases: p.meta.Aliases,
 			Draining: p.meta.Draining, Load: p.load, SummaryBlocks: p.summary.len(), UpdatedAgoMS: ago, Inflight: len(p.flights), Simulated: p.meta.Simulated, Device: p.meta.Device,
-			MaxModelLen: p.meta.MaxModelLen, Task: p.meta.Task, Vision: p.meta.Vision})
+			MaxModelLen: p.meta.MaxModelLen, MaxTokensCap: p.meta.MaxTokensCap, Task: p.meta.Task, Vision: p.meta.Vision})
 	}
 	slices.SortFunc(out, func(a, b Member) int {
 		switch {
@@ -963,13 +964,8 @@ func (n *Node) Models() []ServedModel {
 			if i > 0 && i < len(m.Models) {
 				parents[id] = m.Models[0]
 			}
-			l, ok := lens[id]
-			switch {
-			case !ok || l == 0:
-				lens[id] = m.MaxModelLen
-			case m.MaxModelLen > 0:
-				lens[id] = min(l, m.MaxModelLen)
-			}
+			// The longest any node takes: requests are routed to a node they fit.
+			lens[id] = max(lens[id], m.MaxModelLen)
 		}
 	}
 	out := make([]ServedModel, 0, len(lens))

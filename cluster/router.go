@@ -43,6 +43,30 @@ var ErrSaturated = errors.New("cluster: every node serving the model is saturate
 // ErrNoNode means no alive node serves the model.
 var ErrNoNode = errors.New("cluster: no node serves the model")
 
+// Need is what a request asks of the node that runs it: in a cluster of
+// unlike nodes (--max-model-len, --max-tokens-cap, --max-waiting), only nodes
+// that can give it are candidates. The zero Need fits every node.
+type Need struct {
+	// Length is the request's longest sequence, its prompt plus the output it
+	// asks for (0: unknown).
+	Length int
+	// Seqs is how many sequences it queues together (prompts × n).
+	Seqs int
+	// MaxTokens is the output it asks for (max_tokens; 0: none given).
+	MaxTokens int
+}
+
+// misfit counts the limits of m and l that need exceeds, and how far: 0 when
+// it fits.
+func (need Need) misfit(m *Meta, l *Load) (limits, over int) {
+	for _, c := range [][2]int{{need.Length, m.MaxModelLen}, {need.MaxTokens, m.MaxTokensCap}, {need.Seqs, l.MaxWaiting}} {
+		if c[1] > 0 && c[0] > c[1] {
+			limits, over = limits+1, over+c[0]-c[1]
+		}
+	}
+	return limits, over
+}
+
 // ErrDraining means the nodes that serve the model are all draining (a rolling
 // restart): the model is served again soon, answer 503.
 var ErrDraining = errors.New("cluster: every node serving the model is draining")
@@ -80,13 +104,16 @@ const minPrefillTPS = 100
 // only); then routing is by load. An urgent request (priority < 0: lower runs first,
 // as in vLLM) may go to a saturated node.
 func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, error) {
-	return n.route(TaskGenerate, model, tokens, priority, true)
+	return n.route(TaskGenerate, model, tokens, Need{}, priority, true)
 }
 
-// RouteTask is Route (reuse) or RouteUncached (!reuse) for a request of task:
-// only nodes that serve model for it (Meta.Task) are candidates.
-func (n *Node) RouteTask(task, model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
-	return n.route(task, model, tokens, priority, reuse)
+// RouteTask is Route (reuse) or RouteUncached (!reuse) for a request of task
+// that needs need: only nodes that serve model for it (Meta.Task) and whose
+// limits it fits are candidates. When it fits none, the one target is the
+// node it misses least by (fewest limits, then least over them), whose own
+// refusal names its limit, the cluster's highest.
+func (n *Node) RouteTask(task, model string, tokens []int32, need Need, priority int, reuse bool) ([]Target, error) {
+	return n.route(task, model, tokens, need, priority, reuse)
 }
 
 // RouteUncached is Route for a request that computes its whole prompt wherever
@@ -94,10 +121,10 @@ func (n *Node) RouteTask(task, model string, tokens []int32, priority int, reuse
 // nodes are compared by load and the whole prompt's prefill, not by what they
 // hold of it.
 func (n *Node) RouteUncached(model string, tokens []int32, priority int) ([]Target, error) {
-	return n.route(TaskGenerate, model, tokens, priority, false)
+	return n.route(TaskGenerate, model, tokens, Need{}, priority, false)
 }
 
-func (n *Node) route(task, model string, tokens []int32, priority int, reuse bool) ([]Target, error) {
+func (n *Node) route(task, model string, tokens []int32, need Need, priority int, reuse bool) ([]Target, error) {
 	// The prompt's blocks as a node holds them: hashed under its model's own
 	// id, so under the first of its models where model is its alias
 	// (Meta.Aliases). Under model itself before the lock (the common case).
@@ -131,6 +158,8 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	// load is late because its machine is busy still answers, and a request
 	// tried there gets its answer or a 502, not a 404 saying nobody serves it.
 	suspects, draining := false, false
+	var closest *peer // of the nodes that serve the model, the one need misses least by
+	closestBy := [2]int{math.MaxInt, math.MaxInt}
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
 		for _, p := range n.peers {
 			self := p.name == n.cfg.Name
@@ -143,6 +172,12 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 			}
 			if p.meta.Draining {
 				draining = true
+				continue
+			}
+			if limits, over := need.misfit(&p.meta, &p.load); limits > 0 {
+				if by := [2]int{limits, over}; slices.Compare(by[:], closestBy[:]) < 0 || by == closestBy && p.name < closest.name {
+					closest, closestBy = p, by
+				}
 				continue
 			}
 			anyServes = true
@@ -201,6 +236,10 @@ func (n *Node) route(task, model string, tokens []int32, priority int, reuse boo
 	}
 	if len(cands) == 0 {
 		switch {
+		case !anyServes && closest != nil:
+			// Too long, too many sequences or too much output for every node:
+			// the closest says so, under its limits.
+			return []Target{{Name: closest.name, HTTP: closest.meta.HTTP, TLS: closest.meta.TLS, Local: closest.name == n.cfg.Name}}, nil
 		case anyServes:
 			return nil, ErrSaturated
 		case draining:

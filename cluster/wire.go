@@ -42,6 +42,9 @@ type Meta struct {
 	// MaxModelLen is the longest sequence one request may have there (0: unknown,
 	// a node of an earlier release).
 	MaxModelLen int `json:"x,omitempty"`
+	// MaxTokensCap is the most output tokens one request may ask for there
+	// (--max-tokens-cap; 0: only the context bounds it).
+	MaxTokensCap int `json:"o,omitempty"`
 	// Keys: the node requires API keys of its clients, so the requests it
 	// forwards were checked against them (peers take those on its credential).
 	Keys bool `json:"k,omitempty"`

@@ -673,7 +673,11 @@ func GenerateLoRA(path string, spec Spec, r int, seed uint64) error {
 	}
 	if spec.Gemma3 || spec.QwenVL || spec.Reranker {
 		// llama.cpp loads an adapter only on a model of its architecture.
-		return fmt.Errorf("generate LoRA %s: adapters are written for the llama-architecture models, not %s's", path, spec.Name)
+		arch := "the " + spec.Name + " preset's"
+		if spec.Reranker {
+			arch = "a reranker's (qwen3)"
+		}
+		return fmt.Errorf("generate LoRA %s: adapters are written for the llama-architecture models, not %s", path, arch)
 	}
 	seed = cmp.Or(seed, spec.Seed) ^ 0x4c6f5241 // "LoRA": not the base weights' draws
 	kv := ggml.KV{

@@ -138,6 +138,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.vocabHi, "token-max", 500, "largest random token id (stay inside the model's vocabulary)")
 	fs.StringVar(&c.jsonOut, "json", "", "write the results as JSON to this file ('-': stdout)")
 	fs.DurationVar(&c.timeout, "timeout", 10*time.Minute, "per-request timeout")
+	ca := fs.String("tls-ca", "", "CA certificate (PEM) to verify nodes serving TLS with (https URLs)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -177,6 +178,15 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		c.concurrency = max(len(reqs), 1)
 	}
 	client := &http.Client{Timeout: c.timeout}
+	if *ca != "" {
+		conf, err := clientTLS(*ca)
+		if err != nil {
+			return err
+		}
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		tr.TLSClientConfig = conf
+		client.Transport = tr
+	}
 	if c.model == "" {
 		if c.model, err = firstModel(client, c); err != nil {
 			return err

@@ -425,6 +425,13 @@ func TestTLSAndManyModels(t *testing.T) {
 		!strings.Contains(errb.String(), "status 401: ") || strings.Contains(errb.String(), `{"error"`) {
 		t.Fatalf("shoal status with a wrong key: exit %d\n%s%s", code, out.String(), errb.String())
 	}
+	// shoal bench too.
+	out.Reset()
+	errb.Reset()
+	if code := run([]string{"bench", "--url", x.url, "--tls-ca", ca, "--api-key", "k1", "--model", "x", "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--token-max", "200"}, &out, &errb); code != 0 ||
+		!strings.Contains(out.String(), "completed") {
+		t.Fatalf("shoal bench --tls-ca: exit %d\n%s%s", code, out.String(), errb.String())
+	}
 }
 
 // TestKeylessNodeForwards: a node without API keys forwards a request for a
@@ -635,6 +642,50 @@ func TestTasksRouteToTheirNodes(t *testing.T) {
 	var out, errb bytes.Buffer
 	if code := run([]string{"status", "--addr", strings.TrimPrefix(gen.url, "http://")}, &out, &errb); code != 0 || !strings.Contains(out.String(), "small (embed)") || strings.Count(out.String(), "small") != 2 {
 		t.Fatalf("shoal status: exit %d\n%s%s", code, out.String(), errb.String())
+	}
+}
+
+// TestUnlikeNodesRouteByLimits: in a cluster of nodes with different limits
+// (--max-model-len, --max-tokens-cap, --max-waiting) a request goes to a node
+// it fits, wherever it is sent; one that fits no node is refused under the
+// cluster's highest limit, which /v1/models gives at every node. A model
+// served for another task is named as such, not unknown.
+func TestUnlikeNodesRouteByLimits(t *testing.T) {
+	key := "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+	g1 := freeAddr(t)
+	common := []string{"--model", smallModel(t), "--gossip-key", key}
+	wide := startNode(t, append([]string{"--gossip-addr", g1, "--node-name", "wide", "--max-model-len", "512"}, common...)...)
+	narrow := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "narrow", "--join", g1,
+		"--max-model-len", "64", "--max-tokens-cap", "10", "--max-waiting", "2"}, common...)...)
+	emb := startNode(t, append([]string{"--gossip-addr", freeAddr(t), "--node-name", "emb", "--join", g1,
+		"--model-name", "vectors", "--embeddings", "--pooling", "mean"}, common...)...)
+	waitAlive(t, narrow, 3)
+	long := strings.Repeat("the cat sat on the mat. ", 20) // about 150 tokens
+	for _, n := range []*node{wide, narrow} {
+		for _, body := range []string{
+			`{"model":"small","prompt":"` + long + `","max_tokens":2}`,
+			`{"model":"small","prompt":"hi","max_tokens":40}`,
+			`{"model":"small","prompt":"hi","max_tokens":2,"n":4}`,
+		} {
+			resp, text := post(t, n.url+"/v1/completions", body)
+			if resp.StatusCode != 200 || cmp.Or(resp.Header.Get("X-Shoal-Served-By"), n.url) == narrow.url {
+				t.Fatalf("sent to %s, it fits only wide: %d %s (served by %q)", n.url, resp.StatusCode, text, resp.Header.Get("X-Shoal-Served-By"))
+			}
+		}
+		resp, text := post(t, n.url+"/v1/completions", `{"model":"small","prompt":"`+strings.Repeat(long, 4)+`","max_tokens":2}`)
+		if resp.StatusCode != 400 || !strings.Contains(text, "maximum context length is 512 tokens") {
+			t.Fatalf("too long for every node, sent to %s: %d %s", n.url, resp.StatusCode, text)
+		}
+		if m := modelList(n); !strings.Contains(m, `"id":"small","object":"model","created"`) || !strings.Contains(m, `"max_model_len":512`) || strings.Contains(m, `"max_model_len":64`) {
+			t.Fatalf("/v1/models at %s: %s", n.url, m)
+		}
+		resp, text = post(t, n.url+"/v1/completions", `{"model":"vectors","prompt":"hi"}`)
+		if resp.StatusCode != 400 || !strings.Contains(text, "embedding model") {
+			t.Fatalf("an embedding model asked to generate at %s: %d %s", n.url, resp.StatusCode, text)
+		}
+	}
+	if resp, text := post(t, emb.url+"/v1/embeddings", `{"model":"small","input":"hi"}`); resp.StatusCode != 400 || !strings.Contains(text, "generation model") {
+		t.Fatalf("a generation model asked for embeddings: %d %s", resp.StatusCode, text)
 	}
 }
 

@@ -695,7 +695,7 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
-		meta := cluster.Meta{Task: api.TaskOf(info), Vision: f.mmproj != "", Device: device, TLS: serverTLS != nil, Simulated: f.sim != "", Keys: len(f.apiKeys) > 0, Aliases: aliases}
+		meta := cluster.Meta{Task: api.TaskOf(info), Vision: f.mmproj != "", Device: device, TLS: serverTLS != nil, Simulated: f.sim != "", Keys: len(f.apiKeys) > 0, Aliases: aliases, MaxTokensCap: f.maxTokensCap}
 		node, secret, err = startCluster(f.cluster, apiAdvertise(f.addr, ln.Addr()), name, meta, sc, sched, log)
 		if err != nil {
 			stopSched()
