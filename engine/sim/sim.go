@@ -52,48 +52,95 @@ func (p Profile) Step(tokens int, posSum int64) time.Duration {
 	return time.Duration(max(us, 0) * float64(time.Microsecond))
 }
 
-// Fit sets the coefficients by least squares over the samples.
+// Fit sets the coefficients by least squares over the samples, none negative:
+// on a noisy machine the unconstrained fit can make a term negative (longer
+// contexts cheaper), which no engine is; then the best fit without it is taken
+// (non-negative least squares, by trying each set of terms).
 func (p *Profile) Fit() error {
 	if len(p.Samples) < 3 {
 		return errors.New("sim: need at least 3 samples to fit")
 	}
-	// Normal equations of y = a + b·x1 + c·x2, each sample weighted by 1/y so that
-	// relative errors count: a 5 ms decode step matters as much as a 400 ms prefill.
-	var m [3][4]float64
-	for _, s := range p.Samples {
+	// y = a + b·x1 + c·x2, each sample weighted by 1/y so that relative errors
+	// count: a 5 ms decode step matters as much as a 400 ms prefill.
+	rows := make([][4]float64, len(p.Samples)) // weighted 1, x1, x2, y
+	for i, s := range p.Samples {
 		y := s.Seconds * 1e6
 		w := 1 / max(y, 1)
-		x := [3]float64{w, w * float64(s.Tokens), w * float64(s.PosSum) / 1000}
-		y *= w
-		for i := range 3 {
-			for j := range 3 {
-				m[i][j] += x[i] * x[j]
-			}
-			m[i][3] += x[i] * y
+		rows[i] = [4]float64{w, w * float64(s.Tokens), w * float64(s.PosSum) / 1000, w * y}
+	}
+	best, bestErr, determined := [3]float64{}, math.Inf(1), false
+	for set := 1; set < 1<<3; set++ {
+		coef, ok := fitTerms(rows, set)
+		if !ok {
+			continue
+		}
+		if set == 1<<3-1 {
+			determined = true
+		}
+		if min(coef[0], coef[1], coef[2]) < 0 {
+			continue
+		}
+		var sq float64
+		for _, r := range rows {
+			d := r[0]*coef[0] + r[1]*coef[1] + r[2]*coef[2] - r[3]
+			sq += d * d
+		}
+		if sq < bestErr {
+			best, bestErr = coef, sq
 		}
 	}
-	for c := range 3 { // Gauss-Jordan with partial pivoting
+	if !determined || math.IsInf(bestErr, 1) {
+		return errors.New("sim: samples do not determine the model (vary batch size and context)")
+	}
+	p.BaseUS, p.PerTokenUS, p.PerAttendUS = best[0], best[1], best[2]
+	return nil
+}
+
+// fitTerms solves the weighted least squares over rows for the terms in set
+// (bit i: coefficient i; the others 0) by its normal equations; ok is false
+// when the samples do not determine them.
+func fitTerms(rows [][4]float64, set int) (coef [3]float64, ok bool) {
+	var idx []int
+	for i := range 3 {
+		if set&(1<<i) != 0 {
+			idx = append(idx, i)
+		}
+	}
+	n := len(idx)
+	m := make([][]float64, n) // n×(n+1) augmented
+	for a := range n {
+		m[a] = make([]float64, n+1)
+		for _, r := range rows {
+			for b := range n {
+				m[a][b] += r[idx[a]] * r[idx[b]]
+			}
+			m[a][n] += r[idx[a]] * r[3]
+		}
+	}
+	for c := range n { // Gauss-Jordan with partial pivoting
 		piv := c
-		for r := c + 1; r < 3; r++ {
+		for r := c + 1; r < n; r++ {
 			if math.Abs(m[r][c]) > math.Abs(m[piv][c]) {
 				piv = r
 			}
 		}
 		m[c], m[piv] = m[piv], m[c]
 		if math.Abs(m[c][c]) < 1e-12 {
-			return errors.New("sim: samples do not determine the model (vary batch size and context)")
+			return coef, false
 		}
-		for r := range 3 {
+		for r := range n {
 			if r != c {
 				f := m[r][c] / m[c][c]
-				for k := c; k < 4; k++ {
+				for k := c; k <= n; k++ {
 					m[r][k] -= f * m[c][k]
 				}
 			}
 		}
 	}
-	p.BaseUS, p.PerTokenUS, p.PerAttendUS = m[0][3]/m[0][0], m[1][3]/m[1][1], m[2][3]/m[2][2]
-	return nil
+	for a, i := range idx {
+		coef[i] = m[a][n] / m[a][a]
+	}
+	return coef, true
 }
 
 // Load reads a profile written by `shoal calibrate`.
@@ -106,7 +153,7 @@ func Load(path string) (Profile, error) {
 	if err := json.Unmarshal(b, &p); err != nil {
 		return p, fmt.Errorf("sim profile %s: %w", path, err)
 	}
-	if p.Model == "" || p.BaseUS < 0 || p.PerTokenUS < 0 {
+	if p.Model == "" || p.BaseUS < 0 || p.PerTokenUS < 0 || p.PerAttendUS < 0 {
 		return p, fmt.Errorf("sim profile %s: missing model or negative coefficients", path)
 	}
 	return p, nil

@@ -29,6 +29,17 @@ func TestFitRecoversCoefficients(t *testing.T) {
 	if err := (&Profile{Samples: p.Samples[:2]}).Fit(); err == nil {
 		t.Fatal("fit with 2 samples")
 	}
+	// Noisy samples whose best fit makes attention negative (as a busy 2-core
+	// machine measured them): no term comes out negative, and the fit without
+	// it is taken.
+	noisy := Profile{Samples: []Sample{{128, 8128, 0.296}, {512, 130816, 0.059}, {1, 64, 0.065}, {8, 512, 0.07},
+		{32, 2048, 0.5}, {1, 256, 0.06}, {8, 2048, 0.061}, {32, 8192, 0.44}}}
+	if err := noisy.Fit(); err != nil {
+		t.Fatal(err)
+	}
+	if min(noisy.BaseUS, noisy.PerTokenUS, noisy.PerAttendUS) < 0 {
+		t.Fatalf("a negative term: %+v", noisy)
+	}
 }
 
 func TestDecodeTakesModelledTime(t *testing.T) {
