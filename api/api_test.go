@@ -632,8 +632,8 @@ func TestNotReadyAndDrain(t *testing.T) {
 	if w := ts.do(t, "GET", "/health", ""); w.Code != 200 {
 		t.Fatalf("health: %d", w.Code)
 	}
-	for _, path := range []string{"/v1/models", "/v1/models/m", "/models"} {
-		if w := ts.do(t, "GET", path, ""); w.Code != 503 || strings.Contains(w.Body.String(), "max_model_len") {
+	for _, path := range []string{"/v1/models", "/v1/models/m", "/models", "/api/tags", "/api/ps"} {
+		if w := ts.do(t, "GET", path, ""); w.Code != 503 || strings.Contains(w.Body.String(), "max_model_len") || strings.Contains(w.Body.String(), `"models"`) {
 			t.Fatalf("%s before load: %d %s", path, w.Code, w.Body)
 		}
 	}

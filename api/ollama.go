@@ -882,11 +882,19 @@ func quantization(desc string) string {
 	return strings.ToUpper(strings.ReplaceAll(name, " ", "_"))
 }
 
+// ollamaTags and ollamaPS answer 503 while the model loads, as /v1/models
+// does (its size and details are not known yet).
 func (s *Server) ollamaTags(c *gin.Context) {
+	if s.loading(c) {
+		return
+	}
 	c.JSON(http.StatusOK, gin.H{"models": s.ollamaModels(false)})
 }
 
 func (s *Server) ollamaPS(c *gin.Context) {
+	if s.loading(c) {
+		return
+	}
 	c.JSON(http.StatusOK, gin.H{"models": s.ollamaModels(true)})
 }
 
