@@ -1604,3 +1604,46 @@ func stallingStream(release <-chan struct{}) *httptest.Server {
 		}
 	}))
 }
+
+// lockedBuffer is a log's output, written by memberlist's goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestUnlikeBlockHashingLogged: a member that hashes prompt blocks otherwise
+// (another --hash-seed) is logged once; one hashing them alike is not.
+func TestUnlikeBlockHashingLogged(t *testing.T) {
+	key := []byte("0123456789abcdef")
+	var logs lockedBuffer
+	cfg := DefaultConfig()
+	cfg.Name, cfg.Bind, cfg.GossipKey, cfg.Secret = "a", freePort(t), key, []byte("s")
+	cfg.Meta = Meta{HTTP: "127.0.0.1:1", Models: []string{"m"}, Capacity: 8}
+	a, err := New(cfg, &fakeLocal{}, slog.New(slog.NewTextHandler(&logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Leave(time.Second) })
+	startTestNode(t, "alike", key, []string{a.GossipAddr()}, &fakeLocal{})
+	startTestNode(t, "unlike", key, []string{a.GossipAddr()}, &fakeLocal{}, func(c *Config) { c.HashSeed = 7 })
+	eventually(t, "three members", func() bool { return len(a.Members()) == 3 })
+	eventually(t, "the unlike member logged", func() bool { return strings.Contains(logs.String(), "peer=unlike") })
+	if s := logs.String(); strings.Contains(s, "peer=alike") || strings.Count(s, "hashes prompt blocks otherwise") != 1 {
+		t.Fatalf("logs:\n%s", s)
+	}
+}

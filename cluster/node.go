@@ -161,6 +161,7 @@ type peer struct {
 	failedAt  time.Time // when a forward to it last could not connect
 	meta      Meta
 	metaOK    bool
+	unlike    bool // its blocks were logged as hashed otherwise (Meta.Blocks)
 	load      Load
 	loadAt    time.Time
 	summary   summary
@@ -208,6 +209,7 @@ func New(cfg Config, local LocalState, logger *slog.Logger) (*Node, error) {
 	if len(cfg.Name) > 200 {
 		return nil, errors.New("cluster: node name longer than 200 bytes")
 	}
+	cfg.Meta.Blocks = blockPrint(cfg.HashSeed, cfg.BlockTokens)
 	// As it will be at its largest: a draining node about to leave.
 	last := cfg.Meta
 	last.Draining, last.Leaving = true, true
@@ -793,6 +795,11 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	p.state = state
 	if err == nil && state == "alive" {
 		p.meta, p.metaOK = meta, true
+		if unlike := meta.Blocks != 0 && meta.Blocks != n.meta.Blocks; unlike && !p.unlike {
+			n.log.Warn("peer hashes prompt blocks otherwise (another --hash-seed or --block-tokens): prefix-aware routing cannot match prompts against its cache, nor its router against this node's; give every node the same",
+				"peer", m.Name)
+		}
+		p.unlike = meta.Blocks != 0 && meta.Blocks != n.meta.Blocks
 	} else if err != nil && state == "alive" {
 		n.log.Warn("peer metadata unreadable", "peer", m.Name, "err", err)
 	}
@@ -800,6 +807,19 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	// not alive, a member wrongly declared dead (a long pause, lost packets) comes
 	// back with its cache, which it would not send again, and a restarted process is
 	// told apart by its load's Boot, which drops the old summary (takeLoad).
+}
+
+// blockPrint fingerprints the hashes of prompt blocks under seed and
+// blockTokens (Meta.Blocks): the first hash of a fixed prompt, never 0.
+func blockPrint(seed uint64, blockTokens int) uint32 {
+	if blockTokens < 1 {
+		return 0
+	}
+	tokens := make([]int32, blockTokens)
+	for i := range tokens {
+		tokens[i] = int32(i)
+	}
+	return uint32(kvcache.NewHasher(seed, "").Chain(tokens, blockTokens)[0]) | 1
 }
 
 // status is p's state as routing and GET /cluster see it. memberlist's events say

@@ -45,6 +45,10 @@ type Meta struct {
 	// MaxTokensCap is the most output tokens one request may ask for there
 	// (--max-tokens-cap; 0: only the context bounds it).
 	MaxTokensCap int `json:"o,omitempty"`
+	// Blocks fingerprints how the node hashes prompt blocks (--hash-seed,
+	// --block-tokens; set by New): nodes that hash them otherwise cannot be
+	// matched against each other's caches, which a peer logs.
+	Blocks uint32 `json:"b,omitempty"`
 	// Keys: the node requires API keys of its clients, so the requests it
 	// forwards were checked against them (peers take those on its credential).
 	Keys bool `json:"k,omitempty"`
