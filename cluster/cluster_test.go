@@ -1624,7 +1624,8 @@ func (l *lockedBuffer) String() string {
 }
 
 // TestUnlikeBlockHashingLogged: a member that hashes prompt blocks otherwise
-// (another --hash-seed) is logged once; one hashing them alike is not.
+// (another --hash-seed), or is simulated where this node is not under the same
+// model id, is logged once; one alike is not.
 func TestUnlikeBlockHashingLogged(t *testing.T) {
 	key := []byte("0123456789abcdef")
 	var logs lockedBuffer
@@ -1641,9 +1642,12 @@ func TestUnlikeBlockHashingLogged(t *testing.T) {
 	t.Cleanup(func() { a.Leave(time.Second) })
 	startTestNode(t, "alike", key, []string{a.GossipAddr()}, &fakeLocal{})
 	startTestNode(t, "unlike", key, []string{a.GossipAddr()}, &fakeLocal{}, func(c *Config) { c.HashSeed = 7 })
-	eventually(t, "three members", func() bool { return len(a.Members()) == 3 })
-	eventually(t, "the unlike member logged", func() bool { return strings.Contains(logs.String(), "peer=unlike") })
-	if s := logs.String(); strings.Contains(s, "peer=alike") || strings.Count(s, "hashes prompt blocks otherwise") != 1 {
+	startTestNode(t, "sim", key, []string{a.GossipAddr()}, &fakeLocal{}, func(c *Config) { c.Meta.Simulated = true })
+	eventually(t, "four members", func() bool { return len(a.Members()) == 4 })
+	eventually(t, "the unlike and simulated members logged", func() bool {
+		return strings.Contains(logs.String(), "peer=unlike") && strings.Contains(logs.String(), "peer=sim")
+	})
+	if s := logs.String(); strings.Contains(s, "peer=alike") || strings.Count(s, "hashes prompt blocks otherwise") != 1 || strings.Count(s, "simulated node and a real one") != 1 {
 		t.Fatalf("logs:\n%s", s)
 	}
 }

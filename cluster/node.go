@@ -162,6 +162,7 @@ type peer struct {
 	meta      Meta
 	metaOK    bool
 	unlike    bool // its blocks were logged as hashed otherwise (Meta.Blocks)
+	mixed     bool // logged as simulated where this node is not, or the reverse, under one model id
 	load      Load
 	loadAt    time.Time
 	summary   summary
@@ -800,6 +801,12 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 				"peer", m.Name)
 		}
 		p.unlike = meta.Blocks != 0 && meta.Blocks != n.meta.Blocks
+		shared := slices.ContainsFunc(meta.Models, n.meta.serves) || slices.ContainsFunc(meta.Aliases, n.meta.serves)
+		if mixed := shared && meta.Simulated != n.meta.Simulated; mixed && !p.mixed {
+			n.log.Warn("a simulated node and a real one serve the same model id: requests for it go to either, and a simulated node's answers are not the model's",
+				"peer", m.Name, "simulated", meta.Simulated)
+		}
+		p.mixed = shared && meta.Simulated != n.meta.Simulated
 	} else if err != nil && state == "alive" {
 		n.log.Warn("peer metadata unreadable", "peer", m.Name, "err", err)
 	}
