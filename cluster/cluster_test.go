@@ -1624,8 +1624,9 @@ func (l *lockedBuffer) String() string {
 }
 
 // TestUnlikeBlockHashingLogged: a member that hashes prompt blocks otherwise
-// (another --hash-seed), or is simulated where this node is not under the same
-// model id, is logged once; one alike is not.
+// (another --hash-seed), is simulated where this node is not under the same
+// model id, or serves another model under one of this node's ids, is logged
+// once; one alike is not.
 func TestUnlikeBlockHashingLogged(t *testing.T) {
 	key := []byte("0123456789abcdef")
 	var logs lockedBuffer
@@ -1643,11 +1644,14 @@ func TestUnlikeBlockHashingLogged(t *testing.T) {
 	startTestNode(t, "alike", key, []string{a.GossipAddr()}, &fakeLocal{})
 	startTestNode(t, "unlike", key, []string{a.GossipAddr()}, &fakeLocal{}, func(c *Config) { c.HashSeed = 7 })
 	startTestNode(t, "sim", key, []string{a.GossipAddr()}, &fakeLocal{}, func(c *Config) { c.Meta.Simulated = true })
-	eventually(t, "four members", func() bool { return len(a.Members()) == 4 })
-	eventually(t, "the unlike and simulated members logged", func() bool {
-		return strings.Contains(logs.String(), "peer=unlike") && strings.Contains(logs.String(), "peer=sim")
+	startTestNode(t, "other", key, []string{a.GossipAddr()}, &fakeLocal{}, func(c *Config) { c.Meta.Models, c.Meta.Aliases = []string{"o"}, []string{"m"} })
+	eventually(t, "five members", func() bool { return len(a.Members()) == 5 })
+	eventually(t, "the unlike, simulated and other-named members logged", func() bool {
+		s := logs.String()
+		return strings.Contains(s, "peer=unlike") && strings.Contains(s, "peer=sim") && strings.Contains(s, "peer=other")
 	})
-	if s := logs.String(); strings.Contains(s, "peer=alike") || strings.Count(s, "hashes prompt blocks otherwise") != 1 || strings.Count(s, "simulated node and a real one") != 1 {
+	if s := logs.String(); strings.Contains(s, "peer=alike") || strings.Count(s, "hashes prompt blocks otherwise") != 1 ||
+		strings.Count(s, "simulated node and a real one") != 1 || strings.Count(s, "another model answers") != 1 {
 		t.Fatalf("logs:\n%s", s)
 	}
 }

@@ -163,6 +163,7 @@ type peer struct {
 	metaOK    bool
 	unlike    bool // its blocks were logged as hashed otherwise (Meta.Blocks)
 	mixed     bool // logged as simulated where this node is not, or the reverse, under one model id
+	named     bool // logged as another model answering to one of this node's ids
 	load      Load
 	loadAt    time.Time
 	summary   summary
@@ -807,6 +808,12 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 				"peer", m.Name, "simulated", meta.Simulated)
 		}
 		p.mixed = shared && meta.Simulated != n.meta.Simulated
+		named := shared && len(meta.Models) > 0 && len(n.meta.Models) > 0 && meta.Models[0] != n.meta.Models[0]
+		if named && !p.named {
+			n.log.Warn("another model answers to one of this node's model ids (--model-name): requests naming it go to either",
+				"peer", m.Name, "its_model", meta.Models[0], "this_model", n.meta.Models[0])
+		}
+		p.named = named
 	} else if err != nil && state == "alive" {
 		n.log.Warn("peer metadata unreadable", "peer", m.Name, "err", err)
 	}
