@@ -171,6 +171,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		abort(c, err)
 		return true, noop
 	}
+	c.Set(routedModelKey, model)
 	body, _ := c.Get(bodyKey)
 	raw, _ := body.([]byte)
 	seqs, moreTok := (1+len(more))*max(choices, 1)-1, 0
@@ -337,6 +338,10 @@ func errString(err error) string {
 	}
 	return err.Error()
 }
+
+// routedModelKey holds the model a request was routed for, for the log line
+// of one answered by a peer.
+const routedModelKey = "shoal.routedModel"
 
 // allDraining is the answer when every node serving model is shutting down
 // (a rolling restart): 503, to retry soon.

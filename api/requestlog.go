@@ -173,6 +173,10 @@ func (s *Server) logRequest(c *gin.Context, id string, st *requestStats, start t
 		}
 	}
 	if peer := c.Writer.Header().Get("X-Shoal-Served-By"); peer != "" {
+		// Its tokens are in the peer's line, under the same id.
+		if m := st.model.Load(); m == nil && c.GetString(routedModelKey) != "" {
+			attrs = append(attrs, "model", c.GetString(routedModelKey))
+		}
 		attrs = append(attrs, "served_by", peer)
 	}
 	switch {

@@ -532,7 +532,7 @@ func TestAdapterRoutedToItsNode(t *testing.T) {
 		return false
 	}
 	waitFor(t, "both nodes log the request under the client's id", func() bool {
-		return logged(b, "path=/api/generate", "status=200", "served_by=a") &&
+		return logged(b, "path=/api/generate", "status=200", "model=tuned", "served_by=a") &&
 			logged(a, "path=/api/generate", "status=200", "forwarded_by=b", "model=tuned", "completion_tokens=12")
 	})
 }
