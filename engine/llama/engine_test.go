@@ -1208,6 +1208,29 @@ func TestQuietedLines(t *testing.T) {
 	}
 }
 
+// TestAbortedPassQuiet: the cells an aborted pass removes are not warned
+// about, those of a failed pass are.
+func TestAbortedPassQuiet(t *testing.T) {
+	const removing = "decode: removing memory module entries for seq_id = 0, pos = [599, +inf)"
+	var rollingBack bool
+	for i, c := range []struct {
+		line   string
+		lv, at slog.Level
+	}{
+		{"process_ubatch: failed to compute graph, compute status: 1", slog.LevelError, slog.LevelDebug},
+		{removing, slog.LevelWarn, slog.LevelDebug},
+		{removing, slog.LevelWarn, slog.LevelDebug},
+		{"llama_decode: failed to decode, ret = 2", slog.LevelError, slog.LevelDebug},
+		{removing, slog.LevelWarn, slog.LevelWarn}, // another pass's
+		{"process_ubatch: failed to compute graph, compute status: -3", slog.LevelError, slog.LevelError},
+		{removing, slog.LevelWarn, slog.LevelWarn},
+	} {
+		if got := quieted(c.line, c.lv, &rollingBack); got != c.at {
+			t.Errorf("line %d, %q: logged at %v, want %v", i, c.line, got, c.at)
+		}
+	}
+}
+
 // pieceIDs maps each token's text to the first token with that text.
 func pieceIDs(v engine.Vocab) map[string]engine.Token {
 	ids := map[string]engine.Token{}

@@ -41,6 +41,9 @@ var (
 	// loads (under logMu; nil otherwise). loadMu lets one model load at a time.
 	loading *[]engine.WeightBuffer
 	loadMu  sync.Mutex
+	// rollingBack: a pass was aborted (aborted) and llama_decode has not yet
+	// returned: its removal of the pass's cells is shoal's doing too. Under logMu.
+	rollingBack bool
 )
 
 // weightBufferRE is llama.cpp's report of a buffer of weights at load.
@@ -100,10 +103,7 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 			*loading = append(*loading, engine.WeightBuffer{Name: m[1], Bytes: uint64(mib * (1 << 20))})
 		}
 	}
-	lv := logLevel
-	if lv == slog.LevelWarn && moot(line) || lv == slog.LevelError && aborted(line) {
-		lv = slog.LevelDebug
-	}
+	lv := quieted(line, logLevel, &rollingBack)
 	l := logger.Load()
 	if l.Enabled(context.Background(), lv) {
 		l.Log(context.Background(), lv, line, "src", "llama.cpp")
@@ -119,6 +119,21 @@ func shoalLog(level C.int, text *C.char, _ *C.void) {
 func moot(line string) bool {
 	return strings.Contains(line, "n_ctx_seq") && strings.Contains(line, "> n_ctx_train") ||
 		strings.Contains(line, "are not divisible by") && strings.Contains(line, "using fallback quantization")
+}
+
+// quieted is the level line, logged by llama.cpp at lv, is logged at: debug
+// for lines that do not concern shoal (moot), the errors of a pass shoal
+// aborted (aborted) and, until llama_decode returns from it, the pass's
+// removal of its cells; rollingBack carries that state from line to line.
+func quieted(line string, lv slog.Level, rollingBack *bool) slog.Level {
+	switch {
+	case lv == slog.LevelError && aborted(line):
+		*rollingBack = !strings.HasPrefix(line, "llama_decode:")
+		return slog.LevelDebug
+	case lv == slog.LevelWarn && (moot(line) || *rollingBack && strings.HasPrefix(line, "decode: removing memory module entries")):
+		return slog.LevelDebug
+	}
+	return lv
 }
 
 // aborted reports whether a llama.cpp error says only that a pass was aborted
