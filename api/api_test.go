@@ -1604,3 +1604,20 @@ func TestResponseOutputAlwaysAnArray(t *testing.T) {
 		t.Fatalf("%s", b)
 	}
 }
+
+// TestCapNamesTheField: --max-tokens-cap's refusal names the field as the
+// request's API calls it.
+func TestCapNamesTheField(t *testing.T) {
+	s := newTestServer(t, func(c *Config, sc *scheduler.Config) { c.MaxTokensCap = 8 })
+	for path, c := range map[string]struct{ body, param string }{
+		"/v1/completions":      {`{"prompt":"x","max_tokens":9}`, "max_tokens"},
+		"/v1/chat/completions": {`{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":9}`, "max_completion_tokens"},
+		"/v1/responses":        {`{"input":"x","max_output_tokens":9}`, "max_output_tokens"},
+		"/api/generate":        {`{"prompt":"x","stream":false,"options":{"num_predict":9}}`, "options.num_predict"},
+	} {
+		w := s.do(t, "POST", path, c.body)
+		if w.Code != 400 || !strings.Contains(w.Body.String(), c.param+" 9 exceeds this server's cap of 8") {
+			t.Errorf("%s: %d %s", path, w.Code, w.Body)
+		}
+	}
+}

@@ -216,7 +216,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 					reason = "refused"
 				}
 			case http.StatusServiceUnavailable:
-				if strings.Contains(err.Error(), `"code":"draining"`) {
+				if strings.Contains(err.Error(), errDraining.Message) { // in any API's error format
 					draining++ // its drain ended before it ran the request
 				} else {
 					broken++

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"cmp"
 	"context"
 	crand "crypto/rand"
 	"encoding/binary"
@@ -777,15 +778,19 @@ const maxGrammarCompile = 100 * time.Millisecond
 // checks.
 func (p *plan) need() cluster.Need {
 	need := cluster.Need{Seqs: max(len(p.prompts), 1) * max(p.n, 1), MaxTokens: p.maxTokens}
-	if p.truncate != 0 {
-		return need // fits any context
-	}
 	out := 1
 	if p.maxTokensAsked && !p.req.IgnoreEOS {
 		out = p.req.MaxTokens
 	}
 	for _, toks := range p.prompts {
-		need.Length = max(need.Length, len(toks)+out)
+		n := len(toks)
+		switch {
+		case p.truncate < 0:
+			n = 0 // cut to what the context holds, wherever it runs
+		case p.truncate > 0:
+			n = min(n, p.truncate)
+		}
+		need.Length = max(need.Length, n+out)
 	}
 	return need
 }
@@ -957,14 +962,46 @@ func (s *Server) begin(c *gin.Context, req any, model *string, priority **int) (
 		abort(c, invalid("priority", "priority %d needs priority scheduling, which this server does not use (start it with --scheduling-policy priority)", p))
 		return forwarded, false
 	}
-	return forwarded, s.routeElsewhere(c, forwarded, *model, p)
+	need := cluster.Need{}
+	if r, ok := req.(interface{ routeNeed() cluster.Need }); ok {
+		need = r.routeNeed()
+	}
+	return forwarded, s.routeElsewhere(c, forwarded, *model, p, need)
+}
+
+// routeNeed is what a request asks of the node that runs it as far as its body
+// says, before its prompt is tokenized (at a node that does not serve its
+// model, which routes it by this): its output and choices.
+func (f *SamplingFields) routeNeed() cluster.Need {
+	return outputNeed(f.MaxTokens, f.N, f.IgnoreEOS)
+}
+
+func (r *ChatRequest) routeNeed() cluster.Need {
+	return outputNeed(cmp.Or(r.MaxCompletionTokens, r.MaxTokens), r.N, r.IgnoreEOS)
+}
+
+// outputNeed is the Need of maxTokens output tokens (nil: none asked) in n
+// choices, each with a prompt of at least one token.
+func outputNeed(maxTokens, n *int, ignoreEOS bool) cluster.Need {
+	need := cluster.Need{Seqs: 1}
+	if n != nil && *n > 1 {
+		need.Seqs = *n
+	}
+	if maxTokens != nil && *maxTokens > 0 {
+		need.MaxTokens = *maxTokens
+		if !ignoreEOS {
+			need.Length = *maxTokens + 1
+		}
+	}
+	return need
 }
 
 // routeElsewhere sends a request for a model this node does not serve to a node
-// that does, and answers false when it did (or refused it). A forwarded request
+// that does (and whose limits need fits: the prompt's length is not known
+// here), and answers false when it did (or refused it). A forwarded request
 // has made its one hop: if this node does not serve its model (the router's view
 // was stale), it gets 404 rather than another model's answer.
-func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, priority int) bool {
+func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, priority int, need cluster.Need) bool {
 	if model == "" && !forwarded && !s.servesTask(c) {
 		// No model named, at a node that does not compute the request's task:
 		// the model a member serves for it (a reranker, for a rerank request).
@@ -995,7 +1032,7 @@ func (s *Server) routeElsewhere(c *gin.Context, forwarded bool, model string, pr
 		// serves the model; the one it is sent to says if there were none.
 		c.Set(taskKey, cluster.TaskVision)
 	}
-	answered, done := s.route(c, model, tokens, nil, 1, cluster.Need{}, priority, false)
+	answered, done := s.route(c, model, tokens, nil, 1, need, priority, false)
 	done()
 	return !answered
 }
@@ -1054,7 +1091,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	ctx := c.Request.Context()
 	maxCtx := b.Generator.MaxContext()
 	if most := s.cfg.MaxTokensCap; most > 0 && p.maxTokens > most {
-		abort(c, invalid(p.maxTokensParam, "%s %d exceeds this server's cap of %d", p.maxTokensParam, p.maxTokens, most))
+		abort(c, invalid(p.maxTokensParam, "%s %d exceeds this server's cap of %d", p.maxTokensParam, p.maxTokens, most).renamed(p.params))
 		return
 	}
 	// Its sequences wait together: more than the queue holds would be refused

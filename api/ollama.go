@@ -818,7 +818,7 @@ func (s *Server) ollamaModels(running bool) []OllamaModel {
 		om.Digest = ollamaDigest(m.ID, om.Size, om.Details)
 		if running {
 			om.ExpiresAt = time.Date(2318, 1, 1, 0, 0, 0, 0, time.UTC).Format(time.RFC3339) // never, as Ollama writes keep_alive -1
-			om.ContextLength = m.MaxModelLen
+			om.ContextLength = b.Generator.MaxContext() // this node's, not the cluster's longest
 			var vram uint64
 			switch {
 			case b == nil || b.Info.GPULayers <= 0:
@@ -928,7 +928,7 @@ func (s *Server) ollamaShow(c *gin.Context) {
 	}
 	// A model served elsewhere in the cluster is shown by a node serving it,
 	// busy or not: the priority of a request admitted past saturation.
-	if forwarded, ok := s.checkHop(c); !ok || !s.routeElsewhere(c, forwarded, req.Model, -1) {
+	if forwarded, ok := s.checkHop(c); !ok || !s.routeElsewhere(c, forwarded, req.Model, -1, cluster.Need{}) {
 		return
 	}
 	b, ok := s.readyBackend(c)

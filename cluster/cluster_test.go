@@ -1410,13 +1410,14 @@ func TestSuspectPeerAsLastResort(t *testing.T) {
 
 // TestServedModelsAndParents: the models every alive member serves, each with
 // the largest max_model_len any gives (requests are routed to a node they
-// fit), and a LoRA adapter with its base model, the first of its member's
-// models.
+// fit; a generation node's over an embedding node's), and a LoRA adapter with
+// its base model, the first of its member's models.
 func TestServedModelsAndParents(t *testing.T) {
 	n := routerWith(t, RoundRobin,
 		&peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"base", "tuned"}, Capacity: 8, MaxModelLen: 4096}},
 		&peer{name: "b", meta: Meta{HTTP: "b:1", Models: []string{"base"}, Capacity: 8, MaxModelLen: 2048}},
-		&peer{name: "c", meta: Meta{HTTP: "c:1", Models: []string{"other"}, Capacity: 8}})
+		&peer{name: "c", meta: Meta{HTTP: "c:1", Models: []string{"other"}, Capacity: 8}},
+		&peer{name: "e", meta: Meta{HTTP: "e:1", Models: []string{"base"}, Capacity: 8, MaxModelLen: 8192, Task: TaskEmbed}})
 	n.peers["c"].state = "dead"
 	got := n.Models()
 	want := []ServedModel{{ID: "base", MaxModelLen: 4096}, {ID: "tuned", MaxModelLen: 4096, Parent: "base"}}
@@ -1428,7 +1429,7 @@ func TestServedModelsAndParents(t *testing.T) {
 // TestRouteFitsLimits: in a cluster of unlike nodes a request goes only to
 // nodes whose context, output cap and queue it fits, however loaded the
 // others are; one that fits none goes to the node it misses least by (whose
-// refusal names the cluster's highest limit).
+// refusal names its limits), unless one it fits is draining.
 func TestRouteFitsLimits(t *testing.T) {
 	n := routerWith(t, LeastLoaded,
 		&peer{name: "self", meta: Meta{HTTP: "self:1", Models: []string{"m"}, Capacity: 8, MaxModelLen: 64, MaxTokensCap: 10}, load: Load{MaxWaiting: 2}},
@@ -1469,6 +1470,11 @@ func TestRouteFitsLimits(t *testing.T) {
 	n.peers["c"].load.Waiting = 4
 	if _, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != ErrSaturated {
 		t.Fatalf("the one node it fits is saturated: %v", err)
+	}
+	// c fits but drains (a restart): 503 to retry, not the others' 400.
+	n.peers["c"].load.Waiting, n.peers["c"].meta.Draining = 0, true
+	if _, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != ErrDraining {
+		t.Fatalf("the one node it fits drains: %v", err)
 	}
 }
 

@@ -979,8 +979,9 @@ func (n *Node) Members() []Member {
 // ServedModel is a model some alive member serves.
 type ServedModel struct {
 	ID string
-	// MaxModelLen is the smallest that a member serving it gives (0: none says),
-	// so that a request within it fits wherever it is routed.
+	// MaxModelLen is the largest that a member serving it to generate gives
+	// (else, served only to embed or rerank, any member; 0: none says): a
+	// request is routed to a node it fits.
 	MaxModelLen int
 	// Parent is a LoRA adapter's base model: the first of the models of a
 	// member that lists it after it (Meta.Models).
@@ -990,6 +991,7 @@ type ServedModel struct {
 // Models lists every model served by an alive member, sorted by id.
 func (n *Node) Models() []ServedModel {
 	lens, parents := map[string]int{}, map[string]string{}
+	genLen := map[string]bool{} // lens[id] is a generation node's
 	for _, m := range n.Members() {
 		if m.State != "alive" {
 			continue
@@ -998,8 +1000,15 @@ func (n *Node) Models() []ServedModel {
 			if i > 0 && i < len(m.Models) {
 				parents[id] = m.Models[0]
 			}
-			// The longest any node takes: requests are routed to a node they fit.
-			lens[id] = max(lens[id], m.MaxModelLen)
+			// The longest any node takes (requests are routed to a node they
+			// fit), a generation node's before others'.
+			gen := cmp.Or(m.Task, TaskGenerate) == TaskGenerate
+			switch l, ok := lens[id]; {
+			case !ok || gen && !genLen[id]:
+				lens[id], genLen[id] = m.MaxModelLen, gen
+			case gen == genLen[id]:
+				lens[id] = max(l, m.MaxModelLen)
+			}
 		}
 	}
 	out := make([]ServedModel, 0, len(lens))

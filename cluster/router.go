@@ -109,9 +109,9 @@ func (n *Node) Route(model string, tokens []int32, priority int) ([]Target, erro
 
 // RouteTask is Route (reuse) or RouteUncached (!reuse) for a request of task
 // that needs need: only nodes that serve model for it (Meta.Task) and whose
-// limits it fits are candidates. When it fits none, the one target is the
-// node it misses least by (fewest limits, then least over them), whose own
-// refusal names its limit, the cluster's highest.
+// limits it fits are candidates. When it fits none (and none draining), the
+// one target is the node it misses least by (fewest limits, then least over
+// them), whose own refusal names its limits.
 func (n *Node) RouteTask(task, model string, tokens []int32, need Need, priority int, reuse bool) ([]Target, error) {
 	return n.route(task, model, tokens, need, priority, reuse)
 }
@@ -170,11 +170,12 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 				suspects = suspects || suspect && p.state == "alive"
 				continue
 			}
+			limits, over := need.misfit(&p.meta, &p.load)
 			if p.meta.Draining {
-				draining = true
+				draining = draining || limits == 0 // served again soon, if it fits
 				continue
 			}
-			if limits, over := need.misfit(&p.meta, &p.load); limits > 0 {
+			if limits > 0 {
 				if by := [2]int{limits, over}; slices.Compare(by[:], closestBy[:]) < 0 || by == closestBy && p.name < closest.name {
 					closest, closestBy = p, by
 				}
@@ -236,14 +237,14 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 	}
 	if len(cands) == 0 {
 		switch {
-		case !anyServes && closest != nil:
-			// Too long, too many sequences or too much output for every node:
-			// the closest says so, under its limits.
-			return []Target{{Name: closest.name, HTTP: closest.meta.HTTP, TLS: closest.meta.TLS, Local: closest.name == n.cfg.Name}}, nil
 		case anyServes:
 			return nil, ErrSaturated
 		case draining:
 			return nil, ErrDraining
+		case closest != nil:
+			// Too long, too many sequences or too much output for every node:
+			// the closest says so, under its limits.
+			return []Target{{Name: closest.name, HTTP: closest.meta.HTTP, TLS: closest.meta.TLS, Local: closest.name == n.cfg.Name}}, nil
 		}
 		return nil, ErrNoNode
 	}

@@ -687,6 +687,22 @@ func TestUnlikeNodesRouteByLimits(t *testing.T) {
 	if resp, text := post(t, emb.url+"/v1/embeddings", `{"model":"small","input":"hi"}`); resp.StatusCode != 400 || !strings.Contains(text, "generation model") {
 		t.Fatalf("a generation model asked for embeddings: %d %s", resp.StatusCode, text)
 	}
+	// A node that does not serve the model routes by max_tokens and n.
+	for _, body := range []string{
+		`{"model":"small","prompt":"hi","max_tokens":40}`,
+		`{"model":"small","prompt":"hi","max_tokens":2,"n":4}`,
+		`{"model":"small","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":40}`,
+	} {
+		for range 3 {
+			path := "/v1/completions"
+			if strings.Contains(body, "messages") {
+				path = "/v1/chat/completions"
+			}
+			if resp, text := post(t, emb.url+path, body); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "wide" {
+				t.Fatalf("sent to the embedding node, it fits only wide: %d %s (served by %q)", resp.StatusCode, text, resp.Header.Get("X-Shoal-Served-By"))
+			}
+		}
+	}
 }
 
 // waitAlive waits until n sees count members alive with a load report.
