@@ -818,7 +818,9 @@ func (s *Server) ollamaModels(running bool) []OllamaModel {
 		om.Digest = ollamaDigest(m.ID, om.Size, om.Details)
 		if running {
 			om.ExpiresAt = time.Date(2318, 1, 1, 0, 0, 0, 0, time.UTC).Format(time.RFC3339) // never, as Ollama writes keep_alive -1
-			om.ContextLength = b.Generator.MaxContext()                                     // this node's, not the cluster's longest
+			if b != nil {
+				om.ContextLength = b.Generator.MaxContext() // this node's, not the cluster's longest
+			}
 			var vram uint64
 			switch {
 			case b == nil || b.Info.GPULayers <= 0:
