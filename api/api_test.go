@@ -1621,3 +1621,31 @@ func TestCapNamesTheField(t *testing.T) {
 		}
 	}
 }
+
+// TestAudioOutputRefused: spoken output, which a node cannot give, is refused
+// rather than ignored.
+func TestAudioOutputRefused(t *testing.T) {
+	s := newTestServer(t, nil)
+	for body, param := range map[string]string{
+		`{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}}`: "modalities",
+		`{"messages":[{"role":"user","content":"x"}],"audio":{"voice":"alloy","format":"wav"}}`:                              "audio",
+	} {
+		if w := s.do(t, "POST", "/v1/chat/completions", body); w.Code != 400 || !strings.Contains(w.Body.String(), `"param":"`+param+`"`) {
+			t.Errorf("%s: %d %s", body, w.Code, w.Body)
+		}
+	}
+	if w := s.do(t, "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"modalities":["text"],"max_tokens":2}`); w.Code != 200 {
+		t.Errorf("modalities text: %d %s", w.Code, w.Body)
+	}
+}
+
+// TestAnthropicClientsModels: with anthropic-version, GET /v1/models refuses a
+// wrong key in Anthropic's shape, and answers carry request-id, where
+// Anthropic's SDKs read the request's id.
+func TestAnthropicClientsModels(t *testing.T) {
+	s := newTestServer(t, func(c *Config, sc *scheduler.Config) { c.APIKeys = []string{"k"} })
+	w := s.do(t, "GET", "/v1/models", "", "anthropic-version", "2023-06-01", "x-api-key", "wrong")
+	if w.Code != 401 || !strings.Contains(w.Body.String(), `"type":"error"`) || w.Header().Get("request-id") == "" || w.Header().Get("request-id") != w.Header().Get("X-Request-Id") {
+		t.Fatalf("%d %v %s", w.Code, w.Header(), w.Body)
+	}
+}

@@ -713,6 +713,14 @@ func (s *Server) chatPlan(b *Backend, req *ChatRequest) (*plan, error) {
 	if len(req.Messages) == 0 {
 		return nil, invalid("messages", "messages must not be empty")
 	}
+	for _, m := range req.Modalities {
+		if m != "text" {
+			return nil, invalid("modalities", "modalities: only \"text\" is served, not %q", m)
+		}
+	}
+	if given(req.Audio) {
+		return nil, invalid("audio", "audio output is not served: a node writes text only")
+	}
 	tp, err := toolsOf(&req.ToolFields, &req.SamplingFields)
 	if err != nil {
 		return nil, err

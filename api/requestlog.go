@@ -120,6 +120,9 @@ func (s *Server) requestLog(c *gin.Context) {
 		c.Request.Header.Set(cluster.HeaderRequestID, id) // a forward carries it on
 	}
 	c.Header(cluster.HeaderRequestID, id)
+	if anthropicClient(c) {
+		c.Header("request-id", id) // where Anthropic's SDKs read it (err.requestID, _request_id)
+	}
 	c.Set(requestIDKey, id)
 	st := &requestStats{}
 	c.Request = c.Request.WithContext(context.WithValue(c.Request.Context(), requestStatsKey{}, st))

@@ -583,6 +583,9 @@ func (s *Server) auth(c *gin.Context) {
 			}
 		}
 	}
+	if anthropicClient(c) && strings.HasPrefix(c.Request.URL.Path, "/v1/models") {
+		c.Set(anthropicKey, true) // the refusal in Anthropic's shape, as its answer would be
+	}
 	switch ok, err := s.admittedByMember(c); {
 	case err != nil:
 		abort(c, err)

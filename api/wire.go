@@ -354,8 +354,12 @@ type ChatRequest struct {
 	SamplingFields
 	Messages            []Message `json:"messages"`
 	MaxCompletionTokens *int      `json:"max_completion_tokens"`
-	Logprobs            bool      `json:"logprobs"`
-	TopLogprobs         *int      `json:"top_logprobs"`
+	// Modalities and Audio ask for spoken output (OpenAI's audio models):
+	// refused, as text is all a node writes.
+	Modalities  []string        `json:"modalities"`
+	Audio       json.RawMessage `json:"audio"`
+	Logprobs    bool            `json:"logprobs"`
+	TopLogprobs *int            `json:"top_logprobs"`
 	ToolFields
 	// ChatTemplateKwargs are extra variables for a Jinja chat template, as
 	// vLLM's ({"enable_thinking": false} for Qwen 3); without Jinja they have
