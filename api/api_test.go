@@ -1628,7 +1628,7 @@ func TestAudioOutputRefused(t *testing.T) {
 	s := newTestServer(t, nil)
 	for body, param := range map[string]string{
 		`{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}}`: "modalities",
-		`{"messages":[{"role":"user","content":"x"}],"audio":{"voice":"alloy","format":"wav"}}`:                              "audio",
+		`{"messages":[{"role":"user","content":"x"}],"audio":{"voice":"alloy","format":"wav"}}`:                               "audio",
 	} {
 		if w := s.do(t, "POST", "/v1/chat/completions", body); w.Code != 400 || !strings.Contains(w.Body.String(), `"param":"`+param+`"`) {
 			t.Errorf("%s: %d %s", body, w.Code, w.Body)
