@@ -147,12 +147,16 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		abort(c, &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "cluster_saturated",
 			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
 		return true, noop
-	case errors.Is(err, cluster.ErrNoNode), errors.Is(err, cluster.ErrDraining):
+	case errors.Is(err, cluster.ErrNoNode), errors.Is(err, cluster.ErrDraining), errors.Is(err, cluster.ErrUnavailable):
 		switch {
 		case tokens != nil:
 			return false, noop // no member serves it: this node, if it can
 		case errors.Is(err, cluster.ErrDraining):
 			abort(c, allDraining(model))
+		case errors.Is(err, cluster.ErrUnavailable):
+			// Its nodes left or died moments ago (a restart): not unknown.
+			abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "model_unavailable",
+				Message: "no node serving the model " + model + " is up now (restarting, or failed); retry later", RetryAfter: 1})
 		default:
 			task := c.GetString(taskKey)
 			if m, ok := s.servingMember(func(m cluster.Member) bool {
@@ -183,7 +187,9 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		path = "/v1/chat/completions" // llama-server's path of it: a peer of an older version has only OpenAI's
 	}
 	var lastErr error
-	busy, broken, refused, draining := 0, 0, 0, 0 // peers that answered 429 (queue full), that failed, that answered 401, that were shutting down
+	// Peers that answered 429 (queue full), that failed, that answered 401,
+	// that were shutting down, that were starting.
+	busy, broken, refused, draining, starting := 0, 0, 0, 0, 0
 	for i, t := range targets {
 		if i == maxForwardTries {
 			break
@@ -216,9 +222,12 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 					reason = "refused"
 				}
 			case http.StatusServiceUnavailable:
-				if strings.Contains(err.Error(), errDraining.Message) { // in any API's error format
+				switch msg := err.Error(); { // in any API's error format
+				case strings.Contains(msg, errDraining.Message):
 					draining++ // its drain ended before it ran the request
-				} else {
+				case strings.Contains(msg, errNotReady.Message):
+					starting++ // joined, its model not yet loaded
+				default:
 					broken++
 				}
 			default:
@@ -265,7 +274,12 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 		abort(c, errUnauthorized)
 		return true, noop
 	}
-	if draining > 0 && busy == 0 && broken == 0 {
+	switch {
+	case starting > 0 && busy == 0 && broken == 0:
+		abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "not_ready",
+			Message: "the nodes serving the model " + model + " are starting; retry later", RetryAfter: 1})
+		return true, noop
+	case draining > 0 && busy == 0 && broken == 0:
 		abort(c, allDraining(model))
 		return true, noop
 	}
@@ -275,7 +289,9 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			Message: "every node serving this model is at capacity; retry later", RetryAfter: 1})
 		return true, noop
 	}
-	abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peers_unavailable", Message: "no peer serving the model answered: " + errString(lastErr)})
+	// Unreachable or failing peers: a failed node is found out within seconds
+	// and its requests go elsewhere, so the client may retry.
+	abort(c, &Error{Status: http.StatusBadGateway, Type: "server_error", Code: "peers_unavailable", Message: "no peer serving the model answered: " + errString(lastErr), RetryAfter: 1})
 	return true, noop
 }
 

@@ -1402,8 +1402,12 @@ func TestSuspectPeerAsLastResort(t *testing.T) {
 			t.Fatalf("x, served by members that are not suspect: %+v %v", ts, err)
 		}
 		b.state = "dead"
-		if _, err := n.Route("m", nil, 0); err != ErrNoNode {
+		if _, err := n.Route("m", nil, 0); err != ErrUnavailable {
 			t.Fatalf("only a dead member serves m: %v", err)
+		}
+		delete(n.peers, "b") // no longer listed
+		if _, err := n.Route("m", nil, 0); err != ErrNoNode {
+			t.Fatalf("no member serves m: %v", err)
 		}
 	})
 }

@@ -71,6 +71,10 @@ func (need Need) misfit(m *Meta, l *Load) (limits, over int) {
 // restart): the model is served again soon, answer 503.
 var ErrDraining = errors.New("cluster: every node serving the model is draining")
 
+// ErrUnavailable means no alive node serves the model, but a member that did
+// has left or died and is still listed (a restart, a failure): answer 503.
+var ErrUnavailable = errors.New("cluster: no node serving the model is up")
+
 // Target is a routing candidate.
 type Target struct {
 	Name  string
@@ -157,7 +161,9 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 	// recent failed hop) are candidates only when no other serves it: one whose
 	// load is late because its machine is busy still answers, and a request
 	// tried there gets its answer or a 502, not a 404 saying nobody serves it.
-	suspects, draining := false, false
+	// gone: a member that served it has left or died and is still listed (a
+	// restart, a failure): the model is not unknown, only unavailable now.
+	suspects, draining, gone := false, false, false
 	var closest *peer // of the nodes that serve the model, the one need misses least by
 	closestBy := [2]int{math.MaxInt, math.MaxInt}
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
@@ -166,8 +172,12 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 			if !p.metaOK || !p.meta.serves(model) || !p.meta.does(task) {
 				continue
 			}
-			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) || !self && p.state != "alive" {
-				suspects = suspects || suspect && p.state == "alive"
+			if !self && p.state != "alive" {
+				gone = true
+				continue
+			}
+			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) {
+				suspects = suspects || suspect
 				continue
 			}
 			limits, over := need.misfit(&p.meta, &p.load)
@@ -245,6 +255,8 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 			// Too long, too many sequences or too much output for every node:
 			// the closest says so, under its limits.
 			return []Target{{Name: closest.name, HTTP: closest.meta.HTTP, TLS: closest.meta.TLS, Local: closest.name == n.cfg.Name}}, nil
+		case gone:
+			return nil, ErrUnavailable
 		}
 		return nil, ErrNoNode
 	}
