@@ -1475,10 +1475,19 @@ func TestRouteFitsLimits(t *testing.T) {
 	if _, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != ErrSaturated {
 		t.Fatalf("the one node it fits is saturated: %v", err)
 	}
-	// c fits but drains (a restart): 503 to retry, not the others' 400.
+	// c fits but drains (a restart): 503 to retry, not the others' 400; so
+	// while it is gone, until it is listed no more.
 	n.peers["c"].load.Waiting, n.peers["c"].meta.Draining = 0, true
 	if _, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != ErrDraining {
 		t.Fatalf("the one node it fits drains: %v", err)
+	}
+	n.peers["c"].state = "left"
+	if _, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != ErrUnavailable {
+		t.Fatalf("the one node it fits has left: %v", err)
+	}
+	delete(n.peers, "c")
+	if ts, err := n.RouteTask(TaskGenerate, "m", nil, Need{Length: 1500, Seqs: 1}, 0, true); err != nil || len(ts) != 1 || ts[0].Name != "b" {
+		t.Fatalf("no node it fits: %+v %v", ts, err)
 	}
 }
 

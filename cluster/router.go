@@ -162,8 +162,9 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 	// load is late because its machine is busy still answers, and a request
 	// tried there gets its answer or a 502, not a 404 saying nobody serves it.
 	// gone: a member that served it has left or died and is still listed (a
-	// restart, a failure): the model is not unknown, only unavailable now.
-	suspects, draining, gone := false, false, false
+	// restart, a failure): the model is not unknown, only unavailable now;
+	// goneFits: one whose limits the request fits.
+	suspects, draining, gone, goneFits := false, false, false, false
 	var closest *peer // of the nodes that serve the model, the one need misses least by
 	closestBy := [2]int{math.MaxInt, math.MaxInt}
 	for pass := 0; pass < 2 && (pass == 0 || suspects && !anyServes); pass++ {
@@ -173,7 +174,8 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 				continue
 			}
 			if !self && p.state != "alive" {
-				gone = true
+				limits, _ := need.misfit(&p.meta, &p.load)
+				gone, goneFits = true, goneFits || limits == 0
 				continue
 			}
 			if suspect := !self && n.status(p, now, overdue) != "alive"; suspect != (pass == 1) {
@@ -251,6 +253,8 @@ func (n *Node) route(task, model string, tokens []int32, need Need, priority int
 			return nil, ErrSaturated
 		case draining:
 			return nil, ErrDraining
+		case goneFits:
+			return nil, ErrUnavailable // back soon, and it fits there
 		case closest != nil:
 			// Too long, too many sequences or too much output for every node:
 			// the closest says so, under its limits.

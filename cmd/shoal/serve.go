@@ -692,20 +692,6 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 	schedCtx, stopSched := context.WithCancel(context.Background())
 	schedDone := make(chan struct{})
 	go func() { defer close(schedDone); sched.Run(schedCtx) }()
-	backend := &api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
-		Sampling: samplingDefaults(log, f.sampling, info.Sampling), LlamaSampling: llamaSamplingDefaults(log, f.llamaSampling)}
-	if f.jinja {
-		backend.Template = cmp.Or(template, info.Template)
-	}
-	if v, ok := eng.Vocab().(*llama.Vocab); ok {
-		backend.CheckGrammar = v.CheckGrammar
-	}
-	if e, ok := eng.(*llama.Engine); ok && e.Projector() != nil {
-		backend.Projector = e.Projector()
-	}
-	srv.SetBackend(backend)
-	// The cluster last: peers route to a node once it has joined, and it
-	// answers them only with its model ready.
 	var node *cluster.Node
 	if f.cluster.gossip != "" {
 		var secret []byte
@@ -721,6 +707,20 @@ func runServe(args []string, stdout, stderr io.Writer) error {
 		fwd.Watch(node.Lost)
 		srv.SetCluster(node, fwd, secret)
 	}
+	// The backend last: a failed join stops the start before any request ran.
+	// (Peers that route here in between get 503 not_ready, which they pass on.)
+	backend := &api.Backend{Generator: sched, Vocab: eng.Vocab(), Info: info, Capacity: capacity,
+		Sampling: samplingDefaults(log, f.sampling, info.Sampling), LlamaSampling: llamaSamplingDefaults(log, f.llamaSampling)}
+	if f.jinja {
+		backend.Template = cmp.Or(template, info.Template)
+	}
+	if v, ok := eng.Vocab().(*llama.Vocab); ok {
+		backend.CheckGrammar = v.CheckGrammar
+	}
+	if e, ok := eng.(*llama.Engine); ok && e.Projector() != nil {
+		backend.Projector = e.Projector()
+	}
+	srv.SetBackend(backend)
 	scheme := "http"
 	if serverTLS != nil {
 		scheme = "https"
