@@ -988,6 +988,14 @@ func (r *ChatRequest) routeNeed() cluster.Need {
 	return outputNeed(cmp.Or(r.MaxCompletionTokens, r.MaxTokens), r.N, r.IgnoreEOS)
 }
 
+func (r *ResponsesRequest) routeNeed() cluster.Need {
+	return outputNeed(r.MaxOutputTokens, nil, false)
+}
+
+func (r *MessagesRequest) routeNeed() cluster.Need {
+	return outputNeed(r.MaxTokens, nil, false)
+}
+
 // outputNeed is the Need of maxTokens output tokens (nil: none asked) in n
 // choices, each with a prompt of at least one token.
 func outputNeed(maxTokens, n *int, ignoreEOS bool) cluster.Need {

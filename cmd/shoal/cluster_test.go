@@ -688,16 +688,15 @@ func TestUnlikeNodesRouteByLimits(t *testing.T) {
 		t.Fatalf("a generation model asked for embeddings: %d %s", resp.StatusCode, text)
 	}
 	// A node that does not serve the model routes by max_tokens and n.
-	for _, body := range []string{
-		`{"model":"small","prompt":"hi","max_tokens":40}`,
-		`{"model":"small","prompt":"hi","max_tokens":2,"n":4}`,
-		`{"model":"small","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":40}`,
+	for _, c := range [][2]string{
+		{"/v1/completions", `{"model":"small","prompt":"hi","max_tokens":40}`},
+		{"/v1/completions", `{"model":"small","prompt":"hi","max_tokens":2,"n":4}`},
+		{"/v1/chat/completions", `{"model":"small","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":40}`},
+		{"/v1/responses", `{"model":"small","input":"hi","max_output_tokens":40}`},
+		{"/v1/messages", `{"model":"small","messages":[{"role":"user","content":"hi"}],"max_tokens":40}`},
 	} {
+		path, body := c[0], c[1]
 		for range 3 {
-			path := "/v1/completions"
-			if strings.Contains(body, "messages") {
-				path = "/v1/chat/completions"
-			}
 			if resp, text := post(t, emb.url+path, body); resp.StatusCode != 200 || resp.Header.Get("X-Shoal-Served-By") != "wide" {
 				t.Fatalf("sent to the embedding node, it fits only wide: %d %s (served by %q)", resp.StatusCode, text, resp.Header.Get("X-Shoal-Served-By"))
 			}
