@@ -155,12 +155,11 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 			abort(c, allDraining(model))
 		case errors.Is(err, cluster.ErrUnavailable):
 			// Its nodes left or died moments ago (a restart): not unknown.
-			abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "model_unavailable",
-				Message: "no node serving the model " + model + " is up now (restarting, or failed); retry later", RetryAfter: 1})
+			abort(c, retryLater("model_unavailable", "no node serving the model "+model+" is up now (restarting, or failed); retry later"))
 		default:
 			task := c.GetString(taskKey)
 			if m, ok := s.servingMember(func(m cluster.Member) bool {
-				return cmp.Or(m.Task, cluster.TaskGenerate) != task && (slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model))
+				return cmp.Or(m.Task, cluster.TaskGenerate) != task && m.Serves(model)
 			}); ok && taskNeeds[task] != "" {
 				// Served, for another task (an embedding model asked to generate):
 				// what a node of its own would answer.
@@ -276,8 +275,7 @@ func (s *Server) route(c *gin.Context, model string, tokens []engine.Token, more
 	}
 	switch {
 	case starting > 0 && busy == 0 && broken == 0:
-		abort(c, &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "not_ready",
-			Message: "the nodes serving the model " + model + " are starting; retry later", RetryAfter: 1})
+		abort(c, retryLater("not_ready", "the nodes serving the model "+model+" are starting; retry later"))
 		return true, noop
 	case draining > 0 && busy == 0 && broken == 0:
 		abort(c, allDraining(model))
@@ -319,7 +317,7 @@ func (s *Server) taskModel(task string) string {
 // visionServes reports whether an alive member reads images for model.
 func (s *Server) visionServes(model string) bool {
 	_, ok := s.servingMember(func(m cluster.Member) bool {
-		return m.Vision && (slices.Contains(m.Models, model) || slices.Contains(m.Aliases, model))
+		return m.Vision && m.Serves(model)
 	})
 	return ok
 }
@@ -359,11 +357,15 @@ func errString(err error) string {
 // of one answered by a peer.
 const routedModelKey = "shoal.routedModel"
 
-// allDraining is the answer when every node serving model is shutting down
-// (a rolling restart): 503, to retry soon.
+// allDraining is the answer when every node serving model is shutting down.
 func allDraining(model string) *Error {
-	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "draining",
-		Message: "every node serving the model " + model + " is shutting down; retry later", RetryAfter: 1}
+	return retryLater("draining", "every node serving the model "+model+" is shutting down; retry later")
+}
+
+// retryLater is a 503 to retry soon under code: the nodes serving a model
+// draining, starting or gone for a moment (a rolling restart).
+func retryLater(code, message string) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: code, Message: message, RetryAfter: 1}
 }
 
 // errSaturatedMarker labels cluster-wide 429s in shoal_requests_rejected_total.

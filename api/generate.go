@@ -782,10 +782,13 @@ func given(raw json.RawMessage) bool {
 // make it look dearer).
 const maxGrammarCompile = 100 * time.Millisecond
 
+// seqs is how many sequences p runs together: prompts × n.
+func (p *plan) seqs() int { return max(len(p.prompts), 1) * max(p.n, 1) }
+
 // need is what p asks of the node that runs it: the routing constraints run
 // checks.
 func (p *plan) need() cluster.Need {
-	need := cluster.Need{Seqs: max(len(p.prompts), 1) * max(p.n, 1), MaxTokens: p.maxTokens}
+	need := cluster.Need{Seqs: p.seqs(), MaxTokens: p.maxTokens}
 	out := 1
 	if p.maxTokensAsked && !p.req.IgnoreEOS {
 		out = p.req.MaxTokens
@@ -1112,7 +1115,7 @@ func (s *Server) run(c *gin.Context, b *Backend, p *plan) {
 	}
 	// Its sequences wait together: more than the queue holds would be refused
 	// with 429 however long the client waited to retry.
-	if seqs, most := max(len(p.prompts), 1)*max(p.n, 1), b.Generator.Load().MaxWaiting; most > 0 && seqs > most {
+	if seqs, most := p.seqs(), b.Generator.Load().MaxWaiting; most > 0 && seqs > most {
 		param := "n"
 		if len(p.prompts) > 1 {
 			param = "prompt"

@@ -797,23 +797,26 @@ func (n *Node) upsert(m *memberlist.Node, state string) {
 	p.state = state
 	if err == nil && state == "alive" {
 		p.meta, p.metaOK = meta, true
-		if unlike := meta.Blocks != 0 && meta.Blocks != n.meta.Blocks; unlike && !p.unlike {
-			n.log.Warn("peer hashes prompt blocks otherwise (another --hash-seed or --block-tokens): prefix-aware routing cannot match prompts against its cache, nor its router against this node's; give every node the same",
-				"peer", m.Name)
+		// Each unlikeness is logged when it begins, not at every update.
+		warnOnce := func(was *bool, now bool, msg string, args ...any) {
+			if now && !*was {
+				n.log.Warn(msg, append([]any{"peer", m.Name}, args...)...)
+			}
+			*was = now
 		}
-		p.unlike = meta.Blocks != 0 && meta.Blocks != n.meta.Blocks
+		warnOnce(&p.unlike, meta.Blocks != 0 && meta.Blocks != n.meta.Blocks,
+			"peer hashes prompt blocks otherwise (another --hash-seed or --block-tokens): prefix-aware routing cannot match prompts against its cache, nor its router against this node's; give every node the same")
 		shared := slices.ContainsFunc(meta.Models, n.meta.serves) || slices.ContainsFunc(meta.Aliases, n.meta.serves)
-		if mixed := shared && meta.Simulated != n.meta.Simulated; mixed && !p.mixed {
-			n.log.Warn("a simulated node and a real one serve the same model id: requests for it go to either, and a simulated node's answers are not the model's",
-				"peer", m.Name, "simulated", meta.Simulated)
+		warnOnce(&p.mixed, shared && meta.Simulated != n.meta.Simulated,
+			"a simulated node and a real one serve the same model id: requests for it go to either, and a simulated node's answers are not the model's",
+			"simulated", meta.Simulated)
+		if shared && len(meta.Models) > 0 && len(n.meta.Models) > 0 {
+			warnOnce(&p.named, meta.Models[0] != n.meta.Models[0],
+				"another model answers to one of this node's model ids (--model-name): requests naming it go to either",
+				"its_model", meta.Models[0], "this_model", n.meta.Models[0])
+		} else {
+			p.named = false
 		}
-		p.mixed = shared && meta.Simulated != n.meta.Simulated
-		named := shared && len(meta.Models) > 0 && len(n.meta.Models) > 0 && meta.Models[0] != n.meta.Models[0]
-		if named && !p.named {
-			n.log.Warn("another model answers to one of this node's model ids (--model-name): requests naming it go to either",
-				"peer", m.Name, "its_model", meta.Models[0], "this_model", n.meta.Models[0])
-		}
-		p.named = named
 	} else if err != nil && state == "alive" {
 		n.log.Warn("peer metadata unreadable", "peer", m.Name, "err", err)
 	}
@@ -930,6 +933,12 @@ type Member struct {
 	MaxTokensCap  int      `json:"max_tokens_cap,omitempty"`
 	Task          string   `json:"task,omitempty"`   // Meta.Task: embed or rerank; omitted: generate
 	Vision        bool     `json:"vision,omitempty"` // Meta.Vision: reads images
+}
+
+// Serves reports whether a request naming model may go to m: one of its
+// models, or an alias of its first (as Meta.serves).
+func (m Member) Serves(model string) bool {
+	return (&Meta{Models: m.Models, Aliases: m.Aliases}).serves(model)
 }
 
 // ChecksKeys reports whether member name is alive and requires API keys of
